@@ -1,0 +1,101 @@
+"""Application functions: one per command, free of Typer and of formatting.
+
+Each resolves its inputs, loads vLLM once, runs scenarios and returns plain
+data for `kvdoctor.report` to render.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdoctor import __version__
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
+from kvdoctor.logic.variants import expand_logic
+from kvdoctor.recipes.model import Recipe
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ReproReport:
+    recipe: Recipe
+    setup: Setup
+    vllm_version: str
+    results: list[Any] = field(default_factory=list)  # RunResult
+    command: str = ""
+
+    @property
+    def decisive(self) -> Any:
+        """The result whose outcome sets the exit code: installed logic when it ran."""
+        for result in self.results:
+            if result.logic == "installed":
+                return result
+        return self.results[0]
+
+
+def resolve_setup(recipe: Recipe, overrides: dict[str, Any]) -> Setup:
+    """Recipe defaults, then the user's flags; validated before vLLM is imported."""
+    from kvdoctor.engine.setup import resolve_blocks_per_chunk
+
+    base = dict(recipe.setup)
+    extra = dict(base.pop("extra_connector_config", {}))
+    try:
+        setup = Setup(**base, extra_connector_config=extra)
+    except TypeError as exc:
+        raise UsageError(f"{recipe.source}: bad [setup]: {exc}") from None
+    overrides = dict(overrides)
+    offloaded = overrides.pop("_offloaded_block_size", None)
+    if "extra_connector_config" in overrides and overrides["extra_connector_config"] is not None:
+        overrides["extra_connector_config"] = {**setup.extra_connector_config, **overrides["extra_connector_config"]}
+    setup = setup.with_overrides(**overrides)
+    if offloaded is not None:
+        if overrides.get("blocks_per_chunk") is not None:
+            bpc = resolve_blocks_per_chunk(setup.block_size, offloaded)
+            if bpc != setup.blocks_per_chunk:
+                raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
+        setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
+    return setup
+
+
+def load_vllm() -> Any:
+    from kvdoctor.engine import compat
+
+    return compat.load()
+
+
+def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timeline: bool = False,
+          command: str = "") -> ReproReport:
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve(recipe_ref)
+    variants = expand_logic(logic)
+    setup = resolve_setup(recipe, overrides)
+    api = load_vllm()
+    from kvdoctor.scenario import run_scenario
+
+    report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command)
+    for variant in variants:
+        report.results.append(run_scenario(api, recipe, setup, variant, record_timeline=record_timeline))
+    return report
+
+
+def environment() -> dict[str, Any]:
+    """What a bug report needs about this machine: no paths, no secrets."""
+    from importlib import metadata
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "kvdoctor": __version__,
+        "vllm": version("vllm"),
+        "torch": version("torch"),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
+    }

@@ -1,0 +1,147 @@
+"""The serving geometry a scenario runs under, validated before vLLM is imported.
+
+Field names follow `vllm serve` flags so an operator can paste theirs; the
+offloaded chunk size is `block_size * blocks_per_chunk` (the connector's
+`kv_connector_extra_config["block_size"]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdoctor.errors import UsageError
+
+DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
+
+
+@dataclass(frozen=True)
+class Setup:
+    block_size: int = 4
+    blocks_per_chunk: int = 1
+    gpu_blocks: int = 8
+    async_scheduling: bool = False
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 256
+    enable_chunked_prefill: bool = True
+    offload_prompt_only: bool = True
+    cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
+    spec_name: str | None = None
+    model: str | None = None  # a local model directory; None = kvdoctor's tiny config
+    extra_connector_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def offloaded_block_size(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    def kv_connector_extra_config(self) -> dict[str, Any]:
+        """The `kv_connector_extra_config` vLLM's connector receives."""
+        cfg: dict[str, Any] = dict(self.extra_connector_config)
+        cfg["cpu_bytes_to_use"] = self.cpu_bytes_to_use
+        cfg["block_size"] = self.offloaded_block_size
+        cfg["offload_prompt_only"] = self.offload_prompt_only
+        if self.spec_name:
+            cfg["spec_name"] = self.spec_name
+        return cfg
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Setup":
+        for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise UsageError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"--max-num-seqs ({self.max_num_seqs}), as vLLM requires"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise UsageError(
+                f"without chunked prefill --max-num-batched-tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max model length ({self.max_model_len}), as vLLM requires"
+            )
+        return self
+
+    def with_overrides(self, **overrides: Any) -> "Setup":
+        """Apply CLI overrides (None means 'not given') and re-validate."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = set(given) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise UsageError(f"unknown setup field(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **given).validate()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_KV_TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config",
+                     "kv_buffer_device", "kv_buffer_size", "engine_id",
+                     "kv_connector_module_path", "kv_load_failure_policy"}
+
+
+def parse_kv_transfer_config(text: str) -> dict[str, Any]:
+    """Turn `--kv-transfer-config '<json>'` (as `vllm serve` takes it) into setup overrides.
+
+    Geometry-bearing keys of `kv_connector_extra_config` map onto `Setup`
+    fields; the rest is passed through to the connector untouched, so vLLM's
+    own validation judges it.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--kv-transfer-config is not valid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise UsageError("--kv-transfer-config must be a JSON object")
+    unknown = set(data) - _KV_TRANSFER_KEYS
+    if unknown:
+        raise UsageError(f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))}")
+    connector = data.get("kv_connector", "OffloadingConnector")
+    if connector != "OffloadingConnector":
+        raise UsageError(f"--kv-transfer-config: kvdoctor drives OffloadingConnector, not {connector!r}")
+    extra = data.get("kv_connector_extra_config", {}) or {}
+    if not isinstance(extra, dict):
+        raise UsageError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
+    extra = dict(extra)
+    overrides: dict[str, Any] = {}
+    if "cpu_bytes_to_use" in extra:
+        overrides["cpu_bytes_to_use"] = _as_int("cpu_bytes_to_use", extra.pop("cpu_bytes_to_use"))
+    if "offload_prompt_only" in extra:
+        value = extra.pop("offload_prompt_only")
+        if not isinstance(value, bool):
+            raise UsageError("--kv-transfer-config: offload_prompt_only must be true or false")
+        overrides["offload_prompt_only"] = value
+    if "spec_name" in extra:
+        overrides["spec_name"] = str(extra.pop("spec_name"))
+    if "block_size" in extra:
+        overrides["_offloaded_block_size"] = _as_int("block_size", extra.pop("block_size"))
+    overrides["extra_connector_config"] = extra
+    return overrides
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}") from None
+    return number
+
+
+def resolve_blocks_per_chunk(block_size: int, offloaded_block_size: int) -> int:
+    """The connector requires the offloaded block to be whole GPU blocks."""
+    if block_size < 1:
+        raise UsageError(f"--block-size must be a positive integer, got {block_size}")
+    if offloaded_block_size < 1 or offloaded_block_size % block_size:
+        raise UsageError(
+            f"offloaded block size {offloaded_block_size} is not a whole number of "
+            f"GPU blocks of {block_size} tokens"
+        )
+    return offloaded_block_size // block_size

@@ -1,0 +1,112 @@
+"""kvdoctor's stand-in for the GPU worker: it completes, holds or fails transfer jobs.
+
+vLLM's scheduler side learns about transfers only through the worker's output
+(`OffloadingWorkerMetadata.completed_jobs`, `finished_recving` for loads,
+`invalid_block_ids` for failed loads). This class decides, per job, what that
+output says, the way a real worker would but on command. Jobs named in
+`jobs_to_flush` complete in the step that flushes them, as the real worker
+waits for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Job:
+    job_id: int
+    req_id: str
+    kind: str  # "store" | "load"
+    issued_step: int
+    dst_block_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Rule:
+    """Which jobs a hold applies to: a request (None = any) and a kind (None = any)."""
+
+    request: str | None = None
+    kind: str | None = None
+
+    def matches(self, job: Job) -> bool:
+        return (self.request is None or job.req_id == self.request) and (
+            self.kind is None or job.kind == self.kind
+        )
+
+
+@dataclass
+class WorkerReport:
+    """What the worker tells the scheduler after one step."""
+
+    completed: list[Job] = field(default_factory=list)
+    failed: list[Job] = field(default_factory=list)
+
+    @property
+    def finished_recving(self) -> set[str]:
+        return {job.req_id for job in self.completed + self.failed if job.kind == "load"}
+
+    @property
+    def invalid_block_ids(self) -> set[int]:
+        return {bid for job in self.failed if job.kind == "load" for bid in job.dst_block_ids}
+
+
+class SimulatedWorker:
+    def __init__(self) -> None:
+        self.in_flight: dict[int, Job] = {}
+        self._holds: list[Rule] = []
+        self._to_complete: set[int] = set()
+        self._to_fail: set[int] = set()
+
+    def hold(self, request: str | None = None, kind: str | None = None) -> None:
+        """Jobs issued from now on that match stay in flight until released."""
+        self._holds.append(Rule(request, kind))
+
+    def release_holds(self, request: str | None = None, kind: str | None = None) -> None:
+        self._holds = [r for r in self._holds
+                       if not ((request is None or r.request == request) and (kind is None or r.kind == kind))]
+
+    def complete(self, request: str | None = None, kind: str | None = None) -> list[int]:
+        """Report matching in-flight jobs as completed in the next output; stop holding them."""
+        rule = Rule(request, kind)
+        chosen = [jid for jid, job in self.in_flight.items() if rule.matches(job)]
+        self._to_complete.update(chosen)
+        self.release_holds(request, kind)
+        return chosen
+
+    def fail(self, request: str | None = None, kind: str | None = None) -> list[int]:
+        """Report matching in-flight jobs as failed (loads: their blocks are invalid)."""
+        rule = Rule(request, kind)
+        chosen = [jid for jid, job in self.in_flight.items() if rule.matches(job)]
+        self._to_fail.update(chosen)
+        self.release_holds(request, kind)
+        return chosen
+
+    def forget(self) -> None:
+        """The scheduler discarded every job (e.g. a connector cache reset)."""
+        self.in_flight.clear()
+        self._to_complete.clear()
+        self._to_fail.clear()
+
+    def is_held(self, job: Job) -> bool:
+        return any(rule.matches(job) for rule in self._holds)
+
+    def take_step(self, new_jobs: list[Job], jobs_to_flush: set[int]) -> WorkerReport:
+        """Accept this step's jobs and decide what this step's output reports."""
+        report = WorkerReport()
+        for job in new_jobs:
+            self.in_flight[job.job_id] = job
+            if not self.is_held(job):
+                self._to_complete.add(job.job_id)
+        self._to_complete.update(jid for jid in jobs_to_flush if jid in self.in_flight)
+        for jid in sorted(self._to_fail):
+            job = self.in_flight.pop(jid, None)
+            if job is not None:
+                report.failed.append(job)
+        for jid in sorted(self._to_complete - self._to_fail):
+            job = self.in_flight.pop(jid, None)
+            if job is not None:
+                report.completed.append(job)
+        self._to_complete.clear()
+        self._to_fail.clear()
+        return report

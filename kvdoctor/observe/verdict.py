@@ -1,0 +1,27 @@
+"""Outcomes of one run, and whether a failure matches a recipe's signature."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from kvdoctor.observe.failure import Failure
+from kvdoctor.recipes.model import Signature
+
+
+class Outcome(str, Enum):
+    REPRODUCED = "reproduced"          # the recipe's failure signature fired
+    NOT_REPRODUCED = "not_reproduced"  # the scenario ran through
+    OTHER_FAILURE = "other_failure"    # something else broke: reported, never hidden
+    NOT_APPLICABLE = "not_applicable"  # the installed vLLM lacks what the trigger needs
+    SETUP_ERROR = "setup_error"        # a precondition (`expect`) of the recipe did not hold
+
+
+def matches_exception(signature: Signature, failure: Failure) -> bool:
+    if signature.invariant or not failure.in_vllm:
+        return False
+    if failure.exception != signature.exception or failure.function != signature.function:
+        return False
+    if signature.contains:
+        haystack = " ".join(filter(None, (failure.code, failure.message)))
+        return signature.contains in haystack
+    return True

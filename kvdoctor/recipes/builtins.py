@@ -1,0 +1,48 @@
+"""Built-in recipes: the TOML files of the top-level `repros/` folder.
+
+In a source checkout they are read from `repros/`; an installed wheel carries
+them as `kvdoctor/_builtin_repros` (see pyproject).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from kvdoctor.errors import UsageError
+from kvdoctor.recipes.loader import load_recipe_file
+from kvdoctor.recipes.model import Recipe
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def builtin_dir() -> Path:
+    for candidate in (_PACKAGE_DIR.parent / "repros", _PACKAGE_DIR / "_builtin_repros"):
+        if candidate.is_dir():
+            return candidate
+    raise UsageError("kvdoctor's built-in recipes are missing from this installation")
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in builtin_dir().glob("*.toml"))
+
+
+@lru_cache(maxsize=None)
+def load_builtin(name: str) -> Recipe:
+    return load_recipe_file(builtin_dir() / f"{name}.toml", builtin=True)
+
+
+def all_builtins() -> list[Recipe]:
+    return [load_builtin(name) for name in builtin_names()]
+
+
+def resolve(ref: str) -> Recipe:
+    """A built-in name or a path to a recipe file."""
+    path = Path(ref)
+    looks_like_path = ref.endswith(".toml") or "/" in ref or path.exists()
+    if looks_like_path:
+        return load_recipe_file(path)
+    names = builtin_names()
+    if ref not in names:
+        raise UsageError(f"unknown recipe {ref!r}; built-in recipes: {', '.join(names)} (or give a .toml file)")
+    return load_builtin(ref)

@@ -1,0 +1,99 @@
+"""What a recipe is: metadata, a setup, ordered steps, checks, and a failure signature.
+
+Recipes are data. Nothing in them is executed, imported or evaluated; the
+runner interprets the fixed step vocabulary below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ACTIONS = (
+    "add", "schedule", "abort", "finish", "complete_transfers", "hold_transfers",
+    "fail_transfers", "reset_prefix_cache", "expect",
+)
+
+# The fields each action accepts: name -> (python type(s), required)
+STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    "add": {
+        "request": ((str,), True),
+        "prompt_tokens": ((int,), False),
+        "prompt": ((list,), False),
+        "prompt_chunks": ((int,), False),
+        "fill_pool": ((bool,), False),
+        "max_tokens": ((int,), False),
+        "shared_prefix_with": ((str,), False),
+        "shared_prefix_tokens": ((int,), False),
+    },
+    "schedule": {"count": ((int,), False)},
+    "abort": {"request": ((str,), True)},
+    "finish": {"request": ((str,), True)},
+    "complete_transfers": {"request": ((str,), False), "kind": ((str,), False)},
+    "hold_transfers": {"request": ((str,), False), "kind": ((str,), False)},
+    "fail_transfers": {"request": ((str,), False), "kind": ((str,), False)},
+    "reset_prefix_cache": {"reset_running_requests": ((bool,), False), "reset_connector": ((bool,), False)},
+    "expect": {},  # filled from EXPECT_FIELDS
+}
+
+# State a step of kind `expect` (a precondition) or a `[[check]]` (a post-condition) can assert.
+EXPECT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "request": ((str,), True),
+    "status": ((str, list), False),
+    "allocated_blocks": ((int,), False),
+    "min_allocated_blocks": ((int,), False),
+    "connector_state": ((str,), False),  # "present" | "released"
+    "in_flight_jobs": ((int,), False),
+    "min_in_flight_jobs": ((int,), False),
+    "store_jobs_built": ((int,), False),
+    "min_store_jobs_built": ((int,), False),
+    "description": ((str,), False),
+}
+STEP_FIELDS["expect"] = EXPECT_FIELDS
+
+TRANSFER_KINDS = ("store", "load")
+CONNECTOR_STATES = ("present", "released")
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str
+    args: dict[str, Any]
+    line: int  # 1-based line of the step's table in its file (0 if unknown)
+
+    def describe(self) -> str:
+        if self.action == "expect":
+            return "expect " + ", ".join(f"{k}={v}" for k, v in self.args.items() if k != "description")
+        parts = [f"{k}={v}" for k, v in self.args.items() if k not in ("prompt",)]
+        return self.action + (" " + " ".join(parts) if parts else "")
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What 'reproduced' means: an exception in a vLLM function, or a named invariant."""
+
+    exception: str | None = None
+    function: str | None = None
+    contains: str | None = None  # text the failing source line must contain
+    invariant: str | None = None
+
+    def describe(self) -> str:
+        if self.invariant:
+            return f"invariant {self.invariant}"
+        text = f"{self.exception} in {self.function}"
+        return text + (f" ({self.contains})" if self.contains else "")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    signature: Signature
+    steps: tuple[Step, ...]
+    setup: dict[str, Any] = field(default_factory=dict)
+    checks: tuple[Step, ...] = ()
+    bug: str | None = None
+    title: str | None = None
+    refs: tuple[str, ...] = ()
+    source: str = ""
+    builtin: bool = False

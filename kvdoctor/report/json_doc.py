@@ -1,0 +1,49 @@
+"""JSON documents for `--json` (stable keys, `schema_version`). Formatting only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvdoctor import __version__
+
+SCHEMA_VERSION = 1
+
+
+def recipe_dict(recipe: Any) -> dict[str, Any]:
+    return {
+        "name": recipe.name, "bug": recipe.bug, "title": recipe.title, "summary": recipe.summary,
+        "refs": list(recipe.refs), "signature": recipe.signature.describe(),
+        "builtin": recipe.builtin,
+    }
+
+
+def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
+    data = {
+        "logic": result.logic,
+        "outcome": result.outcome.value,
+        "detail": result.detail or None,
+        "failure": result.failure.as_dict() if result.failure else None,
+        "failure_step": result.failure_step,
+        "requests": [r.as_dict() for r in result.requests],
+        "checks": [c.__dict__ for c in result.checks],
+        "guards": list(result.guards),
+    }
+    if with_timeline:
+        data["timeline"] = [entry.as_dict() for entry in result.timeline]
+    return data
+
+
+def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kvdoctor_version": __version__,
+        "vllm_version": report.vllm_version,
+        "recipe": recipe_dict(report.recipe),
+        "setup": report.setup.as_dict(),
+        "results": [result_dict(r, with_timeline) for r in report.results],
+    }
+
+
+def dumps(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False, default=str)

@@ -1,0 +1,244 @@
+"""Run one recipe on a fresh harness under one logic variant, and observe it.
+
+This is where the layers meet: the recipe's steps drive the engine's harness
+inside the logic layer's patch scope, and the observe layer records every step
+and decides the outcome. No formatting happens here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.harness import Harness, StepEvents
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import KvdoctorError
+from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
+from kvdoctor.observe.failure import Failure, describe_exception
+from kvdoctor.observe.snapshot import Observer, RequestSnapshot
+from kvdoctor.observe.verdict import Outcome, matches_exception
+from kvdoctor.recipes.model import Recipe, Step
+
+
+@dataclass
+class TimelineEntry:
+    index: int
+    action: str
+    description: str
+    line: int
+    events: StepEvents | None
+    requests: list[RequestSnapshot]
+    failed: bool = False
+
+    @property
+    def predicted_trip(self) -> list[str]:
+        return [r.request for r in self.requests if r.would_trip]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "action": self.action, "description": self.description, "line": self.line,
+            "events": self.events.__dict__ if self.events else None,
+            "requests": [r.as_dict() for r in self.requests],
+            "predicted_failure": self.predicted_trip, "failed": self.failed,
+        }
+
+
+@dataclass
+class CheckResult:
+    description: str
+    passed: bool
+    observed: str
+
+
+@dataclass
+class RunResult:
+    logic: str
+    outcome: Outcome
+    detail: str = ""
+    failure: Failure | None = None
+    failure_step: int | None = None
+    requests: list[RequestSnapshot] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
+    guards: list[str] = field(default_factory=list)
+    timeline: list[TimelineEntry] = field(default_factory=list)
+
+
+class ExpectationFailed(Exception):
+    pass
+
+
+def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int]]) -> list[int]:
+    """Token ids for an `add` step: distinct per request unless a prefix is shared."""
+    args = step.args
+    if "prompt" in args:
+        return list(args["prompt"])
+    if args.get("fill_pool"):
+        length = (setup.gpu_blocks - 2) * setup.block_size
+        if length < 1:
+            raise ExpectationFailed(f"fill_pool needs at least 3 GPU blocks, the setup has {setup.gpu_blocks}")
+    elif "prompt_chunks" in args:
+        length = args["prompt_chunks"] * setup.offloaded_block_size
+    else:
+        length = args["prompt_tokens"]
+    tokens = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
+    if "shared_prefix_with" in args:
+        prefix = prompts[args["shared_prefix_with"]][: args["shared_prefix_tokens"]]
+        tokens[: len(prefix)] = prefix
+    return tokens
+
+
+def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
+    """Compare one `expect`/`check` with the observed state; returns (held, observed)."""
+    args = step.args
+    snap = next(s for s in snapshots if s.request == args["request"])
+    allocated = sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0
+    observed = (f"{snap.request}: status={snap.status} allocated_blocks={allocated} "
+                f"connector_state={'present' if snap.connector_state else 'released'} "
+                f"in_flight_jobs={len(snap.in_flight_jobs)} store_jobs_built={snap.store_jobs_built}")
+    statuses = args.get("status")
+    if statuses is not None:
+        wanted = statuses if isinstance(statuses, list) else [statuses]
+        if snap.status not in wanted:
+            return False, observed
+    comparisons = [
+        ("allocated_blocks", allocated, "=="), ("min_allocated_blocks", allocated, ">="),
+        ("in_flight_jobs", len(snap.in_flight_jobs), "=="), ("min_in_flight_jobs", len(snap.in_flight_jobs), ">="),
+        ("store_jobs_built", snap.store_jobs_built, "=="), ("min_store_jobs_built", snap.store_jobs_built, ">="),
+    ]
+    for key, value, op in comparisons:
+        if key in args and not (value == args[key] if op == "==" else value >= args[key]):
+            return False, observed
+    if "connector_state" in args and (args["connector_state"] == "present") != snap.connector_state:
+        return False, observed
+    return True, observed
+
+
+def explain_guards(calls: list[StorableCall]) -> list[str]:
+    """Say, from the calls vLLM really made, what kept a finished request's store in bounds."""
+    guards: list[str] = []
+    seen: set[tuple[str, int]] = set()
+    for call in calls:
+        if not call.request_status.startswith("FINISHED") or (call.req_id, call.group_idx) in seen:
+            continue
+        seen.add((call.req_id, call.group_idx))
+        if call.token_chunks > call.allocated_chunks:
+            if call.returned <= call.allocated_chunks:
+                guards.append(
+                    f"{call.req_id}: the allocated-chunk cap (PR #49146) held storable chunks to "
+                    f"{call.returned}; its {call.num_offloadable_tokens} offloadable tokens make "
+                    f"{call.token_chunks} chunks but it holds {call.allocated_chunks}")
+        elif call.full_token_chunks > call.allocated_chunks:
+            guards.append(
+                f"{call.req_id}: the final store counted {call.num_offloadable_tokens} computed tokens, "
+                f"not its {call.full_token_chunks * call.tokens_per_chunk}+ prompt tokens (aborted requests count "
+                f"only computed tokens, PR #49285), so {call.token_chunks} chunks <= its "
+                f"{call.allocated_chunks} allocated; the allocated-chunk cap was not needed")
+    return guards
+
+
+class ScenarioRun:
+    """One recipe, one variant, one fresh scheduler."""
+
+    def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool) -> None:
+        self.api = api
+        self.recipe = recipe
+        self.setup = setup
+        self.logic = logic
+        self.record_timeline = record_timeline
+        self.log = CallLog()
+        self.all_calls: list[StorableCall] = []
+        self.prompts: dict[str, list[int]] = {}
+        self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
+
+    def run(self) -> RunResult:
+        harness = Harness(self.api, self.setup)
+        observer = Observer(harness, self.logic)
+        counter = 0
+        with storable_chunks_variant(self.api, self.logic, self.log):
+            for step in self.recipe.steps:
+                repeats = step.args.get("count", 1) if step.action == "schedule" else 1
+                for _ in range(repeats):
+                    counter += 1
+                    try:
+                        events = self._apply(step, harness)
+                    except ExpectationFailed as exc:
+                        self.result.outcome = Outcome.SETUP_ERROR
+                        self.result.detail = f"step {counter} (line {step.line}): {exc}"
+                        self.result.requests = observer.snapshot()
+                        return self.result
+                    except KvdoctorError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - every failure is observed, none hidden
+                        failing_calls = self.log.take()
+                        self.all_calls.extend(failing_calls)
+                        return self._failed(exc, counter, step, observer, failing_calls)
+                    self.all_calls.extend(self.log.take())
+                    if events is not None:
+                        observer.note_step(events.finished)
+                    snapshots = observer.snapshot()
+                    if self.record_timeline:
+                        self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
+                                                                  step.line, events, snapshots))
+                    self.result.requests = snapshots
+        self._finish_checks()
+        self.result.guards = explain_guards(self.all_calls)
+        return self.result
+
+    def _failed(self, exc: Exception, counter: int, step: Step, observer: Observer,
+                failing_calls: list[StorableCall]) -> RunResult:
+        failure = describe_exception(exc)
+        self.result.failure = failure
+        self.result.failure_step = counter
+        self.result.requests = observer.snapshot(failing_calls)
+        if matches_exception(self.recipe.signature, failure):
+            self.result.outcome = Outcome.REPRODUCED
+        else:
+            self.result.outcome = Outcome.OTHER_FAILURE
+            where = "vLLM" if failure.in_vllm else "kvdoctor"
+            self.result.detail = f"{failure.exception} in {where} {failure.function}: {failure.message}"
+        if self.record_timeline:
+            self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(), step.line,
+                                                      None, self.result.requests, failed=True))
+        return self.result
+
+    def _finish_checks(self) -> None:
+        for check in self.recipe.checks:
+            held, observed = check_expectation(check, self.result.requests)
+            self.result.checks.append(CheckResult(check.args.get("description", check.describe()), held, observed))
+        failed = [c for c in self.result.checks if not c.passed]
+        if failed and self.result.outcome is Outcome.NOT_REPRODUCED:
+            self.result.outcome = Outcome.OTHER_FAILURE
+            self.result.detail = "check failed: " + "; ".join(f"{c.description} ({c.observed})" for c in failed)
+
+    def _apply(self, step: Step, harness: Harness) -> StepEvents | None:
+        args = step.args
+        action = step.action
+        if action == "add":
+            prompt = prompt_for(step, len(self.prompts), self.setup, self.prompts)
+            self.prompts[args["request"]] = prompt
+            harness.add(args["request"], prompt, args.get("max_tokens", 8))
+        elif action == "schedule":
+            return harness.step()
+        elif action == "abort":
+            harness.abort(args["request"])
+        elif action == "finish":
+            harness.finish_by_eos(args["request"])
+        elif action == "hold_transfers":
+            harness.worker.hold(args.get("request"), args.get("kind"))
+        elif action == "complete_transfers":
+            harness.worker.complete(args.get("request"), args.get("kind"))
+        elif action == "fail_transfers":
+            harness.worker.fail(args.get("request"), args.get("kind"))
+        elif action == "reset_prefix_cache":
+            harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
+        elif action == "expect":
+            held, observed = check_expectation(step, Observer(harness, self.logic).snapshot())
+            if not held:
+                description = args.get("description", step.describe())
+                raise ExpectationFailed(f"expected {description}; observed {observed}")
+        return None
+
+
+def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False) -> RunResult:
+    return ScenarioRun(api, recipe, setup, logic, record_timeline).run()
