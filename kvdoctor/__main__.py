@@ -1,0 +1,3 @@
+from kvdoctor.cli.app import main
+
+main()

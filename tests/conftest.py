@@ -1,0 +1,31 @@
+"""Shared fixtures: vLLM is imported once per test session (it costs seconds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
+
+
+@pytest.fixture(scope="session")
+def api():
+    from kvdoctor.engine import compat
+
+    return compat.load()
+
+
+@pytest.fixture(scope="session")
+def release(api) -> tuple[int, int]:
+    """(major, minor) of the vLLM under test: tests state what each release must show."""
+    return api.version[:2]
+
+
+def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVDOCTOR, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})

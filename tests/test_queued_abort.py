@@ -1,0 +1,104 @@
+"""queued-abort (K1, vLLM #49118) on the real scheduler: the outcome matrix per release."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvdoctor import app
+from kvdoctor.observe.verdict import Outcome
+
+from .conftest import run_cli
+
+GEOMETRIES = {
+    "issue-49118": {},  # block size 4, 1 block per chunk, 8 GPU blocks
+    "bs8-chunk2": {"block_size": 8, "blocks_per_chunk": 2, "gpu_blocks": 10},
+}
+MODES = {"sync": False, "async": True}
+
+
+@pytest.fixture(scope="module")
+def reports(api):
+    return {
+        (geometry, mode): app.repro("queued-abort", {**overrides, "async_scheduling": is_async}, "all")
+        for geometry, overrides in GEOMETRIES.items()
+        for mode, is_async in MODES.items()
+    }
+
+
+CASES = [(g, m) for g in GEOMETRIES for m in MODES]
+
+
+def by_logic(report):
+    return {r.logic: r for r in report.results}
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_outcome_matrix(reports, release, case):
+    results = by_logic(reports[case])
+    assert reports[case].setup.async_scheduling is MODES[case[1]]
+    if release == (0, 26):
+        assert results["installed"].outcome is Outcome.REPRODUCED
+        assert results["fixed"].outcome is Outcome.NOT_REPRODUCED
+        assert results["unpatched"].outcome is Outcome.REPRODUCED
+    else:  # 0.33 carries PR #49146 and PR #49285
+        assert results["installed"].outcome is Outcome.NOT_REPRODUCED
+        assert results["fixed"].outcome is Outcome.NOT_REPRODUCED
+        # Removing the cap alone does not bring the crash back: aborted requests
+        # count only computed tokens there, and the output must say so.
+        assert results["unpatched"].outcome is Outcome.NOT_REPRODUCED
+        assert any("PR #49285" in g and "B:" in g for g in results["unpatched"].guards)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_failure_location_and_state(reports, release, case):
+    if release != (0, 26):
+        pytest.skip("the installed logic does not fail on this release")
+    result = by_logic(reports[case])["installed"]
+    failure = result.failure
+    assert failure.exception == "AssertionError"
+    assert failure.function == "_build_store_jobs"
+    assert failure.file.endswith("kv_connector/v1/offloading/scheduler.py")
+    assert "len(offload_keys) == len(offload_block_ids)" in failure.code
+    assert [f.function for f in failure.vllm_frames][:1] == ["schedule"]
+    b = next(r for r in result.requests if r.request == "B")
+    assert b.status == "FINISHED_ABORTED" and b.computed_tokens == 0
+    (group,) = b.groups
+    assert group.allocated_blocks == 0 and group.allocated_chunks == 0
+    assert group.offload_keys == 4 and group.storable_installed == 4 and group.storable_fixed == 0
+    assert b.would_trip
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_fixed_logic_passes_upstream_regression_checks(reports, case):
+    result = by_logic(reports[case])["fixed"]
+    assert [c.passed for c in result.checks] == [True, True]
+    b = next(r for r in result.requests if r.request == "B")
+    assert b.store_jobs_built == 0 and not b.connector_state
+
+
+def test_fixed_logic_names_the_cap_on_026(reports, release):
+    if release != (0, 26):
+        pytest.skip("0.33 never reaches the cap for a queued abort")
+    guards = by_logic(reports[("issue-49118", "sync")])["fixed"].guards
+    assert any("allocated-chunk cap (PR #49146)" in g for g in guards)
+
+
+def test_cli_json_document_and_exit_code(release):
+    proc = run_cli("repro", "queued-abort", "--json")
+    assert proc.returncode == (1 if release == (0, 26) else 0), proc.stderr
+    assert "Traceback" not in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["schema_version"] == 1 and doc["recipe"]["name"] == "queued-abort"
+    assert doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
+    assert [r["logic"] for r in doc["results"]] == ["installed", "fixed", "unpatched"]
+    installed = doc["results"][0]
+    if release == (0, 26):
+        assert installed["outcome"] == "reproduced"
+        assert installed["failure"]["function"] == "_build_store_jobs"
+        assert {"exception", "message", "file", "line", "function"} <= set(installed["failure"])
+        states = {r["request"]: r for r in installed["requests"]}
+        assert states["B"]["groups"][0]["allocated_chunks"] == 0
+    else:
+        assert installed["outcome"] == "not_reproduced" and installed["failure"] is None
