@@ -16,6 +16,7 @@ from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
 from kvdoctor.observe.failure import Failure, describe_exception
+from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
 from kvdoctor.recipes.model import Recipe, Step
@@ -61,6 +62,7 @@ class RunResult:
     requests: list[RequestSnapshot] = field(default_factory=list)
     checks: list[CheckResult] = field(default_factory=list)
     guards: list[str] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
     timeline: list[TimelineEntry] = field(default_factory=list)
 
 
@@ -140,8 +142,11 @@ def explain_guards(calls: list[StorableCall]) -> list[str]:
 class ScenarioRun:
     """One recipe, one variant, one fresh scheduler."""
 
-    def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool) -> None:
+    def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
+                 extra_invariants: tuple[str, ...] = ()) -> None:
         self.api = api
+        names = [recipe.signature.invariant, *recipe.invariants, *extra_invariants]
+        self.invariants = list(dict.fromkeys(n for n in names if n))
         self.recipe = recipe
         self.setup = setup
         self.logic = logic
@@ -152,6 +157,13 @@ class ScenarioRun:
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
+        from kvdoctor.recipes.requirements import missing
+
+        reasons = missing(self.api, self.recipe.requires)
+        if reasons:
+            self.result.outcome = Outcome.NOT_APPLICABLE
+            self.result.detail = "; ".join(reasons)
+            return self.result
         harness = Harness(self.api, self.setup)
         observer = Observer(harness, self.logic)
         counter = 0
@@ -173,15 +185,33 @@ class ScenarioRun:
                         failing_calls = self.log.take()
                         self.all_calls.extend(failing_calls)
                         return self._failed(exc, counter, step, observer, failing_calls)
-                    self.all_calls.extend(self.log.take())
+                    step_calls = self.log.take()
+                    self.all_calls.extend(step_calls)
+                    violations: list[Violation] = []
                     if events is not None:
                         observer.note_step(events.finished)
+                        violations = check_all(self.invariants, StepContext(harness, events, step_calls))
                     snapshots = observer.snapshot()
                     if self.record_timeline:
                         self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
-                                                                  step.line, events, snapshots))
+                                                                  step.line, events, snapshots,
+                                                                  failed=bool(violations)))
                     self.result.requests = snapshots
+                    if violations:
+                        return self._violated(violations, counter)
         self._finish_checks()
+        self.result.guards = explain_guards(self.all_calls)
+        return self.result
+
+    def _violated(self, violations: list[Violation], counter: int) -> RunResult:
+        self.result.violations = violations
+        self.result.failure_step = counter
+        wanted = self.recipe.signature.invariant
+        if wanted and any(v.invariant == wanted for v in violations):
+            self.result.outcome = Outcome.REPRODUCED
+        else:
+            self.result.outcome = Outcome.OTHER_FAILURE
+        self.result.detail = "; ".join(f"invariant {v.invariant} violated: {v.message}" for v in violations)
         self.result.guards = explain_guards(self.all_calls)
         return self.result
 
@@ -240,5 +270,6 @@ class ScenarioRun:
         return None
 
 
-def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False) -> RunResult:
-    return ScenarioRun(api, recipe, setup, logic, record_timeline).run()
+def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
+                 extra_invariants: tuple[str, ...] = ()) -> RunResult:
+    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants).run()

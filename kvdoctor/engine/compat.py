@@ -199,6 +199,19 @@ class VllmApi:
                 return req_state.group_states[idx]
         raise IncompatibleVllmError("storable_chunks got a group config the request does not hold")
 
+    def has_offloading_spec(self, name: str) -> bool:
+        """Whether `kv_connector_extra_config.spec_name = name` resolves in this vLLM."""
+        try:
+            factory = importlib.import_module("vllm.v1.kv_offload.factory")
+        except Exception:  # noqa: BLE001 - absent means not applicable, not an error
+            return False
+        registry = getattr(getattr(factory, "OffloadingSpecFactory", None), "_registry", {}) or {}
+        return name in registry
+
+    def kv_cache_group_has_field(self, name: str) -> bool:
+        cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
+        return name in {f.name for f in dataclasses.fields(cls)}
+
     @staticmethod
     def job_is_store(job_status: Any) -> bool:
         return bool(getattr(job_status, "is_store", False))
@@ -270,3 +283,4 @@ def offloadable_tokens(connector_scheduler: Any, req_state: Any, num_tokens: int
     """The connector's own clamp (prompt-only, max_offload_tokens) of a token count."""
     method = _require(connector_scheduler, "_calc_num_offloadable_tokens", "OffloadingConnectorScheduler")
     return int(method(req_state, num_tokens))
+

@@ -2,11 +2,16 @@
 
 `tomllib` reports syntax errors with a line but gives no positions for valid
 documents, so `_LineIndex` maps tables and keys back to lines by scanning the
-text. Recipe files are data: they are parsed, never executed.
+(already parsed, hence valid) text: strings, comments and multi-line values are
+skipped, so a `[step]` line inside a multi-line string is not taken for a
+table. Lines count `\\n` only, as tomllib does. Every error is one line
+(`file:line: what was expected`), whatever the bytes. Recipe files are data:
+they are parsed, never executed.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 import tomllib
@@ -15,46 +20,168 @@ from typing import Any
 
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import RecipeError
+from kvdoctor.observe.invariants import INVARIANTS
+from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
 from kvdoctor.recipes.model import (
     ACTIONS, CONNECTOR_STATES, EXPECT_FIELDS, STEP_FIELDS, TRANSFER_KINDS, Recipe, Signature, Step,
 )
 
-_HEADER = re.compile(r"^\s*(\[\[?)\s*([A-Za-z0-9_.\-\"' ]+?)\s*(\]\]?)\s*(#.*)?$")
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
-_RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,)}
+_RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
+                "requires": (list,), "invariants": (list,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.name not in ("model", "extra_connector_config")}
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
+_NESTING_SHOWN = 100  # where a too-deep nesting is reported
+
+
+def _key_path(raw: str) -> tuple[str, ...]:
+    """The dotted path of a (valid) TOML key or table name, quotes and escapes resolved."""
+    try:
+        node: Any = tomllib.loads(raw.strip() + " = 0")
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError):
+        return tuple(part.strip().strip("\"'") for part in raw.split("."))
+    path: list[str] = []
+    while isinstance(node, dict) and len(node) == 1:
+        key = next(iter(node))
+        path.append(key)
+        node = node[key]
+    return tuple(path)
 
 
 class _LineIndex:
-    """Where each table and key of a TOML document starts (1-based lines)."""
+    """Where each table header and each key of a valid TOML document is (1-based lines)."""
 
     def __init__(self, text: str) -> None:
-        self.lines = text.splitlines()
-        self.headers: list[tuple[int, str, bool]] = []  # (line, name, is_array)
-        for number, raw in enumerate(self.lines, start=1):
-            match = _HEADER.match(raw)
-            if match and raw.lstrip().startswith("["):
-                self.headers.append((number, match.group(2).strip().strip("\"'"), match.group(1) == "[["))
+        self.text = text
+        self.lines = text.split("\n")
+        self._newlines = [i for i, c in enumerate(text) if c == "\n"]
+        self.headers: list[tuple[int, tuple[str, ...], bool]] = []  # (line, path, is_array)
+        self.keys: list[tuple[int, int, tuple[str, ...]]] = []  # (line, header line of its table or 0, path)
+        self._scan()
+
+    def line_of(self, pos: int) -> int:
+        return bisect.bisect_left(self._newlines, pos) + 1
+
+    # -- scanning --------------------------------------------------------------
+    def _scan(self) -> None:
+        text, n = self.text, len(self.text)
+        section = 0
+        i = 0
+        while i < n:
+            c = text[i]
+            if c in " \t\r\n":
+                i += 1
+            elif c == "#":
+                i = self._to_eol(i)
+            elif c == "[":
+                is_array = text.startswith("[[", i)
+                start = i + (2 if is_array else 1)
+                end = self._key_end(start, "]")
+                section = self.line_of(i)
+                self.headers.append((section, _key_path(text[start:end]), is_array))
+                i = self._to_eol(end)
+            else:
+                end = self._key_end(i, "=")
+                self.keys.append((self.line_of(i), section, _key_path(text[i:end])))
+                i = self._skip_value(end + 1)
+
+    def _to_eol(self, i: int) -> int:
+        end = self.text.find("\n", i)
+        return len(self.text) if end < 0 else end + 1
+
+    def _skip_string(self, i: int) -> int:
+        """From the opening quote at `i` to just past the closing one."""
+        text, n = self.text, len(self.text)
+        for quote in ('"' * 3, "'" * 3):
+            if text.startswith(quote, i):
+                j = i + 3
+                while j < n:
+                    if quote[0] == '"' and text[j] == "\\":
+                        j += 2
+                    elif text.startswith(quote, j):
+                        j += 3
+                        extra = 0
+                        while j < n and text[j] == quote[0] and extra < 2:  # """a"""" ends with a quote
+                            j += 1
+                            extra += 1
+                        return j
+                    else:
+                        j += 1
+                return n
+        quote = text[i]
+        j = i + 1
+        while j < n and text[j] != quote and text[j] != "\n":
+            j += 2 if (quote == '"' and text[j] == "\\") else 1
+        return min(j + 1, n)
+
+    def _key_end(self, i: int, stop: str) -> int:
+        """The index of the `stop` that ends the key starting at `i` (quoted parts skipped)."""
+        text, n = self.text, len(self.text)
+        while i < n and text[i] != stop and text[i] != "\n":
+            i = self._skip_string(i) if text[i] in "\"'" else i + 1
+        return i
+
+    def _skip_value(self, i: int) -> int:
+        """Past the value starting at `i`, which may span lines inside brackets or strings."""
+        text, n = self.text, len(self.text)
+        depth = 0
+        while i < n:
+            c = text[i]
+            if c in "\"'":
+                i = self._skip_string(i)
+                continue
+            if c == "#":
+                end = text.find("\n", i)
+                i = n if end < 0 else end
+                continue
+            if c in "[{":
+                depth += 1
+            elif c in "]}":
+                depth -= 1
+            elif c == "\n" and depth <= 0:
+                return i + 1
+            i += 1
+        return n
+
+    # -- queries -----------------------------------------------------------------
+    def top_key(self, key: str) -> int:
+        """The line of a top-level `key = ...` (else of the first table under `key`); 0 if none."""
+        for line, section, path in self.keys:
+            if section == 0 and path and path[0] == key:
+                return line
+        for line, path, _ in self.headers:
+            if path and path[0] == key:
+                return line
+        return 0
+
+    def is_table_header(self, key: str) -> bool:
+        return any(path and path[0] == key for _, path, _ in self.headers) and not any(
+            section == 0 and path and path[0] == key for _, section, path in self.keys)
 
     def table(self, name: str, index: int | None = None) -> int:
-        found = [line for line, header, is_array in self.headers if header == name]
+        """The header line of table `name` (dotted) or of the `index`-th `[[name]]`; else its top-level key."""
+        path = tuple(name.split("."))
+        found = [line for line, header, _ in self.headers if header == path]
         if index is None:
-            return found[0] if found else 0
-        return found[index] if index < len(found) else 0
+            if found:
+                return found[0]
+        elif index < len(found):
+            return found[index]
+        return self.top_key(path[0]) if len(path) == 1 else 0
 
     def key(self, table_line: int, key: str) -> int:
-        """The line of `key = ...` inside the table that starts at `table_line`."""
+        """The line of `key = ...` (or of a `[table.key]` header) in the table headed at `table_line`."""
         if table_line == 0:
             return 0
-        pattern = re.compile(r"^\s*[\"']?" + re.escape(key) + r"[\"']?\s*=")
-        for number in range(table_line + 1, len(self.lines) + 1):
-            text = self.lines[number - 1]
-            if text.lstrip().startswith("["):
-                break
-            if pattern.match(text):
-                return number
+        for line, section, path in self.keys:
+            if section == table_line and path and path[0] == key:
+                return line
+        table_path = next((header for line, header, _ in self.headers if line == table_line), None)
+        if table_path is not None:
+            for line, header, _ in self.headers:
+                if line > table_line and header[: len(table_path) + 1] == table_path + (key,):
+                    return line
         return table_line
 
 
@@ -75,19 +202,60 @@ class _Reader:
 
 
 def _show(value: Any) -> str:
+    """A value as a message shows it: its repr (so never a raw newline), at most 40 characters."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _label(name: str) -> str:
+    """A key or request id as a message shows it: bare when plain, else quoted and escaped."""
+    return name if re.fullmatch(r"[A-Za-z0-9_\-]{1,40}", name) else _show(name)
+
+
+def _quoted(name: str) -> str:
+    return f"'{name}'" if re.fullmatch(r"[A-Za-z0-9_\-]{1,40}", name) else _show(name)
+
+
+def _syntax_error(text: str, source: str, exc: Exception) -> RecipeError:
+    """One line saying what tomllib refused, at the line it names."""
+    if isinstance(exc, RecursionError):
+        return RecipeError(f"{source}:{_deep_nesting_line(text)}: invalid TOML: arrays or inline tables "
+                           f"nested too deeply")
+    if not isinstance(exc, tomllib.TOMLDecodeError):  # int() refusing a literal of thousands of digits
+        match = re.search(r"[0-9A-Fa-f_]{1000,}", text)
+        line = text.count("\n", 0, match.start()) + 1 if match else 1
+        return RecipeError(f"{source}:{line}: invalid TOML: number literal too long")
+    full = str(exc)
+    match = re.search(r"\(at line (\d+), column (\d+)\)", full)
+    if match:
+        line, where = int(match.group(1)), f" (column {match.group(2)})"
+    else:  # "(at end of document)": the last line with content
+        line, where = text.rstrip("\n").count("\n") + 1, " (at end of file)"
+    message = re.sub(r"\s*\(at (line \d+, column \d+|end of document)\)", "", full)
+    message = " ".join(message.split()) or "syntax error"
+    return RecipeError(f"{source}:{line}: invalid TOML: {message}{where}")
+
+
+def _deep_nesting_line(text: str) -> int:
+    depth = 0
+    for pos, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+            if depth > _NESTING_SHOWN:
+                return text.count("\n", 0, pos) + 1
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return 1
+
+
 def load_recipe_text(text: str, source: str, builtin: bool = False) -> Recipe:
     """Parse and validate a recipe document; every error is one line with file:line."""
+    if text.startswith("\ufeff"):  # a UTF-8 byte order mark, as some editors write
+        text = text[1:]
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        match = re.search(r"\(at line (\d+), column (\d+)\)", str(exc))
-        line = int(match.group(1)) if match else (1 if "end of document" not in str(exc) else len(text.splitlines()))
-        message = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(exc)) or "syntax error"
-        raise RecipeError(f"{source}:{line}: invalid TOML: {message}") from None
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError) as exc:
+        raise _syntax_error(text, source, exc) from None
     reader = _Reader(source, text)
     return _build(reader, data, builtin)
 
@@ -106,7 +274,8 @@ def load_recipe_file(path: str | Path, builtin: bool = False) -> Recipe:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
+        raise RecipeError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                          f"recipe files must be UTF-8") from None
     if "\x00" in text:
         line = text[: text.index("\x00")].count("\n") + 1
         raise RecipeError(f"{path}:{line}: not a text file (NUL byte)")
@@ -116,8 +285,11 @@ def load_recipe_file(path: str | Path, builtin: bool = False) -> Recipe:
 def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key in data:
         if key not in _TOP_TABLES:
-            line = r.index.table(key) or _top_key_line(r, key)
-            raise r.fail(line, f"unknown table [{key}] (expected {', '.join(sorted(_TOP_TABLES))})")
+            expected = ", ".join(sorted(_TOP_TABLES))
+            if r.index.is_table_header(key):
+                raise r.fail(r.index.top_key(key), f"unknown table [{_label(key)}] (expected {expected})")
+            raise r.fail(r.index.top_key(key),
+                         f"unknown top-level key {_quoted(key)} (expected the tables {expected})")
 
     meta = _table(r, data, "recipe", required=True)
     meta_line = r.index.table("recipe")
@@ -131,6 +303,20 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     refs = meta.get("refs", [])
     for ref in refs:
         r.check_type(ref, (str,), r.index.key(meta_line, "refs"), "[recipe] refs entries")
+    requires = meta.get("requires", [])
+    for requirement in requires:
+        r.check_type(requirement, (str,), r.index.key(meta_line, "requires"), "[recipe] requires entries")
+        if not is_known_requirement(requirement):
+            raise r.fail(r.index.key(meta_line, "requires"),
+                         f"[recipe] requires: unknown requirement {_show(requirement)} "
+                         f"(expected {', '.join(REQUIREMENT_FORMS)})")
+    invariants = meta.get("invariants", [])
+    for name in invariants:
+        r.check_type(name, (str,), r.index.key(meta_line, "invariants"), "[recipe] invariants entries")
+        if name not in INVARIANTS:
+            raise r.fail(r.index.key(meta_line, "invariants"),
+                         f"[recipe] invariants: unknown invariant {_show(name)} "
+                         f"(expected one of {', '.join(sorted(INVARIANTS))})")
 
     setup = _setup(r, data.get("setup", {}))
     signature = _signature(r, data)
@@ -143,15 +329,8 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
         name=meta["name"], summary=meta["summary"].strip(), signature=signature, steps=tuple(steps),
         setup=setup, checks=tuple(checks), bug=meta.get("bug"), title=meta.get("title"),
         refs=tuple(refs), source=r.source, builtin=builtin,
+        requires=tuple(requires), invariants=tuple(invariants),
     )
-
-
-def _top_key_line(r: _Reader, key: str) -> int:
-    pattern = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
-    for number, text in enumerate(r.index.lines, start=1):
-        if pattern.match(text):
-            return number
-    return 1
 
 
 def _table(r: _Reader, data: dict[str, Any], name: str, required: bool = False) -> dict[str, Any]:
@@ -161,7 +340,7 @@ def _table(r: _Reader, data: dict[str, Any], name: str, required: bool = False) 
         return {}
     value = data[name]
     if not isinstance(value, dict):
-        raise r.fail(r.index.table(name) or _top_key_line(r, name), f"[{name}] must be a table")
+        raise r.fail(r.index.table(name), f"[{name}] must be a table, got {_show(value)}")
     return value
 
 
@@ -169,13 +348,13 @@ def _known_keys(r: _Reader, table: dict[str, Any], allowed: Any, table_line: int
     for key in table:
         if key not in allowed:
             raise r.fail(r.index.key(table_line, key),
-                         f"{where}: unknown key '{key}' (expected one of {', '.join(sorted(allowed))})")
+                         f"{where}: unknown key {_quoted(key)} (expected one of {', '.join(sorted(allowed))})")
 
 
 def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
     line = r.index.table("setup")
     if not isinstance(raw, dict):
-        raise r.fail(line or _top_key_line(r, "setup"), "[setup] must be a table")
+        raise r.fail(line, f"[setup] must be a table, got {_show(raw)}")
     allowed = set(_SETUP_KEYS) | {"kv_connector_extra_config"}
     _known_keys(r, raw, allowed, line, "[setup]")
     setup: dict[str, Any] = {}
@@ -208,8 +387,13 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
     if "invariant" in raw:
         if "exception" in raw or "function" in raw:
             raise r.fail(line, "[signature] takes either 'invariant' or 'exception' + 'function', not both")
+        if raw["invariant"] not in INVARIANTS:
+            raise r.fail(r.index.key(line, "invariant"),
+                         f"[signature] unknown invariant {_show(raw['invariant'])} "
+                         f"(expected one of {', '.join(sorted(INVARIANTS))})")
     elif not ("exception" in raw and "function" in raw):
-        raise r.fail(line, "[signature] needs 'exception' and 'function' (or 'invariant')")
+        missing = " and ".join(f"'{k}'" for k in ("exception", "function") if k not in raw)
+        raise r.fail(line, f"[signature] needs 'exception' and 'function' (or 'invariant'); missing {missing}")
     return Signature(**raw)
 
 
@@ -217,16 +401,20 @@ def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, A
            implicit_action: str | None = None) -> list[Step]:
     raw = data.get(table, [])
     if not isinstance(raw, list):
-        raise r.fail(r.index.table(table) or _top_key_line(r, table), f"[[{table}]] must be an array of tables")
+        raise r.fail(r.index.table(table), f"[[{table}]] must be an array of tables")
     steps = []
     for i, entry in enumerate(raw):
         line = r.index.table(table, i)
         where = f"{table} {i + 1}"
         if not isinstance(entry, dict):
-            raise r.fail(line or _top_key_line(r, table), f"{where} must be a table")
+            raise r.fail(line, f"{where} must be a table, got {_show(entry)}")
         entry = dict(entry)
         if implicit_action:
             action = implicit_action
+            if "action" in entry:
+                raise r.fail(r.index.key(line, "action"),
+                             f"{where}: a [[{table}]] takes no 'action' (it is always an {implicit_action}); "
+                             f"use [[step]] action = ... for steps")
         else:
             if "action" not in entry:
                 raise r.fail(line, f"{where} needs 'action' (one of {', '.join(ACTIONS)})")
@@ -238,7 +426,8 @@ def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, A
         for key, value in entry.items():
             if key not in fields:
                 allowed = ", ".join(sorted(fields)) or "no fields"
-                raise r.fail(r.index.key(line, key), f"{where} ({action}): unknown field '{key}' (expected {allowed})")
+                raise r.fail(r.index.key(line, key),
+                             f"{where} ({action}): unknown field {_quoted(key)} (expected {allowed})")
             types, _ = fields[key]
             r.check_type(value, types, r.index.key(line, key), f"{where} ({action}) {key}")
         for key, (_, required) in fields.items():
@@ -276,9 +465,12 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
                                  f"got {_show(args['kind'])}")
     if "connector_state" in args and args["connector_state"] not in CONNECTOR_STATES:
         raise r.fail(at("connector_state"),
-                     f"{where} ({action}) connector_state must be one of {', '.join(CONNECTOR_STATES)}")
+                     f"{where} ({action}) connector_state must be one of {', '.join(CONNECTOR_STATES)}, "
+                     f"got {_show(args['connector_state'])}")
     if "status" in args:
         statuses = args["status"] if isinstance(args["status"], list) else [args["status"]]
+        if not statuses:
+            raise r.fail(at("status"), f"{where} ({action}) status must name at least one RequestStatus")
         for status in statuses:
             if not isinstance(status, str) or not re.fullmatch(r"[A-Z_]+", status):
                 raise r.fail(at("status"), f"{where} ({action}) status must be a RequestStatus name "
@@ -286,24 +478,42 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
 
 
 def _check_request_ids(r: _Reader, steps: list[Step], checks: list[Step]) -> None:
+    adds: dict[str, tuple[int, int]] = {}  # request -> (its add's step number, line), first add only
+    for i, step in enumerate(steps):
+        if step.action == "add":
+            adds.setdefault(step.args["request"], (i + 1, step.line))
     added: dict[str, int] = {}
     for i, step in enumerate(steps):
         if step.action == "add":
             rid = step.args["request"]
             if rid in added:
-                raise r.fail(step.line, f"step {i + 1} (add): request '{rid}' was already added")
+                first, first_line = adds[rid]
+                raise r.fail(r.index.key(step.line, "request"),
+                             f"step {i + 1} (add): request {_quoted(rid)} was already added "
+                             f"(step {first}, line {first_line}); request ids must be unique")
             other = step.args.get("shared_prefix_with")
             if other is not None and other not in added:
                 raise r.fail(r.index.key(step.line, "shared_prefix_with"),
-                             f"step {i + 1} (add): shared_prefix_with names unknown request '{other}'")
+                             f"step {i + 1} (add): shared_prefix_with names unknown request {_quoted(other)} "
+                             f"(added so far: {_known(added)})")
             added[rid] = i
             continue
         rid = step.args.get("request")
         if rid is not None and rid not in added:
-            known = ", ".join(added) or "none yet"
+            if rid in adds:
+                later, later_line = adds[rid]
+                raise r.fail(r.index.key(step.line, "request"),
+                             f"step {i + 1} ({step.action}): request {_quoted(rid)} is used before it is added "
+                             f"(its add is step {later}, line {later_line})")
             raise r.fail(r.index.key(step.line, "request"),
-                         f"step {i + 1} ({step.action}): unknown request '{rid}' (added so far: {known})")
+                         f"step {i + 1} ({step.action}): unknown request {_quoted(rid)} "
+                         f"(added so far: {_known(added)})")
     for i, check in enumerate(checks):
         rid = check.args["request"]
         if rid not in added:
-            raise r.fail(r.index.key(check.line, "request"), f"check {i + 1}: unknown request '{rid}'")
+            raise r.fail(r.index.key(check.line, "request"),
+                         f"check {i + 1}: unknown request {_quoted(rid)} (added: {_known(added)})")
+
+
+def _known(added: dict[str, int]) -> str:
+    return ", ".join(_label(rid) for rid in added) or "none yet"

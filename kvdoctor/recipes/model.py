@@ -97,3 +97,5 @@ class Recipe:
     refs: tuple[str, ...] = ()
     source: str = ""
     builtin: bool = False
+    requires: tuple[str, ...] = ()  # e.g. "spec:TieringOffloadingSpec" (see recipes/requirements.py)
+    invariants: tuple[str, ...] = ()  # extra invariants to check every step (see observe/invariants.py)

@@ -14,7 +14,7 @@ def recipe_dict(recipe: Any) -> dict[str, Any]:
     return {
         "name": recipe.name, "bug": recipe.bug, "title": recipe.title, "summary": recipe.summary,
         "refs": list(recipe.refs), "signature": recipe.signature.describe(),
-        "builtin": recipe.builtin,
+        "builtin": recipe.builtin, "requires": list(recipe.requires), "invariants": list(recipe.invariants),
     }
 
 
@@ -28,6 +28,7 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "requests": [r.as_dict() for r in result.requests],
         "checks": [c.__dict__ for c in result.checks],
         "guards": list(result.guards),
+        "violations": [v.__dict__ for v in result.violations],
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]

@@ -1,0 +1,82 @@
+"""Named invariants checked after every step, for bugs that corrupt state silently.
+
+A violated invariant named by a recipe's signature is a reproduction with the
+invariant's name as its signature; any other violated invariant that a run was
+asked to check is an `other_failure`. Each check reads what the step did
+(events, the `storable_chunks` calls vLLM made) and the state after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvdoctor.logic.patch import StorableCall
+
+
+@dataclass
+class StepContext:
+    harness: Any
+    events: Any  # StepEvents
+    calls: list[StorableCall]
+
+
+@dataclass
+class Violation:
+    invariant: str
+    message: str
+
+
+Check = Callable[[StepContext], list[str]]
+INVARIANTS: dict[str, tuple[str, Check]] = {}
+
+
+def invariant(name: str, summary: str) -> Callable[[Check], Check]:
+    def register(check: Check) -> Check:
+        INVARIANTS[name] = (summary, check)
+        return check
+    return register
+
+
+@invariant("store-covers-computed-slots",
+           "a store job covers only KV slots that were computed (K4: the final sampled token's slot never is)")
+def _store_covers_computed(ctx: StepContext) -> list[str]:
+    messages = []
+    stored_requests = set(ctx.events.new_store_jobs.values())
+    for req_id in sorted(stored_requests):
+        request = ctx.harness.requests.get(req_id)
+        calls = [c for c in ctx.calls if c.req_id == req_id]
+        if request is None or not calls:
+            continue
+        scheduled = 0 if request.is_finished() else ctx.events.scheduled_tokens.get(req_id, 0)
+        for call in calls:
+            limit = call.computed_tokens + scheduled
+            end = call.returned * call.tokens_per_chunk
+            if end > limit:
+                messages.append(f"{req_id}: store covers tokens up to {end} but only {limit} have KV written "
+                                f"(group {call.group_idx}, status {call.request_status})")
+                break
+    return messages
+
+
+@invariant("no-orphan-transfer-jobs",
+           "every in-flight transfer job belongs to a request the connector still tracks")
+def _no_orphan_jobs(ctx: StepContext) -> list[str]:
+    api = ctx.harness.api
+    cs = ctx.harness.connector_scheduler
+    states = api.request_states(cs)
+    owners = {jid for state in states.values() for jid in state.transfer_jobs}
+    orphans = sorted(set(api.jobs(cs)) - owners)
+    return [f"job #{jid} has no owning request state" for jid in orphans]
+
+
+def unknown(names: list[str]) -> list[str]:
+    return [n for n in names if n not in INVARIANTS]
+
+
+def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
+    violations = []
+    for name in names:
+        _, check = INVARIANTS[name]
+        violations.extend(Violation(name, message) for message in check(ctx))
+    return violations

@@ -1,0 +1,27 @@
+"""What a recipe's trigger may need from the installed vLLM, checked by running code.
+
+A requirement is data (`"spec:TieringOffloadingSpec"`); `missing()` asks the
+installed vLLM through the compatibility adapter. A recipe whose requirement is
+missing is `not_applicable`, with the reason.
+"""
+
+from __future__ import annotations
+
+REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>")
+
+
+def is_known_requirement(text: str) -> bool:
+    kind, _, value = text.partition(":")
+    return kind in ("spec", "kv_cache_group_field") and bool(value)
+
+
+def missing(api, requirements: tuple[str, ...]) -> list[str]:
+    """Reasons the installed vLLM cannot run this recipe (empty when it can)."""
+    reasons = []
+    for requirement in requirements:
+        kind, _, value = requirement.partition(":")
+        if kind == "spec" and not api.has_offloading_spec(value):
+            reasons.append(f"this vLLM has no offloading spec {value!r}")
+        elif kind == "kv_cache_group_field" and not api.kv_cache_group_has_field(value):
+            reasons.append(f"this vLLM's KVCacheGroupSpec has no field {value!r}")
+    return reasons
