@@ -117,25 +117,38 @@ def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[boo
 
 
 def explain_guards(calls: list[StorableCall]) -> list[str]:
-    """Say, from the calls vLLM really made, what kept a finished request's store in bounds."""
+    """Say, from the calls vLLM really made, what kept a finished request's store in bounds.
+
+    "In bounds" means the chunks to store beyond `next_stored_chunk` can all be
+    paired with allocated blocks; the explanation names the term that did it.
+    """
     guards: list[str] = []
     seen: set[tuple[str, int]] = set()
     for call in calls:
         if not call.request_status.startswith("FINISHED") or (call.req_id, call.group_idx) in seen:
             continue
         seen.add((call.req_id, call.group_idx))
-        if call.token_chunks > call.allocated_chunks:
+        covered = max(call.allocated_chunks, call.next_stored_chunk)
+        who = f"{call.req_id} (group {call.group_idx})" if call.group_idx else call.req_id
+        if call.token_chunks > covered:
+            if call.returned > covered:
+                continue  # nothing held: the store pass will trip
             if call.returned <= call.allocated_chunks:
-                guards.append(
-                    f"{call.req_id}: the allocated-chunk cap (PR #49146) held storable chunks to "
-                    f"{call.returned}; its {call.num_offloadable_tokens} offloadable tokens make "
-                    f"{call.token_chunks} chunks but it holds {call.allocated_chunks}")
-        elif call.full_token_chunks > call.allocated_chunks:
+                term = "the allocated-chunk cap (PR #49146)"
+            elif call.returned <= call.keyed_chunks < call.token_chunks:
+                term = "the offload-key cap (PR #52923)"
+            else:
+                term = "a cap of this release"
             guards.append(
-                f"{call.req_id}: the final store counted {call.num_offloadable_tokens} computed tokens, "
-                f"not its {call.full_token_chunks * call.tokens_per_chunk}+ prompt tokens (aborted requests count "
-                f"only computed tokens, PR #49285), so {call.token_chunks} chunks <= its "
-                f"{call.allocated_chunks} allocated; the allocated-chunk cap was not needed")
+                f"{who}: {term} held storable chunks to {call.returned}; its {call.num_offloadable_tokens} "
+                f"offloadable tokens make {call.token_chunks} chunks but it holds {call.allocated_chunks} "
+                f"and has {call.next_stored_chunk} stored")
+        elif call.full_token_chunks > covered:
+            guards.append(
+                f"{who}: the final store counted {call.num_offloadable_tokens} computed tokens, not all "
+                f"{call.full_token_chunks * call.tokens_per_chunk}+ of its offloadable tokens (aborted requests "
+                f"count only computed tokens, PR #49285): {call.token_chunks} chunks, within its "
+                f"{call.allocated_chunks} allocated / {call.next_stored_chunk} stored; no cap was needed")
     return guards
 
 

@@ -208,8 +208,9 @@ class Harness:
             new_jobs.append(Job(jid, job.req_id, "store", self.step_index))
         for jid, job in load_jobs.items():
             events.new_load_jobs[jid] = job.req_id
-            dst = tuple(getattr(getattr(job, "dst_spec", None), "block_ids", ()) or ())
-            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, tuple(int(b) for b in dst)))
+            ids = getattr(getattr(job, "dst_spec", None), "block_ids", None)  # a numpy array in vLLM
+            dst = tuple(int(b) for b in ids) if ids is not None else ()
+            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, dst))
         report = self.worker.take_step(new_jobs, flush)
         events.completed_jobs = [job.job_id for job in report.completed]
         events.failed_jobs = [job.job_id for job in report.failed]

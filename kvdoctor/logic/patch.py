@@ -32,6 +32,7 @@ class StorableCall:
     returned: int
     request_status: str
     tokens_per_chunk: int
+    next_stored_chunk: int
     computed_tokens: int  # req.num_computed_tokens when vLLM made the call (before this batch)
     full_token_chunks: int  # chunks of all the request's offloadable tokens, ignoring any basis rule
 
@@ -90,6 +91,7 @@ def storable_chunks_variant(api: Any, variant: str, log: CallLog | None = None) 
             returned=returned,
             request_status=getattr(self.req.status, "name", str(self.req.status)),
             tokens_per_chunk=int(group_config.tokens_per_chunk),
+            next_stored_chunk=int(group_state.next_stored_chunk_idx),
             computed_tokens=int(self.req.num_computed_tokens),
             full_token_chunks=_all_tokens(self) // int(group_config.tokens_per_chunk),
         ))
