@@ -99,3 +99,55 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()} ({platform.machine()})",
     }
+
+
+@dataclass
+class AuditRow:
+    bug: str
+    recipe: Recipe
+    installed: Any  # RunResult
+    fixed: Any  # RunResult
+
+    @property
+    def hint(self) -> str:
+        outcome = self.installed.outcome.value
+        if outcome == "reproduced":
+            if self.fixed.outcome.value == "not_reproduced":
+                return "fixed logic (PR #49146 cap) prevents it"
+            return "fixed logic does not prevent it: needs its own upstream fix"
+        if outcome == "not_reproduced":
+            return "; ".join(self.installed.guards) or "this vLLM handles the trigger"
+        return self.installed.detail
+
+
+@dataclass
+class AuditReport:
+    vllm_version: str
+    rows: list[AuditRow] = field(default_factory=list)
+    command: str = ""
+
+    @property
+    def any_reproduced(self) -> bool:
+        return any(row.installed.outcome.value == "reproduced" for row in self.rows)
+
+
+def audit(command: str = "") -> AuditReport:
+    """Every built-in recipe against the installed vLLM: one vLLM import, one process."""
+    from kvdoctor.recipes.builtins import all_builtins
+    from kvdoctor.scenario import run_scenario
+
+    recipes = all_builtins()
+    setups = [resolve_setup(recipe, {}) for recipe in recipes]
+    api = load_vllm()
+    report = AuditReport(vllm_version=api.version_text, command=command)
+    for recipe, setup in zip(recipes, setups):
+        installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
+        fixed = run_scenario(api, recipe, setup, "fixed")
+        report.rows.append(AuditRow(recipe.bug or "-", recipe, installed, fixed))
+    report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
+    return report
+
+
+def _bug_order(bug: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in bug if ch.isdigit())
+    return (int(digits) if digits else 10_000, bug)

@@ -207,6 +207,40 @@ def inspect(
     _run(action)
 
 
+@app.command()
+def audit(
+    json_out: opt.Json = False,
+    report: opt.ReportFile = None,
+    svg: opt.SvgFile = None,
+) -> None:
+    """Run every built-in recipe against the installed vLLM: one row per known bug.
+
+    Exits 1 when any known bug reproduces under the installed logic, 0 when none does
+    (the pip-audit idea, for KV-offload bugs)."""
+
+    def action() -> int:
+        from kvdoctor.errors import UsageError
+
+        if json_out and svg is not None:
+            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        from kvdoctor import app as application
+
+        result = application.audit(command=_command_line())
+        if json_out:
+            from kvdoctor.report.json_doc import audit_document, dumps
+
+            typer.echo(dumps(audit_document(result)))
+        else:
+            from kvdoctor.report.tables import audit_table
+
+            _emit([audit_table(result)], svg)
+        if report is not None:
+            _write_report(report, "audit", result)
+        return EXIT_REPRODUCED if result.any_reproduced else EXIT_NOT_REPRODUCED
+
+    _run(action)
+
+
 def _list_recipes(json_out: bool) -> int:
     from kvdoctor.recipes.builtins import all_builtins
 

@@ -48,3 +48,22 @@ def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
 
 def dumps(document: dict[str, Any]) -> str:
     return json.dumps(document, indent=2, sort_keys=False, default=str)
+
+
+def audit_document(report: Any) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kvdoctor_version": __version__,
+        "vllm_version": report.vllm_version,
+        "any_reproduced": report.any_reproduced,
+        "rows": [
+            {
+                "bug": row.bug, "recipe": row.recipe.name, "refs": list(row.recipe.refs),
+                "title": row.recipe.title, "outcome": row.installed.outcome.value,
+                "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
+                "failure": row.installed.failure.as_dict() if row.installed.failure else None,
+                "violations": [v.__dict__ for v in row.installed.violations],
+            }
+            for row in report.rows
+        ],
+    }

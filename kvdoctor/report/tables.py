@@ -198,3 +198,14 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
         items.append(state_table(entry.requests, ""))
     flush_folded()
     return items
+
+
+def audit_table(report: Any) -> Table:
+    table = Table(title=f"known KV-offload bugs on vLLM {report.vllm_version}", box=box.SIMPLE_HEAVY,
+                  title_justify="left")
+    for column in ("bug", "recipe", "upstream", "what it breaks", "installed logic", "hint"):
+        table.add_column(column, overflow="fold")
+    for row in report.rows:
+        table.add_row(row.bug, row.recipe.name, "\n".join(row.recipe.refs[:2]), row.recipe.title or "",
+                      outcome_text(row.installed.outcome.value), row.hint)
+    return table
