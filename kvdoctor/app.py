@@ -82,6 +82,19 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     return report
 
 
+def export(recipe_ref: str, overrides: dict[str, Any], path: Any) -> None:
+    """Write the recipe as a standalone script (no vLLM import here)."""
+    from kvdoctor.export.script import export_script
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve(recipe_ref)
+    text = export_script(recipe, resolve_setup(recipe, overrides))
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"--export-script {path}: {exc.strerror}") from None
+
+
 def environment() -> dict[str, Any]:
     """What a bug report needs about this machine: no paths, no secrets."""
     from importlib import metadata

@@ -109,6 +109,9 @@ def repro(
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
+    export_script: Annotated[Optional[Path], typer.Option(
+        "--export-script", help="Write a standalone Python script (vLLM APIs only) that reproduces the recipe, "
+                                "and exit.", rich_help_panel=opt.OUTPUT)] = None,
 ) -> None:
     """Run a recipe on the installed vLLM under each logic variant and print the verdicts.
 
@@ -130,6 +133,13 @@ def repro(
                                            kv_transfer_config, model)
         from kvdoctor import app as application
 
+        if export_script is not None:
+            if json_out or report is not None or svg is not None:
+                raise UsageError("--export-script writes a script and runs nothing: drop --json/--report/--svg")
+            application.export(recipe, overrides, export_script)
+            typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
+                       err=True)
+            return EXIT_NOT_REPRODUCED
         result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
                                    command=_command_line())
         if json_out:

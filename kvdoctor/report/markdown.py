@@ -89,13 +89,19 @@ def _timeline(result: Any) -> list[str]:
     return lines + ["</details>", ""]
 
 
-def render_markdown(command: str, report: Any) -> str:
-    """A repro or inspect report (one recipe, one or more logic variants)."""
-    recipe = report.recipe
-    lines = [f"# kvdoctor {command}: {recipe.name}" + (f" ({recipe.bug})" if recipe.bug else ""), "",
-             f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}_", ""]
+def _header(title: str, command_line: str) -> list[str]:
+    lines = [f"# {title}", "", f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}_", ""]
     lines += _env_section()
-    lines += ["## Command", "", "```", _scrub(report.command or f"kvdoctor {command} {recipe.name}"), "```", ""]
+    return lines + ["## Command", "", "```", _scrub(command_line), "```", ""]
+
+
+def render_markdown(command: str, report: Any) -> str:
+    """A repro, inspect or audit report, ready to paste into a GitHub issue."""
+    if command == "audit":
+        return render_audit_markdown(report)
+    recipe = report.recipe
+    lines = _header(f"kvdoctor {command}: {recipe.name}" + (f" ({recipe.bug})" if recipe.bug else ""),
+                    report.command or f"kvdoctor {command} {recipe.name}")
     lines += ["## Recipe", "", f"**{recipe.title or recipe.name}**", "", recipe.summary, "",
               "Upstream: " + ", ".join(recipe.refs), "", f"Reproduced means: {recipe.signature.describe()}", ""]
     lines += ["## Setup", "", f"`{setup_line(report.setup)}`", ""]
@@ -110,3 +116,32 @@ def render_markdown(command: str, report: Any) -> str:
     for result in report.results:
         lines += _timeline(result)
     return _scrub("\n".join(lines)) + "\n"
+
+
+def render_audit_markdown(report: Any) -> str:
+    lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}",
+                    report.command or "kvdoctor audit")
+    lines += ["## Results", "", "| bug | recipe | upstream | what it breaks | installed logic | hint |",
+              "|---|---|---|---|---|---|"]
+    for row in report.rows:
+        lines.append(f"| {row.bug} | {row.recipe.name} | {', '.join(row.recipe.refs)} | {row.recipe.title or ''} "
+                     f"| **{row.installed.outcome.value}** | {_scrub(row.hint or '')} |")
+    lines.append("")
+    for row in report.rows:
+        result = row.installed
+        if result.failure is not None:
+            lines += [f"## {row.bug} `{row.recipe.name}`", "", f"Setup: `{setup_line(resolve_row_setup(row))}`", ""]
+            lines += _failure(result)
+            lines += _timeline(result)
+        elif result.violations:
+            lines += [f"## {row.bug} `{row.recipe.name}`", ""]
+            lines += [f"- invariant `{v.invariant}` violated: {v.message}" for v in result.violations]
+            lines.append("")
+            lines += _timeline(result)
+    return _scrub("\n".join(lines)) + "\n"
+
+
+def resolve_row_setup(row: Any) -> Any:
+    from kvdoctor.app import resolve_setup
+
+    return resolve_setup(row.recipe, {})

@@ -1,0 +1,170 @@
+"""Shrunk failures as recipe files that `kvdoctor repro FILE` replays.
+
+A finding's recipe is the shrunk example's recipe, cut at the step that failed
+(a `schedule` with `count` keeps only the repeats up to the failure), with the
+failure's signature filled in:
+
+- a vLLM exception: `exception` + `function` (+ `contains`: the failing source
+  line), so `repro` says `reproduced` (exit 1);
+- an invariant: `invariant = <name>`, also `reproduced`;
+- the end-of-run release check: the whole recipe (with its drain tail) plus
+  one `[[check]]` per leaked request (`connector_state = "released"`). The
+  check has no registered invariant, so until one is added `repro` reports it
+  as `other_failure` ("check failed", exit 4): the signature then names the
+  check in words and can never match an exception;
+- an exception raised inside kvdoctor (a harness bug): its exception and
+  function; `repro` shows it as `other_failure` too.
+
+Files are named after the signature, one per signature (`--out` keeps the
+shorter recipe when a rerun finds the same signature again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions
+from kvdoctor.recipes.model import Recipe, Signature, Step
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Finding:
+    signature: str
+    kind: str
+    detail: str
+    recipe: Recipe  # the shrunk, cut recipe with its signature: what gets written
+    seed: int  # the run's --seed
+    example_seed: int  # hypothesis' seed for the round that found it
+    worker: int
+    round: int
+    logic: str
+    vllm_version: str
+    examples_before: int  # examples this worker ran before finding it
+    elapsed_s: float  # seconds after the worker started exploring
+    file: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return len(self.recipe.steps)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "signature": self.signature, "kind": self.kind, "file": self.file, "steps": self.steps,
+            "seed": self.seed, "example_seed": self.example_seed, "worker": self.worker, "round": self.round,
+            "logic": self.logic, "detail": self.detail, "examples_before": self.examples_before,
+            "found_after_s": round(self.elapsed_s, 3),
+        }
+
+
+def slug(signature: str) -> str:
+    text = re.sub(r"[^A-Za-z0-9]+", "-", signature.replace(" in ", "-")).strip("-").lower()
+    return text[:80] or "finding"
+
+
+def cut_at_failure(steps: tuple[Step, ...], failure_index: int) -> tuple[Step, ...]:
+    """The steps up to and including the run-time step `failure_index` (1-based)."""
+    actions = expanded_actions(steps)
+    last_index, _ = actions[failure_index - 1]
+    repeats = sum(1 for idx, _ in actions[:failure_index] if idx == last_index)
+    kept = list(steps[: last_index + 1])
+    last = kept[-1]
+    if last.action == "schedule":
+        kept[-1] = Step("schedule", {"count": repeats} if repeats > 1 else {}, last.line)
+    return tuple(kept)
+
+
+def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
+    name = "explore-" + slug(obs.signature or "finding")
+    if obs.kind in ("exception", "harness", "invariant") and obs.failure_index:
+        steps = cut_at_failure(recipe.steps, obs.failure_index)
+    else:
+        steps = recipe.steps
+    checks: tuple[Step, ...] = ()
+    if obs.kind == "invariant":
+        signature = Signature(invariant=obs.invariant)
+    elif obs.kind == "check":
+        signature = Signature(exception=f"(none: end-of-run check {RELEASE_CHECK}, see [[check]])",
+                              function="(end of run)")
+        checks = tuple(Step("expect", {"request": rid, "connector_state": "released",
+                                       "description": f"{rid}'s connector state was released once every "
+                                                      f"transfer drained"}, 0) for rid in obs.leaked)
+    else:
+        contains = obs.code if obs.kind == "exception" and obs.code else None
+        signature = Signature(exception=obs.exception, function=obs.function, contains=contains)
+    return dataclasses.replace(recipe, name=name, summary=summary, signature=signature, steps=steps,
+                               checks=checks, title=obs.signature)
+
+
+def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, round_: int, logic: str,
+                 vllm_version: str) -> str:
+    lines = [
+        f"Found by `kvdoctor explore --seed {seed} --logic {logic}` on vLLM {vllm_version} "
+        f"(worker {worker}, round {round_}, hypothesis seed {example_seed}) and shrunk by hypothesis.",
+        f"Failure: {obs.signature}",
+        f"Where: {obs.detail}",
+    ]
+    if obs.kind == "check":
+        lines.append("After the drain (every transfer released, then more engine steps) the requests above "
+                     "still hold connector state: `kvdoctor repro` reports the failed [[check]] as "
+                     "other_failure (exit 4).")
+    if obs.kind == "harness":
+        lines.append("The exception was raised in kvdoctor, not in vLLM: a harness bug; `kvdoctor repro` "
+                     "reports it as other_failure (exit 4).")
+    if logic != "installed":
+        lines.append(f"Found under the `{logic}` logic variant: replay with `kvdoctor repro FILE --logic {logic}`.")
+    return "\n".join(lines)
+
+
+def header_text(finding: Finding) -> str:
+    return (f"Found by kvdoctor explore: seed {finding.seed} (worker {finding.worker}, round {finding.round}, "
+            f"hypothesis seed {finding.example_seed}), logic {finding.logic}, vLLM {finding.vllm_version}.\n"
+            f"Signature: {finding.signature}\n"
+            f"Replay: kvdoctor repro <this file>" + (f" --logic {finding.logic}" if finding.logic != "installed"
+                                                     else ""))
+
+
+def write_findings(findings: list[Finding], out_dir: Path) -> None:
+    """Write one recipe per finding (sets `finding.file`); keeps a shorter recipe already there."""
+    from kvdoctor.errors import RecipeError, UsageError
+    from kvdoctor.recipes.loader import load_recipe_file
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
+    for finding in findings:
+        path = out_dir / f"{slug(finding.signature)}.toml"
+        if path.exists():
+            try:
+                existing = load_recipe_file(path)
+            except RecipeError:
+                existing = None
+            if existing is not None and existing.title == finding.signature \
+                    and len(existing.steps) < finding.steps:
+                finding.file = str(path)
+                finding.extra["kept_existing"] = True
+                continue
+        text = recipe_to_toml(finding.recipe, header=header_text(finding))
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--out {out_dir}: cannot write {path.name}: {exc.strerror}") from None
+        finding.file = str(path)
+
+
+def merge(findings: list[Finding]) -> list[Finding]:
+    """One finding per signature: the one with fewest steps (then the earliest worker)."""
+    best: dict[str, Finding] = {}
+    for finding in findings:
+        current = best.get(finding.signature)
+        if current is None or (finding.steps, finding.worker) < (current.steps, current.worker):
+            best[finding.signature] = finding
+    return sorted(best.values(), key=lambda f: (f.elapsed_s, f.signature))

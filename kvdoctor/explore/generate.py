@@ -1,0 +1,210 @@
+"""Hypothesis strategies for event sequences, and their translation into valid recipes.
+
+A generated example is a `Geometry` plus a list of abstract events. Events
+name requests by index (`k`), resolved modulo the requests added so far when
+the sequence is turned into recipe steps, so any list hypothesis draws (or
+shrinks to) is a valid recipe: an abort, finish or transfer rule only ever
+names a request that was added before it, a shared prefix only an earlier
+request; events that cannot apply yet (an abort before any add) are dropped.
+Prompt lengths are kept to what a real server would admit: prompt +
+max_tokens <= max_model_len, and the whole model length fits the GPU pool
+(`max_model_len = (gpu_blocks - 1) * block_size`, block 0 being vLLM's null
+block), so no request can starve forever for lack of blocks.
+
+Every recipe ends with a fixed *drain tail* (`schedule`, `complete_transfers`,
+`schedule count = DRAIN_STEPS`): after it every transfer has been reported
+and every finished request's connector state must have been released, which
+the runner checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+
+from kvdoctor.recipes.model import Recipe, Signature, Step
+
+# Never matches a failure: the explorer classifies failures itself (see runner.py).
+PLACEHOLDER_SIGNATURE = Signature(exception="(explore: any failure)", function="(explore)")
+DRAIN_STEPS = 4  # engine steps after releasing every transfer (covers the async one-step lag twice)
+MAX_REQUEST_REF = 15  # request indices drawn in 0..15, taken modulo the requests added so far
+MAX_SCHEDULE_COUNT = 4
+
+
+@dataclass(frozen=True)
+class Geometry:
+    block_size: int
+    blocks_per_chunk: int
+    gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    async_scheduling: bool
+
+    @property
+    def max_model_len(self) -> int:
+        return (self.gpu_blocks - 1) * self.block_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    def setup_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size, "blocks_per_chunk": self.blocks_per_chunk,
+            "gpu_blocks": self.gpu_blocks, "async_scheduling": self.async_scheduling,
+            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+        }
+
+
+@st.composite
+def geometries(draw: Any) -> Geometry:
+    """Small pools (preemption and queueing happen), every chunking, sync and async."""
+    block_size = draw(st.sampled_from([4, 2, 8, 16, 1]))
+    blocks_per_chunk = draw(st.integers(1, 4))
+    gpu_blocks = draw(st.integers(4, 24))
+    max_num_seqs = draw(st.sampled_from([16, 4, 2]))
+    batched = draw(st.sampled_from([256, 8, 16, 32, 64]))
+    return Geometry(block_size=block_size, blocks_per_chunk=blocks_per_chunk, gpu_blocks=gpu_blocks,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs),
+                    async_scheduling=draw(st.booleans()))
+
+
+def event_strategy(geometry: Geometry) -> st.SearchStrategy:
+    """One abstract event; `schedule` and `add` are drawn more often than the rest."""
+    mml = geometry.max_model_len
+    request = st.integers(0, MAX_REQUEST_REF)
+    target = st.none() | request  # None: every request
+    kind = st.sampled_from([None, "store", "load"])
+    size = st.one_of(
+        st.tuples(st.just("tokens"), st.integers(1, max(1, mml - 1))),
+        st.tuples(st.just("chunks"), st.integers(1, max(1, (mml - 1) // geometry.chunk_tokens))),
+        st.just(("fill",)),
+    )
+    prefix = st.none() | st.tuples(request, st.one_of(
+        st.integers(1, 8).map(lambda chunks: ("chunks", chunks)),
+        st.integers(1, max(1, mml - 1)).map(lambda tokens: ("tokens", tokens)),
+    ))
+    schedule = st.tuples(st.just("schedule"), st.integers(1, MAX_SCHEDULE_COUNT))
+    add = st.tuples(st.just("add"), size, st.integers(1, 16), prefix)
+    abort = st.tuples(st.just("abort"), request)
+    return st.one_of(
+        schedule, add, abort, schedule, add, abort, schedule,
+        st.tuples(st.just("finish"), request),
+        st.tuples(st.just("hold"), target, kind),
+        st.tuples(st.just("complete"), target, kind),
+        st.tuples(st.just("fail"), target, kind),
+        st.tuples(st.just("reset"), st.booleans(), st.booleans()),
+    )
+
+
+@dataclass(frozen=True)
+class Example:
+    geometry: Geometry
+    events: tuple[tuple[Any, ...], ...]
+
+
+def examples(max_events: int) -> st.SearchStrategy[Example]:
+    @st.composite
+    def build(draw: Any) -> Example:
+        geometry = draw(geometries())
+        events = draw(st.lists(event_strategy(geometry), min_size=1, max_size=max_events))
+        return Example(geometry, tuple(events))
+    return build()
+
+
+def request_name(index: int) -> str:
+    return chr(ord("A") + index) if index < 26 else f"R{index}"
+
+
+def event_steps(example: Example) -> list[Step]:
+    """The recipe steps of an example's events (without the drain tail)."""
+    g = example.geometry
+    mml = g.max_model_len
+    names: list[str] = []
+    lengths: dict[str, int] = {}
+    steps: list[Step] = []
+
+    def pick(k: int) -> str:
+        return names[k % len(names)]
+
+    def schedule(count: int) -> None:
+        if steps and steps[-1].action == "schedule":
+            count += steps[-1].args.get("count", 1)
+            steps.pop()
+        steps.append(Step("schedule", {"count": count} if count > 1 else {}, 0))
+
+    for event in example.events:
+        action = event[0]
+        if action == "schedule":
+            schedule(event[1])
+        elif action == "add":
+            _, size, max_tokens, prefix = event
+            rid = request_name(len(names))
+            args: dict[str, Any] = {"request": rid}
+            if size[0] == "fill" and g.gpu_blocks >= 3:
+                args["fill_pool"] = True
+                length = (g.gpu_blocks - 2) * g.block_size
+            elif size[0] == "chunks" and size[1] * g.chunk_tokens <= mml - 1:
+                args["prompt_chunks"] = size[1]
+                length = size[1] * g.chunk_tokens
+            else:
+                length = min(size[1] if size[0] == "tokens" else size[1] * g.chunk_tokens, mml - 1)
+                args["prompt_tokens"] = length
+            args["max_tokens"] = max(1, min(max_tokens, mml - length))
+            if prefix is not None and names:
+                other = pick(prefix[0])
+                unit, amount = prefix[1]
+                shared = amount * g.chunk_tokens if unit == "chunks" else amount
+                shared = min(shared, length, lengths[other])
+                if shared >= 1:
+                    args["shared_prefix_with"] = other
+                    args["shared_prefix_tokens"] = shared
+            names.append(rid)
+            lengths[rid] = length
+            steps.append(Step("add", args, 0))
+        elif action in ("abort", "finish"):
+            if names:
+                steps.append(Step(action, {"request": pick(event[1])}, 0))
+        elif action in ("hold", "complete", "fail"):
+            _, target, kind = event
+            args = {}
+            if target is not None:
+                if not names:
+                    continue
+                args["request"] = pick(target)
+            if kind is not None:
+                args["kind"] = kind
+            steps.append(Step(f"{action}_transfers", args, 0))
+        elif action == "reset":
+            _, running, connector = event
+            args = {}
+            if running:
+                args["reset_running_requests"] = True
+            if connector:
+                args["reset_connector"] = True
+            steps.append(Step("reset_prefix_cache", args, 0))
+        else:  # pragma: no cover - the strategy draws only the events above
+            raise ValueError(f"unknown event {event!r}")
+    return steps
+
+
+def drain_tail(steps: list[Step]) -> list[Step]:
+    """`schedule`, release every transfer, then DRAIN_STEPS more steps."""
+    steps = list(steps)
+    if steps and steps[-1].action == "schedule":
+        last = steps.pop()
+        count = last.args.get("count", 1) + 1
+    else:
+        count = 1
+    steps.append(Step("schedule", {"count": count} if count > 1 else {}, 0))
+    steps.append(Step("complete_transfers", {}, 0))
+    steps.append(Step("schedule", {"count": DRAIN_STEPS}, 0))
+    return steps
+
+
+def to_recipe(example: Example, name: str = "explore", summary: str = "generated by kvdoctor explore") -> Recipe:
+    return Recipe(name=name, summary=summary, signature=PLACEHOLDER_SIGNATURE,
+                  steps=tuple(drain_tail(event_steps(example))), setup=example.geometry.setup_dict())

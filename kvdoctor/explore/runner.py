@@ -1,0 +1,130 @@
+"""Run one generated recipe on the real scheduler and say what, if anything, broke.
+
+A run is `kvdoctor.scenario.run_scenario` with every named invariant of
+`kvdoctor.observe.invariants` checked after every step, plus the end-of-run
+check below. Its failure signature is:
+
+- `<Exception> in <innermost vLLM function>` for an exception raised in vLLM;
+- `kvdoctor <Exception> in <function>` for one raised in kvdoctor itself (a
+  harness bug: reported, never hidden);
+- `invariant <name>` for a violated invariant;
+- `check finished-requests-released` when, after the drain tail released every
+  transfer and ran DRAIN_STEPS more steps, a request that had finished before
+  the drain still holds connector state (its `_req_status` entry leaked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import KvdoctorError
+from kvdoctor.observe.invariants import INVARIANTS
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes.model import Recipe, Step
+
+RELEASE_CHECK = "finished-requests-released"
+
+
+@dataclass
+class Observation:
+    """What one run showed: `signature` is None when nothing broke."""
+
+    signature: str | None = None
+    kind: str = ""  # "exception" | "harness" | "invariant" | "check"
+    detail: str = ""
+    exception: str | None = None
+    function: str | None = None
+    code: str | None = None
+    invariant: str | None = None
+    failure_index: int | None = None  # the run's step counter where it fired (schedule repeats counted)
+    scheduler_steps: int = 0  # engine steps (schedule() + update_from_output()) the run executed
+    leaked: list[str] = field(default_factory=list)  # requests whose connector state was not released
+
+
+def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, str]]:
+    """(step index, action) per run-time step: a `schedule` with `count = n` counts n times."""
+    out = []
+    for index, step in enumerate(steps):
+        repeats = step.args.get("count", 1) if step.action == "schedule" else 1
+        out.extend((index, step.action) for _ in range(repeats))
+    return out
+
+
+def setup_of(recipe: Recipe) -> Setup:
+    """The `Setup` exactly as `kvdoctor repro` resolves it from the recipe's [setup]."""
+    from kvdoctor.app import resolve_setup
+
+    return resolve_setup(recipe, {})
+
+
+def _scheduler_steps(actions: list[tuple[int, str]], upto: int | None) -> int:
+    chosen = actions if upto is None else actions[:upto]
+    return sum(1 for _, action in chosen if action == "schedule")
+
+
+def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | None = None,
+            setup: Setup | None = None) -> Observation:
+    """Run `recipe` (which must end with the drain tail) and classify the outcome."""
+    from kvdoctor.scenario import run_scenario
+
+    names = tuple(INVARIANTS) if invariants is None else invariants
+    setup = setup or setup_of(recipe)
+    actions = expanded_actions(recipe.steps)
+    try:
+        result = run_scenario(api, recipe, setup, logic, record_timeline=True, extra_invariants=names)
+    except KvdoctorError as exc:  # vLLM refused the geometry: the generator's fault, never a finding
+        raise InvalidExample(str(exc)) from exc
+    obs = Observation()
+    if result.failure is not None:
+        failure = result.failure
+        obs.failure_index = result.failure_step
+        obs.scheduler_steps = _scheduler_steps(actions, result.failure_step)
+        obs.exception, obs.function, obs.code = failure.exception, failure.function, failure.code
+        where = f"{failure.exception} in {failure.function}"
+        obs.kind = "exception" if failure.in_vllm else "harness"
+        obs.signature = where if failure.in_vllm else f"kvdoctor {where}"
+        obs.detail = f"{failure.file}:{failure.line}: {failure.code or failure.message}"
+        return obs
+    if result.violations:
+        first = result.violations[0]
+        obs.failure_index = result.failure_step
+        obs.scheduler_steps = _scheduler_steps(actions, result.failure_step)
+        obs.kind, obs.invariant = "invariant", first.invariant
+        obs.signature = f"invariant {first.invariant}"
+        obs.detail = first.message
+        return obs
+    if result.outcome is Outcome.SETUP_ERROR:
+        raise InvalidExample(result.detail)
+    obs.scheduler_steps = _scheduler_steps(actions, None)
+    leaked = _leaked_requests(recipe, result)
+    if leaked:
+        obs.kind, obs.invariant = "check", RELEASE_CHECK
+        obs.signature = f"check {RELEASE_CHECK}"
+        obs.leaked = [snap.request for snap in leaked]
+        obs.detail = "; ".join(f"{s.request} ({s.status}) still has connector state after every transfer "
+                               f"drained ({len(s.in_flight_jobs)} jobs in flight)" for s in leaked)
+    return obs
+
+
+def _leaked_requests(recipe: Recipe, result: Any) -> list[Any]:
+    """Requests finished when the drain began whose connector state survived it."""
+    drain_index = len(recipe.steps) - 2  # the tail's complete_transfers step
+    if drain_index < 0 or recipe.steps[drain_index].action != "complete_transfers":
+        return []
+    entry = next((e for e in result.timeline if e.action == "complete_transfers"
+                  and e.index == _counter_of(recipe, drain_index)), None)
+    if entry is None:
+        return []
+    finished = {snap.request for snap in entry.requests if snap.status.startswith("FINISHED")}
+    return [snap for snap in result.requests if snap.request in finished and snap.connector_state]
+
+
+def _counter_of(recipe: Recipe, index: int) -> int:
+    """The 1-based run-time counter of step `index` (its last repeat)."""
+    return sum(step.args.get("count", 1) if step.action == "schedule" else 1 for step in recipe.steps[: index + 1])
+
+
+class InvalidExample(Exception):
+    """The generated recipe could not be run as a scenario (not a finding)."""

@@ -1,0 +1,304 @@
+"""The search: `hypothesis.find` once per new failure signature, in one or more processes.
+
+Each round calls `hypothesis.find(examples(...), condition)`. The condition
+runs the example's recipe on the real scheduler and is true for a failure
+whose signature no earlier round found. The first such failure *locks* the
+round on its signature: while hypothesis shrinks, only that signature counts,
+so the shrunk example fails the same way (it cannot slide to another bug).
+`find` returns the minimal example; the next round starts afresh with that
+signature excluded. Rounds stop when the example budget (`max_examples`
+generated examples, shrinking not counted) or the time budget is spent; a
+round still shrinking when time runs out gets `shrink_grace` more seconds
+and is then cut short, keeping the smallest failing example seen so far.
+
+`--workers N` runs N such searches in spawned processes (one vLLM import
+each) with distinct seeds; the parent merges their findings by signature.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvdoctor.explore.findings import Finding, finding_recipe, merge, summary_text
+from kvdoctor.explore.generate import Example, examples, to_recipe
+from kvdoctor.explore.runner import InvalidExample, Observation, observe
+
+SHRINK_GRACE_S = 30.0
+PROGRESS_EVERY_S = 0.2
+
+
+@dataclass
+class ExploreConfig:
+    seed: int = 0
+    logic: str = "installed"
+    max_examples: int = 1500
+    time_budget: float = 30.0
+    max_events: int = 24
+    workers: int = 1
+    shrink_grace: float = SHRINK_GRACE_S
+    invariants: tuple[str, ...] | None = None  # None: every registered invariant
+
+
+@dataclass
+class Stats:
+    """Counters of one worker (or, summed, of the whole run)."""
+
+    examples: int = 0  # generated examples run
+    shrink_examples: int = 0  # examples run while shrinking
+    invalid: int = 0  # examples vLLM refused (should stay 0)
+    scheduler_steps: int = 0
+    run_seconds: float = 0.0  # time inside the scheduler runs (the rest is hypothesis)
+    elapsed: float = 0.0
+    failures: int = 0
+    phase: str = "starting"
+    done: bool = False
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.scheduler_steps / self.elapsed if self.elapsed > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("examples", "shrink_examples", "invalid", "scheduler_steps",
+                                              "run_seconds", "elapsed", "failures", "phase", "done")}
+
+
+@dataclass
+class ExploreResult:
+    vllm_version: str
+    config: ExploreConfig
+    findings: list[Finding] = field(default_factory=list)
+    stats: Stats = field(default_factory=Stats)
+    worker_stats: list[Stats] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class _StopExploring(BaseException):
+    """Raised from inside `find` when the budget is spent (BaseException: hypothesis lets it through)."""
+
+
+def example_seed(seed: int, worker: int, round_: int) -> int:
+    return random.Random(f"kvdoctor-explore:{seed}:{worker}:{round_}").getrandbits(63)
+
+
+def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
+                  on_progress: Callable[[Stats], None] | None = None,
+                  on_finding: Callable[[Finding], None] | None = None,
+                  trace: list[tuple[Any, Observation]] | None = None) -> tuple[list[Finding], Stats]:
+    """One worker's rounds of `find`; `trace` (if given) collects every (recipe, observation) run."""
+    from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+    from hypothesis.errors import HypothesisException, NoSuchExample
+
+    stats = Stats(phase="searching")
+    found: dict[str, Finding] = {}
+    strategy = examples(config.max_events)
+    start = time.monotonic()
+    deadline = start + config.time_budget
+    last_report = 0.0
+
+    def report(force: bool = False) -> None:
+        nonlocal last_report
+        now = time.monotonic()
+        stats.elapsed = now - start
+        if on_progress is not None and (force or now - last_report >= PROGRESS_EVERY_S):
+            last_report = now
+            on_progress(stats)
+
+    round_ = 0
+    while stats.examples < config.max_examples and time.monotonic() < deadline:
+        round_ += 1
+        seed_here = example_seed(config.seed, worker, round_)
+        lock: dict[str, Any] = {"signature": None, "best": None}
+        budget_left = config.max_examples - stats.examples
+
+        def condition(example: Example) -> bool:
+            now = time.monotonic()
+            shrinking = lock["signature"] is not None
+            if (not shrinking and now >= deadline) or now >= deadline + config.shrink_grace:
+                raise _StopExploring()
+            if not shrinking and stats.examples >= config.max_examples:
+                raise _StopExploring()
+            recipe = to_recipe(example)
+            t0 = time.perf_counter()
+            try:
+                obs = observe(api, recipe, config.logic, config.invariants)
+            except InvalidExample:
+                stats.invalid += 1
+                report()
+                return False
+            finally:
+                stats.run_seconds += time.perf_counter() - t0
+            stats.scheduler_steps += obs.scheduler_steps
+            if shrinking:
+                stats.shrink_examples += 1
+            else:
+                stats.examples += 1
+            if trace is not None:
+                trace.append((recipe, obs))
+            report()
+            if obs.signature is None or obs.signature in found:
+                return False
+            if lock["signature"] is None:
+                lock["signature"] = obs.signature
+                stats.phase = f"shrinking {obs.signature}"
+                report(force=True)
+            elif obs.signature != lock["signature"]:
+                return False
+            lock["best"] = (recipe, obs)  # each success while shrinking is hypothesis' new smallest
+            return True
+
+        outcome: tuple[Any, Observation] | None = None
+        exhausted = False
+        try:
+            minimal = find(strategy, condition, random=random.Random(seed_here), settings=settings(
+                max_examples=max(1, budget_left), database=None, deadline=None, verbosity=Verbosity.quiet,
+                phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck)))
+            recipe = to_recipe(minimal)
+            outcome = (recipe, observe(api, recipe, config.logic, config.invariants))
+            if outcome[1].signature != lock["signature"]:  # not deterministic: keep what shrinking saw
+                outcome = lock["best"]
+        except NoSuchExample:
+            exhausted = True
+        except _StopExploring:
+            outcome = lock["best"]
+            exhausted = True
+        except HypothesisException:  # e.g. Flaky: keep the smallest failure seen
+            outcome = lock["best"]
+        if outcome is not None:
+            recipe, obs = outcome
+            assert obs.signature is not None
+            summary = summary_text(obs, config.seed, seed_here, worker, round_, config.logic, api.version_text)
+            finding = Finding(signature=obs.signature, kind=obs.kind, detail=obs.detail,
+                              recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
+                              example_seed=seed_here, worker=worker, round=round_, logic=config.logic,
+                              vllm_version=api.version_text, examples_before=stats.examples,
+                              elapsed_s=time.monotonic() - start)
+            found[obs.signature] = finding
+            stats.failures = len(found)
+            if on_finding is not None:
+                on_finding(finding)
+        stats.phase = "searching"
+        if exhausted:
+            break
+    stats.phase = "done"
+    stats.done = True
+    report(force=True)
+    return list(found.values()), stats
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+def _worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
+    """Entry point of a spawned worker: import vLLM, search, send progress and findings."""
+    try:
+        from kvdoctor.engine import compat
+
+        api = compat.load()
+        queue.put(("ready", worker, api.version_text))
+        worker_config = ExploreConfig(**{**config.__dict__, "workers": 1})
+        findings, stats = worker_search(
+            api, worker_config, worker,
+            on_progress=lambda s: queue.put(("progress", worker, s.as_dict())),
+            on_finding=lambda f: queue.put(("finding", worker, f)))
+        queue.put(("done", worker, stats.as_dict()))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it, one line
+        queue.put(("error", worker, f"{type(exc).__name__}: {exc}"))
+
+
+def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None = None,
+            on_finding: Callable[[Finding], None] | None = None, api: Any = None) -> ExploreResult:
+    """Run the whole search (in-process for one worker, spawned processes for more)."""
+    if config.workers <= 1:
+        if api is None:
+            from kvdoctor.engine import compat
+
+            api = compat.load()
+        result = ExploreResult(vllm_version=api.version_text, config=config)
+
+        def progress(stats: Stats) -> None:
+            result.stats = stats
+            result.worker_stats = [stats]
+            if on_progress is not None:
+                on_progress(result)
+
+        findings, stats = worker_search(api, config, 0, progress, on_finding)
+        result.stats, result.worker_stats = stats, [stats]
+        result.findings = merge(findings)
+        return result
+    return _explore_parallel(config, on_progress, on_finding)
+
+
+def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None,
+                      on_finding: Callable[[Finding], None] | None) -> ExploreResult:
+    import multiprocessing
+    import queue as queue_mod
+
+    from kvdoctor.engine.compat import installed_vllm_version
+
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that imported torch
+    queue = ctx.Queue()
+    result = ExploreResult(vllm_version=installed_vllm_version() or "?", config=config)
+    per_worker: dict[int, Stats] = {i: Stats(phase="importing vLLM") for i in range(config.workers)}
+    processes = [ctx.Process(target=_worker_main, args=(config, i, queue), daemon=True)
+                 for i in range(config.workers)]
+    for process in processes:
+        process.start()
+    findings: list[Finding] = []
+    running = set(range(config.workers))
+    seen: set[str] = set()
+
+    def publish() -> None:
+        result.worker_stats = [per_worker[i] for i in sorted(per_worker)]
+        total = Stats(phase=", ".join(sorted({s.phase for s in result.worker_stats})))
+        for s in result.worker_stats:
+            total.examples += s.examples
+            total.shrink_examples += s.shrink_examples
+            total.invalid += s.invalid
+            total.scheduler_steps += s.scheduler_steps
+            total.run_seconds += s.run_seconds
+            total.elapsed = max(total.elapsed, s.elapsed)
+        total.failures = len(seen)
+        total.done = not running
+        result.stats = total
+        if on_progress is not None:
+            on_progress(result)
+
+    try:
+        while running:
+            try:
+                kind, worker, payload = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                for i in list(running):
+                    if not processes[i].is_alive() and processes[i].exitcode not in (None, 0):
+                        result.errors.append(f"worker {i} died (exit code {processes[i].exitcode})")
+                        running.discard(i)
+                publish()
+                continue
+            if kind == "ready":
+                result.vllm_version = payload
+                per_worker[worker].phase = "searching"
+            elif kind == "progress":
+                per_worker[worker] = Stats(**payload)
+            elif kind == "finding":
+                findings.append(payload)
+                if payload.signature not in seen:
+                    seen.add(payload.signature)
+                    if on_finding is not None:
+                        on_finding(payload)
+            elif kind == "done":
+                per_worker[worker] = Stats(**payload)
+                running.discard(worker)
+            elif kind == "error":
+                result.errors.append(f"worker {worker}: {payload}")
+                running.discard(worker)
+            publish()
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+    result.findings = merge(findings)
+    publish()
+    return result

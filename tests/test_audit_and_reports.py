@@ -1,0 +1,123 @@
+"""`kvdoctor audit`, Markdown/SVG attachments, and exported standalone scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT, run_cli
+
+SECRET = "kvdoctor-test-secret-0f9a"
+K1_RECIPES = ("queued-abort", "preemption", "prefetch")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """A home directory whose path must never show up in a report."""
+    return tmp_path_factory.mktemp("operator-home")
+
+
+@pytest.fixture(scope="module")
+def audit_run(home):
+    report = home / "audit.md"
+    env = {"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET}
+    proc = run_cli("audit", "--json", "--report", str(report), env=env)
+    return proc, json.loads(proc.stdout), report.read_text()
+
+
+def test_audit_rows_and_exit_code(audit_run, release):
+    proc, doc, _ = audit_run
+    assert doc["schema_version"] == 1 and doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
+    rows = {row["recipe"]: row for row in doc["rows"]}
+    assert set(K1_RECIPES) <= set(rows)
+    for name in K1_RECIPES:
+        assert rows[name]["bug"] == "K1" and any("49118" in ref for ref in rows[name]["refs"])
+        expected = "reproduced" if release == (0, 26) else "not_reproduced"
+        assert rows[name]["outcome"] == expected, rows[name]
+        assert rows[name]["fixed_logic_outcome"] == "not_reproduced"
+    reproduced = [row for row in doc["rows"] if row["outcome"] == "reproduced"]
+    assert doc["any_reproduced"] is bool(reproduced)
+    assert proc.returncode == (1 if reproduced else 0), proc.stderr
+    if release == (0, 26):
+        assert "fixed logic" in rows["queued-abort"]["hint"]
+
+
+def test_audit_markdown_report(audit_run, home, release):
+    _, doc, markdown = audit_run
+    assert markdown.startswith("# kvdoctor audit: known KV-offload bugs on vLLM ")
+    for key in ("kvdoctor", "vllm", "torch", "python", "os", "GPU present"):
+        assert re.search(rf"^\| {key} \| .+ \|$", markdown, re.M), key
+    table_rows = re.findall(r"^\| (K\d+|-) \| ([\w-]+) \|", markdown, re.M)
+    assert {name for _, name in table_rows} == {row["recipe"] for row in doc["rows"]}
+    assert "kvdoctor audit --json --report ~/audit.md" in markdown
+    if release == (0, 26):
+        assert "`AssertionError: assert len(offload_keys) == len(offload_block_ids)`" in markdown
+        assert "<details>" in markdown and "vLLM frames" in markdown
+
+
+def test_reports_leak_no_secret_and_no_home(audit_run, home):
+    _, _, markdown = audit_run
+    assert SECRET not in markdown
+    assert str(home) not in markdown
+    assert os.path.expanduser("~") not in markdown or os.path.expanduser("~") == str(home)
+
+
+@pytest.fixture(scope="module")
+def repro_reports(home):
+    paths = []
+    for i in range(2):
+        md, svg = home / f"repro{i}.md", home / f"repro{i}.svg"
+        proc = run_cli("repro", "queued-abort", "--report", str(md), "--svg", str(svg),
+                       env={"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET})
+        assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
+        paths.append((md, svg))
+    return paths
+
+
+def test_repro_report_is_deterministic_but_for_timestamps(repro_reports):
+    texts = [re.sub(r"_Generated .*_", "", md.read_text()).replace("repro1", "repro0")
+             for md, _ in repro_reports]
+    assert texts[0] == texts[1]
+    text = texts[0]
+    for section in ("## Environment", "## Command", "## Recipe", "## Setup", "## Outcome"):
+        assert section in text
+    assert "| installed |" in text and "| fixed |" in text and "| unpatched |" in text
+    assert SECRET not in text
+
+
+def test_svg_is_written(repro_reports):
+    svg = repro_reports[0][1].read_text()
+    assert svg.lstrip().startswith("<svg") and "queued-abort" in svg
+
+
+@pytest.mark.parametrize("name", K1_RECIPES)
+def test_exported_script_reproduces_with_vllm_only(tmp_path, name, release):
+    script = tmp_path / f"{name}.py"
+    proc = run_cli("repro", name, "--export-script", str(script))
+    assert proc.returncode == 0, proc.stderr
+    source = script.read_text()
+    assert "kvdoctor" not in re.sub(r"^#.*$|\"\"\"[\s\S]*?\"\"\"", "", source, flags=re.M).replace(
+        "kv-repro", ""), "the script must not import kvdoctor"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
+    if release == (0, 26):
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "AssertionError" in run.stderr
+        assert "assert len(offload_keys) == len(offload_block_ids)" in run.stderr
+    else:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "no crash" in run.stdout
+
+
+def test_export_refuses_silent_bugs(tmp_path):
+    recipe = tmp_path / "silent.toml"
+    recipe.write_text((ROOT / "repros" / "queued-abort.toml").read_text().replace(
+        'exception = "AssertionError"\nfunction = "_build_store_jobs"\ncontains = "len(offload_keys) == '
+        'len(offload_block_ids)"', 'invariant = "store-covers-computed-slots"'))
+    proc = run_cli("repro", str(recipe), "--export-script", str(tmp_path / "x.py"))
+    assert proc.returncode == 2 and "silent bug" in proc.stderr
