@@ -178,6 +178,12 @@ class ScenarioRun:
             self.result.detail = "; ".join(reasons)
             return self.result
         harness = Harness(self.api, self.setup)
+        try:
+            return self._run_on(harness)
+        finally:
+            harness.shutdown()
+
+    def _run_on(self, harness: Harness) -> RunResult:
         observer = Observer(harness, self.logic)
         counter = 0
         with storable_chunks_variant(self.api, self.logic, self.log):

@@ -188,6 +188,13 @@ class Harness:
             self.worker.forget()
         return bool(ok)
 
+    def shutdown(self) -> None:
+        """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
+        try:
+            self.scheduler.shutdown()
+        except Exception:  # noqa: BLE001 - a crashed scheduler may not shut down cleanly
+            pass
+
     # -- one engine step ------------------------------------------------
     def step(self) -> StepEvents:
         """schedule(), the worker's output, update_from_output(); async applies it one step late."""

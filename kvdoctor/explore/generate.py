@@ -20,6 +20,7 @@ the runner checks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ from kvdoctor.recipes.model import Recipe, Signature, Step
 PLACEHOLDER_SIGNATURE = Signature(exception="(explore: any failure)", function="(explore)")
 DRAIN_STEPS = 4  # engine steps after releasing every transfer (covers the async one-step lag twice)
 MAX_REQUEST_REF = 15  # request indices drawn in 0..15, taken modulo the requests added so far
-MAX_SCHEDULE_COUNT = 4
+MAX_SCHEDULE_COUNT = 8
 
 
 @dataclass(frozen=True)
@@ -59,33 +60,39 @@ class Geometry:
         }
 
 
-@st.composite
-def geometries(draw: Any) -> Geometry:
-    """Small pools (preemption and queueing happen), every chunking, sync and async."""
-    block_size = draw(st.sampled_from([4, 2, 8, 16, 1]))
-    blocks_per_chunk = draw(st.integers(1, 4))
-    gpu_blocks = draw(st.integers(4, 24))
-    max_num_seqs = draw(st.sampled_from([16, 4, 2]))
-    batched = draw(st.sampled_from([256, 8, 16, 32, 64]))
+def _geometry(block_size: int, blocks_per_chunk: int, gpu_blocks: int, max_num_seqs: int, batched: int,
+              async_scheduling: bool) -> Geometry:
     return Geometry(block_size=block_size, blocks_per_chunk=blocks_per_chunk, gpu_blocks=gpu_blocks,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs),
-                    async_scheduling=draw(st.booleans()))
+                    async_scheduling=async_scheduling)
 
 
-def event_strategy(geometry: Geometry) -> st.SearchStrategy:
-    """One abstract event; `schedule` and `add` are drawn more often than the rest."""
-    mml = geometry.max_model_len
+@lru_cache(maxsize=None)
+def geometries() -> st.SearchStrategy[Geometry]:
+    """Small pools (preemption and queueing happen), every chunking, sync and async."""
+    return st.builds(_geometry, st.sampled_from([4, 2, 8, 16, 1]), st.integers(1, 4), st.integers(4, 24),
+                     st.sampled_from([16, 4, 2]), st.sampled_from([256, 8, 16, 32, 64]), st.booleans())
+
+
+@lru_cache(maxsize=None)
+def event_strategy() -> st.SearchStrategy:
+    """One abstract event; `schedule`, `add` and `abort` are drawn more often than the rest.
+
+    Built once (building strategies is costly next to a scheduler run): sizes are
+    geometry-free here and fitted to the geometry by `event_steps`.
+    """
     request = st.integers(0, MAX_REQUEST_REF)
     target = st.none() | request  # None: every request
     kind = st.sampled_from([None, "store", "load"])
     size = st.one_of(
-        st.tuples(st.just("tokens"), st.integers(1, max(1, mml - 1))),
-        st.tuples(st.just("chunks"), st.integers(1, max(1, (mml - 1) // geometry.chunk_tokens))),
-        st.just(("fill",)),
+        st.tuples(st.just("tokens"), st.integers(1, 64)),  # absolute, clipped to the model length
+        st.tuples(st.just("chunks"), st.integers(1, 8)),  # whole offloaded chunks
+        st.tuples(st.just("pool"), st.integers(1, 8)),  # eighths of the longest admissible prompt
+        st.just(("fill",)),  # fill_pool: every usable GPU block but one
     )
     prefix = st.none() | st.tuples(request, st.one_of(
-        st.integers(1, 8).map(lambda chunks: ("chunks", chunks)),
-        st.integers(1, max(1, mml - 1)).map(lambda tokens: ("tokens", tokens)),
+        st.tuples(st.just("chunks"), st.integers(1, 8)),
+        st.tuples(st.just("tokens"), st.integers(1, 64)),
     ))
     schedule = st.tuples(st.just("schedule"), st.integers(1, MAX_SCHEDULE_COUNT))
     add = st.tuples(st.just("add"), size, st.integers(1, 16), prefix)
@@ -106,13 +113,9 @@ class Example:
     events: tuple[tuple[Any, ...], ...]
 
 
+@lru_cache(maxsize=None)
 def examples(max_events: int) -> st.SearchStrategy[Example]:
-    @st.composite
-    def build(draw: Any) -> Example:
-        geometry = draw(geometries())
-        events = draw(st.lists(event_strategy(geometry), min_size=1, max_size=max_events))
-        return Example(geometry, tuple(events))
-    return build()
+    return st.builds(Example, geometries(), st.lists(event_strategy(), min_size=1, max_size=max_events).map(tuple))
 
 
 def request_name(index: int) -> str:
@@ -151,7 +154,9 @@ def event_steps(example: Example) -> list[Step]:
                 args["prompt_chunks"] = size[1]
                 length = size[1] * g.chunk_tokens
             else:
-                length = min(size[1] if size[0] == "tokens" else size[1] * g.chunk_tokens, mml - 1)
+                wanted = {"tokens": size[1], "chunks": size[1] * g.chunk_tokens,
+                          "pool": -(-size[1] * (mml - 1) // 8), "fill": mml - 1}[size[0]]
+                length = max(1, min(wanted, mml - 1))
                 args["prompt_tokens"] = length
             args["max_tokens"] = max(1, min(max_tokens, mml - length))
             if prefix is not None and names:

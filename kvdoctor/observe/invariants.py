@@ -44,13 +44,12 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
     messages = []
     stored_requests = set(ctx.events.new_store_jobs.values())
     for req_id in sorted(stored_requests):
-        request = ctx.harness.requests.get(req_id)
         calls = [c for c in ctx.calls if c.req_id == req_id]
-        if request is None or not calls:
-            continue
-        scheduled = 0 if request.is_finished() else ctx.events.scheduled_tokens.get(req_id, 0)
         for call in calls:
-            limit = call.computed_tokens + scheduled
+            # The status when vLLM built the store: a request finished by this very
+            # step's output was still running then, and its scheduled tokens count.
+            finished = call.request_status.startswith("FINISHED")
+            limit = call.computed_tokens + (0 if finished else ctx.events.scheduled_tokens.get(req_id, 0))
             end = call.returned * call.tokens_per_chunk
             if end > limit:
                 messages.append(f"{req_id}: store covers tokens up to {end} but only {limit} have KV written "

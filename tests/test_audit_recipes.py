@@ -1,0 +1,276 @@
+"""The built-in recipes for K2, K4 and K8, run on the installed vLLM.
+
+Each recipe runs once per scheduling mode in this module (one vLLM import,
+eighteen runs: three recipes, two modes, three logic variants). The expected
+outcomes per release were measured on vLLM 0.26.0 and 0.33.0; other releases
+are skipped rather than guessed. None of these paths goes through
+`storable_chunks`' allocated-chunk cap, so the three logic variants agree.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from kvdoctor import app
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes.builtins import builtin_names, load_builtin
+
+pytestmark = pytest.mark.vllm
+
+K8 = "preempt-reload-same-step"
+K2 = "finished-after-finalize"
+K4 = "final-token-slot-stored"
+RECIPES = (K8, K2, K4)
+MODES = (False, True)
+LOGICS = ("installed", "fixed", "unpatched")
+
+R = Outcome.REPRODUCED
+N = Outcome.NOT_REPRODUCED
+O = Outcome.OTHER_FAILURE
+
+
+def same(outcome):
+    return {logic: outcome for logic in LOGICS}
+
+
+# (major, minor) -> recipe -> async_scheduling -> logic -> outcome
+EXPECTED = {
+    (0, 26): {
+        # Sync: the preempt flush meets the reload's load job. Async: the step before the
+        # reset is still in flight (deferred block frees), vLLM's reset_prefix_cache raises.
+        K8: {False: same(R), True: same(O)},
+        # request_finished finalizes the request in the tiering manager before its final store.
+        K2: {False: same(R), True: same(R)},
+        # Sync: the final store counts the never-computed last token. Async: that token's
+        # decode step was scheduled before its EOS was seen, so its slot was computed.
+        K4: {False: same(R), True: same(N)},
+    },
+    (0, 33): {
+        K8: {False: same(N), True: same(O)},  # PR #57810 in; async reset still refused
+        K2: {False: same(N), True: same(N)},  # PR #49671 in: the final store is built
+        K4: {False: same(N), True: same(N)},  # PR #54288 in: no store past the commit point
+    },
+}
+
+SHM_PATTERN = "/dev/shm/vllm_offload_*.mmap"
+
+
+def _own_offload_regions() -> set[str]:
+    """/dev/shm regions this process holds open (the tiering spec's scheduler-side mmap)."""
+    held = set()
+    for fd in glob.glob("/proc/self/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/vllm_offload_") and target.endswith(".mmap"):
+            held.add(target)
+    return held
+
+
+@pytest.fixture(scope="module")
+def expected(api, release):
+    """`api` and `release` (the (major, minor) of the vLLM under test) come from conftest."""
+    table = EXPECTED.get(tuple(release))
+    if table is None:
+        pytest.skip(f"outcomes measured on vLLM 0.26 and 0.33 only, not {api.version_text}")
+    return table
+
+
+@pytest.fixture(scope="module")
+def reports(api):
+    """Each recipe under each scheduling mode, all logic variants, timelines recorded."""
+    before = set(glob.glob(SHM_PATTERN)) | _own_offload_regions()
+    try:
+        yield {
+            (name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+            for name in RECIPES
+            for mode in MODES
+        }
+    finally:
+        # kvdoctor's harness never shuts the scheduler down, so each TieringOffloadingSpec
+        # leaves its /dev/shm region behind: remove the ones this process created.
+        for path in _own_offload_regions() - before:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def result(reports, name, mode, logic):
+    return next(r for r in reports[(name, mode)].results if r.logic == logic)
+
+
+def index_of(run, action, after=0):
+    """Timeline position of the first `action` step at or after position `after`."""
+    for i, entry in enumerate(run.timeline[after:], start=after):
+        if entry.action == action:
+            return i
+    raise AssertionError(f"no {action} step after position {after}")
+
+
+def last_expect(run):
+    return max(i for i, entry in enumerate(run.timeline) if entry.action == "expect")
+
+
+def snap(entry, request):
+    return next(s for s in entry.requests if s.request == request)
+
+
+# -- the recipes themselves --------------------------------------------------
+
+def test_recipes_are_builtins():
+    names = builtin_names()
+    for name in RECIPES:
+        assert name in names
+        recipe = load_builtin(name)
+        assert recipe.name == name and recipe.title and recipe.summary and recipe.refs
+        assert any(step.action == "expect" for step in recipe.steps), name
+    k8, k2, k4 = (load_builtin(name) for name in RECIPES)
+    assert k8.bug == "K8" and any("57810" in ref for ref in k8.refs)
+    assert (k8.signature.exception, k8.signature.function) == ("AssertionError", "build_connector_meta")
+    assert k2.bug == "K2" and any("49635" in ref for ref in k2.refs)
+    assert k2.requires == ("spec:TieringOffloadingSpec",)
+    assert k2.setup["spec_name"] == "TieringOffloadingSpec"
+    assert k2.setup["extra_connector_config"]["secondary_tiers"] == []
+    assert (k2.signature.exception, k2.signature.function) == ("KeyError", "prepare_store")
+    assert k4.bug == "K4" and any("54288" in ref for ref in k4.refs)
+    assert k4.signature.invariant == "store-covers-computed-slots"
+    assert k4.setup["offload_prompt_only"] is False
+
+
+# -- the outcome matrix ------------------------------------------------------
+
+@pytest.mark.parametrize("logic", LOGICS)
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_outcome(reports, expected, name, mode, logic):
+    run = result(reports, name, mode, logic)
+    want = expected[name][mode][logic]
+    assert run.outcome is want, (
+        f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
+        f"{run.failure and run.failure.message}), expected {want.value}")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_runs_that_survive_pass_their_checks(reports, expected, name, mode):
+    for logic in LOGICS:
+        run = result(reports, name, mode, logic)
+        if run.outcome is N:
+            assert run.checks and all(c.passed for c in run.checks), [(c.description, c.observed)
+                                                                       for c in run.checks]
+
+
+# -- K8: preempted by a cache reset and reloaded in the same step ------------
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k8_fires_in_the_step_after_the_reset(reports, expected, mode):
+    for logic in LOGICS:
+        run = result(reports, K8, mode, logic)
+        if run.outcome is not R:
+            continue
+        assert run.failure.function == "build_connector_meta"
+        assert run.failure.code == "assert self._jobs[any_jid].is_store"
+        last = run.timeline[-1]
+        assert last.failed and last.action == "schedule"
+        reset = index_of(run, "reset_prefix_cache")
+        assert index_of(run, "schedule", reset) == len(run.timeline) - 1
+        before = run.timeline[-2]
+        assert before.action == "expect" and snap(before, "A").status == "PREEMPTED"
+        # what the assertion tripped on: A's only job is the load of its stored chunk
+        a = snap(last, "A")
+        assert a.status == "WAITING_FOR_REMOTE_KVS" and a.in_flight_jobs and \
+            all(job.startswith("load#") for job in a.in_flight_jobs), a
+
+
+def test_k8_fixed_release_reloads_in_the_preempting_step(reports, expected, release):
+    run = result(reports, K8, False, "installed")
+    if run.outcome is not N:
+        pytest.skip(f"K8 reproduces on {release}")
+    step = run.timeline[index_of(run, "schedule", index_of(run, "reset_prefix_cache"))]
+    assert step.events.preempted == ["A"]
+    assert list(step.events.new_load_jobs.values()) == ["A"]
+    assert not step.events.jobs_to_flush  # the new load is not flushed (PR #57810)
+
+
+def test_k8_async_reset_is_refused_by_vllm(reports, expected):
+    for logic in LOGICS:
+        run = result(reports, K8, True, logic)
+        assert run.outcome is O
+        assert run.failure.exception == "RuntimeError" and run.failure.in_vllm
+        assert run.failure.function == "reset_prefix_cache"
+        assert run.timeline[-1].action == "reset_prefix_cache" and run.timeline[-1].failed
+
+
+# -- K2: final store prepared after the tiering manager finalized the request -
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k2_fires_on_the_final_store(reports, expected, mode):
+    for logic in LOGICS:
+        run = result(reports, K2, mode, logic)
+        if run.outcome is not R:
+            continue
+        assert run.failure.exception == "KeyError" and run.failure.message == "'A'"
+        assert run.failure.code == "state = self._req_state[req_context.req_id]"
+        assert [f.function for f in run.failure.vllm_frames[-2:]] == ["_build_store_jobs", "prepare_store"]
+        # sync: the first schedule after the precondition; async: the second
+        first = index_of(run, "schedule", last_expect(run))
+        assert len(run.timeline) - 1 == first + (1 if mode else 0)
+        a = snap(run.timeline[-1], "A")
+        assert a.status == "FINISHED_STOPPED" and a.store_jobs_built == 0 and a.connector_state
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k2_prefill_store_was_refused_for_lack_of_cpu_space(reports, expected, mode):
+    for logic in LOGICS:
+        run = result(reports, K2, mode, logic)
+        prefill = run.timeline[last_expect(run) - 1]
+        assert prefill.action == "schedule" and prefill.events.scheduled_tokens.get("A") == 16
+        assert "A" not in prefill.events.new_store_jobs.values()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k2_fixed_release_builds_the_final_store(reports, expected, release, mode):
+    run = result(reports, K2, mode, "installed")
+    if run.outcome is not N:
+        pytest.skip(f"K2 reproduces on {release}")
+    final = [e for e in run.timeline if e.events is not None and "A" in e.events.new_store_jobs.values()]
+    assert len(final) == 1 and snap(final[0], "A").status == "FINISHED_STOPPED"
+
+
+# -- K4: the final sampled token's slot is stored (silent) ---------------------
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
+    for logic in LOGICS:
+        run = result(reports, K4, mode, logic)
+        if run.outcome is not R:
+            continue
+        assert run.failure is None
+        assert [v.invariant for v in run.violations] == ["store-covers-computed-slots"]
+        assert "A: store covers tokens up to 16 but only 15 have KV written" in run.violations[0].message
+        last = run.timeline[-1]
+        assert last.failed and last.action == "schedule"
+        assert last.events.new_store_jobs and set(last.events.new_store_jobs.values()) == {"A"}
+        assert index_of(run, "schedule", last_expect(run)) == len(run.timeline) - 1
+
+
+def test_k4_async_stores_a_computed_slot(reports, expected, release):
+    """Async scheduling computes the EOS token's slot before the EOS is seen."""
+    run = result(reports, K4, True, "installed")
+    a = snap(run.timeline[-1], "A")
+    assert a.status == "FINISHED_STOPPED" and a.computed_tokens == a.num_tokens == 16
+    stores = sum(len(e.events.new_store_jobs) for e in run.timeline if e.events is not None)
+    assert stores == (1 if release == (0, 26) else 0)
+
+
+def test_k4_fixed_release_builds_no_store(reports, expected, release):
+    if release != (0, 33):
+        pytest.skip("the PR #54288 clamp is measured on 0.33")
+    for mode in MODES:
+        run = result(reports, K4, mode, "installed")
+        assert snap(run.timeline[-1], "A").store_jobs_built == 0
