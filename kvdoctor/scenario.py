@@ -269,6 +269,8 @@ class ScenarioRun:
             harness.add(args["request"], prompt, args.get("max_tokens", 8))
         elif action == "schedule":
             return harness.step()
+        elif action == "drain":
+            harness.drain()
         elif action == "abort":
             harness.abort(args["request"])
         elif action == "finish":

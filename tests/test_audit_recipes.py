@@ -39,9 +39,8 @@ def same(outcome):
 # (major, minor) -> recipe -> async_scheduling -> logic -> outcome
 EXPECTED = {
     (0, 26): {
-        # Sync: the preempt flush meets the reload's load job. Async: the step before the
-        # reset is still in flight (deferred block frees), vLLM's reset_prefix_cache raises.
-        K8: {False: same(R), True: same(O)},
+        # The preempt flush meets the reload's load job (async: after draining the engine).
+        K8: {False: same(R), True: same(R)},
         # request_finished finalizes the request in the tiering manager before its final store.
         K2: {False: same(R), True: same(R)},
         # Sync: the final store counts the never-computed last token. Async: that token's
@@ -49,7 +48,7 @@ EXPECTED = {
         K4: {False: same(R), True: same(N)},
     },
     (0, 33): {
-        K8: {False: same(N), True: same(O)},  # PR #57810 in; async reset still refused
+        K8: {False: same(N), True: same(N)},  # PR #57810 in
         K2: {False: same(N), True: same(N)},  # PR #49671 in: the final store is built
         K4: {False: same(N), True: same(N)},  # PR #54288 in: no store past the commit point
     },
@@ -197,13 +196,13 @@ def test_k8_fixed_release_reloads_in_the_preempting_step(reports, expected, rele
     assert not step.events.jobs_to_flush  # the new load is not flushed (PR #57810)
 
 
-def test_k8_async_reset_is_refused_by_vllm(reports, expected):
+def test_k8_async_needs_the_drain(reports, expected):
+    """Under async scheduling the recipe drains first; the reset then succeeds."""
     for logic in LOGICS:
         run = result(reports, K8, True, logic)
-        assert run.outcome is O
-        assert run.failure.exception == "RuntimeError" and run.failure.in_vllm
-        assert run.failure.function == "reset_prefix_cache"
-        assert run.timeline[-1].action == "reset_prefix_cache" and run.timeline[-1].failed
+        actions = [e.action for e in run.timeline]
+        assert actions.index("drain") < actions.index("reset_prefix_cache")
+        assert not any(e.failed and e.action == "reset_prefix_cache" for e in run.timeline)
 
 
 # -- K2: final store prepared after the tiering manager finalized the request -

@@ -206,7 +206,7 @@ def test_recipes_are_data_not_code(tmp_path: Path) -> None:
 def test_unknown_action(tmp_path: Path) -> None:
     text = replace(GOOD, 'action = "abort"', 'action = "abrot"')
     assert_error(tmp_path, text, line_of(text, "abrot"),
-                 "step 6", "unknown action 'abrot'", "expected one of add, schedule, abort")
+                 "step 6", "unknown action 'abrot'", "expected one of add, schedule, drain, abort")
 
 
 def test_action_not_a_string(tmp_path: Path) -> None:

@@ -188,6 +188,14 @@ class Harness:
             self.worker.forget()
         return bool(ok)
 
+    def drain(self) -> bool:
+        """Apply the output still in flight (async scheduling), as an engine that goes idle does."""
+        if self._pending_output is None:
+            return False
+        pending, self._pending_output = self._pending_output, None
+        self.scheduler.update_from_output(*pending)
+        return True
+
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
         try:

@@ -60,51 +60,78 @@ class Geometry:
         }
 
 
-def _geometry(block_size: int, blocks_per_chunk: int, gpu_blocks: int, max_num_seqs: int, batched: int,
-              async_scheduling: bool) -> Geometry:
-    return Geometry(block_size=block_size, blocks_per_chunk=blocks_per_chunk, gpu_blocks=gpu_blocks,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max(batched, max_num_seqs),
-                    async_scheduling=async_scheduling)
+# Each event is drawn as two integers (a row of EVENT_TABLE and a 24-bit parameter word),
+# each geometry as one integer: a handful of draws per example keeps hypothesis' share of the
+# time small next to the scheduler's (see benchmarks/bench_explore.py), and both shrink
+# towards 0, which decodes to the simplest choice (a `schedule`, small sizes, no prefix).
+EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule", "finish",
+               "hold", "complete", "fail", "reset", "schedule", "add", "abort", "finish")
+BLOCK_SIZES = (4, 2, 8, 16, 1)
+MAX_NUM_SEQS = (16, 4, 2)
+BATCHED_TOKENS = (256, 8, 16, 32, 64)
+SIZE_KINDS = ("tokens", "chunks", "pool", "fill")
+TRANSFER_KINDS = (None, "store", "load")
+WORD = (1 << 24) - 1
+
+
+def decode_geometry(word: int) -> Geometry:
+    """Mixed-radix fields of one integer; 0 is block size 4, one block per chunk, 4 GPU blocks."""
+    word, block_size = divmod(word, len(BLOCK_SIZES))
+    word, blocks_per_chunk = divmod(word, 4)
+    word, gpu_blocks = divmod(word, 21)
+    word, seqs = divmod(word, len(MAX_NUM_SEQS))
+    word, batched = divmod(word, len(BATCHED_TOKENS))
+    max_num_seqs = MAX_NUM_SEQS[seqs]
+    return Geometry(block_size=BLOCK_SIZES[block_size], blocks_per_chunk=1 + blocks_per_chunk,
+                    gpu_blocks=4 + gpu_blocks, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
+                    async_scheduling=bool(word % 2))
+
+
+def decode_event(row: int, word: int) -> tuple[Any, ...]:
+    """One abstract event (as `event_steps` reads it) from a table row and a parameter word.
+
+    - schedule: count = 1 + word % MAX_SCHEDULE_COUNT
+    - add: bits 22-23 size kind (tokens: 1-64 tokens; chunks: 1-8 offloaded chunks; pool:
+      1-8 eighths of the longest admissible prompt; fill: fill_pool), bits 16-21 its value,
+      bits 12-15 max_tokens - 1, bits 8-11 the request to share a prefix with, bits 0-7 the
+      prefix (< 160: none; 160-223: 1-8 chunks; 224-255: 1-63 tokens)
+    - abort, finish: the request (word % 16)
+    - hold / complete / fail transfers: kind (any, store, load) = word % 3; request = (word // 3) % 6
+      (0: every request)
+    - reset_prefix_cache: bit 0 reset_running_requests, bit 1 reset_connector
+    """
+    action = EVENT_TABLE[row]
+    if action == "schedule":
+        return ("schedule", 1 + word % MAX_SCHEDULE_COUNT)
+    if action == "add":
+        kind = SIZE_KINDS[(word >> 22) & 3]
+        value = (word >> 16) & 63
+        size = ("fill",) if kind == "fill" else (kind, 1 + (value if kind == "tokens" else value % 8))
+        code = word & 255
+        prefix = None
+        if code >= 224:
+            prefix = ((word >> 8) & 15, ("tokens", 1 + (code - 224) * 2))
+        elif code >= 160:
+            prefix = ((word >> 8) & 15, ("chunks", 1 + (code - 160) % 8))
+        return ("add", size, 1 + ((word >> 12) & 15), prefix)
+    if action in ("abort", "finish"):
+        return (action, word % (MAX_REQUEST_REF + 1))
+    if action in ("hold", "complete", "fail"):
+        target = (word // 3) % 6
+        return (action, None if target == 0 else target - 1, TRANSFER_KINDS[word % 3])
+    return ("reset", bool(word & 1), bool(word & 2))
 
 
 @lru_cache(maxsize=None)
 def geometries() -> st.SearchStrategy[Geometry]:
     """Small pools (preemption and queueing happen), every chunking, sync and async."""
-    return st.builds(_geometry, st.sampled_from([4, 2, 8, 16, 1]), st.integers(1, 4), st.integers(4, 24),
-                     st.sampled_from([16, 4, 2]), st.sampled_from([256, 8, 16, 32, 64]), st.booleans())
+    return st.integers(0, WORD).map(decode_geometry)
 
 
 @lru_cache(maxsize=None)
-def event_strategy() -> st.SearchStrategy:
-    """One abstract event; `schedule`, `add` and `abort` are drawn more often than the rest.
-
-    Built once (building strategies is costly next to a scheduler run): sizes are
-    geometry-free here and fitted to the geometry by `event_steps`.
-    """
-    request = st.integers(0, MAX_REQUEST_REF)
-    target = st.none() | request  # None: every request
-    kind = st.sampled_from([None, "store", "load"])
-    size = st.one_of(
-        st.tuples(st.just("tokens"), st.integers(1, 64)),  # absolute, clipped to the model length
-        st.tuples(st.just("chunks"), st.integers(1, 8)),  # whole offloaded chunks
-        st.tuples(st.just("pool"), st.integers(1, 8)),  # eighths of the longest admissible prompt
-        st.just(("fill",)),  # fill_pool: every usable GPU block but one
-    )
-    prefix = st.none() | st.tuples(request, st.one_of(
-        st.tuples(st.just("chunks"), st.integers(1, 8)),
-        st.tuples(st.just("tokens"), st.integers(1, 64)),
-    ))
-    schedule = st.tuples(st.just("schedule"), st.integers(1, MAX_SCHEDULE_COUNT))
-    add = st.tuples(st.just("add"), size, st.integers(1, 16), prefix)
-    abort = st.tuples(st.just("abort"), request)
-    return st.one_of(
-        schedule, add, abort, schedule, add, abort, schedule,
-        st.tuples(st.just("finish"), request),
-        st.tuples(st.just("hold"), target, kind),
-        st.tuples(st.just("complete"), target, kind),
-        st.tuples(st.just("fail"), target, kind),
-        st.tuples(st.just("reset"), st.booleans(), st.booleans()),
-    )
+def event_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
+    return st.builds(decode_event, st.integers(0, len(EVENT_TABLE) - 1), st.integers(0, WORD))
 
 
 @dataclass(frozen=True)

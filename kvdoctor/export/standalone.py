@@ -185,6 +185,10 @@ def main():
         elif action == "schedule":
             for _ in range(args.get("count", 1)):
                 step()
+        elif action == "drain":  # async: apply the output still in flight
+            if pending is not None:
+                previous, pending = pending, None
+                scheduler.update_from_output(*previous)
         elif action == "abort":
             scheduler.finish_requests(args["request"], RequestStatus.FINISHED_ABORTED)
         elif action == "finish":

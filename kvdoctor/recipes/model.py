@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ACTIONS = (
-    "add", "schedule", "abort", "finish", "complete_transfers", "hold_transfers",
+    "add", "schedule", "drain", "abort", "finish", "complete_transfers", "hold_transfers",
     "fail_transfers", "reset_prefix_cache", "expect",
 )
 
@@ -27,6 +27,7 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "shared_prefix_tokens": ((int,), False),
     },
     "schedule": {"count": ((int,), False)},
+    "drain": {},  # async: apply the output still in flight, without scheduling (the engine goes idle)
     "abort": {"request": ((str,), True)},
     "finish": {"request": ((str,), True)},
     "complete_transfers": {"request": ((str,), False), "kind": ((str,), False)},
