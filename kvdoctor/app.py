@@ -134,9 +134,27 @@ class AuditRow:
 
 
 @dataclass
+class MetricRow:
+    """A performance bug, reported as a measured number against a baseline."""
+
+    bug: str
+    title: str
+    refs: tuple[str, ...]
+    value: Any  # e.g. PrefixSharingMetric
+
+    @property
+    def summary(self) -> str:
+        m = self.value
+        return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
+                f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "
+                f"prefixes ({m.extra_steps:+d})")
+
+
+@dataclass
 class AuditReport:
     vllm_version: str
     rows: list[AuditRow] = field(default_factory=list)
+    metrics: list[MetricRow] = field(default_factory=list)
     command: str = ""
 
     @property
@@ -158,6 +176,11 @@ def audit(command: str = "") -> AuditReport:
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, installed, fixed))
     report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
+    from kvdoctor.observe.metrics import measure_prefix_sharing
+
+    report.metrics.append(MetricRow(
+        "K10", "Concurrent loads of one prefix serialise: overlapping requests wait for the first load",
+        ("vllm#44294 (issue)",), measure_prefix_sharing(api)))
     return report
 
 

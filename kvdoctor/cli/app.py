@@ -241,9 +241,9 @@ def audit(
 
             typer.echo(dumps(audit_document(result)))
         else:
-            from kvdoctor.report.tables import audit_table
+            from kvdoctor.report.tables import audit_renderables
 
-            _emit([audit_table(result)], svg)
+            _emit(audit_renderables(result), svg)
         if report is not None:
             _write_report(report, "audit", result)
         return EXIT_REPRODUCED if result.any_reproduced else EXIT_NOT_REPRODUCED

@@ -273,6 +273,10 @@ def load() -> VllmApi:
         mods = {key: _import(name) for key, name in _MODULES.items()}
     version_text = getattr(mods["vllm"], "__version__", declared)
     version = check_supported(version_text)
+    if not os.environ.get("KVDOCTOR_VERBOSE_IMPORT"):
+        import logging
+
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # connector-init chatter, once per scheduler
     api = VllmApi(version_text=version_text, version=version, mods=mods)
     api.storable_chunks_takes_group_state  # fail early on an unknown signature
     _API = api

@@ -226,7 +226,7 @@ class Harness:
             ids = getattr(getattr(job, "dst_spec", None), "block_ids", None)  # a numpy array in vLLM
             dst = tuple(int(b) for b in ids) if ids is not None else ()
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, dst))
-        report = self.worker.take_step(new_jobs, flush)
+        report = self.worker.take_step(new_jobs, flush, self.step_index)
         events.completed_jobs = [job.job_id for job in report.completed]
         events.failed_jobs = [job.job_id for job in report.failed]
         runner_output = self._model_runner_output(output, report)

@@ -52,7 +52,11 @@ class WorkerReport:
 
 
 class SimulatedWorker:
-    def __init__(self) -> None:
+    def __init__(self, load_latency_steps: int = 0) -> None:
+        # A load that is not held completes this many steps after the step that issued it
+        # (0: in that step's own output). Used to measure waiting, e.g. K10.
+        self.load_latency_steps = load_latency_steps
+        self._due: dict[int, int] = {}
         self.in_flight: dict[int, Job] = {}
         self._holds: list[Rule] = []
         self._to_complete: set[int] = set()
@@ -85,20 +89,23 @@ class SimulatedWorker:
     def forget(self) -> None:
         """The scheduler discarded every job (e.g. a connector cache reset)."""
         self.in_flight.clear()
+        self._due.clear()
         self._to_complete.clear()
         self._to_fail.clear()
 
     def is_held(self, job: Job) -> bool:
         return any(rule.matches(job) for rule in self._holds)
 
-    def take_step(self, new_jobs: list[Job], jobs_to_flush: set[int]) -> WorkerReport:
-        """Accept this step's jobs and decide what this step's output reports."""
-        report = WorkerReport()
+    def take_step(self, new_jobs: list[Job], jobs_to_flush: set[int], step: int) -> WorkerReport:
+        """Accept step `step`'s jobs and decide what its output reports."""
         for job in new_jobs:
             self.in_flight[job.job_id] = job
             if not self.is_held(job):
-                self._to_complete.add(job.job_id)
+                latency = self.load_latency_steps if job.kind == "load" else 0
+                self._due[job.job_id] = job.issued_step + latency
+        self._to_complete.update(jid for jid, due in self._due.items() if due <= step)
         self._to_complete.update(jid for jid in jobs_to_flush if jid in self.in_flight)
+        report = WorkerReport()
         for jid in sorted(self._to_fail):
             job = self.in_flight.pop(jid, None)
             if job is not None:
@@ -107,6 +114,8 @@ class SimulatedWorker:
             job = self.in_flight.pop(jid, None)
             if job is not None:
                 report.completed.append(job)
+        for job in report.completed + report.failed:
+            self._due.pop(job.job_id, None)
         self._to_complete.clear()
         self._to_fail.clear()
         return report

@@ -66,4 +66,8 @@ def audit_document(report: Any) -> dict[str, Any]:
             }
             for row in report.rows
         ],
+        "metrics": [
+            {"bug": m.bug, "title": m.title, "refs": list(m.refs), "summary": m.summary, **m.value.as_dict()}
+            for m in report.metrics
+        ],
     }

@@ -127,6 +127,11 @@ def render_audit_markdown(report: Any) -> str:
         lines.append(f"| {row.bug} | {row.recipe.name} | {', '.join(row.recipe.refs)} | {row.recipe.title or ''} "
                      f"| **{row.installed.outcome.value}** | {_scrub(row.hint or '')} |")
     lines.append("")
+    if report.metrics:
+        lines += ["## Measured (performance bugs)", "", "| bug | upstream | what it costs | measured |",
+                  "|---|---|---|---|"]
+        lines += [f"| {m.bug} | {', '.join(m.refs)} | {m.title} | {m.summary} |" for m in report.metrics]
+        lines.append("")
     for row in report.rows:
         result = row.installed
         if result.failure is not None:

@@ -200,6 +200,18 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
     return items
 
 
+def audit_renderables(report: Any) -> list[Any]:
+    items: list[Any] = [audit_table(report)]
+    if report.metrics:
+        table = Table(title="measured (performance bugs)", box=box.SIMPLE, title_justify="left")
+        for column in ("bug", "upstream", "what it costs", "measured"):
+            table.add_column(column, overflow="fold")
+        for metric in report.metrics:
+            table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric.summary)
+        items.append(table)
+    return items
+
+
 def audit_table(report: Any) -> Table:
     table = Table(title=f"known KV-offload bugs on vLLM {report.vllm_version}", box=box.SIMPLE_HEAVY,
                   title_justify="left")
