@@ -26,6 +26,14 @@ def release(api) -> tuple[int, int]:
     return api.version[:2]
 
 
+def expected_for(api, release, table: dict):
+    """The outcomes a test module measured for this release; skip releases it did not measure."""
+    outcomes = table.get(tuple(release))
+    if outcomes is None:
+        pytest.skip(f"outcomes measured on vLLM 0.26 and 0.33 only, not {api.version_text}")
+    return outcomes
+
+
 def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*KVDOCTOR, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **(env or {})})

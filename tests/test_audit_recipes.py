@@ -18,6 +18,8 @@ from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 
+from .conftest import expected_for
+
 pytestmark = pytest.mark.vllm
 
 K8 = "preempt-reload-same-step"
@@ -73,10 +75,7 @@ def _own_offload_regions() -> set[str]:
 @pytest.fixture(scope="module")
 def expected(api, release):
     """`api` and `release` (the (major, minor) of the vLLM under test) come from conftest."""
-    table = EXPECTED.get(tuple(release))
-    if table is None:
-        pytest.skip(f"outcomes measured on vLLM 0.26 and 0.33 only, not {api.version_text}")
-    return table
+    return expected_for(api, release, EXPECTED)
 
 
 @pytest.fixture(scope="module")

@@ -72,17 +72,16 @@ class SimulatedWorker:
 
     def complete(self, request: str | None = None, kind: str | None = None) -> list[int]:
         """Report matching in-flight jobs as completed in the next output; stop holding them."""
-        rule = Rule(request, kind)
-        chosen = [jid for jid, job in self.in_flight.items() if rule.matches(job)]
-        self._to_complete.update(chosen)
-        self.release_holds(request, kind)
-        return chosen
+        return self._release(request, kind, self._to_complete)
 
     def fail(self, request: str | None = None, kind: str | None = None) -> list[int]:
         """Report matching in-flight jobs as failed (loads: their blocks are invalid)."""
+        return self._release(request, kind, self._to_fail)
+
+    def _release(self, request: str | None, kind: str | None, into: set[int]) -> list[int]:
         rule = Rule(request, kind)
         chosen = [jid for jid, job in self.in_flight.items() if rule.matches(job)]
-        self._to_fail.update(chosen)
+        into.update(chosen)
         self.release_holds(request, kind)
         return chosen
 
