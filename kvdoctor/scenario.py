@@ -192,11 +192,15 @@ class ScenarioRun:
                 for _ in range(repeats):
                     counter += 1
                     try:
-                        events = self._apply(step, harness)
+                        events = self._apply(step, harness, observer)
                     except ExpectationFailed as exc:
                         self.result.outcome = Outcome.SETUP_ERROR
                         self.result.detail = f"step {counter} (line {step.line}): {exc}"
                         self.result.requests = observer.snapshot()
+                        if self.record_timeline:
+                            self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
+                                                                      step.line, None, self.result.requests,
+                                                                      failed=True))
                         return self.result
                     except KvdoctorError:
                         raise
@@ -260,7 +264,7 @@ class ScenarioRun:
             self.result.outcome = Outcome.OTHER_FAILURE
             self.result.detail = "check failed: " + "; ".join(f"{c.description} ({c.observed})" for c in failed)
 
-    def _apply(self, step: Step, harness: Harness) -> StepEvents | None:
+    def _apply(self, step: Step, harness: Harness, observer: Observer) -> StepEvents | None:
         args = step.args
         action = step.action
         if action == "add":
@@ -284,7 +288,7 @@ class ScenarioRun:
         elif action == "reset_prefix_cache":
             harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
         elif action == "expect":
-            held, observed = check_expectation(step, Observer(harness, self.logic).snapshot())
+            held, observed = check_expectation(step, observer.snapshot())
             if not held:
                 description = args.get("description", step.describe())
                 raise ExpectationFailed(f"expected {description}; observed {observed}")

@@ -102,3 +102,18 @@ def test_cli_json_document_and_exit_code(release):
         assert states["B"]["groups"][0]["allocated_chunks"] == 0
     else:
         assert installed["outcome"] == "not_reproduced" and installed["failure"] is None
+
+
+def test_a_precondition_that_does_not_hold_is_a_setup_error(api):
+    """With a large pool B never queues: no verdict, the observed state instead (exit 4)."""
+    from typer.testing import CliRunner
+
+    from kvdoctor.cli.app import app as cli
+
+    report = app.repro("queued-abort", {"gpu_blocks": 64}, "installed", record_timeline=True)
+    (result,) = report.results
+    assert result.outcome is Outcome.SETUP_ERROR
+    assert "B must be queued" in result.detail and "observed B: status=RUNNING" in result.detail
+    assert result.timeline[-1].action == "expect" and result.timeline[-1].failed
+    outcome = CliRunner().invoke(cli, ["repro", "queued-abort", "--gpu-blocks", "64", "--logic", "installed"])
+    assert outcome.exit_code == 4, outcome.output

@@ -192,6 +192,9 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
             items.append(Text("  " + line))
         if entry.failed and result.failure is not None:
             items.append(failure_panel(result))
+        elif entry.failed:  # a violated invariant or a precondition that did not hold
+            items.append(Text(f"  {result.outcome.value}: {result.detail}", style=OUTCOME_STYLE.get(
+                result.outcome.value, "")))
         if entry.predicted_trip and not entry.failed:
             items.append(Text(f"  {TRIP_MARK}: {', '.join(entry.predicted_trip)} — storable chunks exceed what "
                               f"the next store pass can pair with blocks", style="bold red"))
