@@ -104,16 +104,22 @@ def test_cli_json_document_and_exit_code(release):
         assert installed["outcome"] == "not_reproduced" and installed["failure"] is None
 
 
-def test_a_precondition_that_does_not_hold_is_a_setup_error(api):
-    """With a large pool B never queues: no verdict, the observed state instead (exit 4)."""
+def test_a_precondition_that_does_not_hold_is_a_setup_error(api, tmp_path):
+    """If B is not queued there is no verdict, only the observed state (exit 4)."""
     from typer.testing import CliRunner
 
     from kvdoctor.cli.app import app as cli
 
-    report = app.repro("queued-abort", {"gpu_blocks": 64}, "installed", record_timeline=True)
+    from .conftest import ROOT
+
+    text = (ROOT / "repros" / "queued-abort.toml").read_text()
+    # A no longer fills the pool: B gets blocks at once.
+    recipe = tmp_path / "not-queued.toml"
+    recipe.write_text(text.replace("fill_pool = true", "prompt_chunks = 1", 1))
+    report = app.repro(str(recipe), {}, "installed", record_timeline=True)
     (result,) = report.results
     assert result.outcome is Outcome.SETUP_ERROR
     assert "B must be queued" in result.detail and "observed B: status=RUNNING" in result.detail
     assert result.timeline[-1].action == "expect" and result.timeline[-1].failed
-    outcome = CliRunner().invoke(cli, ["repro", "queued-abort", "--gpu-blocks", "64", "--logic", "installed"])
+    outcome = CliRunner().invoke(cli, ["repro", str(recipe), "--logic", "installed"])
     assert outcome.exit_code == 4, outcome.output
