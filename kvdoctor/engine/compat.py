@@ -223,6 +223,19 @@ class VllmApi:
             return {}, {}
         return dict(getattr(meta, "store_jobs", {}) or {}), dict(getattr(meta, "load_jobs", {}) or {})
 
+    @staticmethod
+    def block_ids_of(spec: Any) -> tuple[int, ...]:
+        """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
+        ids = getattr(spec, "block_ids", None)
+        return tuple(int(b) for b in ids) if ids is not None else ()
+
+    def allocated_block_ids(self, scheduler_output: Any) -> set[int]:
+        """GPU blocks newly given to scheduled requests in this step (block 0 is the null block)."""
+        utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
+        yield_req_data = _require(utils, "yield_req_data", utils.__name__)
+        return {bid for _, groups, _ in yield_req_data(scheduler_output) for group in groups or ()
+                for bid in group if bid != 0}
+
     @cached_property
     def offloading_package_dir(self) -> str:
         return os.path.dirname(os.path.dirname(self.mods["vllm"].__file__))

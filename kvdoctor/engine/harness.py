@@ -131,10 +131,13 @@ class StepEvents:
     failed_jobs: list[int] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    # store job -> GPU blocks it still reads that this step handed to a request again
+    reused_while_storing: dict[int, list[int]] = field(default_factory=dict)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
-                        self.completed_jobs, self.failed_jobs, self.preempted, self.finished))
+                        self.completed_jobs, self.failed_jobs, self.preempted, self.finished,
+                        self.reused_while_storing))
 
 
 class Harness:
@@ -216,15 +219,20 @@ class Harness:
         meta = getattr(output, "kv_connector_metadata", None)
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         events.jobs_to_flush = sorted(flush)
+        allocated = self.api.allocated_block_ids(output)
+        for jid, job in self.worker.in_flight.items():
+            reused = sorted(set(job.src_block_ids) & allocated)
+            if reused:
+                events.reused_while_storing[jid] = reused
         new_jobs = []
         for jid, job in store_jobs.items():
             events.new_store_jobs[jid] = job.req_id
             self.store_jobs_by_request.setdefault(job.req_id, []).append(jid)
-            new_jobs.append(Job(jid, job.req_id, "store", self.step_index))
+            src = self.api.block_ids_of(getattr(job, "src_spec", None))
+            new_jobs.append(Job(jid, job.req_id, "store", self.step_index, src_block_ids=src))
         for jid, job in load_jobs.items():
             events.new_load_jobs[jid] = job.req_id
-            ids = getattr(getattr(job, "dst_spec", None), "block_ids", None)  # a numpy array in vLLM
-            dst = tuple(int(b) for b in ids) if ids is not None else ()
+            dst = self.api.block_ids_of(getattr(job, "dst_spec", None))
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, dst))
         report = self.worker.take_step(new_jobs, flush, self.step_index)
         events.completed_jobs = [job.job_id for job in report.completed]

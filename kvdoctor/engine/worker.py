@@ -19,7 +19,8 @@ class Job:
     req_id: str
     kind: str  # "store" | "load"
     issued_step: int
-    dst_block_ids: tuple[int, ...] = ()
+    dst_block_ids: tuple[int, ...] = ()  # loads: the GPU blocks written
+    src_block_ids: tuple[int, ...] = ()  # stores: the GPU blocks read
 
 
 @dataclass

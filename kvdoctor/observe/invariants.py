@@ -58,6 +58,15 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
     return messages
 
 
+@invariant("reused-blocks-are-flushed",
+           "a GPU block handed out again while a pending store still reads it is fenced by a flush (K9)")
+def _reused_blocks_flushed(ctx: StepContext) -> list[str]:
+    flushed = set(ctx.events.jobs_to_flush)
+    return [f"store job #{jid} still reads block(s) {blocks}, which this step allocated again, and was not "
+            f"flushed: the worker may store the new owner's KV" for jid, blocks in
+            sorted(ctx.events.reused_while_storing.items()) if jid not in flushed]
+
+
 @invariant("no-orphan-transfer-jobs",
            "every in-flight transfer job belongs to a request the connector still tracks")
 def _no_orphan_jobs(ctx: StepContext) -> list[str]:
