@@ -251,6 +251,11 @@ def audit(
     _run(action)
 
 
+from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
+
+app.command()(explore)
+
+
 def _list_recipes(json_out: bool) -> int:
     from kvdoctor.recipes.builtins import all_builtins
 

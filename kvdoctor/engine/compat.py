@@ -229,12 +229,24 @@ class VllmApi:
         ids = getattr(spec, "block_ids", None)
         return tuple(int(b) for b in ids) if ids is not None else ()
 
-    def allocated_block_ids(self, scheduler_output: Any) -> set[int]:
-        """GPU blocks newly given to scheduled requests in this step (block 0 is the null block)."""
-        utils = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.utils")
-        yield_req_data = _require(utils, "yield_req_data", utils.__name__)
-        return {bid for _, groups, _ in yield_req_data(scheduler_output) for group in groups or ()
-                for bid in group if bid != 0}
+    @staticmethod
+    def allocated_block_ids(scheduler_output: Any, block_size: int) -> set[int]:
+        """GPU blocks freshly allocated to scheduled requests in this step.
+
+        A new or resumed request's block list starts with its prefix-cache hits
+        (shared, same content): those are not allocations. Block 0 is the null block.
+        """
+        allocated: set[int] = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            skip = int(new.num_computed_tokens) // block_size
+            allocated.update(b for group in new.block_ids or () for b in group[skip:] if b != 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        for i, req_id in enumerate(cached.req_ids):
+            groups = cached.new_block_ids[i]
+            skip = int(cached.num_computed_tokens[i]) // block_size if req_id in resumed else 0
+            allocated.update(b for group in groups or () for b in group[skip:] if b != 0)
+        return allocated
 
     @cached_property
     def offloading_package_dir(self) -> str:
@@ -289,7 +301,11 @@ def load() -> VllmApi:
     if not os.environ.get("KVDOCTOR_VERBOSE_IMPORT"):
         import logging
 
-        logging.getLogger("vllm").setLevel(logging.ERROR)  # connector-init chatter, once per scheduler
+        vllm_logger = logging.getLogger("vllm")
+        vllm_logger.setLevel(logging.ERROR)  # connector-init chatter, once per scheduler
+        for handler in vllm_logger.handlers:  # keep stdout for kvdoctor's own output (--json)
+            if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stdout:
+                handler.setStream(sys.stderr)
     api = VllmApi(version_text=version_text, version=version, mods=mods)
     api.storable_chunks_takes_group_state  # fail early on an unknown signature
     _API = api

@@ -219,7 +219,7 @@ class Harness:
         meta = getattr(output, "kv_connector_metadata", None)
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         events.jobs_to_flush = sorted(flush)
-        allocated = self.api.allocated_block_ids(output)
+        allocated = self.api.allocated_block_ids(output, self.setup.block_size)
         for jid, job in self.worker.in_flight.items():
             reused = sorted(set(job.src_block_ids) & allocated)
             if reused:

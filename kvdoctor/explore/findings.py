@@ -7,7 +7,7 @@ failure's signature filled in:
 - a vLLM exception: `exception` + `function` (+ `contains`: the failing source
   line), so `repro` says `reproduced` (exit 1);
 - an invariant: `invariant = <name>`, also `reproduced`;
-- the end-of-run release check: the whole recipe (with its drain tail) plus
+- the end-of-run release check: the whole recipe (with its settle tail) plus
   one `[[check]]` per leaked request (`connector_state = "released"`). The
   check has no registered invariant, so until one is added `repro` reports it
   as `other_failure` ("check failed", exit 4): the signature then names the
@@ -15,15 +15,15 @@ failure's signature filled in:
 - an exception raised inside kvdoctor (a harness bug): its exception and
   function; `repro` shows it as `other_failure` too.
 
-Files are named after the signature, one per signature (`--out` keeps the
-shorter recipe when a rerun finds the same signature again).
+Files are named after the signature, one per signature (a rerun into the same
+folder replaces that signature's file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ class Finding:
     examples_before: int  # examples this worker ran before finding it
     elapsed_s: float  # seconds after the worker started exploring
     file: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -111,7 +110,7 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
         f"Where: {obs.detail}",
     ]
     if obs.kind == "check":
-        lines.append("After the drain (every transfer released, then more engine steps) the requests above "
+        lines.append("After the settle tail (every transfer released, then more engine steps) the requests above "
                      "still hold connector state: `kvdoctor repro` reports the failed [[check]] as "
                      "other_failure (exit 4).")
     if obs.kind == "harness":
@@ -131,27 +130,18 @@ def header_text(finding: Finding) -> str:
 
 
 def write_findings(findings: list[Finding], out_dir: Path) -> None:
-    """Write one recipe per finding (sets `finding.file`); keeps a shorter recipe already there."""
-    from kvdoctor.errors import RecipeError, UsageError
-    from kvdoctor.recipes.loader import load_recipe_file
+    """Write one recipe per finding (sets `finding.file`), replacing this signature's earlier file."""
+    from kvdoctor.errors import UsageError
     from kvdoctor.recipes.writer import recipe_to_toml
 
+    if not findings:
+        return  # nothing to write: no folder either
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
     for finding in findings:
         path = out_dir / f"{slug(finding.signature)}.toml"
-        if path.exists():
-            try:
-                existing = load_recipe_file(path)
-            except RecipeError:
-                existing = None
-            if existing is not None and existing.title == finding.signature \
-                    and len(existing.steps) < finding.steps:
-                finding.file = str(path)
-                finding.extra["kept_existing"] = True
-                continue
         text = recipe_to_toml(finding.recipe, header=header_text(finding))
         try:
             path.write_text(text, encoding="utf-8")

@@ -1,24 +1,36 @@
 """Hypothesis strategies for event sequences, and their translation into valid recipes.
 
 A generated example is a `Geometry` plus a list of abstract events. Events
-name requests by index (`k`), resolved modulo the requests added so far when
-the sequence is turned into recipe steps, so any list hypothesis draws (or
-shrinks to) is a valid recipe: an abort, finish or transfer rule only ever
-names a request that was added before it, a shared prefix only an earlier
-request; events that cannot apply yet (an abort before any add) are dropped.
+name requests by a number k (the k-th latest request, modulo the requests
+added so far), resolved when the sequence is turned into recipe steps, so any
+list hypothesis draws (or shrinks to) is a valid recipe: an abort, finish or
+transfer rule only ever names a request that was added before it, a shared
+prefix only an earlier request; events that cannot apply yet (an abort before
+any add) are dropped.
 Prompt lengths are kept to what a real server would admit: prompt +
 max_tokens <= max_model_len, and the whole model length fits the GPU pool
 (`max_model_len = (gpu_blocks - 1) * block_size`, block 0 being vLLM's null
 block), so no request can starve forever for lack of blocks.
 
-Every recipe ends with a fixed *drain tail* (`schedule`, `complete_transfers`,
-`schedule count = DRAIN_STEPS`): after it every transfer has been reported
+Events: add (prompt sizes in tokens, chunks, fractions of the pool, or
+fill_pool; max_tokens; a prefix shared with an earlier request), schedule (1-8
+engine steps; most events are also followed by a few), abort, finish by EOS,
+hold / complete / fail transfers (per request or all, per kind), reset the
+prefix cache (optionally preempting running requests and resetting the
+connector), drain (apply the async output in flight). Geometry: block size,
+blocks per chunk, GPU blocks (4-24: small pools force queueing and preemption),
+max_num_seqs, max_num_batched_tokens, sync or async scheduling, a small CPU
+tier (evictions) or a roomy one, prompt-only or prompt-and-decode offloading.
+
+Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
+`schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
 the runner checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -29,8 +41,7 @@ from kvdoctor.recipes.model import Recipe, Signature, Step
 
 # Never matches a failure: the explorer classifies failures itself (see runner.py).
 PLACEHOLDER_SIGNATURE = Signature(exception="(explore: any failure)", function="(explore)")
-DRAIN_STEPS = 4  # engine steps after releasing every transfer (covers the async one-step lag twice)
-MAX_REQUEST_REF = 15  # request indices drawn in 0..15, taken modulo the requests added so far
+SETTLE_STEPS = 4  # engine steps after releasing every transfer (covers the async one-step lag twice)
 MAX_SCHEDULE_COUNT = 8
 
 
@@ -42,6 +53,8 @@ class Geometry:
     max_num_seqs: int
     max_num_batched_tokens: int
     async_scheduling: bool
+    cpu_bytes_to_use: int | None = None  # None: kvdoctor's default (a CPU tier nothing fills)
+    offload_prompt_only: bool = True
 
     @property
     def max_model_len(self) -> int:
@@ -57,81 +70,89 @@ class Geometry:
             "gpu_blocks": self.gpu_blocks, "async_scheduling": self.async_scheduling,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
+            **({} if self.cpu_bytes_to_use is None else {"cpu_bytes_to_use": self.cpu_bytes_to_use}),
+            **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
         }
 
 
-# Each event is drawn as two integers (a row of EVENT_TABLE and a 24-bit parameter word),
-# each geometry as one integer: a handful of draws per example keeps hypothesis' share of the
-# time small next to the scheduler's (see benchmarks/bench_explore.py), and both shrink
-# towards 0, which decodes to the simplest choice (a `schedule`, small sizes, no prefix).
+# What hypothesis draws is plain small integers, each in 0..255 or less, where its
+# distribution is uniform and shrinking moves every field towards 0 independently; 0 always
+# decodes to the simplest choice (a `schedule`, the smallest sizes, no prefix, no gap). Few,
+# flat draws per example keep hypothesis' share of the time small next to the scheduler's
+# (see benchmarks/bench_explore.py).
 EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule", "finish",
-               "hold", "complete", "fail", "reset", "schedule", "add", "abort", "finish")
+               "hold", "complete", "fail", "reset", "schedule", "add", "abort", "drain")
 BLOCK_SIZES = (4, 2, 8, 16, 1)
 MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
-SIZE_KINDS = ("tokens", "chunks", "pool", "fill")
+SIZE_KINDS = ("tokens", "chunks", "pool", "tokens")
 TRANSFER_KINDS = (None, "store", "load")
-WORD = (1 << 24) - 1
+# A small CPU tier (evictions, stores that find no room) in 4 KiB pages: one page holds at
+# least one of these toy geometries' chunks on every release (0.33 aligns chunks to the page).
+CPU_TIERS = (None, None, None, 4096, 8192, 16384, 32768)
+GAPS = (0, 0, 1, 1, 2, 3, 5, 8)  # engine steps a server runs after an event, before the next one
+MIN_GPU_BLOCKS, MAX_GPU_BLOCKS = 4, 24
 
 
-def decode_geometry(word: int) -> Geometry:
-    """Mixed-radix fields of one integer; 0 is block size 4, one block per chunk, 4 GPU blocks."""
-    word, block_size = divmod(word, len(BLOCK_SIZES))
-    word, blocks_per_chunk = divmod(word, 4)
-    word, gpu_blocks = divmod(word, 21)
-    word, seqs = divmod(word, len(MAX_NUM_SEQS))
-    word, batched = divmod(word, len(BATCHED_TOKENS))
+def decode_geometry(fields: tuple[int, ...]) -> Geometry:
+    block_size, blocks_per_chunk, gpu_blocks, seqs, batched, is_async, cpu_tier, decode_offload = fields
     max_num_seqs = MAX_NUM_SEQS[seqs]
     return Geometry(block_size=BLOCK_SIZES[block_size], blocks_per_chunk=1 + blocks_per_chunk,
-                    gpu_blocks=4 + gpu_blocks, max_num_seqs=max_num_seqs,
+                    gpu_blocks=MIN_GPU_BLOCKS + gpu_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
-                    async_scheduling=bool(word % 2))
+                    async_scheduling=bool(is_async), cpu_bytes_to_use=CPU_TIERS[cpu_tier],
+                    offload_prompt_only=not decode_offload)
 
 
-def decode_event(row: int, word: int) -> tuple[Any, ...]:
-    """One abstract event (as `event_steps` reads it) from a table row and a parameter word.
+def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...]:
+    """One abstract event (as `event_steps` reads it), then the engine steps that run before
+    the next event, from a row of EVENT_TABLE and three bytes:
 
-    - schedule: count = 1 + word % MAX_SCHEDULE_COUNT
-    - add: bits 22-23 size kind (tokens: 1-64 tokens; chunks: 1-8 offloaded chunks; pool:
-      1-8 eighths of the longest admissible prompt; fill: fill_pool), bits 16-21 its value,
-      bits 12-15 max_tokens - 1, bits 8-11 the request to share a prefix with, bits 0-7 the
-      prefix (< 160: none; 160-223: 1-8 chunks; 224-255: 1-63 tokens)
-    - abort, finish: the request (word % 16)
-    - hold / complete / fail transfers: kind (any, store, load) = word % 3; request = (word // 3) % 6
-      (0: every request)
-    - reset_prefix_cache: bit 0 reset_running_requests, bit 1 reset_connector
+    - schedule: count = 1 + a % MAX_SCHEDULE_COUNT
+    - add: a = prompt size (a // 64: tokens, chunks, pool, tokens; a >= 224: fill_pool;
+      tokens = 1 + a % 64, chunks = 1 + a % 8, pool = (1 + a % 8) eighths of the longest
+      admissible prompt); b = max_tokens - 1 (b % 16) and the gap (b // 32); c = the shared
+      prefix (c < 128: none; else with request (c // 8) % 16, for 1-7 chunks (c % 8 < 7) or
+      that request's whole prompt)
+    - abort, finish: a = the request (a % 16); b = the gap
+    - hold / complete / fail transfers: a = the request (a % 6: 0 every request, else
+      request a % 6 - 1); b = the kind (any, store, load); c = the gap
+    - reset_prefix_cache: a & 1 reset_running_requests, b & 1 reset_connector; c = the gap
+    - drain (apply the async output in flight, as an engine going idle does): a = the gap
+    A request number k names the k-th latest request added so far (0: the latest), modulo
+    how many there are.
     """
     action = EVENT_TABLE[row]
+    gap = 0
     if action == "schedule":
-        return ("schedule", 1 + word % MAX_SCHEDULE_COUNT)
-    if action == "add":
-        kind = SIZE_KINDS[(word >> 22) & 3]
-        value = (word >> 16) & 63
-        size = ("fill",) if kind == "fill" else (kind, 1 + (value if kind == "tokens" else value % 8))
-        code = word & 255
-        prefix = None
-        if code >= 224:
-            prefix = ((word >> 8) & 15, ("tokens", 1 + (code - 224) * 2))
-        elif code >= 160:
-            prefix = ((word >> 8) & 15, ("chunks", 1 + (code - 160) % 8))
-        return ("add", size, 1 + ((word >> 12) & 15), prefix)
-    if action in ("abort", "finish"):
-        return (action, word % (MAX_REQUEST_REF + 1))
-    if action in ("hold", "complete", "fail"):
-        target = (word // 3) % 6
-        return (action, None if target == 0 else target - 1, TRANSFER_KINDS[word % 3])
-    return ("reset", bool(word & 1), bool(word & 2))
+        event: tuple[Any, ...] = ("schedule", 1 + a % MAX_SCHEDULE_COUNT)
+    elif action == "add":
+        kind = SIZE_KINDS[a // 64] if a < 224 else "fill"  # fill_pool: one add in eight
+        size = ("fill",) if kind == "fill" else (kind, 1 + (a % 64 if kind == "tokens" else a % 8))
+        prefix = None if c < 128 else ((c // 8) % 16, None if c % 8 == 7 else c % 8 + 1)
+        event, gap = ("add", size, 1 + b % 16, prefix), GAPS[b // 32]
+    elif action in ("abort", "finish"):
+        event, gap = (action, a % 16), GAPS[b % 8]
+    elif action in ("hold", "complete", "fail"):
+        target = a % 6
+        event, gap = (action, None if target == 0 else target - 1, TRANSFER_KINDS[b % 3]), GAPS[c % 8]
+    elif action == "reset":
+        event, gap = ("reset", bool(a & 1), bool(b & 1)), GAPS[c % 8]
+    else:
+        event, gap = ("drain",), GAPS[a % 8]
+    return (event, ("schedule", gap)) if gap else (event,)
 
 
 @lru_cache(maxsize=None)
-def geometries() -> st.SearchStrategy[Geometry]:
-    """Small pools (preemption and queueing happen), every chunking, sync and async."""
-    return st.integers(0, WORD).map(decode_geometry)
-
-
-@lru_cache(maxsize=None)
-def event_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
-    return st.builds(decode_event, st.integers(0, len(EVENT_TABLE) - 1), st.integers(0, WORD))
+def raw_examples(max_events: int) -> st.SearchStrategy[Any]:
+    """(geometry fields, [(event table row, a, b, c), ...]): decoded by `Example.decode`."""
+    geometry = st.tuples(st.integers(0, len(BLOCK_SIZES) - 1), st.integers(0, 3),
+                         st.integers(0, MAX_GPU_BLOCKS - MIN_GPU_BLOCKS), st.integers(0, len(MAX_NUM_SEQS) - 1),
+                         st.integers(0, len(BATCHED_TOKENS) - 1), st.integers(0, 1),
+                         st.integers(0, len(CPU_TIERS) - 1), st.integers(0, 1))
+    byte = st.integers(0, 255)
+    event = st.tuples(st.integers(0, len(EVENT_TABLE) - 1), byte, byte, byte)
+    return st.tuples(geometry, st.lists(event, min_size=1, max_size=max_events))
 
 
 @dataclass(frozen=True)
@@ -139,10 +160,25 @@ class Example:
     geometry: Geometry
     events: tuple[tuple[Any, ...], ...]
 
+    @classmethod
+    def decode(cls, raw: Any) -> "Example":
+        geometry, events = raw
+        return cls(decode_geometry(geometry), tuple(event for fields in events for event in decode_event(*fields)))
 
-@lru_cache(maxsize=None)
-def examples(max_events: int) -> st.SearchStrategy[Example]:
-    return st.builds(Example, geometries(), st.lists(event_strategy(), min_size=1, max_size=max_events).map(tuple))
+
+def examples(max_events: int) -> st.SearchStrategy[Any]:
+    """What hypothesis draws: raw integers, cheap to draw and to shrink (no `.map`/`builds`
+    layers, each of which costs a Python call per draw); `Example.decode` reads them."""
+    return raw_examples(max_events)
+
+
+def mode_variants(example: Example, both: bool) -> list[Example]:
+    """The example under its drawn scheduling mode, then (if `both`) under the other one: the
+    same events cost one hypothesis draw and cover sync and async scheduling."""
+    if not both:
+        return [example]
+    other = dataclasses.replace(example.geometry, async_scheduling=not example.geometry.async_scheduling)
+    return [example, dataclasses.replace(example, geometry=other)]
 
 
 def request_name(index: int) -> str:
@@ -150,7 +186,7 @@ def request_name(index: int) -> str:
 
 
 def event_steps(example: Example) -> list[Step]:
-    """The recipe steps of an example's events (without the drain tail)."""
+    """The recipe steps of an example's events (without the settle tail)."""
     g = example.geometry
     mml = g.max_model_len
     names: list[str] = []
@@ -158,7 +194,9 @@ def event_steps(example: Example) -> list[Step]:
     steps: list[Step] = []
 
     def pick(k: int) -> str:
-        return names[k % len(names)]
+        """Counted back from the latest request (0: the latest), so that deleting an earlier
+        `add` while shrinking leaves later references pointing at the same request."""
+        return names[-1 - k % len(names)]
 
     def schedule(count: int) -> None:
         if steps and steps[-1].action == "schedule":
@@ -188,8 +226,8 @@ def event_steps(example: Example) -> list[Step]:
             args["max_tokens"] = max(1, min(max_tokens, mml - length))
             if prefix is not None and names:
                 other = pick(prefix[0])
-                unit, amount = prefix[1]
-                shared = amount * g.chunk_tokens if unit == "chunks" else amount
+                chunks = prefix[1]  # None: the other request's whole prompt
+                shared = lengths[other] if chunks is None else chunks * g.chunk_tokens
                 shared = min(shared, length, lengths[other])
                 if shared >= 1:
                     args["shared_prefix_with"] = other
@@ -218,13 +256,15 @@ def event_steps(example: Example) -> list[Step]:
             if connector:
                 args["reset_connector"] = True
             steps.append(Step("reset_prefix_cache", args, 0))
+        elif action == "drain":
+            steps.append(Step("drain", {}, 0))
         else:  # pragma: no cover - the strategy draws only the events above
             raise ValueError(f"unknown event {event!r}")
     return steps
 
 
-def drain_tail(steps: list[Step]) -> list[Step]:
-    """`schedule`, release every transfer, then DRAIN_STEPS more steps."""
+def settle_tail(steps: list[Step]) -> list[Step]:
+    """`schedule`, release every transfer, then SETTLE_STEPS more steps."""
     steps = list(steps)
     if steps and steps[-1].action == "schedule":
         last = steps.pop()
@@ -233,10 +273,10 @@ def drain_tail(steps: list[Step]) -> list[Step]:
         count = 1
     steps.append(Step("schedule", {"count": count} if count > 1 else {}, 0))
     steps.append(Step("complete_transfers", {}, 0))
-    steps.append(Step("schedule", {"count": DRAIN_STEPS}, 0))
+    steps.append(Step("schedule", {"count": SETTLE_STEPS}, 0))
     return steps
 
 
 def to_recipe(example: Example, name: str = "explore", summary: str = "generated by kvdoctor explore") -> Recipe:
     return Recipe(name=name, summary=summary, signature=PLACEHOLDER_SIGNATURE,
-                  steps=tuple(drain_tail(event_steps(example))), setup=example.geometry.setup_dict())
+                  steps=tuple(settle_tail(event_steps(example))), setup=example.geometry.setup_dict())

@@ -8,9 +8,9 @@ check below. Its failure signature is:
 - `kvdoctor <Exception> in <function>` for one raised in kvdoctor itself (a
   harness bug: reported, never hidden);
 - `invariant <name>` for a violated invariant;
-- `check finished-requests-released` when, after the drain tail released every
-  transfer and ran DRAIN_STEPS more steps, a request that had finished before
-  the drain still holds connector state (its `_req_status` entry leaked).
+- `check finished-requests-released` when, after the settle tail released every
+  transfer and ran SETTLE_STEPS more steps, a request that had finished before
+  the settle tail still holds connector state (its `_req_status` entry leaked).
 """
 
 from __future__ import annotations
@@ -56,7 +56,10 @@ def setup_of(recipe: Recipe) -> Setup:
     """The `Setup` exactly as `kvdoctor repro` resolves it from the recipe's [setup]."""
     from kvdoctor.app import resolve_setup
 
-    return resolve_setup(recipe, {})
+    try:
+        return resolve_setup(recipe, {})
+    except KvdoctorError as exc:
+        raise InvalidExample(str(exc)) from exc
 
 
 def _scheduler_steps(actions: list[tuple[int, str]], upto: int | None) -> int:
@@ -66,7 +69,7 @@ def _scheduler_steps(actions: list[tuple[int, str]], upto: int | None) -> int:
 
 def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | None = None,
             setup: Setup | None = None) -> Observation:
-    """Run `recipe` (which must end with the drain tail) and classify the outcome."""
+    """Run `recipe` (which must end with the settle tail) and classify the outcome."""
     from kvdoctor.scenario import run_scenario
 
     names = tuple(INVARIANTS) if invariants is None else invariants
@@ -109,12 +112,12 @@ def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | 
 
 
 def _leaked_requests(recipe: Recipe, result: Any) -> list[Any]:
-    """Requests finished when the drain began whose connector state survived it."""
-    drain_index = len(recipe.steps) - 2  # the tail's complete_transfers step
-    if drain_index < 0 or recipe.steps[drain_index].action != "complete_transfers":
+    """Requests finished when the settle tail began whose connector state survived it."""
+    settle_index = len(recipe.steps) - 2  # the tail's complete_transfers step
+    if settle_index < 0 or recipe.steps[settle_index].action != "complete_transfers":
         return []
     entry = next((e for e in result.timeline if e.action == "complete_transfers"
-                  and e.index == _counter_of(recipe, drain_index)), None)
+                  and e.index == _counter_of(recipe, settle_index)), None)
     if entry is None:
         return []
     finished = {snap.request for snap in entry.requests if snap.status.startswith("FINISHED")}

@@ -1,12 +1,14 @@
 """The search: `hypothesis.find` once per new failure signature, in one or more processes.
 
 Each round calls `hypothesis.find(examples(...), condition)`. The condition
-runs the example's recipe on the real scheduler and is true for a failure
-whose signature no earlier round found. The first such failure *locks* the
+runs the example's recipe on the real scheduler, under its drawn scheduling
+mode and then the other one (sync and async: one hypothesis draw, two runs),
+and is true for a failure whose signature no earlier round found. The first such failure *locks* the
 round on its signature: while hypothesis shrinks, only that signature counts,
 so the shrunk example fails the same way (it cannot slide to another bug).
 `find` returns the minimal example; the next round starts afresh with that
-signature excluded. Rounds stop when the example budget (`max_examples`
+signature excluded (an invariant already found is no longer checked, so runs go
+on past it to whatever else breaks). Rounds stop when the example budget (`max_examples`
 generated examples, shrinking not counted) or the time budget is spent; a
 round still shrinking when time runs out gets `shrink_grace` more seconds
 and is then cut short, keeping the smallest failing example seen so far.
@@ -17,14 +19,17 @@ each) with distinct seeds; the parent merges their findings by signature.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, summary_text
-from kvdoctor.explore.generate import Example, examples, to_recipe
-from kvdoctor.explore.runner import InvalidExample, Observation, observe
+from kvdoctor.explore.generate import Example, examples, mode_variants, to_recipe
+from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
+from kvdoctor.observe.invariants import INVARIANTS
 
 SHRINK_GRACE_S = 30.0
 PROGRESS_EVERY_S = 0.2
@@ -32,14 +37,15 @@ PROGRESS_EVERY_S = 0.2
 
 @dataclass
 class ExploreConfig:
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     logic: str = "installed"
-    max_examples: int = 1500
-    time_budget: float = 30.0
-    max_events: int = 24
+    max_examples: int = DEFAULT_MAX_EXAMPLES  # per worker
+    time_budget: float = DEFAULT_TIME_BUDGET  # seconds, per worker, after its vLLM import
+    max_events: int = DEFAULT_MAX_EVENTS
     workers: int = 1
     shrink_grace: float = SHRINK_GRACE_S
     invariants: tuple[str, ...] | None = None  # None: every registered invariant
+    both_modes: bool = True  # run every sequence under sync and async scheduling (drawn mode first)
 
 
 @dataclass
@@ -48,9 +54,12 @@ class Stats:
 
     examples: int = 0  # generated examples run
     shrink_examples: int = 0  # examples run while shrinking
+    runs: int = 0  # scenario runs (an example runs once per scheduling mode)
     invalid: int = 0  # examples vLLM refused (should stay 0)
     scheduler_steps: int = 0
+    shrink_steps: int = 0  # of which while shrinking
     run_seconds: float = 0.0  # time inside the scheduler runs (the rest is hypothesis)
+    shrink_seconds: float = 0.0  # wall time spent shrinking
     elapsed: float = 0.0
     failures: int = 0
     phase: str = "starting"
@@ -61,8 +70,7 @@ class Stats:
         return self.scheduler_steps / self.elapsed if self.elapsed > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("examples", "shrink_examples", "invalid", "scheduler_steps",
-                                              "run_seconds", "elapsed", "failures", "phase", "done")}
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class ExploreResult:
     stats: Stats = field(default_factory=Stats)
     worker_stats: list[Stats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    error_codes: list[int | None] = field(default_factory=list)  # a KvdoctorError's exit code, else None
 
 
 class _StopExploring(BaseException):
@@ -86,14 +95,16 @@ def example_seed(seed: int, worker: int, round_: int) -> int:
 def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                   on_progress: Callable[[Stats], None] | None = None,
                   on_finding: Callable[[Finding], None] | None = None,
-                  trace: list[tuple[Any, Observation]] | None = None) -> tuple[list[Finding], Stats]:
-    """One worker's rounds of `find`; `trace` (if given) collects every (recipe, observation) run."""
+                  trace: list[tuple[Any, Observation, bool]] | None = None) -> tuple[list[Finding], Stats]:
+    """One worker's rounds of `find`; `trace` (if given) collects every run as
+    (recipe, observation, whether it ran while shrinking)."""
     from hypothesis import HealthCheck, Phase, Verbosity, find, settings
     from hypothesis.errors import HypothesisException, NoSuchExample
 
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
     strategy = examples(config.max_events)
+    setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     start = time.monotonic()
     deadline = start + config.time_budget
     last_report = 0.0
@@ -112,60 +123,73 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         seed_here = example_seed(config.seed, worker, round_)
         lock: dict[str, Any] = {"signature": None, "best": None}
         budget_left = config.max_examples - stats.examples
+        # An invariant already found is not checked again: a run goes on past it, to what else breaks.
+        invariants = tuple(name for name in (INVARIANTS if config.invariants is None else config.invariants)
+                           if f"invariant {name}" not in found)
 
-        def condition(example: Example) -> bool:
+        def condition(raw: Any) -> bool:
             now = time.monotonic()
             shrinking = lock["signature"] is not None
             if (not shrinking and now >= deadline) or now >= deadline + config.shrink_grace:
                 raise _StopExploring()
             if not shrinking and stats.examples >= config.max_examples:
                 raise _StopExploring()
-            recipe = to_recipe(example)
-            t0 = time.perf_counter()
-            try:
-                obs = observe(api, recipe, config.logic, config.invariants)
-            except InvalidExample:
-                stats.invalid += 1
-                report()
-                return False
-            finally:
-                stats.run_seconds += time.perf_counter() - t0
-            stats.scheduler_steps += obs.scheduler_steps
+            runs: list[tuple[Any, Observation]] = []
+            for example in mode_variants(Example.decode(raw), config.both_modes):
+                recipe = to_recipe(example)
+                t0 = time.perf_counter()
+                try:
+                    if example.geometry not in setups:
+                        setups[example.geometry] = setup_of(recipe)
+                    obs = observe(api, recipe, config.logic, invariants, setups[example.geometry])
+                except InvalidExample:
+                    stats.invalid += 1
+                    continue
+                finally:
+                    stats.run_seconds += time.perf_counter() - t0
+                runs.append((recipe, obs))
+                stats.runs += 1
+                stats.scheduler_steps += obs.scheduler_steps
+                if shrinking:
+                    stats.shrink_steps += obs.scheduler_steps
+                if trace is not None:
+                    trace.append((recipe, obs, shrinking))
             if shrinking:
                 stats.shrink_examples += 1
             else:
                 stats.examples += 1
-            if trace is not None:
-                trace.append((recipe, obs))
             report()
-            if obs.signature is None or obs.signature in found:
-                return False
-            if lock["signature"] is None:
-                lock["signature"] = obs.signature
-                stats.phase = f"shrinking {obs.signature}"
-                report(force=True)
-            elif obs.signature != lock["signature"]:
-                return False
-            lock["best"] = (recipe, obs)  # each success while shrinking is hypothesis' new smallest
-            return True
+            wanted = lock["signature"]
+            for recipe, obs in runs:  # the drawn scheduling mode first
+                if obs.signature is None or obs.signature in found or (wanted and obs.signature != wanted):
+                    continue
+                if wanted is None:
+                    lock["signature"] = obs.signature
+                    lock["since"] = time.monotonic()
+                    stats.phase = f"shrinking {obs.signature}"
+                    report(force=True)
+                lock["best"] = (recipe, obs)  # each success while shrinking is hypothesis' new smallest
+                return True
+            return False
 
         outcome: tuple[Any, Observation] | None = None
         exhausted = False
         try:
-            minimal = find(strategy, condition, random=random.Random(seed_here), settings=settings(
+            find(strategy, condition, random=random.Random(seed_here), settings=settings(
                 max_examples=max(1, budget_left), database=None, deadline=None, verbosity=Verbosity.quiet,
                 phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck)))
-            recipe = to_recipe(minimal)
-            outcome = (recipe, observe(api, recipe, config.logic, config.invariants))
-            if outcome[1].signature != lock["signature"]:  # not deterministic: keep what shrinking saw
-                outcome = lock["best"]
+            # find() ends by running the minimal example once more: the last success is its run.
+            outcome = lock["best"]
         except NoSuchExample:
             exhausted = True
         except _StopExploring:
             outcome = lock["best"]
             exhausted = True
-        except HypothesisException:  # e.g. Flaky: keep the smallest failure seen
+        except HypothesisException:  # Flaky: keep the smallest failure seen; Unsatisfiable: stop
             outcome = lock["best"]
+            exhausted = outcome is None
+        if lock.get("since") is not None:
+            stats.shrink_seconds += time.monotonic() - lock["since"]
         if outcome is not None:
             recipe, obs = outcome
             assert obs.signature is not None
@@ -190,21 +214,46 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
 # -- several processes ---------------------------------------------------------------------------
 
+def warm_up(api: Any) -> None:
+    """Pay the one-off costs before the budget clock starts: the first scheduler build (vLLM
+    inspects the model architecture once per process), hypothesis' strategies; then move
+    everything imported so far out of the garbage collector's way (`gc.freeze()`, as vLLM's
+    engine does after start-up), so collections scan only what exploring allocates."""
+    import gc
+    import logging
+
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.setup import Setup
+
+    # Generated runs fail loads on purpose, and vLLM logs each at ERROR level, on stdout (which
+    # would break --json); every failure explore reports comes from its own observation instead.
+    logging.getLogger("vllm").setLevel(logging.CRITICAL)
+    Harness(api, Setup())
+    examples(ExploreConfig().max_events)
+    gc.collect()
+    gc.freeze()
+
+
 def _worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
     """Entry point of a spawned worker: import vLLM, search, send progress and findings."""
     try:
         from kvdoctor.engine import compat
 
         api = compat.load()
+        warm_up(api)
         queue.put(("ready", worker, api.version_text))
-        worker_config = ExploreConfig(**{**config.__dict__, "workers": 1})
+        worker_config = dataclasses.replace(config, workers=1)
         findings, stats = worker_search(
             api, worker_config, worker,
             on_progress=lambda s: queue.put(("progress", worker, s.as_dict())),
             on_finding=lambda f: queue.put(("finding", worker, f)))
         queue.put(("done", worker, stats.as_dict()))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it, one line
-        queue.put(("error", worker, f"{type(exc).__name__}: {exc}"))
+        from kvdoctor.errors import KvdoctorError
+
+        code = exc.exit_code if isinstance(exc, KvdoctorError) else None
+        text = str(exc) if isinstance(exc, KvdoctorError) else f"{type(exc).__name__}: {exc}"
+        queue.put(("error", worker, (text, code)))
 
 
 def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None = None,
@@ -215,6 +264,7 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
             from kvdoctor.engine import compat
 
             api = compat.load()
+        warm_up(api)
         result = ExploreResult(vllm_version=api.version_text, config=config)
 
         def progress(stats: Stats) -> None:
@@ -255,9 +305,12 @@ def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResul
         for s in result.worker_stats:
             total.examples += s.examples
             total.shrink_examples += s.shrink_examples
+            total.runs += s.runs
             total.invalid += s.invalid
             total.scheduler_steps += s.scheduler_steps
+            total.shrink_steps += s.shrink_steps
             total.run_seconds += s.run_seconds
+            total.shrink_seconds += s.shrink_seconds
             total.elapsed = max(total.elapsed, s.elapsed)
         total.failures = len(seen)
         total.done = not running
@@ -270,9 +323,10 @@ def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResul
             try:
                 kind, worker, payload = queue.get(timeout=0.5)
             except queue_mod.Empty:
-                for i in list(running):
-                    if not processes[i].is_alive() and processes[i].exitcode not in (None, 0):
+                for i in list(running):  # gone without a last word (its messages are all read by now)
+                    if not processes[i].is_alive():
                         result.errors.append(f"worker {i} died (exit code {processes[i].exitcode})")
+                        result.error_codes.append(None)
                         running.discard(i)
                 publish()
                 continue
@@ -291,7 +345,9 @@ def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResul
                 per_worker[worker] = Stats(**payload)
                 running.discard(worker)
             elif kind == "error":
-                result.errors.append(f"worker {worker}: {payload}")
+                text, code = payload
+                result.errors.append(f"worker {worker}: {text}")
+                result.error_codes.append(code)
                 running.discard(worker)
             publish()
     finally:

@@ -1,0 +1,184 @@
+"""`kvdoctor explore`: search for new offload-scheduler failures with generated event sequences.
+
+Register with `app.command()(explore)` in `kvdoctor.cli.app`. Importing this
+module stays cheap (Typer only): hypothesis and vLLM are imported inside the
+command, through `kvdoctor.explore.app`. It takes `_run`, `_console` and
+`_command_line` from `kvdoctor.cli.app` when the command runs, so `app.py` may
+import this module at its top without an import cycle.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvdoctor.cli import options as opt
+from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED
+from kvdoctor.explore import (
+    DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
+)
+
+SEARCH = "Search"
+
+
+def explore(
+    logic: Annotated[str, typer.Option(
+        "--logic", help="installed | fixed | unpatched: the storable_chunks logic to explore under.",
+        rich_help_panel=SEARCH)] = "installed",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the search (same seed, same examples).",
+                                      rich_help_panel=SEARCH)] = DEFAULT_SEED,
+    max_examples: Annotated[int, typer.Option(
+        "--max-examples", help="Generated examples to run at most (per worker; shrinking not counted).",
+        rich_help_panel=SEARCH)] = DEFAULT_MAX_EXAMPLES,
+    time_budget: Annotated[float, typer.Option(
+        "--time-budget", help="Seconds of exploring at most, after vLLM is imported (a failure being "
+                              "shrunk when it runs out gets up to 30 s more).",
+        rich_help_panel=SEARCH)] = DEFAULT_TIME_BUDGET,
+    workers: Annotated[int, typer.Option(
+        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds).",
+        rich_help_panel=SEARCH)] = 1,
+    max_events: Annotated[int, typer.Option(
+        "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,
+    out: Annotated[Path, typer.Option(
+        "--out", help="Folder for the shrunk recipes, one file per failure signature.",
+        rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
+    json_out: opt.Json = False,
+) -> None:
+    """Search for new offload-scheduler failures with generated event sequences on the real scheduler.
+
+    Hypothesis draws a serving geometry and a sequence of events (add, with shared prefixes; schedule;
+    abort; finish by EOS; hold, complete or fail transfers; reset the prefix cache; drain) and runs it,
+    sync and async, under every kvdoctor invariant; then every transfer completes and every finished
+    request's connector state must be released.
+
+    Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
+    and written to --out as a recipe that `kvdoctor repro FILE` replays.
+
+    Exit codes: 0 nothing found · 1 a failure found · 2 usage error · 3 vLLM missing or unsupported."""
+    from kvdoctor.cli.app import _command_line, _console, _run
+
+    def action() -> int:
+        from kvdoctor.explore import app as explore_app
+        from kvdoctor.explore.search import ExploreConfig
+
+        explore_app.validate(logic, max_examples, time_budget, workers, max_events)
+        config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
+                               max_events=max_events, workers=workers)
+        display = _Display(config, quiet_lines=json_out)
+        with display:
+            report = explore_app.explore(config, out, command=_command_line(),
+                                         on_progress=display.progress, on_finding=display.finding)
+        if json_out:
+            from kvdoctor.report.json_doc import dumps
+
+            typer.echo(dumps(explore_app.explore_document(report)))
+        else:
+            console = _console()
+            for item in _summary(report):
+                console.print(item)
+        return EXIT_REPRODUCED if report.findings else EXIT_NOT_REPRODUCED
+
+    _run(action)
+
+
+class _Display:
+    """Live progress on stderr when it is a terminal; otherwise one line per finding."""
+
+    def __init__(self, config: Any, quiet_lines: bool) -> None:
+        from rich.console import Console
+
+        self.config = config
+        self.console = Console(stderr=True, highlight=False)
+        self.live_mode = self.console.is_terminal
+        self.quiet_lines = quiet_lines
+        self.live: Any = None
+        self.result: Any = None
+        self.found: list[Any] = []
+
+    def __enter__(self) -> "_Display":
+        if self.live_mode:
+            from rich.live import Live
+
+            self.live = Live(self._render(), console=self.console, refresh_per_second=8, transient=True)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def progress(self, result: Any) -> None:
+        self.result = result
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def finding(self, finding: Any) -> None:
+        self.found.append(finding)
+        if self.live is not None:
+            self.live.update(self._render())
+        elif not self.quiet_lines:
+            print(f"kvdoctor explore: found {finding.signature} ({finding.steps} steps, "
+                  f"after {finding.elapsed_s:.1f} s)", file=sys.stderr, flush=True)
+
+    def _render(self) -> Any:
+        from rich.table import Table
+        from rich.text import Text
+
+        config = self.config
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        head = f"logic {config.logic} · seed {config.seed} · workers {config.workers}"
+        if self.result is None:
+            grid.add_row("explore", head + " · importing vLLM…")
+            return grid
+        stats = self.result.stats
+        grid.add_row("explore", f"vLLM {self.result.vllm_version} · {head}")
+        budget = config.max_examples * config.workers
+        grid.add_row("examples", f"{stats.examples}/{budget} (+{stats.shrink_examples} while shrinking)"
+                                 + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
+        grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
+                              f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "
+                              f"of {config.time_budget:g} s)")
+        grid.add_row("doing", stats.phase)
+        failures = Text(str(len(self.found)), style="bold red" if self.found else "green")
+        grid.add_row("failures", failures)
+        for finding in self.found:
+            grid.add_row("", Text(f"{finding.signature} ({finding.steps} steps)"))
+        return grid
+
+
+def _summary(report: Any) -> list[Any]:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    result, stats = report.result, report.result.stats
+    config = result.config
+    line = (f"explore on vLLM {result.vllm_version}, logic {config.logic}, seed {config.seed}: "
+            f"{stats.examples} examples (+{stats.shrink_examples} while shrinking), "
+            f"{stats.scheduler_steps:,} scheduler steps in {stats.elapsed:.1f} s "
+            f"({stats.steps_per_second:,.0f} steps/s)")
+    out: list[Any] = [Text(line)]
+    for error in result.errors:
+        out.append(Text(f"warning: {error}", style="yellow"))
+    if not report.findings:
+        out.append(Text("no failure found", style="green"))
+        return out
+    table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
+                  box=box.SIMPLE, title_justify="left")
+    for column in ("signature", "steps", "found after", "recipe file"):
+        table.add_column(column, overflow="fold")
+    for finding in report.findings:  # Text(): a `[...]` from vLLM's source is not rich markup
+        table.add_row(Text(finding.signature), str(finding.steps),
+                      f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
+                      Text(finding.file or ""))
+    out.append(table)
+    for finding in report.findings:
+        out.append(Text(f"{finding.signature}: {finding.detail}"))
+    out.append(Text("replay one with: kvdoctor repro <recipe file>"
+                    + (f" --logic {config.logic}" if config.logic != "installed" else "")))
+    return out

@@ -1,0 +1,97 @@
+"""The `explore` application function: validate, search, write the findings, return plain data.
+
+Free of Typer and of formatting (the CLI renders `ExploreReport`); imports
+hypothesis and vLLM only when called.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from kvdoctor import __version__
+from kvdoctor.errors import KvdoctorError, UsageError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class ExploreReport:
+    result: Any  # search.ExploreResult
+    out_dir: Path
+    wall_s: float
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def findings(self) -> list[Any]:
+        return self.result.findings
+
+
+def validate(logic: str, max_examples: int, time_budget: float, workers: int, max_events: int) -> None:
+    from kvdoctor.logic.variants import LOGIC_VARIANTS
+
+    if logic not in LOGIC_VARIANTS:
+        raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
+    if max_examples < 1:
+        raise UsageError(f"--max-examples must be >= 1, got {max_examples}")
+    if not time_budget > 0:
+        raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    if max_events < 1:
+        raise UsageError(f"--max-events must be >= 1, got {max_events}")
+
+
+def explore(config: Any, out_dir: Path, command: str = "",
+            on_progress: Callable[[Any], None] | None = None,
+            on_finding: Callable[[Any], None] | None = None, api: Any = None) -> ExploreReport:
+    """Search (see `kvdoctor.explore.search`), then write one recipe per finding under `out_dir`."""
+    from kvdoctor.engine import compat
+    from kvdoctor.explore.findings import write_findings
+    from kvdoctor.explore.search import explore as search
+
+    validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events)
+    if config.workers > 1 and api is None:
+        declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
+        if declared is None:
+            raise compat.VllmUnavailableError(
+                f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
+        compat.check_supported(declared)
+    start = time.monotonic()
+    result = search(config, on_progress=on_progress, on_finding=on_finding, api=api)
+    if result.errors and len(result.errors) >= config.workers:
+        code = next((c for c in result.error_codes if c is not None), None)
+        error = KvdoctorError("every explore worker failed: " + "; ".join(result.errors))
+        if code is not None:
+            error.exit_code = code
+        raise error
+    write_findings(result.findings, out_dir)
+    return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command)
+
+
+def explore_document(report: ExploreReport) -> dict[str, Any]:
+    """The `--json` document (stable keys, `schema_version`)."""
+    result, config, stats = report.result, report.result.config, report.result.stats
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kvdoctor_version": __version__,
+        "vllm_version": result.vllm_version,
+        "command": report.command or None,
+        "logic": config.logic,
+        "seed": config.seed,
+        "workers": config.workers,
+        "max_examples": config.max_examples,
+        "time_budget_s": config.time_budget,
+        "out": str(report.out_dir),
+        "examples": stats.examples,
+        "shrink_examples": stats.shrink_examples,
+        "invalid_examples": stats.invalid,
+        "scheduler_steps": stats.scheduler_steps,
+        "elapsed_s": round(stats.elapsed, 3),
+        "steps_per_second": round(stats.steps_per_second, 1),
+        "findings": [finding.as_dict() for finding in report.findings],
+        "errors": list(result.errors),
+    }
