@@ -27,7 +27,7 @@ def bare_replay(api, traffic) -> tuple[int, float]:
     """Replay (recipe, observation) pairs on a bare Harness: (engine steps, seconds)."""
     from kvdoctor.engine.harness import Harness
     from kvdoctor.explore.runner import expanded_actions, setup_of
-    from kvdoctor.scenario import prompt_for
+    from kvdoctor.scenario import apply_to_harness
 
     prepared = []
     for recipe, obs, _ in traffic:
@@ -41,29 +41,9 @@ def bare_replay(api, traffic) -> tuple[int, float]:
         prompts: dict[str, list[int]] = {}
         try:
             for index, action in actions:
-                args = recipe.steps[index].args
                 if action == "schedule":
                     steps += 1
-                    harness.step()
-                elif action == "add":
-                    prompt = prompt_for(recipe.steps[index], len(prompts), setup, prompts)
-                    prompts[args["request"]] = prompt
-                    harness.add(args["request"], prompt, args.get("max_tokens", 8))
-                elif action == "drain":
-                    harness.drain()
-                elif action == "abort":
-                    harness.abort(args["request"])
-                elif action == "finish":
-                    harness.finish_by_eos(args["request"])
-                elif action == "hold_transfers":
-                    harness.worker.hold(args.get("request"), args.get("kind"))
-                elif action == "complete_transfers":
-                    harness.worker.complete(args.get("request"), args.get("kind"))
-                elif action == "fail_transfers":
-                    harness.worker.fail(args.get("request"), args.get("kind"))
-                elif action == "reset_prefix_cache":
-                    harness.reset_prefix_cache(args.get("reset_running_requests", False),
-                                               args.get("reset_connector", False))
+                apply_to_harness(recipe.steps[index], harness, setup, prompts)
         except Exception:  # noqa: BLE001 - the failure explore found: the run ends here too
             pass
     return steps, time.perf_counter() - start

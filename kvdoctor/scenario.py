@@ -214,14 +214,14 @@ class ScenarioRun:
                     if events is not None:
                         observer.note_step(events.finished)
                         violations = check_all(self.invariants, StepContext(harness, events, step_calls))
-                    snapshots = observer.snapshot()
-                    if self.record_timeline:
+                    if self.record_timeline:  # snapshots cost ~6% of a run: only when someone reads them
                         self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
-                                                                  step.line, events, snapshots,
+                                                                  step.line, events, observer.snapshot(),
                                                                   failed=bool(violations)))
-                    self.result.requests = snapshots
                     if violations:
+                        self.result.requests = observer.snapshot()
                         return self._violated(violations, counter)
+        self.result.requests = observer.snapshot()
         self._finish_checks()
         self.result.guards = explain_guards(self.all_calls)
         return self.result
@@ -267,32 +267,40 @@ class ScenarioRun:
     def _apply(self, step: Step, harness: Harness, observer: Observer) -> StepEvents | None:
         args = step.args
         action = step.action
-        if action == "add":
-            prompt = prompt_for(step, len(self.prompts), self.setup, self.prompts)
-            self.prompts[args["request"]] = prompt
-            harness.add(args["request"], prompt, args.get("max_tokens", 8))
-        elif action == "schedule":
-            return harness.step()
-        elif action == "drain":
-            harness.drain()
-        elif action == "abort":
-            harness.abort(args["request"])
-        elif action == "finish":
-            harness.finish_by_eos(args["request"])
-        elif action == "hold_transfers":
-            harness.worker.hold(args.get("request"), args.get("kind"))
-        elif action == "complete_transfers":
-            harness.worker.complete(args.get("request"), args.get("kind"))
-        elif action == "fail_transfers":
-            harness.worker.fail(args.get("request"), args.get("kind"))
-        elif action == "reset_prefix_cache":
-            harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
-        elif action == "expect":
+        if action == "expect":
             held, observed = check_expectation(step, observer.snapshot())
             if not held:
                 description = args.get("description", step.describe())
                 raise ExpectationFailed(f"expected {description}; observed {observed}")
-        return None
+            return None
+        return apply_to_harness(step, harness, self.setup, self.prompts)
+
+
+def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[str, list[int]]) -> StepEvents | None:
+    """Carry out one engine-facing step (every action but `expect`); `schedule` returns its events."""
+    args = step.args
+    action = step.action
+    if action == "add":
+        prompt = prompt_for(step, len(prompts), setup, prompts)
+        prompts[args["request"]] = prompt
+        harness.add(args["request"], prompt, args.get("max_tokens", 8))
+    elif action == "schedule":
+        return harness.step()
+    elif action == "drain":
+        harness.drain()
+    elif action == "abort":
+        harness.abort(args["request"])
+    elif action == "finish":
+        harness.finish_by_eos(args["request"])
+    elif action == "hold_transfers":
+        harness.worker.hold(args.get("request"), args.get("kind"))
+    elif action == "complete_transfers":
+        harness.worker.complete(args.get("request"), args.get("kind"))
+    elif action == "fail_transfers":
+        harness.worker.fail(args.get("request"), args.get("kind"))
+    elif action == "reset_prefix_cache":
+        harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
+    return None
 
 
 def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
