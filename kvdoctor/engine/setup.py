@@ -78,6 +78,8 @@ class Setup:
 
 
 def _flag(name: str) -> str:
+    if name == "cpu_bytes_to_use":  # set through --kv-transfer-config, as with vllm serve
+        return "kv_connector_extra_config.cpu_bytes_to_use"
     return "--" + name.replace("_", "-")
 
 
