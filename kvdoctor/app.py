@@ -118,6 +118,7 @@ def environment() -> dict[str, Any]:
 class AuditRow:
     bug: str
     recipe: Recipe
+    setup: Setup
     installed: Any  # RunResult
     fixed: Any  # RunResult
 
@@ -174,7 +175,7 @@ def audit(command: str = "") -> AuditReport:
     for recipe, setup in zip(recipes, setups):
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
-        report.rows.append(AuditRow(recipe.bug or "-", recipe, installed, fixed))
+        report.rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed))
     report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
     from kvdoctor.observe.metrics import measure_prefix_sharing
 

@@ -142,16 +142,10 @@ def repro(
             return EXIT_NOT_REPRODUCED
         result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
                                    command=_command_line())
-        if json_out:
-            from kvdoctor.report.json_doc import dumps, repro_document
+        from kvdoctor.report.json_doc import repro_document
+        from kvdoctor.report.tables import repro_renderables
 
-            typer.echo(dumps(repro_document(result)))
-        else:
-            from kvdoctor.report.tables import repro_renderables
-
-            _emit(repro_renderables(result), svg)
-        if report is not None:
-            _write_report(report, "repro", result)
+        _output("repro", result, json_out, repro_document, repro_renderables, svg, report)
         return exit_code_for(result.decisive.outcome.value)
 
     _run(action)
@@ -198,20 +192,18 @@ def inspect(
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
-        if json_out:
-            from kvdoctor.report.json_doc import dumps, repro_document
+        from kvdoctor.report.json_doc import repro_document
+        from kvdoctor.report.tables import timeline_renderables, verdict_table
 
-            document = repro_document(result, with_timeline=True)
+        def document(res: Any) -> dict:
+            doc = repro_document(res, with_timeline=True)
             if step is not None:
-                for res in document["results"]:
-                    res["timeline"] = [e for e in res["timeline"] if e["index"] == step]
-            typer.echo(dumps(document))
-        else:
-            from kvdoctor.report.tables import timeline_renderables, verdict_table
+                for entry in doc["results"]:
+                    entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
+            return doc
 
-            _emit(timeline_renderables(run, step) + [verdict_table(result)], svg)
-        if report is not None:
-            _write_report(report, "inspect", result)
+        _output("inspect", result, json_out, document,
+                lambda res: timeline_renderables(run, step) + [verdict_table(res)], svg, report)
         return exit_code_for(run.outcome.value)
 
     _run(action)
@@ -236,16 +228,10 @@ def audit(
         from kvdoctor import app as application
 
         result = application.audit(command=_command_line())
-        if json_out:
-            from kvdoctor.report.json_doc import audit_document, dumps
+        from kvdoctor.report.json_doc import audit_document
+        from kvdoctor.report.tables import audit_renderables
 
-            typer.echo(dumps(audit_document(result)))
-        else:
-            from kvdoctor.report.tables import audit_renderables
-
-            _emit(audit_renderables(result), svg)
-        if report is not None:
-            _write_report(report, "audit", result)
+        _output("audit", result, json_out, audit_document, audit_renderables, svg, report)
         return EXIT_REPRODUCED if result.any_reproduced else EXIT_NOT_REPRODUCED
 
     _run(action)
@@ -254,6 +240,19 @@ def audit(
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
 
 app.command()(explore)
+
+
+def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
+            renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:
+    """JSON on stdout or the rendered tables (optionally as SVG), then the Markdown attachment."""
+    if json_out:
+        from kvdoctor.report.json_doc import dumps
+
+        typer.echo(dumps(document(result)))
+    else:
+        _emit(renderables(result), svg)
+    if report is not None:
+        _write_report(report, command, result)
 
 
 def _list_recipes(json_out: bool) -> int:

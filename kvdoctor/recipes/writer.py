@@ -29,44 +29,30 @@ def toml_key(key: str) -> str:
     return key if _BARE_KEY.fullmatch(key) else toml_string(key)
 
 
-def toml_string(text: str) -> str:
-    """`text` as a one-line TOML basic string."""
+def _escape(text: str, literal: str) -> str:
+    """TOML basic-string escapes; characters in `literal` are written as they are."""
+    named = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
     out = []
     for ch in text:
-        if ch == '"':
-            out.append('\\"')
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
+        if ch in literal:
+            out.append(ch)
+        elif ch in named:
+            out.append(named[ch])  # escaping every quote rules out a stray closing delimiter
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:
             out.append(f"\\u{ord(ch):04x}")
         else:
             out.append(ch)
-    return '"' + "".join(out) + '"'
+    return "".join(out)
+
+
+def toml_string(text: str) -> str:
+    """`text` as a one-line TOML basic string."""
+    return '"' + _escape(text, literal="") + '"'
 
 
 def toml_multiline(text: str) -> str:
     """`text` as a TOML multi-line basic string (newlines kept as lines, readable)."""
-    out = []
-    for ch in text:
-        if ch == '"':
-            out.append('\\"')  # escaping every quote rules out a stray closing delimiter
-        elif ch == "\\":
-            out.append("\\\\")
-        elif ch in "\n\t":
-            out.append(ch)
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"""\n' + "".join(out) + '\n"""'
+    return '"""\n' + _escape(text, literal="\n\t") + '\n"""'
 
 
 def toml_value(value: Any) -> str:

@@ -135,7 +135,7 @@ def render_audit_markdown(report: Any) -> str:
     for row in report.rows:
         result = row.installed
         if result.failure is not None:
-            lines += [f"## {row.bug} `{row.recipe.name}`", "", f"Setup: `{setup_line(resolve_row_setup(row))}`", ""]
+            lines += [f"## {row.bug} `{row.recipe.name}`", "", f"Setup: `{setup_line(row.setup)}`", ""]
             lines += _failure(result)
             lines += _timeline(result)
         elif result.violations:
@@ -145,8 +145,3 @@ def render_audit_markdown(report: Any) -> str:
             lines += _timeline(result)
     return _scrub("\n".join(lines)) + "\n"
 
-
-def resolve_row_setup(row: Any) -> Any:
-    from kvdoctor.app import resolve_setup
-
-    return resolve_setup(row.recipe, {})
