@@ -1,41 +1,90 @@
-"""Errors kvdoctor reports to the user, each tied to its documented exit code.
+"""Errors kvdoctor reports to the user, and the exit statuses they map to.
 
-Anything raised as a `KvdoctorError` is printed as one line (never a traceback)
-by the CLI, which exits with the error's `exit_code`.
+`ExitStatus` is the one definition of what an exit code means (README and
+`--help` are generated from its descriptions). Anything raised as a
+`KvdoctorError` is printed as one line (never a traceback) by the CLI, which
+exits with the error's `exit_code`; any other exception escaping a command is
+kvdoctor's own failure (`INTERNAL_ERROR`), never a vLLM finding.
 """
 
 from __future__ import annotations
 
-EXIT_NOT_REPRODUCED = 0
-EXIT_REPRODUCED = 1
-EXIT_USAGE = 2
-EXIT_VLLM_UNAVAILABLE = 3
-EXIT_SETUP_OR_OTHER_FAILURE = 4
+from enum import IntEnum
+
+
+class ExitStatus(IntEnum):
+    """What kvdoctor's exit code says (the httpie idea: one enum, used everywhere)."""
+
+    NOT_REPRODUCED = 0
+    REPRODUCED = 1
+    USAGE = 2
+    VLLM_UNAVAILABLE = 3
+    SETUP_OR_OTHER_FAILURE = 4
+    INTERNAL_ERROR = 5
+    INTERRUPTED = 130
+
+    @property
+    def meaning(self) -> str:
+        return _MEANINGS[self]
+
+
+_MEANINGS = {
+    ExitStatus.NOT_REPRODUCED: "not reproduced (or not applicable to this vLLM)",
+    ExitStatus.REPRODUCED: "reproduced: the recipe's failure signature fired under the installed logic",
+    ExitStatus.USAGE: "usage error: bad flag, impossible geometry, unknown recipe, malformed recipe file, "
+                      "unwritable output path",
+    ExitStatus.VLLM_UNAVAILABLE: "vLLM missing, broken on import, or outside the supported range",
+    ExitStatus.SETUP_OR_OTHER_FAILURE: "a recipe precondition did not hold (setup_error) or something else "
+                                       "failed in vLLM (other_failure)",
+    ExitStatus.INTERNAL_ERROR: "kvdoctor itself failed (a bug in kvdoctor, not a vLLM finding: please report it)",
+    ExitStatus.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+# Older names, kept so call sites read naturally.
+EXIT_NOT_REPRODUCED = ExitStatus.NOT_REPRODUCED
+EXIT_REPRODUCED = ExitStatus.REPRODUCED
+EXIT_USAGE = ExitStatus.USAGE
+EXIT_VLLM_UNAVAILABLE = ExitStatus.VLLM_UNAVAILABLE
+EXIT_SETUP_OR_OTHER_FAILURE = ExitStatus.SETUP_OR_OTHER_FAILURE
+EXIT_INTERNAL_ERROR = ExitStatus.INTERNAL_ERROR
 
 
 class KvdoctorError(Exception):
     """A problem the user can act on; its message is one line."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitStatus.USAGE
+    kind = "usage_error"
 
 
 class UsageError(KvdoctorError):
-    """Bad flags, impossible geometry, unknown recipe name."""
+    """Bad flags, impossible geometry, unknown recipe name, unwritable output path."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitStatus.USAGE
+    kind = "usage_error"
 
 
 class RecipeError(KvdoctorError):
     """A recipe file that cannot be loaded; the message names file:line."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitStatus.USAGE
+    kind = "recipe_error"
 
 
 class VllmUnavailableError(KvdoctorError):
     """vLLM is missing, broken on import, or outside the supported range."""
 
-    exit_code = EXIT_VLLM_UNAVAILABLE
+    exit_code = ExitStatus.VLLM_UNAVAILABLE
+    kind = "vllm_unavailable"
 
 
 class IncompatibleVllmError(VllmUnavailableError):
     """The installed vLLM moved a private piece kvdoctor reads."""
+
+    kind = "incompatible_vllm"
+
+
+class InternalError(KvdoctorError):
+    """kvdoctor's own code failed; never reported as a vLLM finding."""
+
+    exit_code = ExitStatus.INTERNAL_ERROR
+    kind = "internal_error"
