@@ -141,10 +141,17 @@ class MetricRow:
     bug: str
     title: str
     refs: tuple[str, ...]
-    value: Any  # e.g. PrefixSharingMetric
+    value: Any  # e.g. PrefixSharingMetric; None when the measurement did not complete
+    error: str | None = None  # why it did not complete (the row then counts as other_failure)
+
+    @property
+    def outcome(self) -> str:
+        return "other_failure" if self.error else "measured"
 
     @property
     def summary(self) -> str:
+        if self.error:
+            return f"not measured: {self.error}"
         m = self.value
         return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
                 f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "
@@ -162,6 +169,16 @@ class AuditReport:
     def any_reproduced(self) -> bool:
         return any(row.installed.outcome.value == "reproduced" for row in self.rows)
 
+    @property
+    def exit_status(self) -> int:
+        """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
+        setup_error; 0 only when every row is not_reproduced / not_applicable."""
+        from kvdoctor.outcome_codes import exit_code_for_many
+
+        outcomes = [row.installed.outcome.value for row in self.rows]
+        outcomes += ["other_failure" for metric in self.metrics if metric.error]
+        return exit_code_for_many(outcomes)
+
 
 def audit(command: str = "") -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process."""
@@ -177,11 +194,13 @@ def audit(command: str = "") -> AuditReport:
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed))
     report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
-    from kvdoctor.observe.metrics import measure_prefix_sharing
+    from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 
-    report.metrics.append(MetricRow(
-        "K10", "Concurrent loads of one prefix serialise: overlapping requests wait for the first load",
-        ("vllm#44294 (issue)",), measure_prefix_sharing(api)))
+    title = "Concurrent loads of one prefix serialise: overlapping requests wait for the first load"
+    try:
+        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), measure_prefix_sharing(api)))
+    except MeasurementIncomplete as exc:
+        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), None, error=str(exc)))
     return report
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents
 from kvdoctor.engine.setup import Setup
-from kvdoctor.errors import KvdoctorError
+from kvdoctor.errors import InternalError, KvdoctorError
 from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
 from kvdoctor.observe.failure import Failure, describe_exception
 from kvdoctor.observe.invariants import StepContext, Violation, check_all
@@ -70,6 +70,20 @@ class ExpectationFailed(Exception):
     pass
 
 
+def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:
+    """The request vLLM was working on when it raised, from what kvdoctor saw.
+
+    A `KeyError` keyed by a request id names it; otherwise the last
+    `storable_chunks` call of the failing step (the store pass asks it per
+    request, right before pairing keys with blocks).
+    """
+    if isinstance(exc, KeyError) and exc.args and str(exc.args[0]) in requests:
+        return str(exc.args[0])
+    if failing_calls:
+        return failing_calls[-1].req_id
+    return None
+
+
 def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int]]) -> list[int]:
     """Token ids for an `add` step: distinct per request unless a prefix is shared."""
     args = step.args
@@ -120,7 +134,9 @@ def explain_guards(calls: list[StorableCall]) -> list[str]:
     """Say, from the calls vLLM really made, what kept a finished request's store in bounds.
 
     "In bounds" means the chunks to store beyond `next_stored_chunk` can all be
-    paired with allocated blocks; the explanation names the term that did it.
+    paired with allocated blocks. A term is named only when the recorded values
+    show it bound (removing it raises the result); otherwise the text says that
+    kvdoctor cannot tell.
     """
     guards: list[str] = []
     seen: set[tuple[str, int]] = set()
@@ -133,23 +149,40 @@ def explain_guards(calls: list[StorableCall]) -> list[str]:
         if call.token_chunks > covered:
             if call.returned > covered:
                 continue  # nothing held: the store pass will trip
-            if call.returned <= call.allocated_chunks:
-                term = "the allocated-chunk cap (PR #49146)"
-            elif call.returned <= call.keyed_chunks < call.token_chunks:
-                term = "the offload-key cap (PR #52923)"
-            else:
-                term = "a cap of this release"
-            guards.append(
-                f"{who}: {term} held storable chunks to {call.returned}; its {call.num_offloadable_tokens} "
-                f"offloadable tokens make {call.token_chunks} chunks but it holds {call.allocated_chunks} "
-                f"and has {call.next_stored_chunk} stored")
+            term = _binding_term(call)
+            held = (f"held storable chunks to {call.returned}; its {call.num_offloadable_tokens} offloadable "
+                    f"tokens make {_chunks(call.token_chunks)} but it holds {_chunks(call.allocated_chunks)} "
+                    f"and has {call.next_stored_chunk} stored")
+            guards.append(f"{who}: {term} {held}" if term else
+                          f"{who}: something kvdoctor cannot name {held}")
         elif call.full_token_chunks > covered:
-            guards.append(
-                f"{who}: the final store counted {call.num_offloadable_tokens} computed tokens, not all "
-                f"{call.full_token_chunks * call.tokens_per_chunk}+ of its offloadable tokens (aborted requests "
-                f"count only computed tokens, PR #49285): {call.token_chunks} chunks, within its "
-                f"{call.allocated_chunks} allocated / {call.next_stored_chunk} stored; no cap was needed")
+            counted = (f"the final store counted {call.num_offloadable_tokens} tokens "
+                       f"({_chunks(call.token_chunks)}), not the {call.full_token_chunks * call.tokens_per_chunk} "
+                       f"its offloadable tokens come to")
+            within = (f"within its {call.allocated_chunks} allocated / {call.next_stored_chunk} stored; "
+                      f"no cap was needed")
+            if call.request_status == "FINISHED_ABORTED" and call.num_offloadable_tokens <= call.computed_tokens:
+                guards.append(f"{who}: {counted}: aborted requests count only computed tokens "
+                              f"(PR #49285), {within}")
+            else:
+                guards.append(f"{who}: {counted}, for a reason kvdoctor cannot name, {within}")
     return guards
+
+
+def _chunks(n: int) -> str:
+    return f"{n} chunk" if n == 1 else f"{n} chunks"
+
+
+def _binding_term(call: StorableCall) -> str | None:
+    """The cap that bound `call.returned`, shown by a variant without it returning more."""
+    if call.returned == call.allocated_chunks:
+        if call.installed > call.returned:
+            return "kvdoctor's fixed logic (the allocated-chunk cap of PR #49146)"
+        if call.unpatched > call.returned:
+            return "this release's allocated-chunk cap (PR #49146)"
+    if call.keys_uncapped is not None and call.keys_uncapped > call.returned == call.keyed_chunks:
+        return "this release's offload-key cap (PR #52923)"
+    return None
 
 
 class ScenarioRun:
@@ -177,7 +210,12 @@ class ScenarioRun:
             self.result.outcome = Outcome.NOT_APPLICABLE
             self.result.detail = "; ".join(reasons)
             return self.result
-        harness = Harness(self.api, self.setup)
+        try:
+            harness = Harness(self.api, self.setup)
+        except KvdoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
+            return self._failed_to_build(exc)
         try:
             return self._run_on(harness)
         finally:
@@ -208,6 +246,7 @@ class ScenarioRun:
                         failing_calls = self.log.take()
                         self.all_calls.extend(failing_calls)
                         return self._failed(exc, counter, step, observer, failing_calls)
+                    self.log.raise_recording_errors()
                     step_calls = self.log.take()
                     self.all_calls.extend(step_calls)
                     violations: list[Violation] = []
@@ -241,18 +280,44 @@ class ScenarioRun:
     def _failed(self, exc: Exception, counter: int, step: Step, observer: Observer,
                 failing_calls: list[StorableCall]) -> RunResult:
         failure = describe_exception(exc)
+        if not failure.in_vllm:
+            raise InternalError(f"{failure.exception} in kvdoctor's {failure.function} ({failure.file}:"
+                                f"{failure.line}) at step {counter}: {failure.message}") from exc
+        self.log.raise_recording_errors()
+        failure.involved_request = involved_request(exc, failing_calls, set(observer.harness.requests))
         self.result.failure = failure
         self.result.failure_step = counter
         self.result.requests = observer.snapshot(failing_calls)
-        if matches_exception(self.recipe.signature, failure):
-            self.result.outcome = Outcome.REPRODUCED
+        signature = self.recipe.signature
+        if matches_exception(signature, failure):
+            if signature.request is None or failure.involved_request == signature.request:
+                self.result.outcome = Outcome.REPRODUCED
+            else:
+                self.result.outcome = Outcome.OTHER_FAILURE
+                whom = (f"request {failure.involved_request}" if failure.involved_request
+                        else "a request kvdoctor could not identify")
+                self.result.detail = (f"{failure.exception} in {failure.function} fired for {whom}, but this "
+                                      f"recipe's bug must involve request {signature.request}: the same "
+                                      f"assertion reached by another path, not the bug the recipe is about")
         else:
             self.result.outcome = Outcome.OTHER_FAILURE
-            where = "vLLM" if failure.in_vllm else "kvdoctor"
-            self.result.detail = f"{failure.exception} in {where} {failure.function}: {failure.message}"
+            self.result.detail = f"{failure.exception} in vLLM's {failure.function}: {failure.message}"
         if self.record_timeline:
             self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(), step.line,
                                                       None, self.result.requests, failed=True))
+        return self.result
+
+    def _failed_to_build(self, exc: Exception) -> RunResult:
+        """vLLM raised while building the scheduler or its connector: a vLLM outcome, not a usage error."""
+        failure = describe_exception(exc)
+        if not failure.in_vllm:
+            raise InternalError(f"{failure.exception} in kvdoctor's {failure.function} ({failure.file}:"
+                                f"{failure.line}) while building the scheduler: {failure.message}") from exc
+        self.result.failure = failure
+        self.result.failure_step = 0
+        self.result.outcome = Outcome.OTHER_FAILURE
+        self.result.detail = (f"vLLM failed while building the scheduler and its connector: {failure.exception} "
+                              f"in {failure.function}: {failure.message}")
         return self.result
 
     def _finish_checks(self) -> None:

@@ -14,6 +14,15 @@ from .conftest import ROOT, run_cli
 
 SECRET = "kvdoctor-test-secret-0f9a"
 K1_RECIPES = ("queued-abort", "preemption", "prefetch")
+# The installed logic's outcome on the K1 recipes (measured per release).
+K1_OUTCOME = {(0, 26): "reproduced", (0, 33): "not_reproduced"}
+
+
+@pytest.fixture(scope="module")
+def k1_outcome(api, release):
+    from .conftest import expected_for
+
+    return expected_for(api, release, K1_OUTCOME)
 
 
 @pytest.fixture(scope="module")
@@ -30,32 +39,36 @@ def audit_run(home):
     return proc, json.loads(proc.stdout), report.read_text()
 
 
-def test_audit_rows_and_exit_code(audit_run, release):
+def test_audit_rows_and_exit_code(audit_run, release, k1_outcome):
     proc, doc, _ = audit_run
     assert doc["schema_version"] == 1 and doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
     rows = {row["recipe"]: row for row in doc["rows"]}
     assert set(K1_RECIPES) <= set(rows)
     for name in K1_RECIPES:
         assert rows[name]["bug"] == "K1" and any("49118" in ref for ref in rows[name]["refs"])
-        expected = "reproduced" if release == (0, 26) else "not_reproduced"
-        assert rows[name]["outcome"] == expected, rows[name]
+        assert rows[name]["outcome"] == k1_outcome, rows[name]
         assert rows[name]["fixed_logic_outcome"] == "not_reproduced"
+    from kvdoctor.outcome_codes import exit_code_for_many
+
     reproduced = [row for row in doc["rows"] if row["outcome"] == "reproduced"]
     assert doc["any_reproduced"] is bool(reproduced)
-    assert proc.returncode == (1 if reproduced else 0), proc.stderr
-    if release == (0, 26):
+    outcomes = [row["outcome"] for row in doc["rows"]] + [m["outcome"] for m in doc["metrics"]
+                                                         if m["outcome"] != "measured"]
+    assert proc.returncode == doc["exit_code"] == exit_code_for_many(outcomes), proc.stderr
+    if k1_outcome == "reproduced":
         assert "fixed logic" in rows["queued-abort"]["hint"]
 
 
-def test_audit_markdown_report(audit_run, home, release):
+def test_audit_markdown_report(audit_run, home):
     _, doc, markdown = audit_run
+    rows = {row["recipe"]: row for row in doc["rows"]}
     assert markdown.startswith("# kvdoctor audit: known KV-offload bugs on vLLM ")
     for key in ("kvdoctor", "vllm", "torch", "python", "os", "GPU present"):
         assert re.search(rf"^\| {key} \| .+ \|$", markdown, re.M), key
     table_rows = re.findall(r"^\| (K\d+|-) \| ([\w-]+) \|", markdown, re.M)
     assert {name for _, name in table_rows} == {row["recipe"] for row in doc["rows"]}
     assert "kvdoctor audit --json --report ~/audit.md" in markdown
-    if release == (0, 26):
+    if rows["queued-abort"]["outcome"] == "reproduced":
         assert "`AssertionError: assert len(offload_keys) == len(offload_block_ids)`" in markdown
         assert "<details>" in markdown and "vLLM frames" in markdown
 
@@ -96,7 +109,7 @@ def test_svg_is_written(repro_reports):
 
 
 @pytest.mark.parametrize("name", K1_RECIPES)
-def test_exported_script_reproduces_with_vllm_only(tmp_path, name, release):
+def test_exported_script_reproduces_with_vllm_only(tmp_path, name, k1_outcome):
     script = tmp_path / f"{name}.py"
     proc = run_cli("repro", name, "--export-script", str(script))
     assert proc.returncode == 0, proc.stderr
@@ -105,7 +118,7 @@ def test_exported_script_reproduces_with_vllm_only(tmp_path, name, release):
         "kv-repro", ""), "the script must not import kvdoctor"
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""})
-    if release == (0, 26):
+    if k1_outcome == "reproduced":
         assert run.returncode == 1, run.stdout + run.stderr
         assert "AssertionError" in run.stderr
         assert "assert len(offload_keys) == len(offload_block_ids)" in run.stderr

@@ -102,6 +102,15 @@ def result(reports, name, mode, logic):
     return next(r for r in reports[(name, mode)].results if r.logic == logic)
 
 
+def reproduced_runs(reports, name, mode):
+    """The runs of `name` that reproduced, under any logic; skip when none did (nothing to assert)."""
+    runs = [result(reports, name, mode, logic) for logic in LOGICS]
+    chosen = [run for run in runs if run.outcome is R]
+    if not chosen:
+        pytest.skip(f"{name} does not reproduce in this mode on this release")
+    return chosen
+
+
 def index_of(run, action, after=0):
     """Timeline position of the first `action` step at or after position `after`."""
     for i, entry in enumerate(run.timeline[after:], start=after):
@@ -153,24 +162,11 @@ def test_outcome(reports, expected, name, mode, logic):
         f"{run.failure and run.failure.message}), expected {want.value}")
 
 
-@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-@pytest.mark.parametrize("name", RECIPES)
-def test_runs_that_survive_pass_their_checks(reports, expected, name, mode):
-    for logic in LOGICS:
-        run = result(reports, name, mode, logic)
-        if run.outcome is N:
-            assert run.checks and all(c.passed for c in run.checks), [(c.description, c.observed)
-                                                                       for c in run.checks]
-
-
 # -- K8: preempted by a cache reset and reloaded in the same step ------------
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 def test_k8_fires_in_the_step_after_the_reset(reports, expected, mode):
-    for logic in LOGICS:
-        run = result(reports, K8, mode, logic)
-        if run.outcome is not R:
-            continue
+    for run in reproduced_runs(reports, K8, mode):
         assert run.failure.function == "build_connector_meta"
         assert run.failure.code == "assert self._jobs[any_jid].is_store"
         last = run.timeline[-1]
@@ -208,10 +204,7 @@ def test_k8_async_needs_the_drain(reports, expected):
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 def test_k2_fires_on_the_final_store(reports, expected, mode):
-    for logic in LOGICS:
-        run = result(reports, K2, mode, logic)
-        if run.outcome is not R:
-            continue
+    for run in reproduced_runs(reports, K2, mode):
         assert run.failure.exception == "KeyError" and run.failure.message == "'A'"
         assert run.failure.code == "state = self._req_state[req_context.req_id]"
         assert [f.function for f in run.failure.vllm_frames[-2:]] == ["_build_store_jobs", "prepare_store"]
@@ -244,10 +237,7 @@ def test_k2_fixed_release_builds_the_final_store(reports, expected, release, mod
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
-    for logic in LOGICS:
-        run = result(reports, K4, mode, logic)
-        if run.outcome is not R:
-            continue
+    for run in reproduced_runs(reports, K4, mode):
         assert run.failure is None
         assert [v.invariant for v in run.violations] == ["store-covers-computed-slots"]
         assert "A: store covers tokens up to 16 but only 15 have KV written" in run.violations[0].message
@@ -257,18 +247,23 @@ def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
         assert index_of(run, "schedule", last_expect(run)) == len(run.timeline) - 1
 
 
-def test_k4_async_stores_a_computed_slot(reports, expected, release):
+# Store jobs the async K4 run builds (measured per release): 0.26 stores the computed final chunk;
+# the PR #54288 clamp on 0.33 builds none.
+K4_ASYNC_STORES = {(0, 26): 1, (0, 33): 0}
+
+
+def test_k4_async_stores_a_computed_slot(reports, expected, api, release):
     """Async scheduling computes the EOS token's slot before the EOS is seen."""
     run = result(reports, K4, True, "installed")
     a = snap(run.timeline[-1], "A")
     assert a.status == "FINISHED_STOPPED" and a.computed_tokens == a.num_tokens == 16
     stores = sum(len(e.events.new_store_jobs) for e in run.timeline if e.events is not None)
-    assert stores == (1 if release == (0, 26) else 0)
+    assert stores == expected_for(api, release, K4_ASYNC_STORES)
 
 
 def test_k4_fixed_release_builds_no_store(reports, expected, release):
-    if release != (0, 33):
-        pytest.skip("the PR #54288 clamp is measured on 0.33")
-    for mode in MODES:
-        run = result(reports, K4, mode, "installed")
+    runs = [result(reports, K4, mode, "installed") for mode in MODES]
+    if any(run.outcome is not N for run in runs):
+        pytest.skip(f"K4 reproduces on {release} in some mode")
+    for run in runs:
         assert snap(run.timeline[-1], "A").store_jobs_built == 0

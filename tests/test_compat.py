@@ -71,6 +71,17 @@ def test_cli_reports_missing_vllm_as_exit_3(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "not installed" in proc.stderr
 
 
+# What the feature probes answer, read off each release's code (measured, not derived from the number).
+PROBES = {
+    (0, 26): {"params": ("group_config", "num_offloadable_tokens"), "aborted_basis": False},
+    (0, 33): {"params": ("group_config", "group_state", "num_offloadable_tokens"), "aborted_basis": True},
+}
+
+
 def test_release_probes(api, release):
-    assert api.storable_chunks_takes_group_state is (release != (0, 26))
-    assert api.aborted_store_counts_computed_tokens is (release != (0, 26))
+    from .conftest import expected_for
+
+    want = expected_for(api, release, PROBES)
+    assert api.storable_chunks_params == want["params"]
+    assert api.storable_chunks_takes_group_state is ("group_state" in want["params"])
+    assert api.aborted_store_counts_computed_tokens is want["aborted_basis"]

@@ -9,7 +9,7 @@ import pytest
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 
-from .conftest import run_cli
+from .conftest import expected_for, run_cli
 
 GEOMETRIES = {
     "issue-49118": {},  # block size 4, 1 block per chunk, 8 GPU blocks
@@ -34,28 +34,37 @@ def by_logic(report):
     return {r.logic: r for r in report.results}
 
 
+R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
+# Measured per release: outcome per logic, and the guard named for B under `unpatched`
+# (0.33: removing the cap alone does not bring the crash back; aborted requests count only
+# computed tokens there, PR #49285, and the output must say so).
+EXPECTED = {
+    (0, 26): {"installed": R, "fixed": N, "unpatched": R, "unpatched_guard": None,
+              "fixed_guard": "allocated-chunk cap of PR #49146"},
+    (0, 33): {"installed": N, "fixed": N, "unpatched": N, "unpatched_guard": "PR #49285", "fixed_guard": None},
+}
+
+
+@pytest.fixture(scope="module")
+def expected(api, release):
+    return expected_for(api, release, EXPECTED)
+
+
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
-def test_outcome_matrix(reports, release, case):
+def test_outcome_matrix(reports, expected, case):
     results = by_logic(reports[case])
     assert reports[case].setup.async_scheduling is MODES[case[1]]
-    if release == (0, 26):
-        assert results["installed"].outcome is Outcome.REPRODUCED
-        assert results["fixed"].outcome is Outcome.NOT_REPRODUCED
-        assert results["unpatched"].outcome is Outcome.REPRODUCED
-    else:  # 0.33 carries PR #49146 and PR #49285
-        assert results["installed"].outcome is Outcome.NOT_REPRODUCED
-        assert results["fixed"].outcome is Outcome.NOT_REPRODUCED
-        # Removing the cap alone does not bring the crash back: aborted requests
-        # count only computed tokens there, and the output must say so.
-        assert results["unpatched"].outcome is Outcome.NOT_REPRODUCED
-        assert any("PR #49285" in g and "B:" in g for g in results["unpatched"].guards)
+    for logic in ("installed", "fixed", "unpatched"):
+        assert results[logic].outcome is expected[logic], (logic, results[logic].detail)
+    if expected["unpatched_guard"]:
+        assert any(expected["unpatched_guard"] in g and g.startswith("B:") for g in results["unpatched"].guards)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
-def test_failure_location_and_state(reports, release, case):
-    if release != (0, 26):
-        pytest.skip("the installed logic does not fail on this release")
+def test_failure_location_and_state(reports, case):
     result = by_logic(reports[case])["installed"]
+    if result.outcome is not R:
+        pytest.skip("the installed logic does not fail on this release")
     failure = result.failure
     assert failure.exception == "AssertionError"
     assert failure.function == "_build_store_jobs"
@@ -78,24 +87,24 @@ def test_fixed_logic_passes_upstream_regression_checks(reports, case):
     assert b.store_jobs_built == 0 and not b.connector_state
 
 
-def test_fixed_logic_names_the_cap_on_026(reports, release):
-    if release != (0, 26):
-        pytest.skip("0.33 never reaches the cap for a queued abort")
+def test_fixed_logic_names_the_cap(reports, expected):
+    if not expected["fixed_guard"]:
+        pytest.skip("this release never reaches the cap for a queued abort")
     guards = by_logic(reports[("issue-49118", "sync")])["fixed"].guards
-    assert any("allocated-chunk cap (PR #49146)" in g for g in guards)
+    assert any(expected["fixed_guard"] in g and g.startswith("B:") for g in guards), guards
 
 
-def test_cli_json_document_and_exit_code(release):
+def test_cli_json_document_and_exit_code(expected, release):
     proc = run_cli("repro", "queued-abort", "--json")
-    assert proc.returncode == (1 if release == (0, 26) else 0), proc.stderr
+    assert proc.returncode == (1 if expected["installed"] is R else 0), proc.stderr
     assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["schema_version"] == 1 and doc["recipe"]["name"] == "queued-abort"
     assert doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
     assert [r["logic"] for r in doc["results"]] == ["installed", "fixed", "unpatched"]
     installed = doc["results"][0]
-    if release == (0, 26):
-        assert installed["outcome"] == "reproduced"
+    assert installed["outcome"] == expected["installed"].value
+    if expected["installed"] is R:
         assert installed["failure"]["function"] == "_build_store_jobs"
         assert {"exception", "message", "file", "line", "function"} <= set(installed["failure"])
         states = {r["request"]: r for r in installed["requests"]}

@@ -101,10 +101,10 @@ def test_outcome(reports, expected, name, mode, logic):
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
 def test_reproductions_fire_on_the_step_after_the_abort(reports, name, mode):
-    for logic in LOGICS:
-        run = result(reports, name, mode, logic)
-        if run.outcome is not R:
-            continue
+    runs = [run for run in (result(reports, name, mode, logic) for logic in LOGICS) if run.outcome is R]
+    if not runs:
+        pytest.skip(f"{name} does not reproduce on this release")
+    for run in runs:
         assert run.failure.function == "_build_store_jobs"
         assert "len(offload_keys) == len(offload_block_ids)" in run.failure.code
         last = run.timeline[-1]
@@ -114,26 +114,34 @@ def test_reproductions_fire_on_the_step_after_the_abort(reports, name, mode):
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_runs_that_survive_pass_their_checks(reports, name, mode):
-    for logic in LOGICS:
-        run = result(reports, name, mode, logic)
-        if run.outcome is not N:
-            continue
-        assert run.checks and all(c.passed for c in run.checks), [(c.description, c.observed) for c in run.checks]
+def test_surviving_runs_release_the_aborted_request(reports, name, mode):
+    runs = [run for run in (result(reports, name, mode, logic) for logic in LOGICS) if run.outcome is N]
+    if not runs:
+        pytest.skip(f"{name} survives under no logic on this release")
+    for run in runs:
         final_b = next(s for s in run.requests if s.request == "B")
         assert final_b.status == "FINISHED_ABORTED" and not final_b.connector_state
+        assert final_b.store_jobs_built <= 1
+
+
+# The guard kvdoctor names for B, per release (measured): on 0.26 only the PR #49146 cap (what
+# "fixed" adds) keeps the store in bounds; on 0.33 a preempted B has 0 computed tokens and every
+# variant is held by PR #49285's basis rule.
+GUARDS = {
+    (0, 26): {name: {"fixed": "PR #49146"} for name in RECIPES},
+    (0, 33): {"preemption": {logic: "PR #49285" for logic in LOGICS}},
+}
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_the_guard_that_held_is_named(reports, release, name, mode):
-    fixed = result(reports, name, mode, "fixed")
-    if release == (0, 26):  # only the PR #49146 cap (what "fixed" adds) keeps it in bounds
-        assert any(g.startswith("B:") and "PR #49146" in g for g in fixed.guards), fixed.guards
-    elif release == (0, 33) and name == "preemption":  # 0 computed tokens after preemption
-        for logic in LOGICS:
-            guards = result(reports, name, mode, logic).guards
-            assert any(g.startswith("B:") and "PR #49285" in g for g in guards), (logic, guards)
+def test_the_guard_that_held_is_named(reports, api, release, name, mode):
+    wanted = expected_for(api, release, GUARDS).get(name)
+    if not wanted:
+        pytest.skip(f"no guard measured for {name} on this release")
+    for logic, ref in wanted.items():
+        guards = result(reports, name, mode, logic).guards
+        assert any(g.startswith("B:") and ref in g for g in guards), (logic, guards)
 
 
 # -- the paths the recipes claim to take --------------------------------------

@@ -15,14 +15,10 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
-from kvdoctor.errors import (
-    EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, KvdoctorError,
-)
+from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
+from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
 
-EXIT_CODES_HELP = (
-    "Exit codes: 0 not reproduced (or not applicable) · 1 reproduced · 2 usage error or bad recipe file · "
-    "3 vLLM missing, broken or outside >=0.26.0,<0.34 · 4 recipe setup error or other failure."
-)
+EXIT_CODES_HELP = "Exit codes: " + " · ".join(f"{int(s)} {s.meaning}" for s in ExitStatus) + "."
 
 app = typer.Typer(
     name="kvdoctor",
@@ -44,33 +40,25 @@ def _version_callback(value: bool) -> None:
 def _main(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
                                                     help="Show kvdoctor's version and exit.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="On kvdoctor's own failure, print the traceback "
+                                                        "(also KVDOCTOR_DEBUG=1).")] = False,
 ) -> None:
     """kvdoctor."""
+    if debug:
+        from kvdoctor.cli.failures import enable_debug
 
-
-def exit_code_for(outcome: str) -> int:
-    if outcome == "reproduced":
-        return EXIT_REPRODUCED
-    if outcome in ("not_reproduced", "not_applicable"):
-        return EXIT_NOT_REPRODUCED
-    return EXIT_SETUP_OR_OTHER_FAILURE
+        enable_debug()
 
 
 def _command_line() -> str:
     return "kvdoctor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
 
-def _run(action: Callable[[], int]) -> None:
-    """Turn kvdoctor's own errors into one line on stderr and their exit code."""
-    try:
-        code = action()
-    except KvdoctorError as exc:
-        typer.echo(f"kvdoctor: error: {exc}", err=True)
-        raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        typer.echo("kvdoctor: interrupted", err=True)
-        raise typer.Exit(130) from None
-    raise typer.Exit(code)
+def _run(action: Callable[[], int], json_out: bool = False) -> None:
+    """Run a command's action and exit with the status it earned (see `kvdoctor.cli.failures`)."""
+    from kvdoctor.cli.failures import run_guarded
+
+    raise typer.Exit(run_guarded(action, json_out))
 
 
 def _console(record: bool = False) -> Any:
@@ -87,7 +75,11 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
     for item in renderables:
         console.print(item)
     if svg is not None:
-        console.save_svg(str(svg), title="kvdoctor")
+        try:
+            console.save_svg(str(svg), title="kvdoctor")
+        except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
+            typer.echo(f"kvdoctor: error: --svg {svg}: {exc.strerror or exc}", err=True)
+            return
         typer.echo(f"SVG written to {svg}", err=True)
 
 
@@ -128,6 +120,7 @@ def repro(
             raise UsageError("give a RECIPE (a built-in name or a .toml file); `kvdoctor repro --list` shows them")
         if json_out and svg is not None:
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        opt.check_output_paths(report=report, svg=svg, export_script=export_script)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model)
@@ -145,10 +138,11 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
+        code = exit_code_for(result.decisive.outcome.value)
         _output("repro", result, json_out, repro_document, repro_renderables, svg, report)
-        return exit_code_for(result.decisive.outcome.value)
+        return code
 
-    _run(action)
+    _run(action, json_out)
 
 
 @app.command()
@@ -183,6 +177,7 @@ def inspect(
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
         if step is not None and step < 1:
             raise UsageError(f"--step must be >= 1, got {step}")
+        opt.check_output_paths(report=report, svg=svg)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model)
@@ -202,11 +197,12 @@ def inspect(
                     entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
             return doc
 
+        code = exit_code_for(run.outcome.value)
         _output("inspect", result, json_out, document,
                 lambda res: timeline_renderables(run, step) + [verdict_table(res)], svg, report)
-        return exit_code_for(run.outcome.value)
+        return code
 
-    _run(action)
+    _run(action, json_out)
 
 
 @app.command()
@@ -217,7 +213,8 @@ def audit(
 ) -> None:
     """Run every built-in recipe against the installed vLLM: one row per known bug.
 
-    Exits 1 when any known bug reproduces under the installed logic, 0 when none does
+    Exits 1 when any known bug reproduces under the installed logic; otherwise 4 when any row ended
+    other_failure or setup_error; 0 only when every row is not reproduced or not applicable
     (the pip-audit idea, for KV-offload bugs)."""
 
     def action() -> int:
@@ -225,16 +222,18 @@ def audit(
 
         if json_out and svg is not None:
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
         result = application.audit(command=_command_line())
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 
+        code = result.exit_status
         _output("audit", result, json_out, audit_document, audit_renderables, svg, report)
-        return EXIT_REPRODUCED if result.any_reproduced else EXIT_NOT_REPRODUCED
+        return code
 
-    _run(action)
+    _run(action, json_out)
 
 
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
@@ -280,12 +279,12 @@ def _list_recipes(json_out: bool) -> int:
 def _write_report(path: Path, command: str, result: Any) -> None:
     from kvdoctor.report.markdown import render_markdown
 
+    text = render_markdown(command, result)
     try:
-        path.write_text(render_markdown(command, result))
-    except OSError as exc:
-        from kvdoctor.errors import UsageError
-
-        raise UsageError(f"--report {path}: {exc.strerror}") from None
+        path.write_text(text)
+    except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
+        typer.echo(f"kvdoctor: error: --report {path}: {exc.strerror or exc}", err=True)
+        return
     typer.echo(f"report written to {path}", err=True)
 
 

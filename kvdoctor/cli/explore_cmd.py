@@ -16,7 +16,6 @@ from typing import Annotated, Any
 import typer
 
 from kvdoctor.cli import options as opt
-from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED
 from kvdoctor.explore import (
     DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
 )
@@ -57,7 +56,8 @@ def explore(
     Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
     and written to --out as a recipe that `kvdoctor repro FILE` replays.
 
-    Exit codes: 0 nothing found · 1 a failure found · 2 usage error · 3 vLLM missing or unsupported."""
+    Exit codes: 0 nothing found · 1 a failure found · 2 usage error · 3 vLLM missing or unsupported ·
+    4 a worker failed and nothing was found (the search is incomplete) · 5 kvdoctor itself failed."""
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
@@ -65,6 +65,7 @@ def explore(
         from kvdoctor.explore.search import ExploreConfig
 
         explore_app.validate(logic, max_examples, time_budget, workers, max_events)
+        opt.check_output_dir("--out", out)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
                                max_events=max_events, workers=workers)
         display = _Display(config, quiet_lines=json_out)
@@ -79,9 +80,9 @@ def explore(
             console = _console()
             for item in _summary(report):
                 console.print(item)
-        return EXIT_REPRODUCED if report.findings else EXIT_NOT_REPRODUCED
+        return explore_app.exit_status(report)
 
-    _run(action)
+    _run(action, json_out)
 
 
 class _Display:
@@ -178,7 +179,8 @@ def _summary(report: Any) -> list[Any]:
                       Text(finding.file or ""))
     out.append(table)
     for finding in report.findings:
-        out.append(Text(f"{finding.signature}: {finding.detail}"))
+        out.append(Text(f"{finding.signature}: {finding.detail}"
+                        + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out

@@ -66,3 +66,47 @@ def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu
     if kv_transfer_config is not None:
         overrides.update(parse_kv_transfer_config(kv_transfer_config))
     return overrides
+
+
+def check_output_paths(**paths: Path | None) -> None:
+    """Refuse an output path that cannot be written, before any work (and before vLLM is imported)."""
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if path.is_dir():
+            raise UsageError(f"{name} {path}: is a directory; give a file path")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise UsageError(f"{name} {path}: directory {parent} does not exist")
+        if not _writable(path if path.exists() else parent):
+            raise UsageError(f"{name} {path}: not writable")
+
+
+def check_output_dir(flag: str, path: Path) -> None:
+    """Refuse an output folder that cannot be created or written, before any work."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UsageError(f"{flag} {path}: {probe} is not a directory")
+    if not _writable(probe):
+        raise UsageError(f"{flag} {path}: {probe} is not writable")
+
+
+def _writable(target: Path) -> bool:
+    """Try it: permission bits say nothing for root or on a read-only mount."""
+    try:
+        if target.is_dir():
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(dir=target, prefix=".kvdoctor-probe-"):
+                pass
+        else:
+            with open(target, "a"):
+                pass
+    except OSError:
+        return False
+    return True

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 
 SUPPORTED_MIN = (0, 26, 0)
-SUPPORTED_MAX_EXCLUSIVE = (0, 34, 0)
-SUPPORTED_RANGE_TEXT = ">=0.26.0,<0.34"
+SUPPORTED_MAX_EXCLUSIVE = (0, 35, 0)
+SUPPORTED_RANGE_TEXT = ">=0.26.0,<0.35"
 
 OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 OFFLOADING_COMMON_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
@@ -112,6 +112,24 @@ def _require(obj: Any, name: str, where: str) -> Any:
         ) from None
 
 
+@dataclass(frozen=True)
+class GroupView:
+    group_idx: int
+    tokens_per_chunk: int
+    offload_keys: int
+    block_ids: int
+    next_stored_chunk: int
+
+
+@dataclass(frozen=True)
+class RequestView:
+    req_id: str
+    status: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+
+
 @dataclass
 class VllmApi:
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
@@ -134,14 +152,114 @@ class VllmApi:
 
     # -- per-release signatures -----------------------------------------
     @cached_property
-    def storable_chunks_takes_group_state(self) -> bool:
-        """0.26.0: storable_chunks(group_config, n); 0.27.0+: (group_config, group_state, n)."""
+    def storable_chunks_params(self) -> tuple[str, ...]:
+        """Parameter names of `RequestOffloadState.storable_chunks` after `self`.
+
+        0.26.0: (group_config, num_offloadable_tokens); 0.27.0+: (group_config,
+        group_state, num_offloadable_tokens); 0.34.0 adds apply_eagle_drop.
+        """
         params = list(inspect.signature(self.RequestOffloadState.storable_chunks).parameters)
-        if params[:2] != ["self", "group_config"] or len(params) not in (3, 4):
+        known = {"self", "group_config", "group_state", "num_offloadable_tokens", "apply_eagle_drop"}
+        if params[:2] != ["self", "group_config"] or "num_offloadable_tokens" not in params \
+                or not set(params) <= known:
             raise IncompatibleVllmError(
                 f"RequestOffloadState.storable_chunks has an unknown signature {params}"
             )
-        return len(params) == 4
+        return tuple(params[1:])
+
+    @cached_property
+    def storable_chunks_takes_group_state(self) -> bool:
+        return "group_state" in self.storable_chunks_params
+
+    def split_storable_args(self, req_state: Any, group_config: Any, args: tuple, kwargs: dict
+                            ) -> tuple[Any, int, dict[str, Any]]:
+        """(group_state, num_offloadable_tokens, other arguments) of one call vLLM made."""
+        bound = dict(zip(self.storable_chunks_params[1:], args))
+        bound.update(kwargs)
+        n = int(bound.pop("num_offloadable_tokens"))
+        group_state = bound.pop("group_state", None)
+        if group_state is None:
+            group_state = self.group_state_for(req_state, group_config)
+        return group_state, n, bound
+
+    def storable_caller(self, original: Any, extra: dict[str, Any] | None = None) -> Any:
+        """`call(req_state, group_config, group_state, n)` of vLLM's method, in this release's form.
+
+        `extra` holds the arguments a release added (0.34: apply_eagle_drop), passed
+        through as vLLM passed them.
+        """
+        takes_group_state = self.storable_chunks_takes_group_state
+        extra = dict(extra or {})
+
+        def call(req_state: Any, group_config: Any, group_state: Any, n: int) -> int:
+            if takes_group_state:
+                return original(req_state, group_config, group_state=group_state, num_offloadable_tokens=n,
+                                **extra)
+            return original(req_state, group_config, num_offloadable_tokens=n, **extra)
+        return call
+
+    def next_store_extra_args(self, connector_scheduler: Any) -> dict[str, Any]:
+        """The extra arguments the next store pass gives `storable_chunks`.
+
+        0.34: `apply_eagle_drop = not use_lookahead_block_hashes`, as `_build_store_jobs` passes it.
+        """
+        if "apply_eagle_drop" not in self.storable_chunks_params:
+            return {}
+        lookahead = _require(connector_scheduler, "use_lookahead_block_hashes", "OffloadingConnectorScheduler")
+        return {"apply_eagle_drop": not lookahead}
+
+    # -- what the worker reports (public dataclasses whose fields moved) ----
+    @cached_property
+    def worker_reports_failed_jobs(self) -> bool:
+        """0.34+: `mark_completed(job_id, success)` and `failed_jobs`: a transfer can fail.
+
+        Before that the real offloading worker asserts that every transfer succeeds;
+        the only way a failed load reaches the scheduler is the base scheduler's
+        generic `invalid_block_ids`.
+        """
+        cls = self.cls("offload_common", "OffloadingWorkerMetadata")
+        return "success" in inspect.signature(cls.mark_completed).parameters
+
+    @property
+    def transfer_failure_model(self) -> str:
+        if self.worker_reports_failed_jobs:
+            return ("failed jobs reported as vLLM's offloading worker does: mark_completed(success=False); "
+                    "a failed load's request in failed_recving")
+        return ("this vLLM's offloading worker has no failure path (it asserts transfers succeed): kvdoctor "
+                "reports a failed load as invalid_block_ids, the base scheduler's generic path")
+
+    def worker_metadata(self, completed: list[int], failed: list[int]) -> Any:
+        meta = self.cls("offload_common", "OffloadingWorkerMetadata")()
+        for job_id in completed:
+            meta.mark_completed(job_id)
+        for job_id in failed:
+            if self.worker_reports_failed_jobs:
+                meta.mark_completed(job_id, success=False)
+            else:
+                meta.mark_completed(job_id)
+        return meta
+
+    def kv_connector_output(self, meta: Any, finished_recving: set[str], failed_loads: set[str],
+                            invalid_block_ids: set[int]) -> Any:
+        """The worker's `KVConnectorOutput`, with failed loads in the form this release takes."""
+        cls = self.cls("outputs", "KVConnectorOutput")
+        kwargs: dict[str, Any] = {"kv_connector_worker_meta": meta,
+                                  "finished_recving": set(finished_recving) or None}
+        if self.worker_reports_failed_jobs:
+            if failed_loads:
+                kwargs["failed_recving"] = set(failed_loads)
+        else:
+            kwargs["invalid_block_ids"] = set(invalid_block_ids)
+        return cls(**kwargs)
+
+    def model_runner_output(self, req_ids: list[str], sampled: list[list[int]], kv_output: Any) -> Any:
+        """`ModelRunnerOutput`; 0.34 dropped `req_id_to_index`."""
+        cls = self.cls("outputs", "ModelRunnerOutput")
+        kwargs: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled,
+                                  "kv_connector_output": kv_output}
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(cls)}:
+            kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+        return cls(**kwargs)
 
     @cached_property
     def aborted_store_counts_computed_tokens(self) -> bool:
@@ -152,6 +270,28 @@ class VllmApi:
         """
         code = self.OffloadingConnectorScheduler._build_store_jobs.__code__
         return "FINISHED_ABORTED" in code.co_names
+
+    def kv_transfer_config(self, extra_config: dict[str, Any], fields: dict[str, Any]) -> Any:
+        """vLLM's `KVTransferConfig` for the OffloadingConnector, with the user's other fields.
+
+        A field this release's KVTransferConfig does not have is refused (exit 2)
+        rather than dropped.
+        """
+        from kvdoctor.errors import UsageError
+
+        cls = self.cls("config", "KVTransferConfig")
+        known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
+            getattr(cls, "model_fields", {}) or {})
+        absent = sorted(set(fields) - known) if known else []
+        if absent:
+            raise UsageError(f"--kv-transfer-config: this vLLM's KVTransferConfig has no "
+                             f"{', '.join(absent)}")
+        values = {"kv_role": "kv_both", **fields}
+        try:
+            return cls(kv_connector="OffloadingConnector", kv_connector_extra_config=extra_config, **values)
+        except (ValueError, TypeError) as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            raise UsageError(f"--kv-transfer-config: vLLM rejected it: {' · '.join(lines)}") from None
 
     def kv_cache_tensor(self, size: int, layer: str, page_bytes: int, num_blocks: int) -> Any:
         """`KVCacheTensor` changed shape in 0.33 (layout fields replace shared_by)."""
@@ -199,13 +339,61 @@ class VllmApi:
                 return req_state.group_states[idx]
         raise IncompatibleVllmError("storable_chunks got a group config the request does not hold")
 
+    # -- read-only views of the connector's per-request state -----------
+    @staticmethod
+    def request_of(req_state: Any) -> Any:
+        return _require(req_state, "req", "RequestOffloadState")
+
+    @staticmethod
+    def group_states(req_state: Any) -> tuple[Any, ...]:
+        return tuple(_require(req_state, "group_states", "RequestOffloadState"))
+
+    @staticmethod
+    def transfer_job_ids(req_state: Any) -> tuple[int, ...]:
+        return tuple(_require(req_state, "transfer_jobs", "RequestOffloadState"))
+
+    @staticmethod
+    def blocks_per_chunk_of(req_state: Any) -> int:
+        config = _require(req_state, "config", "RequestOffloadState")
+        return int(_require(config, "blocks_per_chunk", "SchedulerOffloadConfig"))
+
+    @staticmethod
+    def offload_prompt_only(req_state: Any) -> bool:
+        config = _require(req_state, "config", "RequestOffloadState")
+        return bool(getattr(config, "offload_prompt_only", True))
+
+    @staticmethod
+    def group_view(group_config: Any, group_state: Any) -> "GroupView":
+        """The numbers kvdoctor reads from one KV group of one request, as plain ints."""
+        return GroupView(
+            group_idx=int(_require(group_config, "group_idx", "GroupOffloadConfig")),
+            tokens_per_chunk=int(_require(group_config, "tokens_per_chunk", "GroupOffloadConfig")),
+            offload_keys=len(_require(group_state, "offload_keys", "RequestGroupState")),
+            block_ids=len(_require(group_state, "block_ids", "RequestGroupState")),
+            next_stored_chunk=int(_require(group_state, "next_stored_chunk_idx", "RequestGroupState")),
+        )
+
+    @staticmethod
+    def request_view(request: Any) -> "RequestView":
+        status = request.status
+        return RequestView(
+            req_id=str(request.request_id),
+            status=getattr(status, "name", str(status)),
+            num_tokens=int(request.num_tokens),
+            num_prompt_tokens=int(request.num_prompt_tokens),
+            num_computed_tokens=int(request.num_computed_tokens),
+        )
+
     def has_offloading_spec(self, name: str) -> bool:
-        """Whether `kv_connector_extra_config.spec_name = name` resolves in this vLLM."""
-        try:
-            factory = importlib.import_module("vllm.v1.kv_offload.factory")
-        except Exception:  # noqa: BLE001 - absent means not applicable, not an error
-            return False
-        registry = getattr(getattr(factory, "OffloadingSpecFactory", None), "_registry", {}) or {}
+        """Whether `kv_connector_extra_config.spec_name = name` resolves in this vLLM.
+
+        Only a registry without that name means "no": a factory that fails to
+        import or has moved is an adapter problem (exit 3), not "not applicable".
+        """
+        module = "vllm.v1.kv_offload.factory"
+        factory = _import(module)
+        cls = _require(factory, "OffloadingSpecFactory", module)
+        registry = _require(cls, "_registry", "OffloadingSpecFactory")
         return name in registry
 
     def kv_cache_group_has_field(self, name: str) -> bool:

@@ -58,14 +58,16 @@ def _model_config(api: VllmApi, model: str | None, max_model_len: int) -> Any:
         try:
             _MODEL_CONFIGS[key] = ModelConfig(model=path, skip_tokenizer_init=True,
                                               max_model_len=max_model_len, dtype="float16", seed=0)
-        except Exception as exc:  # vLLM's own validation message, one line
-            raise UsageError(f"vLLM rejected the model config: {_first_line(exc)}") from None
+        except (ValueError, TypeError) as exc:  # vLLM's own validation message
+            raise UsageError(f"vLLM rejected the model config: {validation_message(exc)}") from None
     return _MODEL_CONFIGS[key]
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(exc).__name__
+def validation_message(exc: BaseException) -> str:
+    """vLLM's whole validation message on one line ("1 validation error for X" alone hides the reason)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("For further information visit")]
+    return " · ".join(lines) if lines else type(exc).__name__
 
 
 def build_scheduler(api: VllmApi, setup: Setup) -> Any:
@@ -82,20 +84,17 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
         enable_chunked_prefill=setup.enable_chunked_prefill,
         async_scheduling=setup.async_scheduling,
     )
+    kv_transfer_config = api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields)
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,
             cache_config=config_mod.CacheConfig(block_size=setup.block_size, enable_prefix_caching=True),
             scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
-            kv_transfer_config=config_mod.KVTransferConfig(
-                kv_connector="OffloadingConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config=setup.kv_connector_extra_config(),
-            ),
+            kv_transfer_config=kv_transfer_config,
             device_config=config_mod.DeviceConfig("cpu"),
         )
-    except Exception as exc:
-        raise UsageError(f"vLLM rejected the configuration: {_first_line(exc)}") from None
+    except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
+        raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
 
     kvi = api.mods["kv_cache_interface"]
     spec = kvi.FullAttentionSpec(block_size=setup.block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -112,11 +111,10 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
     scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
                      else api.cls("scheduler", "Scheduler"))
     structured = api.cls("structured_output", "StructuredOutputManager")(vllm_config)
-    try:
-        return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                             structured_output_manager=structured, block_size=setup.block_size)
-    except Exception as exc:
-        raise UsageError(f"vLLM rejected the connector configuration: {_first_line(exc)}") from None
+    # An exception here is vLLM's (its connector failed to initialise): the scenario reports it as
+    # other_failure, never as the user's fault.
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                         structured_output_manager=structured, block_size=setup.block_size)
 
 
 @dataclass
@@ -247,11 +245,8 @@ class Harness:
         return events
 
     def _model_runner_output(self, output: Any, report: Any) -> Any:
-        outputs = self.api.mods["outputs"]
-        WorkerMeta = self.api.cls("offload_common", "OffloadingWorkerMetadata")
-        meta = WorkerMeta()
-        for job in report.completed + report.failed:
-            meta.mark_completed(job.job_id)
+        meta = self.api.worker_metadata([job.job_id for job in report.completed],
+                                        [job.job_id for job in report.failed])
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -263,14 +258,6 @@ class Harness:
                 sampled.append([token])
             else:
                 sampled.append([])
-        kv_output = outputs.KVConnectorOutput(
-            kv_connector_worker_meta=meta,
-            finished_recving=report.finished_recving or None,
-            invalid_block_ids=report.invalid_block_ids,
-        )
-        return outputs.ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv_output,
-        )
+        kv_output = self.api.kv_connector_output(meta, report.finished_recving, report.failed_loads,
+                                                 report.invalid_block_ids)
+        return self.api.model_runner_output(req_ids, sampled, kv_output)

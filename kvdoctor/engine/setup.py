@@ -32,6 +32,9 @@ class Setup:
     spec_name: str | None = None
     model: str | None = None  # a local model directory; None = kvdoctor's tiny config
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
+    # passed to vLLM's KVTransferConfig as given.
+    kv_transfer_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def offloaded_block_size(self) -> int:
@@ -83,17 +86,24 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-_KV_TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config",
-                     "kv_buffer_device", "kv_buffer_size", "engine_id",
-                     "kv_connector_module_path", "kv_load_failure_policy"}
+# KVTransferConfig fields kvdoctor passes through as given (vLLM validates them; a release
+# without the field refuses it, see `harness.build_scheduler`).
+PASSED_THROUGH_KV_TRANSFER_KEYS = ("kv_role", "kv_load_failure_policy", "kv_buffer_device", "kv_buffer_size",
+                                   "engine_id")
+# Keys that cannot take effect in kvdoctor's run: refused with the reason.
+_REFUSED_KV_TRANSFER_KEYS = {
+    "kv_connector_module_path": "kvdoctor drives vLLM's own OffloadingConnector; it loads no connector module",
+}
 
 
 def parse_kv_transfer_config(text: str) -> dict[str, Any]:
     """Turn `--kv-transfer-config '<json>'` (as `vllm serve` takes it) into setup overrides.
 
     Geometry-bearing keys of `kv_connector_extra_config` map onto `Setup`
-    fields; the rest is passed through to the connector untouched, so vLLM's
-    own validation judges it.
+    fields; the rest of it is passed through to the connector untouched, and so
+    are the KVTransferConfig fields in `PASSED_THROUGH_KV_TRANSFER_KEYS`, so
+    vLLM's own validation judges them. Every key either takes effect or is
+    refused (exit 2).
     """
     try:
         data = json.loads(text)
@@ -101,9 +111,14 @@ def parse_kv_transfer_config(text: str) -> dict[str, Any]:
         raise UsageError(f"--kv-transfer-config is not valid JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(data, dict):
         raise UsageError("--kv-transfer-config must be a JSON object")
-    unknown = set(data) - _KV_TRANSFER_KEYS
+    for key, reason in _REFUSED_KV_TRANSFER_KEYS.items():
+        if key in data:
+            raise UsageError(f"--kv-transfer-config: {key} is not supported: {reason}")
+    known = {"kv_connector", "kv_connector_extra_config", *PASSED_THROUGH_KV_TRANSFER_KEYS}
+    unknown = set(data) - known
     if unknown:
-        raise UsageError(f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))}")
+        raise UsageError(f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))} "
+                         f"(kvdoctor takes {', '.join(sorted(known))})")
     connector = data.get("kv_connector", "OffloadingConnector")
     if connector != "OffloadingConnector":
         raise UsageError(f"--kv-transfer-config: kvdoctor drives OffloadingConnector, not {connector!r}")
@@ -124,6 +139,9 @@ def parse_kv_transfer_config(text: str) -> dict[str, Any]:
     if "block_size" in extra:
         overrides["_offloaded_block_size"] = _as_int("block_size", extra.pop("block_size"))
     overrides["extra_connector_config"] = extra
+    fields = {key: data[key] for key in PASSED_THROUGH_KV_TRANSFER_KEYS if key in data}
+    if fields:
+        overrides["kv_transfer_fields"] = fields
     return overrides
 
 

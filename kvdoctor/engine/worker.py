@@ -48,6 +48,10 @@ class WorkerReport:
         return {job.req_id for job in self.completed + self.failed if job.kind == "load"}
 
     @property
+    def failed_loads(self) -> set[str]:
+        return {job.req_id for job in self.failed if job.kind == "load"}
+
+    @property
     def invalid_block_ids(self) -> set[int]:
         return {bid for job in self.failed if job.kind == "load" for bid in job.dst_block_ids}
 

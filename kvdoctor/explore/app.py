@@ -63,13 +63,28 @@ def explore(config: Any, out_dir: Path, command: str = "",
     start = time.monotonic()
     result = search(config, on_progress=on_progress, on_finding=on_finding, api=api)
     if result.errors and len(result.errors) >= config.workers:
+        from kvdoctor.errors import InternalError
+
         code = next((c for c in result.error_codes if c is not None), None)
-        error = KvdoctorError("every explore worker failed: " + "; ".join(result.errors))
+        error = (KvdoctorError if code is not None else InternalError)(
+            "every explore worker failed: " + "; ".join(result.errors))
         if code is not None:
             error.exit_code = code
         raise error
     write_findings(result.findings, out_dir)
     return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command)
+
+
+def exit_status(report: ExploreReport) -> int:
+    """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found"."""
+    from kvdoctor.errors import ExitStatus
+
+    if report.findings:
+        return ExitStatus.REPRODUCED
+    if report.result.errors:
+        codes = [c for c in report.result.error_codes if c is not None]
+        return codes[0] if codes else ExitStatus.INTERNAL_ERROR  # a worker crashed outside kvdoctor's errors
+    return ExitStatus.NOT_REPRODUCED
 
 
 def explore_document(report: ExploreReport) -> dict[str, Any]:

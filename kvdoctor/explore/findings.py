@@ -48,6 +48,9 @@ class Finding:
     examples_before: int  # examples this worker ran before finding it
     elapsed_s: float  # seconds after the worker started exploring
     file: str | None = None
+    # hypothesis could not replay the shrunk example deterministically (`Flaky`): the recipe is
+    # the smallest failing run seen, and replaying it may not fail every time.
+    flaky: bool = False
 
     @property
     def steps(self) -> int:
@@ -58,7 +61,7 @@ class Finding:
             "signature": self.signature, "kind": self.kind, "file": self.file, "steps": self.steps,
             "seed": self.seed, "example_seed": self.example_seed, "worker": self.worker, "round": self.round,
             "logic": self.logic, "detail": self.detail, "examples_before": self.examples_before,
-            "found_after_s": round(self.elapsed_s, 3),
+            "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
         }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdoctor.engine.setup import Setup
-from kvdoctor.errors import KvdoctorError
+from kvdoctor.errors import UsageError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.model import Recipe, Step
@@ -58,7 +58,7 @@ def setup_of(recipe: Recipe) -> Setup:
 
     try:
         return resolve_setup(recipe, {})
-    except KvdoctorError as exc:
+    except UsageError as exc:  # a geometry the generator should not have drawn
         raise InvalidExample(str(exc)) from exc
 
 
@@ -77,8 +77,10 @@ def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | 
     actions = expanded_actions(recipe.steps)
     try:
         result = run_scenario(api, recipe, setup, logic, record_timeline=True, extra_invariants=names)
-    except KvdoctorError as exc:  # vLLM refused the geometry: the generator's fault, never a finding
+    except UsageError as exc:  # vLLM refused the geometry: the generator's fault, never a finding
         raise InvalidExample(str(exc)) from exc
+    # Anything else propagates: an incompatible adapter (exit 3) or kvdoctor's own failure (exit 5)
+    # is never "nothing found".
     obs = Observation()
     if result.failure is not None:
         failure = result.failure

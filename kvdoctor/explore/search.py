@@ -174,6 +174,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
         outcome: tuple[Any, Observation] | None = None
         exhausted = False
+        flaky = False
         try:
             find(strategy, condition, random=random.Random(seed_here), settings=settings(
                 max_examples=max(1, budget_left), database=None, deadline=None, verbosity=Verbosity.quiet,
@@ -185,9 +186,10 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         except _StopExploring:
             outcome = lock["best"]
             exhausted = True
-        except HypothesisException:  # Flaky: keep the smallest failure seen; Unsatisfiable: stop
+        except HypothesisException as exc:  # Flaky: keep the smallest failure seen, marked; Unsatisfiable: stop
             outcome = lock["best"]
             exhausted = outcome is None
+            flaky = type(exc).__name__.startswith("Flaky")
         if lock.get("since") is not None:
             stats.shrink_seconds += time.monotonic() - lock["since"]
         if outcome is not None:
@@ -198,7 +200,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                               recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
                               example_seed=seed_here, worker=worker, round=round_, logic=config.logic,
                               vllm_version=api.version_text, examples_before=stats.examples,
-                              elapsed_s=time.monotonic() - start)
+                              elapsed_s=time.monotonic() - start, flaky=flaky)
             found[obs.signature] = finding
             stats.failures = len(found)
             if on_finding is not None:

@@ -34,30 +34,29 @@ def expand_logic(choice: str) -> list[str]:
 
 
 def allocated_chunks(group_state: Any, blocks_per_chunk: int) -> int:
-    return len(group_state.block_ids) // blocks_per_chunk
+    return len(group_state.block_ids) // blocks_per_chunk  # the PR #49146 cap, as upstream wrote it
 
 
-class _UnboundedBlockIds:
-    """Stands in for `group_state.block_ids` so a `len()`-based cap never binds."""
+class _Unbounded:
+    """Stands in for a list so a `len()`-based cap never binds."""
 
     def __len__(self) -> int:
         return 1 << 62
 
 
 class UncappedGroupState:
-    """A read-only view of a group state whose block list looks unbounded."""
+    """A read-only view of a group state whose named lists look unbounded."""
 
-    __slots__ = ("_inner",)
+    __slots__ = ("_inner", "_fields")
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, fields: tuple[str, ...] = ("block_ids",)) -> None:
         object.__setattr__(self, "_inner", inner)
-
-    @property
-    def block_ids(self) -> _UnboundedBlockIds:
-        return _UnboundedBlockIds()
+        object.__setattr__(self, "_fields", fields)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        if name in object.__getattribute__(self, "_fields"):
+            return _Unbounded()
+        return getattr(object.__getattribute__(self, "_inner"), name)
 
 
 def evaluate(variant: str, original: OriginalCall, req_state: Any, group_config: Any,

@@ -1,11 +1,21 @@
-"""Where a failure fired: exception, message, and the vLLM frames of its traceback."""
+"""Where a failure fired, and whose code raised it.
+
+Attribution is by the innermost frame that belongs to vLLM or to kvdoctor
+(frames of the standard library, torch, numpy… are skipped: they only carry
+out what their caller asked). An exception whose innermost owned frame is
+kvdoctor's — including kvdoctor's patched `storable_chunks`, which vLLM calls —
+is kvdoctor's own failure, never a vLLM finding, however many vLLM frames sit
+above it.
+"""
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass, field
 
 _VLLM_MARKER = "/vllm/"
+_KVDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace("\\", "/") + "/"
 
 
 @dataclass
@@ -25,14 +35,19 @@ class Failure:
     function: str | None
     code: str | None
     vllm_frames: list[Frame] = field(default_factory=list)
-    in_vllm: bool = True
+    in_vllm: bool = True  # the innermost owned frame is vLLM's
+    involved_request: str | None = None  # the request vLLM was working on when it raised, when known
 
     def as_dict(self) -> dict:
         return {
             "exception": self.exception, "message": self.message, "file": self.file, "line": self.line,
             "function": self.function, "code": self.code,
             "vllm_frames": [f.__dict__ for f in self.vllm_frames], "in_vllm": self.in_vllm,
+            "involved_request": self.involved_request,
         }
+
+    def where(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
 
 
 def _relative(path: str) -> str:
@@ -40,22 +55,43 @@ def _relative(path: str) -> str:
     return path[index + 1:] if index >= 0 else path
 
 
+def is_vllm_file(path: str) -> bool:
+    return _VLLM_MARKER in path.replace("\\", "/")
+
+
+def is_kvdoctor_file(path: str) -> bool:
+    return os.path.abspath(path).replace("\\", "/").startswith(_KVDOCTOR_DIR)
+
+
 def describe_exception(exc: BaseException) -> Failure:
     frames = traceback.extract_tb(exc.__traceback__)
     vllm_frames = [Frame(_relative(f.filename), f.lineno or 0, f.name, (f.line or "").strip())
-                   for f in frames if _VLLM_MARKER in f.filename.replace("\\", "/")]
-    innermost = vllm_frames[-1] if vllm_frames else None
+                   for f in frames if is_vllm_file(f.filename)]
+    owned = next((f for f in reversed(frames) if is_vllm_file(f.filename) or is_kvdoctor_file(f.filename)),
+                 frames[-1] if frames else None)
+    in_vllm = owned is not None and is_vllm_file(owned.filename)
+    innermost_vllm = vllm_frames[-1] if vllm_frames else None
     message = str(exc).strip()
-    if not message and innermost is not None:
-        message = innermost.code  # a bare `assert` says nothing; its source line does
-    last = frames[-1] if frames else None
+    if not message and in_vllm and innermost_vllm is not None:
+        message = innermost_vllm.code  # a bare `assert` says nothing; its source line does
+    if in_vllm and innermost_vllm is not None:
+        file, line, function, code = (innermost_vllm.file, innermost_vllm.line, innermost_vllm.function,
+                                      innermost_vllm.code)
+    elif owned is not None:
+        file, line, function, code = (_kvdoctor_relative(owned.filename), owned.lineno, owned.name,
+                                      (owned.line or "").strip())
+    else:
+        file = line = function = code = None
     return Failure(
         exception=type(exc).__name__,
         message=message.splitlines()[0] if message else "",
-        file=innermost.file if innermost else (last.filename if last else None),
-        line=innermost.line if innermost else (last.lineno if last else None),
-        function=innermost.function if innermost else (last.name if last else None),
-        code=innermost.code if innermost else ((last.line or "").strip() if last else None),
+        file=file, line=line, function=function, code=code,
         vllm_frames=vllm_frames,
-        in_vllm=innermost is not None,
+        in_vllm=in_vllm,
     )
+
+
+def _kvdoctor_relative(path: str) -> str:
+    full = os.path.abspath(path).replace("\\", "/")
+    root = os.path.dirname(_KVDOCTOR_DIR.rstrip("/")) + "/"
+    return full[len(root):] if full.startswith(root) else os.path.basename(path)

@@ -73,7 +73,7 @@ def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     api = ctx.harness.api
     cs = ctx.harness.connector_scheduler
     states = api.request_states(cs)
-    owners = {jid for state in states.values() for jid in state.transfer_jobs}
+    owners = {jid for state in states.values() for jid in api.transfer_job_ids(state)}
     orphans = sorted(set(api.jobs(cs)) - owners)
     return [f"job #{jid} has no owning request state" for jid in orphans]
 

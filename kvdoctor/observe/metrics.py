@@ -19,6 +19,10 @@ from kvdoctor.engine.setup import Setup
 MAX_STEPS = 200
 
 
+class MeasurementIncomplete(Exception):
+    """The scheduler did not reach the state a measurement needs (reported as other_failure, never hidden)."""
+
+
 @dataclass
 class PrefixSharingMetric:
     requests: int
@@ -43,7 +47,7 @@ def _run_until(harness: Harness, done: Any, what: str) -> int:
         harness.step()
         if done():
             return steps
-    raise RuntimeError(f"K10 measurement: {what} did not happen within {MAX_STEPS} steps")
+    raise MeasurementIncomplete(f"K10 measurement: {what} did not happen within {MAX_STEPS} steps")
 
 
 def _steps_to_first_tokens(api: Any, setup: Setup, prompts: list[list[int]], seeds: list[list[int]],
@@ -58,7 +62,7 @@ def _steps_to_first_tokens(api: Any, setup: Setup, prompts: list[list[int]], see
         _run_until(harness, seeds_done, "seeding the CPU tier")
         _run_until(harness, lambda: not harness.worker.in_flight, "draining the seed stores")
         if not harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
-            raise RuntimeError("K10 measurement: the GPU prefix cache could not be reset")
+            raise MeasurementIncomplete("K10 measurement: the GPU prefix cache could not be reset")
         for i, prompt in enumerate(prompts):
             harness.add(f"R{i}", prompt, max_tokens=4)
         started = lambda: all(harness.requests[f"R{i}"].num_output_tokens >= 1 for i in range(len(prompts)))  # noqa: E731

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.logic.patch import StorableCall
-from kvdoctor.logic.variants import allocated_chunks, evaluate
+from kvdoctor.logic.variants import evaluate
 
 
 @dataclass
@@ -77,14 +77,7 @@ class Observer:
 
     def _original(self) -> Any:
         method = self.api.RequestOffloadState.storable_chunks
-        original = getattr(method, "__wrapped__", method)
-        takes_group_state = self.api.storable_chunks_takes_group_state
-
-        def call(req_state: Any, group_config: Any, group_state: Any, n: int) -> int:
-            if takes_group_state:
-                return original(req_state, group_config, group_state, n)
-            return original(req_state, group_config, n)
-        return call
+        return getattr(method, "__wrapped__", method)
 
     def _basis_tokens(self, request: Any) -> int:
         """The token count the next store pass starts from (see `_build_store_jobs`)."""
@@ -96,56 +89,60 @@ class Observer:
         return request.num_computed_tokens
 
     def snapshot(self, failing_calls: list[StorableCall] | None = None) -> list[RequestSnapshot]:
-        states = self.api.request_states(self.cs)
-        jobs = self.api.jobs(self.cs)
-        bpc = self.api.blocks_per_chunk(self.cs)
-        configs = self.api.group_configs(self.cs)
+        api = self.api
+        states = api.request_states(self.cs)
+        jobs = api.jobs(self.cs)
+        bpc = api.blocks_per_chunk(self.cs)
+        configs = api.group_configs(self.cs)
         original = self._original()
         recorded = {(c.req_id, c.group_idx): c for c in failing_calls or ()}
         snapshots = []
         for req_id, request in self.harness.requests.items():
             state = states.get(req_id)
+            view = api.request_view(request)
             awaiting = request.is_finished() and req_id not in self.finish_reported and state is not None
             snap = RequestSnapshot(
                 request=req_id,
-                status=request.status.name,
-                prompt_tokens=request.num_prompt_tokens,
-                computed_tokens=request.num_computed_tokens,
-                num_tokens=request.num_tokens,
+                status=view.status,
+                prompt_tokens=view.num_prompt_tokens,
+                computed_tokens=view.num_computed_tokens,
+                num_tokens=view.num_tokens,
                 connector_state=state is not None,
                 awaiting_final_store=awaiting,
                 store_jobs_built=len(self.harness.store_jobs_by_request.get(req_id, ())),
             )
             if state is not None:
                 snap.in_flight_jobs = [
-                    f"{'store' if self.api.job_is_store(jobs[jid]) else 'load'}#{jid}"
-                    for jid in sorted(state.transfer_jobs) if jid in jobs
+                    f"{'store' if api.job_is_store(jobs[jid]) else 'load'}#{jid}"
+                    for jid in sorted(api.transfer_job_ids(state)) if jid in jobs
                 ]
-                visited_next = awaiting or request.status.name == "RUNNING"
+                visited_next = awaiting or view.status == "RUNNING"
                 n = compat.offloadable_tokens(self.cs, state, self._basis_tokens(request))
-                for group_config, group_state in zip(configs, state.group_states):
-                    call = recorded.get((req_id, int(group_config.group_idx)))
+                call_next = api.storable_caller(original, api.next_store_extra_args(self.cs))
+                for group_config, group_state in zip(configs, api.group_states(state)):
+                    group = api.group_view(group_config, group_state)
+                    call = recorded.get((req_id, group.group_idx))
                     if call is not None:
                         tokens, installed, fixed = call.num_offloadable_tokens, call.installed, call.fixed
                         active = call.returned
                     else:
                         tokens = n
-                        installed = evaluate("installed", original, state, group_config, group_state, n, bpc)
-                        fixed = evaluate("fixed", original, state, group_config, group_state, n, bpc)
-                        active = evaluate(self.variant, original, state, group_config, group_state, n, bpc)
+                        installed = evaluate("installed", call_next, state, group_config, group_state, n, bpc)
+                        fixed = min(installed, group.block_ids // bpc)
+                        active = (installed if self.variant == "installed" else fixed if self.variant == "fixed"
+                                  else evaluate(self.variant, call_next, state, group_config, group_state, n, bpc))
                     snap.groups.append(GroupSnapshot(
-                        group=int(group_config.group_idx),
-                        offload_keys=len(group_state.offload_keys),
-                        allocated_blocks=len(group_state.block_ids),
-                        allocated_chunks=allocated_chunks(group_state, bpc),
-                        next_stored_chunk=int(group_state.next_stored_chunk_idx),
+                        group=group.group_idx,
+                        offload_keys=group.offload_keys,
+                        allocated_blocks=group.block_ids,
+                        allocated_chunks=group.block_ids // bpc,
+                        next_stored_chunk=group.next_stored_chunk,
                         offloadable_tokens=int(tokens),
                         storable_installed=int(installed),
                         storable_fixed=int(fixed),
                         storable_active=int(active),
                         would_trip=(visited_next or call is not None) and store_slices_differ(
-                            active, int(group_state.next_stored_chunk_idx), len(group_state.offload_keys),
-                            len(group_state.block_ids), bpc),
+                            active, group.next_stored_chunk, group.offload_keys, group.block_ids, bpc),
                     ))
             snapshots.append(snap)
         return snapshots

@@ -29,7 +29,8 @@ from kvdoctor.recipes.model import (
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,)}
-_SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,)}
+_SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
+                   "request": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.name not in ("model", "extra_connector_config")}
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
@@ -325,6 +326,11 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
         raise r.fail(0, "a recipe needs at least one [[step]]")
     checks = _steps(r, data, "check", {"expect": EXPECT_FIELDS}, implicit_action="expect")
     _check_request_ids(r, steps, checks)
+    if signature.request is not None:
+        added = {step.args["request"] for step in steps if step.action == "add"}
+        if signature.request not in added:
+            raise r.fail(r.index.key(r.index.table("signature"), "request"),
+                         f"[signature] request {_show(signature.request)} is not added by any step")
     return Recipe(
         name=meta["name"], summary=meta["summary"].strip(), signature=signature, steps=tuple(steps),
         setup=setup, checks=tuple(checks), bug=meta.get("bug"), title=meta.get("title"),

@@ -77,12 +77,14 @@ class Signature:
     function: str | None = None
     contains: str | None = None  # text the failing source line must contain
     invariant: str | None = None
+    request: str | None = None  # the request the failure must involve (else it is the bug by another path)
 
     def describe(self) -> str:
         if self.invariant:
             return f"invariant {self.invariant}"
         text = f"{self.exception} in {self.function}"
-        return text + (f" ({self.contains})" if self.contains else "")
+        text += f" ({self.contains})" if self.contains else ""
+        return text + (f" for request {self.request}" if self.request else "")
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def _setup_lines(setup: dict[str, Any]) -> list[str]:
 
 
 def _signature_lines(signature: Signature) -> list[str]:
-    return ["[signature]", *_pairs((k, getattr(signature, k)) for k in ("exception", "function", "contains",
+    return ["[signature]", *_pairs((k, getattr(signature, k)) for k in ("exception", "function", "contains", "request",
                                                                         "invariant"))]
 
 

@@ -56,6 +56,7 @@ def audit_document(report: Any) -> dict[str, Any]:
         "kvdoctor_version": __version__,
         "vllm_version": report.vllm_version,
         "any_reproduced": report.any_reproduced,
+        "exit_code": int(report.exit_status),
         "rows": [
             {
                 "bug": row.bug, "recipe": row.recipe.name, "refs": list(row.recipe.refs),
@@ -67,7 +68,8 @@ def audit_document(report: Any) -> dict[str, Any]:
             for row in report.rows
         ],
         "metrics": [
-            {"bug": m.bug, "title": m.title, "refs": list(m.refs), "summary": m.summary, **m.value.as_dict()}
+            {"bug": m.bug, "title": m.title, "refs": list(m.refs), "summary": m.summary, "outcome": m.outcome,
+             "error": m.error, **(m.value.as_dict() if m.value is not None else {})}
             for m in report.metrics
         ],
     }
