@@ -121,7 +121,6 @@ def test_surviving_runs_release_the_aborted_request(reports, name, mode):
     for run in runs:
         final_b = next(s for s in run.requests if s.request == "B")
         assert final_b.status == "FINISHED_ABORTED" and not final_b.connector_state
-        assert final_b.store_jobs_built <= 1
 
 
 # The guard kvdoctor names for B, per release (measured): on 0.26 only the PR #49146 cap (what

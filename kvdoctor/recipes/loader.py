@@ -371,6 +371,14 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
                          "[setup] kv_connector_extra_config")
             setup["extra_connector_config"] = dict(value)
             continue
+        if key == "kv_transfer_fields":
+            from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS
+
+            r.check_type(value, (dict,), r.index.table("setup.kv_transfer_fields") or key_line,
+                         "[setup] kv_transfer_fields")
+            _known_keys(r, value, set(PASSED_THROUGH_KV_TRANSFER_KEYS), key_line, "[setup] kv_transfer_fields")
+            setup[key] = dict(value)
+            continue
         field = _SETUP_KEYS[key]
         types: tuple[type, ...] = {"int": (int,), "bool": (bool,), "str | None": (str,)}.get(str(field.type), (int,))
         r.check_type(value, types, key_line, f"[setup] {key}")
