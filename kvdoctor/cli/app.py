@@ -15,23 +15,46 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
 from kvdoctor.errors import (
-    EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, KvdoctorError,
+    EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus, KvdoctorError,
 )
 
-EXIT_CODES_HELP = (
-    "Exit codes: 0 not reproduced (or not applicable) · 1 reproduced · 2 usage error or bad recipe file · "
-    "3 vLLM missing, broken or outside >=0.26.0,<0.34 · 4 recipe setup error or other failure."
-)
+EXIT_CODES_HELP = exit_codes_text()
 
 app = typer.Typer(
     name="kvdoctor",
+    cls=KvGroup,
     help="Reproduce and diagnose scheduler-side bugs of vLLM's KV offloading connector, on a CPU, "
-         "with the vLLM installed here.\n\n" + EXIT_CODES_HELP,
+         "with the vLLM installed here.\n\n"
+         "Start with `kvdoctor audit` (every known bug against this vLLM) or `kvdoctor repro --list`.\n\n"
+         + EXIT_CODES_HELP,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: reflowed to the terminal, nothing cut, no markup eaten
 )
+
+
+_RUN_EXIT_CODES = exit_codes_text()
+_AUDIT_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "no known bug reproduces under the installed logic",
+    ExitStatus.REPRODUCED: "a known bug reproduces under the installed logic"})
+_EXPLORE_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)"})
+
+
+def _with_exit_codes(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Append a command's exit codes (generated from ExitStatus) to its help."""
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        function.__doc__ = (function.__doc__ or "").rstrip() + "\n\n    " + text
+        return function
+    return decorate
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of examples, kept line by line (click's \\b: no reflow)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _version_callback(value: bool) -> None:
@@ -91,12 +114,19 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
         typer.echo(f"SVG written to {svg}", err=True)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor repro queued-abort",
+    "kvdoctor repro my-recipe.toml --logic installed --report issue.md",
+    "kvdoctor repro queued-abort --kv-offloading-size 8 --gpu-memory-utilization 0.9"))
+@_with_exit_codes(_RUN_EXIT_CODES)
 def repro(
     recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
-                                                    show_default=False)] = None,
+                                                    show_default=False, metavar="RECIPE")] = None,
     list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes and exit.")] = False,
-    logic: Annotated[str, typer.Option("--logic", help="installed | fixed | unpatched | all")] = "all",
+    logic: Annotated[str, typer.Option("--logic", metavar="LOGIC", help=(
+        "installed | fixed | unpatched | all. installed: vLLM's own storable_chunks; fixed: with the "
+        "PR #49146 cap (storable chunks <= allocated chunks), kvdoctor's 'fixed logic'; unpatched: "
+        "the installed method with that cap removed."))] = "all",
     block_size: opt.BlockSize = None,
     blocks_per_chunk: opt.BlocksPerChunk = None,
     gpu_blocks: opt.GpuBlocks = None,
@@ -104,7 +134,10 @@ def repro(
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
+    enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -115,7 +148,11 @@ def repro(
 ) -> None:
     """Run a recipe on the installed vLLM under each logic variant and print the verdicts.
 
-    The installed logic's outcome sets the exit code (see kvdoctor --help)."""
+    After the verdicts: the upstream issue and fix, a workaround where one is known, and how to
+    report it. The installed logic's outcome sets the exit code.
+
+    Serve flags that do not reach the scheduler (--gpu-memory-utilization, --tensor-parallel-size,
+    --dtype, ...) are accepted and ignored, with a note."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -130,7 +167,9 @@ def repro(
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
+                                           kv_offloading_size=kv_offloading_size,
+                                           kv_offloading_backend=kv_offloading_backend)
         from kvdoctor import app as application
 
         if export_script is not None:
@@ -140,8 +179,9 @@ def repro(
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
             return EXIT_NOT_REPRODUCED
-        result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
-                                   command=_command_line())
+        with working():
+            result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
+                                       command=_command_line())
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
@@ -151,11 +191,17 @@ def repro(
     _run(action)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor inspect queued-abort",
+    "kvdoctor inspect queued-abort --step 6 --logic fixed"))
+@_with_exit_codes(_RUN_EXIT_CODES)
 def inspect(
-    recipe: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml.")],
-    logic: Annotated[str, typer.Option("--logic", help="installed | fixed | unpatched")] = "installed",
-    step: Annotated[Optional[int], typer.Option("--step", help="Show only step N.")] = None,
+    recipe: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
+                                          metavar="RECIPE")],
+    logic: Annotated[str, typer.Option("--logic", metavar="LOGIC",
+                                       help="installed | fixed | unpatched (see kvdoctor repro --help)")
+                     ] = "installed",
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Show only step N.")] = None,
     block_size: opt.BlockSize = None,
     blocks_per_chunk: opt.BlocksPerChunk = None,
     gpu_blocks: opt.GpuBlocks = None,
@@ -163,7 +209,10 @@ def inspect(
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
+    enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -171,8 +220,8 @@ def inspect(
 ) -> None:
     """Run a recipe and show every step: events and each request's chunk/block state.
 
-    Requests whose storable chunks cannot be paired with allocated blocks are marked
-    one step before the store assertion fires."""
+    Requests whose storable chunks cannot be paired with allocated blocks are marked one step
+    before the store assertion fires."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -185,10 +234,13 @@ def inspect(
             raise UsageError(f"--step must be >= 1, got {step}")
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
+                                           kv_offloading_size=kv_offloading_size,
+                                           kv_offloading_backend=kv_offloading_backend)
         from kvdoctor import app as application
 
-        result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
+        with working():
+            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
@@ -209,7 +261,10 @@ def inspect(
     _run(action)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor audit",
+    "kvdoctor audit --report audit.md    # attach to an upstream issue"))
+@_with_exit_codes(_AUDIT_EXIT_CODES)
 def audit(
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -217,8 +272,8 @@ def audit(
 ) -> None:
     """Run every built-in recipe against the installed vLLM: one row per known bug.
 
-    Exits 1 when any known bug reproduces under the installed logic, 0 when none does
-    (the pip-audit idea, for KV-offload bugs)."""
+    The pip-audit idea, for KV-offload bugs: each row says what to do next (the fix, a workaround,
+    the release that stops reproducing it where measured)."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -227,7 +282,8 @@ def audit(
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
         from kvdoctor import app as application
 
-        result = application.audit(command=_command_line())
+        with working("importing vLLM and running every built-in recipe"):
+            result = application.audit(command=_command_line())
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 
@@ -239,7 +295,9 @@ def audit(
 
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
 
-app.command()(explore)
+app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor explore --time-budget 60",
+    "kvdoctor explore --logic fixed --workers 2 --out findings/"))(_with_exit_codes(_EXPLORE_EXIT_CODES)(explore))
 
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],

@@ -55,9 +55,8 @@ def explore(
     request's connector state must be released.
 
     Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
-    and written to --out as a recipe that `kvdoctor repro FILE` replays.
-
-    Exit codes: 0 nothing found · 1 a failure found · 2 usage error · 3 vLLM missing or unsupported."""
+    and written to --out as a recipe that `kvdoctor repro FILE` replays; a finding whose signature is
+    a known recipe's is labelled with that bug (K1, K4, ...)."""
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
