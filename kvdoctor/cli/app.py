@@ -97,18 +97,24 @@ def _run(action: Callable[[], int]) -> None:
 
 
 def _console(record: bool = False) -> Any:
+    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
     from rich.console import Console
 
-    console = Console(record=record, highlight=False, soft_wrap=False)
-    if not console.is_terminal:  # piped or recorded: keep the wide state tables readable
-        console = Console(record=record, highlight=False, soft_wrap=False, width=160)
-    return console
+    return Console(record=record, highlight=False, soft_wrap=False)
 
 
 def _emit(renderables: list[Any], svg: Path | None) -> None:
     console = _console(record=svg is not None)
-    for item in renderables:
-        console.print(item)
+    if console.is_terminal:
+        for item in renderables:
+            console.print(item)
+    else:  # piped: the same text without the padding rich adds to the right of each line
+        with console.capture() as captured:
+            for item in renderables:
+                console.print(item)
+        text = "\n".join(line.rstrip() for line in captured.get().splitlines())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
     if svg is not None:
         console.save_svg(str(svg), title="kvdoctor")
         typer.echo(f"SVG written to {svg}", err=True)
@@ -331,7 +337,7 @@ def _list_recipes(json_out: bool) -> int:
     for r in recipes:
         table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
                       "\n".join(r.refs))
-    _console().print(table)
+    _emit([table], None)
     return 0
 
 
