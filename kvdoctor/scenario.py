@@ -116,6 +116,10 @@ def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[boo
     return True, observed
 
 
+def _chunks(count: int) -> str:
+    return f"{count} chunk" if count == 1 else f"{count} chunks"
+
+
 def explain_guards(calls: list[StorableCall]) -> list[str]:
     """Say, from the calls vLLM really made, what kept a finished request's store in bounds.
 
@@ -141,14 +145,14 @@ def explain_guards(calls: list[StorableCall]) -> list[str]:
                 term = "a cap of this release"
             guards.append(
                 f"{who}: {term} held storable chunks to {call.returned}; its {call.num_offloadable_tokens} "
-                f"offloadable tokens make {call.token_chunks} chunks but it holds {call.allocated_chunks} "
-                f"and has {call.next_stored_chunk} stored")
+                f"offloadable tokens make {_chunks(call.token_chunks)} but it holds {call.allocated_chunks} "
+                f"allocated and has {call.next_stored_chunk} stored")
         elif call.full_token_chunks > covered:
             guards.append(
-                f"{who}: the final store counted {call.num_offloadable_tokens} computed tokens, not all "
-                f"{call.full_token_chunks * call.tokens_per_chunk}+ of its offloadable tokens (aborted requests "
-                f"count only computed tokens, PR #49285): {call.token_chunks} chunks, within its "
-                f"{call.allocated_chunks} allocated / {call.next_stored_chunk} stored; no cap was needed")
+                f"{who}: the final store counted only its {call.num_offloadable_tokens} computed tokens "
+                f"(aborted requests count computed tokens, PR #49285), not the "
+                f"{_chunks(call.full_token_chunks)} its tokens fill: {_chunks(call.token_chunks)}, within its "
+                f"{call.allocated_chunks} allocated and {call.next_stored_chunk} stored; no cap was needed")
     return guards
 
 

@@ -123,7 +123,7 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
 @app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor repro queued-abort",
     "kvdoctor repro my-recipe.toml --logic installed --report issue.md",
-    "kvdoctor repro queued-abort --kv-offloading-size 8 --gpu-memory-utilization 0.9"))
+    "kvdoctor repro queued-abort --kv-offloading-size 8 --tensor-parallel-size 2"))
 @_with_exit_codes(_RUN_EXIT_CODES)
 def repro(
     recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
