@@ -39,7 +39,7 @@ def verdict_table(report: Any) -> Any:
     for result in report.results:
         blocks.append(Text.assemble((f"{result.logic:<10}", "bold"), " ", outcome_text(result.outcome.value)))
         for line in why_lines(result):
-            blocks.append(Items(line.split(" "), prefix=" ", sep=" ", indent=4))
+            blocks.append(Items(line.split(" "), prefix="  ", sep=" ", indent=4))
     return Fit(table, Group(*blocks))
 
 
@@ -307,8 +307,9 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
             items.append(Text(f"  {result.outcome.value}: {result.detail}", style=OUTCOME_STYLE.get(
                 result.outcome.value, "")))
         if entry.predicted_trip and not entry.failed:
-            items.append(Text(f"  {TRIP_MARK}: {', '.join(entry.predicted_trip)} — storable chunks exceed what "
-                              f"the next store pass can pair with blocks", style="bold red"))
+            items.append(Items(f"{TRIP_MARK}: {', '.join(entry.predicted_trip)} — storable chunks exceed what "
+                               f"the next store pass can pair with blocks".split(" "), prefix="  ", sep=" ",
+                               indent=4, style="bold red"))
         items.append(state_table(entry.requests, ""))
     flush_folded()
     return items
@@ -325,7 +326,7 @@ def audit_renderables(report: Any) -> list[Any]:
             table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric.summary)
             blocks.append(Text.assemble((f"{metric.bug:<4}", "bold"), ", ".join(metric.refs)))
             blocks.append(Items(metric.title.split(" "), prefix="    ", sep=" ", indent=4))
-            blocks.append(Items(metric.summary.split(" "), prefix="    measured: ", sep=" ", indent=6))
+            blocks.append(Items(metric.summary.split(" "), prefix="    measured:", sep=" ", indent=6))
         items.append(Fit(table, Group(*blocks)))
     if any(row.installed.outcome.value == "reproduced" for row in report.rows):
         items.append(Text("report one: kvdoctor repro RECIPE --report issue.md (or this table: "
@@ -353,9 +354,10 @@ def audit_table(report: Any) -> Any:
             blocks.append(Items(row.recipe.title.split(" "), prefix="    ", sep=" ", indent=4))
         for label, text in steps or [("", row.hint)]:
             if text:
-                blocks.append(Items(text.split(" "), prefix=Text.assemble("    ", (f"{label}: " if label else "",
+                blocks.append(Items(text.split(" "), prefix=Text.assemble("    ", (f"{label}:" if label else "",
                                                                                   "bold")),
                                     sep=" ", indent=6, style="" if label else "dim"))
+        blocks.append(Text(""))
     blocks.append(Items(FIXED_LOGIC.split(" "), sep=" ", indent=0, style="dim"))
     return Fit(table, Group(*blocks))
 
