@@ -175,6 +175,7 @@ def test_repro_output_fits_80_columns_and_cuts_nothing(reports):
             for snap in result.requests:  # every request id starts a line of its own block or row
                 assert any(re.match(rf"\s*{re.escape(snap.request)}\s", line) for line in lines), snap.request
         assert "1 chunks" not in text and "+ of its" not in text
+        assert text.count("logic: checks") <= 1, "identical checks are shown once, whatever the variants"
 
 
 def test_what_to_do_next_after_a_reproduced_verdict(reports, release):

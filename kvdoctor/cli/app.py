@@ -109,10 +109,14 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
         for item in renderables:
             console.print(item)
     else:  # piped: the same text without the padding rich adds to the right of each line
-        with console.capture() as captured:
-            for item in renderables:
-                console.print(item)
-        text = "\n".join(line.rstrip() for line in captured.get().splitlines())
+        import io
+
+        from rich.console import Console
+
+        console = Console(record=True, file=io.StringIO(), highlight=False, soft_wrap=False)
+        for item in renderables:
+            console.print(item)
+        text = "\n".join(line.rstrip() for line in console.export_text(clear=False).splitlines())
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     if svg is not None:
