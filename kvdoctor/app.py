@@ -127,8 +127,12 @@ class AuditRow:
         outcome = self.installed.outcome.value
         if outcome == "reproduced":
             if self.fixed.outcome.value == "not_reproduced":
-                return "fixed logic (PR #49146 cap) prevents it"
-            return "fixed logic does not prevent it: needs its own upstream fix"
+                return "the PR #49146 cap (kvdoctor's fixed logic) prevents it"
+            fixes = [ref.split()[0] for ref in self.recipe.refs if "(fix" in ref]
+            return ("the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, fixed by "
+                    + ", ".join(fixes) if fixes else
+                    "the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, "
+                    "no upstream fix named yet")
         if outcome == "not_reproduced":
             return "; ".join(self.installed.guards) or "this vLLM handles the trigger"
         return self.installed.detail

@@ -130,6 +130,10 @@ def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[boo
     return True, observed
 
 
+def _chunks(count: int) -> str:
+    return f"{count} chunk" if count == 1 else f"{count} chunks"
+
+
 def explain_guards(calls: list[StorableCall]) -> list[str]:
     """Say, from the calls vLLM really made, what kept a finished request's store in bounds.
 
@@ -167,10 +171,6 @@ def explain_guards(calls: list[StorableCall]) -> list[str]:
             else:
                 guards.append(f"{who}: {counted}, for a reason kvdoctor cannot name, {within}")
     return guards
-
-
-def _chunks(n: int) -> str:
-    return f"{n} chunk" if n == 1 else f"{n} chunks"
 
 
 def _binding_term(call: StorableCall) -> str | None:

@@ -15,19 +15,47 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
 
-EXIT_CODES_HELP = "Exit codes: " + " · ".join(f"{int(s)} {s.meaning}" for s in ExitStatus) + "."
+EXIT_CODES_HELP = exit_codes_text()
 
 app = typer.Typer(
     name="kvdoctor",
+    cls=KvGroup,
     help="Reproduce and diagnose scheduler-side bugs of vLLM's KV offloading connector, on a CPU, "
-         "with the vLLM installed here.\n\n" + EXIT_CODES_HELP,
+         "with the vLLM installed here.\n\n"
+         "Start with `kvdoctor audit` (every known bug against this vLLM) or `kvdoctor repro --list`.\n\n"
+         + EXIT_CODES_HELP,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: reflowed to the terminal, nothing cut, no markup eaten
 )
+
+
+_RUN_EXIT_CODES = exit_codes_text()
+_AUDIT_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "no known bug reproduces under the installed logic",
+    ExitStatus.REPRODUCED: "a known bug reproduces under the installed logic",
+    ExitStatus.SETUP_OR_OTHER_FAILURE: "none reproduces, but a row ended other_failure or setup_error"})
+_EXPLORE_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)",
+    ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete"})
+
+
+def _with_exit_codes(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Append a command's exit codes (generated from ExitStatus) to its help."""
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        function.__doc__ = (function.__doc__ or "").rstrip() + "\n\n    " + text
+        return function
+    return decorate
+
+
+def _examples(*lines: str) -> str:
+    """An epilog of examples, kept line by line (click's \\b: no reflow)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _version_callback(value: bool) -> None:
@@ -62,18 +90,28 @@ def _run(action: Callable[[], int], json_out: bool = False) -> None:
 
 
 def _console(record: bool = False) -> Any:
+    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
     from rich.console import Console
 
-    console = Console(record=record, highlight=False, soft_wrap=False)
-    if not console.is_terminal:  # piped or recorded: keep the wide state tables readable
-        console = Console(record=record, highlight=False, soft_wrap=False, width=160)
-    return console
+    return Console(record=record, highlight=False, soft_wrap=False)
 
 
 def _emit(renderables: list[Any], svg: Path | None) -> None:
     console = _console(record=svg is not None)
-    for item in renderables:
-        console.print(item)
+    if console.is_terminal:
+        for item in renderables:
+            console.print(item)
+    else:  # piped: the same text without the padding rich adds to the right of each line
+        import io
+
+        from rich.console import Console
+
+        console = Console(record=True, file=io.StringIO(), highlight=False, soft_wrap=False)
+        for item in renderables:
+            console.print(item)
+        text = "\n".join(line.rstrip() for line in console.export_text(clear=False).splitlines())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
     if svg is not None:
         try:
             console.save_svg(str(svg), title="kvdoctor")
@@ -83,12 +121,19 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
         typer.echo(f"SVG written to {svg}", err=True)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor repro queued-abort",
+    "kvdoctor repro my-recipe.toml --logic installed --report issue.md",
+    "kvdoctor repro queued-abort --kv-offloading-size 8 --tensor-parallel-size 2"))
+@_with_exit_codes(_RUN_EXIT_CODES)
 def repro(
     recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
-                                                    show_default=False)] = None,
+                                                    show_default=False, metavar="RECIPE")] = None,
     list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes and exit.")] = False,
-    logic: Annotated[str, typer.Option("--logic", help="installed | fixed | unpatched | all")] = "all",
+    logic: Annotated[str, typer.Option("--logic", metavar="LOGIC", help=(
+        "installed | fixed | unpatched | all. installed: vLLM's own storable_chunks; fixed: with the "
+        "PR #49146 cap (storable chunks <= allocated chunks), kvdoctor's 'fixed logic'; unpatched: "
+        "the installed method with that cap removed."))] = "all",
     block_size: opt.BlockSize = None,
     blocks_per_chunk: opt.BlocksPerChunk = None,
     gpu_blocks: opt.GpuBlocks = None,
@@ -96,7 +141,10 @@ def repro(
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
+    enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -107,7 +155,11 @@ def repro(
 ) -> None:
     """Run a recipe on the installed vLLM under each logic variant and print the verdicts.
 
-    The installed logic's outcome sets the exit code (see kvdoctor --help)."""
+    After the verdicts: the upstream issue and fix, a workaround where one is known, and how to
+    report it. The installed logic's outcome sets the exit code.
+
+    Serve flags that do not reach the scheduler (--gpu-memory-utilization, --tensor-parallel-size,
+    --dtype, ...) are accepted and ignored, with a note."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -123,7 +175,9 @@ def repro(
         opt.check_output_paths(report=report, svg=svg, export_script=export_script)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
+                                           kv_offloading_size=kv_offloading_size,
+                                           kv_offloading_backend=kv_offloading_backend)
         from kvdoctor import app as application
 
         if export_script is not None:
@@ -133,8 +187,9 @@ def repro(
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
             return EXIT_NOT_REPRODUCED
-        result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
-                                   command=_command_line())
+        with working():
+            result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
+                                       command=_command_line())
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
@@ -145,11 +200,17 @@ def repro(
     _run(action, json_out)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor inspect queued-abort",
+    "kvdoctor inspect queued-abort --step 6 --logic fixed"))
+@_with_exit_codes(_RUN_EXIT_CODES)
 def inspect(
-    recipe: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml.")],
-    logic: Annotated[str, typer.Option("--logic", help="installed | fixed | unpatched")] = "installed",
-    step: Annotated[Optional[int], typer.Option("--step", help="Show only step N.")] = None,
+    recipe: Annotated[str, typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
+                                          metavar="RECIPE")],
+    logic: Annotated[str, typer.Option("--logic", metavar="LOGIC",
+                                       help="installed | fixed | unpatched (see kvdoctor repro --help)")
+                     ] = "installed",
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Show only step N.")] = None,
     block_size: opt.BlockSize = None,
     blocks_per_chunk: opt.BlocksPerChunk = None,
     gpu_blocks: opt.GpuBlocks = None,
@@ -157,7 +218,10 @@ def inspect(
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
+    enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -165,8 +229,8 @@ def inspect(
 ) -> None:
     """Run a recipe and show every step: events and each request's chunk/block state.
 
-    Requests whose storable chunks cannot be paired with allocated blocks are marked
-    one step before the store assertion fires."""
+    Requests whose storable chunks cannot be paired with allocated blocks are marked one step
+    before the store assertion fires."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -180,10 +244,13 @@ def inspect(
         opt.check_output_paths(report=report, svg=svg)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
+                                           kv_offloading_size=kv_offloading_size,
+                                           kv_offloading_backend=kv_offloading_backend)
         from kvdoctor import app as application
 
-        result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
+        with working():
+            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
@@ -205,7 +272,10 @@ def inspect(
     _run(action, json_out)
 
 
-@app.command()
+@app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor audit",
+    "kvdoctor audit --report audit.md    # attach to an upstream issue"))
+@_with_exit_codes(_AUDIT_EXIT_CODES)
 def audit(
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
@@ -213,9 +283,8 @@ def audit(
 ) -> None:
     """Run every built-in recipe against the installed vLLM: one row per known bug.
 
-    Exits 1 when any known bug reproduces under the installed logic; otherwise 4 when any row ended
-    other_failure or setup_error; 0 only when every row is not reproduced or not applicable
-    (the pip-audit idea, for KV-offload bugs)."""
+    The pip-audit idea, for KV-offload bugs: each row says what to do next (the fix, a workaround,
+    the release that stops reproducing it where measured)."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -225,7 +294,8 @@ def audit(
         opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
-        result = application.audit(command=_command_line())
+        with working("importing vLLM and running every built-in recipe"):
+            result = application.audit(command=_command_line())
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 
@@ -238,7 +308,9 @@ def audit(
 
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
 
-app.command()(explore)
+app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor explore --time-budget 60",
+    "kvdoctor explore --logic fixed --workers 2 --out findings/"))(_with_exit_codes(_EXPLORE_EXIT_CODES)(explore))
 
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
@@ -272,7 +344,7 @@ def _list_recipes(json_out: bool) -> int:
     for r in recipes:
         table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
                       "\n".join(r.refs))
-    _console().print(table)
+    _emit([table], None)
     return 0
 
 

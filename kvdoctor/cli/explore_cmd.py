@@ -54,10 +54,8 @@ def explore(
     request's connector state must be released.
 
     Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
-    and written to --out as a recipe that `kvdoctor repro FILE` replays.
-
-    Exit codes: 0 nothing found · 1 a failure found · 2 usage error · 3 vLLM missing or unsupported ·
-    4 a worker failed and nothing was found (the search is incomplete) · 5 kvdoctor itself failed."""
+    and written to --out as a recipe that `kvdoctor repro FILE` replays; a finding whose signature is
+    a known recipe's is labelled with that bug (K1, K4, ...)."""
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
@@ -121,7 +119,7 @@ class _Display:
         if self.live is not None:
             self.live.update(self._render())
         elif not self.quiet_lines:
-            print(f"kvdoctor explore: found {finding.signature} ({finding.steps} steps, "
+            print(f"kvdoctor explore: found {finding.label} ({finding.steps} steps, "
                   f"after {finding.elapsed_s:.1f} s)", file=sys.stderr, flush=True)
 
     def _render(self) -> Any:
@@ -148,7 +146,7 @@ class _Display:
         failures = Text(str(len(self.found)), style="bold red" if self.found else "green")
         grid.add_row("failures", failures)
         for finding in self.found:
-            grid.add_row("", Text(f"{finding.signature} ({finding.steps} steps)"))
+            grid.add_row("", Text(f"{finding.label} ({finding.steps} steps)"))
         return grid
 
 
@@ -172,14 +170,24 @@ def _summary(report: Any) -> list[Any]:
     table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
                   box=box.SIMPLE, title_justify="left")
     for column in ("signature", "steps", "found after", "recipe file"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=column in ("steps", "recipe file"))
     for finding in report.findings:  # Text(): a `[...]` from vLLM's source is not rich markup
-        table.add_row(Text(finding.signature), str(finding.steps),
+        table.add_row(Text(finding.label), str(finding.steps),
                       f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
                       Text(finding.file or ""))
-    out.append(table)
+    from kvdoctor.report.layout import Fit, Items
+
+    blocks: list[Any] = [Text(table.title or "")]
     for finding in report.findings:
-        out.append(Text(f"{finding.signature}: {finding.detail}"
+        blocks.append(Items(finding.label.split(" "), prefix=" ", sep=" ", indent=4))
+        blocks.append(Text(f"    {finding.steps} steps, after {finding.elapsed_s:.1f} s, "
+                           f"{finding.examples_before} examples (worker {finding.worker})"))
+        blocks.append(Text(f"    {finding.file or ''}"))
+    from rich.console import Group
+
+    out.append(Fit(table, Group(*blocks)))
+    for finding in report.findings:
+        out.append(Text(f"{finding.label}: {finding.detail}"
                         + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))

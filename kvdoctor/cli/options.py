@@ -9,7 +9,7 @@ import typer
 
 from kvdoctor.errors import UsageError
 
-GEOMETRY = "Serving geometry (overrides the recipe's [setup])"
+GEOMETRY = "Serving geometry (overrides the recipe's [setup])"  # plain help: no markup to escape
 OUTPUT = "Output"
 
 BlockSize = Annotated[Optional[int], typer.Option("--block-size", help="GPU KV block size in tokens.",
@@ -30,6 +30,21 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Max r
 ChunkedPrefill = Annotated[Optional[bool], typer.Option(
     "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Chunked prefill.",
     rich_help_panel=GEOMETRY, show_default=False)]
+PrefixCaching = Annotated[Optional[bool], typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    help="Prefix caching (CacheConfig.enable_prefix_caching; on by default, as the recipes assume).",
+    rich_help_panel=GEOMETRY, show_default=False)]
+KvOffloadingSize = Annotated[Optional[float], typer.Option(
+    "--kv-offloading-size", metavar="GIB",
+    help="vllm serve's short form for the offloading connector: the CPU tier's size in GiB. Builds the "
+         "KVTransferConfig vLLM builds for the native backend (OffloadingConnector, kv_role kv_both, "
+         "cpu_bytes_to_use = GIB * 2**30); merged into --kv-transfer-config when both are given. "
+         "vLLM releases without the flag take the --kv-transfer-config form instead.",
+    rich_help_panel=GEOMETRY)]
+KvOffloadingBackend = Annotated[Optional[str], typer.Option(
+    "--kv-offloading-backend", metavar="native",
+    help="With --kv-offloading-size: native (OffloadingConnector, the only backend kvdoctor drives).",
+    rich_help_panel=GEOMETRY)]
 KvTransferConfig = Annotated[Optional[str], typer.Option(
     "--kv-transfer-config", help="JSON exactly as `vllm serve --kv-transfer-config` takes it.",
     rich_help_panel=GEOMETRY)]
@@ -43,17 +58,66 @@ SvgFile = Annotated[Optional[Path], typer.Option(
     "--svg", help="Save the rendered tables as SVG to FILE.", rich_help_panel=OUTPUT)]
 
 
+def kv_offloading_transfer_config(size_gib: float | None, backend: str | None,
+                                  kv_transfer_config: str | None) -> str | None:
+    """`--kv-offloading-size/--kv-offloading-backend` as the `--kv-transfer-config` JSON vLLM builds.
+
+    vLLM (`VllmConfig._post_init_kv_transfer_config`): nothing unless the size is
+    set; backend `native` sets kv_connector = OffloadingConnector (or
+    SimpleCPUOffloadConnector under VLLM_USE_SIMPLE_KV_OFFLOAD=1) and updates
+    kv_connector_extra_config with cpu_bytes_to_use = size * 2**30; `lmcache`
+    selects LMCacheMPConnector; kv_role becomes kv_both. An explicit
+    `--kv-transfer-config` is the starting point, as in vLLM.
+    """
+    import json
+    import os
+
+    if size_gib is None:
+        if backend is not None:
+            typer.echo("kvdoctor: note: --kv-offloading-backend does nothing without --kv-offloading-size "
+                       "(as in vLLM); ignored", err=True)
+        return kv_transfer_config
+    backend = backend or "native"
+    if backend == "lmcache":
+        raise UsageError("--kv-offloading-backend lmcache makes vLLM use LMCacheMPConnector; kvdoctor drives "
+                         "OffloadingConnector (--kv-offloading-backend native)")
+    if backend != "native":
+        raise UsageError(f"--kv-offloading-backend must be native or lmcache (as vLLM takes it), got {backend!r}")
+    if os.environ.get("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") not in ("", "0"):
+        raise UsageError("VLLM_USE_SIMPLE_KV_OFFLOAD is set: vLLM would build SimpleCPUOffloadConnector from "
+                         "--kv-offloading-size; kvdoctor drives OffloadingConnector")
+    if not size_gib > 0:
+        raise UsageError(f"--kv-offloading-size must be a positive number of GiB, got {size_gib}")
+    base: dict[str, Any] = {}
+    if kv_transfer_config is not None:
+        try:
+            base = json.loads(kv_transfer_config)
+        except json.JSONDecodeError:
+            return kv_transfer_config  # parse_kv_transfer_config names the JSON error
+        if not isinstance(base, dict):
+            return kv_transfer_config
+    extra = dict(base.get("kv_connector_extra_config") or {})
+    extra["cpu_bytes_to_use"] = int(size_gib * (1 << 30))
+    base.update(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    return json.dumps(base)
+
+
 def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu_blocks: int | None,
                        async_scheduling: bool | None, max_num_batched_tokens: int | None,
                        max_num_seqs: int | None, enable_chunked_prefill: bool | None,
-                       kv_transfer_config: str | None, model: Path | None) -> dict[str, Any]:
+                       kv_transfer_config: str | None, model: Path | None,
+                       enable_prefix_caching: bool | None = None, kv_offloading_size: float | None = None,
+                       kv_offloading_backend: str | None = None) -> dict[str, Any]:
     """Flags given on the command line, as `Setup` overrides (None = keep the recipe's)."""
     from kvdoctor.engine.setup import parse_kv_transfer_config
 
+    kv_transfer_config = kv_offloading_transfer_config(kv_offloading_size, kv_offloading_backend,
+                                                       kv_transfer_config)
     overrides: dict[str, Any] = {
         "block_size": block_size, "blocks_per_chunk": blocks_per_chunk, "gpu_blocks": gpu_blocks,
         "async_scheduling": async_scheduling, "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs, "enable_chunked_prefill": enable_chunked_prefill,
+        "enable_prefix_caching": enable_prefix_caching,
     }
     for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs"):
         value = overrides[name]

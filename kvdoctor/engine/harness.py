@@ -7,7 +7,9 @@ nothing is downloaded.
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -38,8 +40,12 @@ LAYER_NAME = "model.layers.0.self_attn.attn"
 
 @lru_cache(maxsize=1)
 def tiny_model_dir() -> str:
-    """A throw-away model directory holding only kvdoctor's tiny config.json."""
+    """A throw-away model directory holding only kvdoctor's tiny config.json.
+
+    One per process, removed when the process exits (spawned explore workers
+    exit through `sys.exit`, so theirs goes too)."""
     directory = Path(tempfile.mkdtemp(prefix="kvdoctor-model-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2))
     return str(directory)
 
@@ -88,7 +94,8 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,
-            cache_config=config_mod.CacheConfig(block_size=setup.block_size, enable_prefix_caching=True),
+            cache_config=config_mod.CacheConfig(block_size=setup.block_size,
+                                                enable_prefix_caching=setup.enable_prefix_caching),
             scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
             kv_transfer_config=kv_transfer_config,
             device_config=config_mod.DeviceConfig("cpu"),

@@ -27,6 +27,7 @@ class Setup:
     max_num_batched_tokens: int = 256
     max_model_len: int = 256
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     offload_prompt_only: bool = True
     cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
     spec_name: str | None = None

@@ -6,10 +6,13 @@ hypothesis and vLLM only when called.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from kvdoctor import __version__
 from kvdoctor.errors import KvdoctorError, UsageError
@@ -45,6 +48,32 @@ def validate(logic: str, max_examples: int, time_budget: float, workers: int, ma
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
 
 
+@contextmanager
+def hypothesis_storage() -> Iterator[None]:
+    """Keep hypothesis' files out of the user's current directory.
+
+    The search keeps no example database (`database=None`: examples live in
+    memory), but hypothesis still writes caches under `./.hypothesis`. They go
+    to a temporary directory instead (its path is inherited by spawned
+    workers through the environment) that is removed when the search ends.
+    """
+    from hypothesis import configuration
+
+    variable = "HYPOTHESIS_STORAGE_DIRECTORY"
+    before = os.environ.get(variable)
+    with tempfile.TemporaryDirectory(prefix="kvdoctor-hypothesis-") as directory:
+        os.environ[variable] = directory
+        configuration.set_hypothesis_home_dir(directory)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(None)
+            if before is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = before
+
+
 def explore(config: Any, out_dir: Path, command: str = "",
             on_progress: Callable[[Any], None] | None = None,
             on_finding: Callable[[Any], None] | None = None, api: Any = None) -> ExploreReport:
@@ -61,7 +90,8 @@ def explore(config: Any, out_dir: Path, command: str = "",
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
     start = time.monotonic()
-    result = search(config, on_progress=on_progress, on_finding=on_finding, api=api)
+    with hypothesis_storage():
+        result = search(config, on_progress=on_progress, on_finding=on_finding, api=api)
     if result.errors and len(result.errors) >= config.workers:
         from kvdoctor.errors import InternalError
 

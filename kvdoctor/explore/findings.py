@@ -4,8 +4,9 @@ A finding's recipe is the shrunk example's recipe, cut at the step that failed
 (a `schedule` with `count` keeps only the repeats up to the failure), with the
 failure's signature filled in:
 
-- a vLLM exception: `exception` + `function` (+ `contains`: the failing source
-  line), so `repro` says `reproduced` (exit 1);
+- a vLLM exception: `exception` + `function` (+ `contains`: the exception's
+  message, which for a bare `assert` is its condition), so `repro` says
+  `reproduced` (exit 1);
 - an invariant: `invariant = <name>`, also `reproduced`;
 - the end-of-run release check: the whole recipe (with its settle tail) plus
   one `[[check]]` per leaked request (`connector_state = "released"`). The
@@ -14,6 +15,9 @@ failure's signature filled in:
   check in words and can never match an exception;
 - an exception raised inside kvdoctor (a harness bug): its exception and
   function; `repro` shows it as `other_failure` too.
+
+A finding whose signature is a built-in recipe's is labelled with that bug
+(`known_bug`: "K1", ...), so a rediscovery does not read as new.
 
 Files are named after the signature, one per signature (a rerun into the same
 folder replaces that signature's file).
@@ -56,13 +60,49 @@ class Finding:
     def steps(self) -> int:
         return len(self.recipe.steps)
 
+    @property
+    def known(self) -> tuple[str, tuple[str, ...]] | None:
+        """(bug, built-in recipe names) when a built-in recipe has this finding's signature."""
+        return known_bug(self.recipe.signature)
+
+    @property
+    def label(self) -> str:
+        """The signature, with the known bug it is when there is one."""
+        known = self.known
+        return f"{self.signature} (known bug {known[0]}: {', '.join(known[1])})" if known else self.signature
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "signature": self.signature, "kind": self.kind, "file": self.file, "steps": self.steps,
             "seed": self.seed, "example_seed": self.example_seed, "worker": self.worker, "round": self.round,
             "logic": self.logic, "detail": self.detail, "examples_before": self.examples_before,
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
+            "known_bug": self.known[0] if self.known else None,
+            "known_recipes": list(self.known[1]) if self.known else [],
         }
+
+
+def _signature_matches(known: Signature, found: Signature) -> bool:
+    if known.invariant or found.invariant:
+        return bool(known.invariant) and known.invariant == found.invariant
+    if (known.exception, known.function) != (found.exception, found.function):
+        return False
+    return not known.contains or known.contains in (found.contains or "")
+
+
+def known_bug(signature: Signature) -> tuple[str, tuple[str, ...]] | None:
+    """The known bug (and its built-in recipes) whose failure signature this one is."""
+    from kvdoctor.errors import KvdoctorError
+    from kvdoctor.recipes.builtins import all_builtins
+
+    try:
+        recipes = all_builtins()
+    except KvdoctorError:  # an installation without its recipes labels nothing
+        return None
+    matches = [r for r in recipes if r.bug and _signature_matches(r.signature, signature)]
+    if not matches:
+        return None
+    return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
 
 
 def slug(signature: str) -> str:
@@ -98,7 +138,8 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                        "description": f"{rid}'s connector state was released once every "
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
-        contains = obs.code if obs.kind == "exception" and obs.code else None
+        text = (obs.message or obs.code) if obs.kind == "exception" else None
+        contains = text.removeprefix("assert ").strip() if text else None
         signature = Signature(exception=obs.exception, function=obs.function, contains=contains)
     return dataclasses.replace(recipe, name=name, summary=summary, signature=signature, steps=steps,
                                checks=checks, title=obs.signature)
@@ -112,6 +153,16 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
         f"Failure: {obs.signature}",
         f"Where: {obs.detail}",
     ]
+    if obs.kind == "exception" and obs.exception and obs.function:
+        text = (obs.message or obs.code or "").removeprefix("assert ").strip()
+        known = known_bug(Signature(exception=obs.exception, function=obs.function, contains=text or None))
+    elif obs.kind == "invariant":
+        known = known_bug(Signature(invariant=obs.invariant))
+    else:
+        known = None
+    if known:
+        lines.append(f"Known bug {known[0]}: the failure signature of the built-in recipe(s) "
+                     f"{', '.join(known[1])} (`kvdoctor repro {known[1][0]}`).")
     if obs.kind == "check":
         lines.append("After the settle tail (every transfer released, then more engine steps) the requests above "
                      "still hold connector state: `kvdoctor repro` reports the failed [[check]] as "
@@ -127,7 +178,7 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
 def header_text(finding: Finding) -> str:
     return (f"Found by kvdoctor explore: seed {finding.seed} (worker {finding.worker}, round {finding.round}, "
             f"hypothesis seed {finding.example_seed}), logic {finding.logic}, vLLM {finding.vllm_version}.\n"
-            f"Signature: {finding.signature}\n"
+            f"Signature: {finding.label}\n"
             f"Replay: kvdoctor repro <this file>" + (f" --logic {finding.logic}" if finding.logic != "installed"
                                                      else ""))
 

@@ -37,6 +37,7 @@ class Observation:
     exception: str | None = None
     function: str | None = None
     code: str | None = None
+    message: str | None = None  # the exception's message (a bare assert's: its source line)
     invariant: str | None = None
     failure_index: int | None = None  # the run's step counter where it fired (schedule repeats counted)
     scheduler_steps: int = 0  # engine steps (schedule() + update_from_output()) the run executed
@@ -87,10 +88,11 @@ def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | 
         obs.failure_index = result.failure_step
         obs.scheduler_steps = _scheduler_steps(actions, result.failure_step)
         obs.exception, obs.function, obs.code = failure.exception, failure.function, failure.code
+        obs.message = failure.message
         where = f"{failure.exception} in {failure.function}"
         obs.kind = "exception" if failure.in_vllm else "harness"
         obs.signature = where if failure.in_vllm else f"kvdoctor {where}"
-        obs.detail = f"{failure.file}:{failure.line}: {failure.code or failure.message}"
+        obs.detail = f"{failure.file}:{failure.line}: {failure.exception}: {failure.message or failure.code}"
         return obs
     if result.violations:
         first = result.violations[0]

@@ -41,6 +41,7 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
             "block_size": setup.block_size, "gpu_blocks": setup.gpu_blocks, "max_model_len": setup.max_model_len,
             "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
             "enable_chunked_prefill": setup.enable_chunked_prefill, "async_scheduling": setup.async_scheduling,
+            "enable_prefix_caching": setup.enable_prefix_caching,
             "kv_connector_extra_config": setup.kv_connector_extra_config(),
         },
         "steps": steps,

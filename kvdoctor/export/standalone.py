@@ -9,9 +9,11 @@ Exit status: 1 with vLLM's traceback when the engine crashes, 2 when a
 precondition of the scenario does not hold, 0 when it runs through.
 """
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -41,13 +43,14 @@ def build_scheduler(setup):
     from vllm.v1.structured_output import StructuredOutputManager
 
     model_dir = tempfile.mkdtemp(prefix="kv-repro-model-")
+    atexit.register(shutil.rmtree, model_dir, ignore_errors=True)  # leave nothing behind
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(TINY_CONFIG, f)
     block_size, num_blocks = setup["block_size"], setup["gpu_blocks"]
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=setup["max_model_len"],
                                  dtype="float16", seed=0),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=setup["enable_prefix_caching"]),
         scheduler_config=SchedulerConfig(
             max_num_seqs=setup["max_num_seqs"], max_num_batched_tokens=setup["max_num_batched_tokens"],
             max_model_len=setup["max_model_len"], is_encoder_decoder=False,

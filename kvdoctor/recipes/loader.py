@@ -28,7 +28,7 @@ from kvdoctor.recipes.model import (
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
-                "requires": (list,), "invariants": (list,)}
+                "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
                    "request": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.name not in ("model", "extra_connector_config")}
@@ -301,6 +301,9 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key, types in _RECIPE_KEYS.items():
         if key in meta:
             r.check_type(meta[key], types, r.index.key(meta_line, key), f"[recipe] {key}")
+    if "workaround" in meta and not meta["workaround"].strip():
+        raise r.fail(r.index.key(meta_line, "workaround"),
+                     "[recipe] workaround must say what avoids the bug (leave the key out when none is known)")
     refs = meta.get("refs", [])
     for ref in refs:
         r.check_type(ref, (str,), r.index.key(meta_line, "refs"), "[recipe] refs entries")
@@ -336,6 +339,7 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
         setup=setup, checks=tuple(checks), bug=meta.get("bug"), title=meta.get("title"),
         refs=tuple(refs), source=r.source, builtin=builtin,
         requires=tuple(requires), invariants=tuple(invariants),
+        workaround=" ".join(meta["workaround"].split()) if meta.get("workaround", "").strip() else None,
     )
 
 

@@ -102,3 +102,11 @@ class Recipe:
     builtin: bool = False
     requires: tuple[str, ...] = ()  # e.g. "spec:TieringOffloadingSpec" (see recipes/requirements.py)
     invariants: tuple[str, ...] = ()  # extra invariants to check every step (see observe/invariants.py)
+    workaround: str | None = None  # a flag or setting that keeps a deployment off the bug's path
+
+    def fix_refs(self) -> tuple[str, ...]:
+        """The refs that name a fix (`vllm#N (fix: ...)`), in the recipe's order."""
+        return tuple(ref for ref in self.refs if "(fix" in ref)
+
+    def issue_refs(self) -> tuple[str, ...]:
+        return tuple(ref for ref in self.refs if "(issue" in ref)

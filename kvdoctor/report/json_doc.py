@@ -15,6 +15,7 @@ def recipe_dict(recipe: Any) -> dict[str, Any]:
         "name": recipe.name, "bug": recipe.bug, "title": recipe.title, "summary": recipe.summary,
         "refs": list(recipe.refs), "signature": recipe.signature.describe(),
         "builtin": recipe.builtin, "requires": list(recipe.requires), "invariants": list(recipe.invariants),
+        "workaround": recipe.workaround,
     }
 
 

@@ -11,7 +11,8 @@ import os
 import time
 from typing import Any
 
-from kvdoctor.report.tables import events_line, setup_line
+from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
+from kvdoctor.report.tables import events_line, row_next_steps, setup_fields
 
 
 def _scrub(text: str) -> str:
@@ -57,12 +58,53 @@ def _state_table(requests: list[Any]) -> list[str]:
 
 
 def _result_rows(report: Any) -> list[str]:
-    from kvdoctor.report.tables import why
+    from kvdoctor.report.tables import why_lines
 
     lines = ["| logic | outcome | where / why |", "|---|---|---|"]
     for result in report.results:
-        lines.append(f"| {result.logic} | **{result.outcome.value}** | {_scrub(why(result)).replace(chr(10), '<br>')} |")
+        lines.append(f"| {result.logic} | **{result.outcome.value}** | "
+                     f"{_scrub('<br>'.join(_cell(line) for line in why_lines(result)))} |")
+    lines.append("")
+    if any(r.logic in ("fixed", "unpatched") for r in report.results):
+        lines += [f"_{FIXED_LOGIC}._", ""]
+    return lines
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _setup_section(setup: Any) -> list[str]:
+    lines = ["## Setup", "", "Every setting that shaped the run:", "", "| setting | value |", "|---|---|"]
+    lines += [f"| `{key}` | `{value}` |" for key, value in setup_fields(setup)]
     return lines + [""]
+
+
+def _next_steps_section(steps: list[tuple[str, str]]) -> list[str]:
+    if not steps:
+        return []
+    lines = ["## What to do next", ""]
+    lines += [f"- **{label}**: {github_refs(text)}" for label, text in steps
+              if label != "report it"]  # this file is the report
+    return lines + [""]
+
+
+def _reproduce_section(report: Any, command_line: str) -> list[str]:
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    recipe = report.recipe
+    lines = ["## Recipe (TOML)", "", "```toml", recipe_to_toml(recipe).rstrip(), "```", ""]
+    file_name = f"{recipe.name}.toml"
+    lines += ["## Reproduce", "", "On a CPU, no GPU and no download needed:", "", "```bash",
+              f'pip install "vllm=={report.vllm_version}"   # and kvdoctor: `pip install .` in its checkout',
+              f"{_scrub(command_line)}" + ("" if recipe.builtin else
+                                          f"   # with the recipe above saved as {file_name}"),
+              "```", ""]
+    if not recipe.signature.invariant:
+        lines += ["Or, with vLLM's own APIs only (no kvdoctor needed to run it):", "", "```bash",
+                  f"kvdoctor repro {recipe.name if recipe.builtin else file_name} --export-script repro.py "
+                  f"&& python repro.py", "```", ""]
+    return lines
 
 
 def _failure(result: Any) -> list[str]:
@@ -100,19 +142,32 @@ def render_markdown(command: str, report: Any) -> str:
     if command == "audit":
         return render_audit_markdown(report)
     recipe = report.recipe
+    command_line = report.command or f"kvdoctor {command} {recipe.name}"
     lines = _header(f"kvdoctor {command}: {recipe.name}" + (f" ({recipe.bug})" if recipe.bug else ""),
-                    report.command or f"kvdoctor {command} {recipe.name}")
-    lines += ["## Recipe", "", f"**{recipe.title or recipe.name}**", "", recipe.summary, "",
-              "Upstream: " + ", ".join(recipe.refs), "", f"Reproduced means: {recipe.signature.describe()}", ""]
-    lines += ["## Setup", "", f"`{setup_line(report.setup)}`", ""]
+                    command_line)
+    lines += ["## Recipe", "", f"**{recipe.title or recipe.name}**", "", recipe.summary, ""]
+    if recipe.refs:
+        lines += ["Upstream: " + github_refs(", ".join(recipe.refs)), ""]
+    lines += [f"Reproduced means: {recipe.signature.describe()}", ""]
+    lines += _setup_section(report.setup)
     lines += ["## Outcome", ""] + _result_rows(report)
+    checks_seen: dict[tuple, list[str]] = {}
     for result in report.results:
         if result.failure is not None:
             lines += _failure(result)
         if result.checks:
-            lines += [f"Checks under `{result.logic}`:", ""]
-            lines += [f"- [{'x' if c.passed else ' '}] {c.description} ({c.observed})" for c in result.checks]
-            lines.append("")
+            checks_seen.setdefault(tuple((c.description, c.passed, c.observed) for c in result.checks),
+                                   []).append(result.logic)
+    for key, logics in checks_seen.items():  # identical checks under several variants: listed once
+        lines += [f"Checks under {', '.join(f'`{logic}`' for logic in logics)}:", ""]
+        lines += [f"- [{'x' if passed else ' '}] {description} ({observed})" for description, passed, observed in key]
+        lines.append("")
+    decisive = report.decisive
+    fixed = next((r for r in report.results if r.logic == "fixed"), None)
+    cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
+    lines += _next_steps_section(next_steps(recipe, decisive.outcome.value, getattr(report, "first_fixed", None),
+                                            cap, decisive.detail))
+    lines += _reproduce_section(report, command_line)
     for result in report.results:
         lines += _timeline(result)
     return _scrub("\n".join(lines)) + "\n"
@@ -121,21 +176,26 @@ def render_markdown(command: str, report: Any) -> str:
 def render_audit_markdown(report: Any) -> str:
     lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}",
                     report.command or "kvdoctor audit")
-    lines += ["## Results", "", "| bug | recipe | upstream | what it breaks | installed logic | hint |",
+    lines += ["## Results", "", "| bug | recipe | upstream | what it breaks | installed logic | what to do next |",
               "|---|---|---|---|---|---|"]
     for row in report.rows:
-        lines.append(f"| {row.bug} | {row.recipe.name} | {', '.join(row.recipe.refs)} | {row.recipe.title or ''} "
-                     f"| **{row.installed.outcome.value}** | {_scrub(row.hint or '')} |")
-    lines.append("")
+        steps = row_next_steps(row)
+        todo = "<br>".join(f"{label}: {_cell(github_refs(text))}" for label, text in steps) or _cell(row.hint or "")
+        lines.append(f"| {row.bug} | {row.recipe.name} | {github_refs(', '.join(row.recipe.refs))} "
+                     f"| {row.recipe.title or ''} | **{row.installed.outcome.value}** | {_scrub(todo)} |")
+    lines += ["", f"_{FIXED_LOGIC}._", ""]
+    if report.any_reproduced:
+        lines += ["To report one upstream: `kvdoctor repro RECIPE --report issue.md` (this report's "
+                  "details for that recipe, its TOML and how to reproduce it).", ""]
     if report.metrics:
         lines += ["## Measured (performance bugs)", "", "| bug | upstream | what it costs | measured |",
                   "|---|---|---|---|"]
-        lines += [f"| {m.bug} | {', '.join(m.refs)} | {m.title} | {m.summary} |" for m in report.metrics]
+        lines += [f"| {m.bug} | {github_refs(', '.join(m.refs))} | {m.title} | {m.summary} |" for m in report.metrics]
         lines.append("")
     for row in report.rows:
         result = row.installed
         if result.failure is not None:
-            lines += [f"## {row.bug} `{row.recipe.name}`", "", f"Setup: `{setup_line(row.setup)}`", ""]
+            lines += [f"## {row.bug} `{row.recipe.name}`", ""] + _setup_section(row.setup)[2:]
             lines += _failure(result)
             lines += _timeline(result)
         elif result.violations:

@@ -10,6 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvdoctor.report.layout import Fit, Items
+
 OUTCOME_STYLE = {
     "reproduced": "bold red",
     "not_reproduced": "bold green",
@@ -24,51 +26,86 @@ def outcome_text(outcome: str) -> Text:
     return Text(outcome, style=OUTCOME_STYLE.get(outcome, ""))
 
 
-def verdict_table(report: Any) -> Table:
+def verdict_table(report: Any) -> Any:
+    """The verdicts: a table where it fits, else one block per logic variant."""
     table = Table(title=f"{report.recipe.name} on vLLM {report.vllm_version}", box=box.SIMPLE_HEAVY,
                   title_justify="left")
-    table.add_column("logic", style="bold")
-    table.add_column("outcome")
+    table.add_column("logic", style="bold", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
     table.add_column("where / why")
     for result in report.results:
         table.add_row(result.logic, outcome_text(result.outcome.value), why(result))
-    return table
+    blocks: list[Any] = [Text(""), Text(f"{report.recipe.name} on vLLM {report.vllm_version}", style="italic")]
+    for result in report.results:
+        blocks.append(Text.assemble((f"{result.logic:<10}", "bold"), " ", outcome_text(result.outcome.value)))
+        for line in why_lines(result):
+            blocks.append(Items(line.split(" "), prefix="  ", sep=" ", indent=4))
+    return Fit(table, Group(*blocks))
+
+
+def failure_where(result: Any) -> tuple[str, str]:
+    """(`Exception in function (step N)`, `path:line`): a path is shown on a line of its own."""
+    f = result.failure
+    return (f"{f.exception} in {f.function} (step {result.failure_step})", f"at {f.file}:{f.line}")
+
+
+def why_lines(result: Any) -> list[str]:
+    if result.failure is not None:
+        return list(failure_where(result))
+    parts = []
+    if result.detail:
+        step = (f"step {result.failure_step}: " if result.failure_step is not None
+                and not result.detail.startswith("step ") else "")
+        parts.append(step + result.detail)
+    parts.extend(result.guards)
+    passed = [c.description for c in result.checks if c.passed]
+    if passed:
+        parts.append("checks held: " + "; ".join(passed))
+    return parts or ["ran through; no failure"]
 
 
 def why(result: Any) -> str:
     if result.failure is not None:
         f = result.failure
         return f"{f.exception} at {f.file}:{f.line} in {f.function} (step {result.failure_step})"
-    parts = []
-    if result.detail:
-        parts.append(result.detail)
-    parts.extend(result.guards)
-    passed = [c.description for c in result.checks if c.passed]
-    if passed:
-        parts.append("checks held: " + "; ".join(passed))
-    return "\n".join(parts) or "ran through; no failure"
+    return "\n".join(why_lines(result))
 
 
-def failure_panel(result: Any) -> Panel:
+def failure_panel(result: Any) -> Any:
     f = result.failure
     lines = [
         Text.assemble(("exception  ", "bold"), (f.exception, "red"), ": ", f.message),
         Text.assemble(("where      ", "bold"), f"{f.file}:{f.line} in {f.function}()"),
-        Text.assemble(("code       ", "bold"), (f.code or "", "italic")),
         Text("vLLM frames (outermost first):", style="bold"),
     ]
+    if f.code and f.code != f.message:
+        lines.insert(2, Text.assemble(("code       ", "bold"), (f.code, "italic")))
     for frame in f.vllm_frames:
         lines.append(Text(f"  {frame.file}:{frame.line} {frame.function}: {frame.code}"))
-    return Panel(Group(*lines), title=f"{result.logic} logic: failure at step {result.failure_step}",
-                 border_style="red", expand=False)
+    title = f"{result.logic} logic: failure at step {result.failure_step}"
+    panel = Panel(Group(*lines), title=title, border_style="red", expand=False)
+    block: list[Any] = [Text(title, style="bold red"),
+                        Text.assemble("  ", (f.exception, "red"), ": ", f.message),
+                        Text(f"  in {f.function}() at"), Text(f"  {f.file}:{f.line}"),
+                        Text("  vLLM frames (outermost first):", style="bold")]
+    for frame in f.vllm_frames:
+        block.append(Text(f"  {frame.file}:{frame.line}"))
+        block.append(Items(f"{frame.function}: {frame.code}".split(" "), prefix="     ", sep=" ", indent=8,
+                           style="dim"))
+    return Fit(panel, Group(Text(""), *block))
 
 
-def state_table(requests: Iterable[Any], title: str) -> Table:
-    table = Table(title=title, box=box.SIMPLE, title_justify="left", show_lines=False)
-    for column in ("request", "status", "prompt", "computed", "group", "keys", "blocks",
-                   "chunks", "next stored", "storable installed", "storable fixed", "in flight", ""):
+_STATE_COLUMNS = ("request", "status", "prompt", "computed", "group", "keys", "blocks", "chunks", "next stored",
+                  "storable installed", "storable fixed", "in flight", "")
+
+
+def state_table(requests: Iterable[Any], title: str) -> Any:
+    """Each request's chunk/block state: a table where it fits, else one block per request."""
+    requests = list(requests)
+    table = Table(title=title or None, box=box.SIMPLE, title_justify="left", show_lines=False)
+    for column in _STATE_COLUMNS:
         table.add_column(column, justify="right" if column not in ("request", "status", "in flight", "") else "left",
-                         no_wrap=column in ("request", "status", ""))
+                         no_wrap=True)
     for snap in requests:
         base = [snap.request, snap.status, str(snap.prompt_tokens), str(snap.computed_tokens)]
         if not snap.groups:
@@ -84,31 +121,79 @@ def state_table(requests: Iterable[Any], title: str) -> Table:
                 str(g.storable_fixed), ", ".join(snap.in_flight_jobs) or "-",
                 Text(TRIP_MARK, style="bold red") if g.would_trip else "",
             )
-    return table
+    return Fit(table, stacked_state(requests, title))
 
 
-def checks_table(result: Any) -> Table | None:
+def stacked_state(requests: list[Any], title: str) -> Group:
+    """One block per request: its status line, then one line (or more) per KV group."""
+    blocks: list[Any] = [Text(""), Text(title, style="italic")] if title else []
+    for snap in requests:
+        head = [Text(snap.request, style="bold"), Text(snap.status), Text(f"prompt {snap.prompt_tokens}"),
+                Text(f"computed {snap.computed_tokens}")]
+        if snap.in_flight_jobs:
+            head.append(Text("in flight " + ", ".join(snap.in_flight_jobs)))
+        if snap.would_trip:
+            head.append(Text(TRIP_MARK, style="bold red"))
+        if not snap.groups and not snap.connector_state:
+            head.append(Text("connector state released", style="dim"))
+        blocks.append(Items(head))
+        for g in snap.groups:
+            installed_style = "bold red" if g.storable_installed > g.allocated_chunks else ""
+            blocks.append(Items([
+                Text(f"keys {g.offload_keys}"), Text(f"blocks {g.allocated_blocks}"),
+                Text(f"chunks {g.allocated_chunks}"), Text(f"next stored {g.next_stored_chunk}"),
+                Text.assemble("storable ", (str(g.storable_installed), installed_style),
+                              f" (fixed {g.storable_fixed})"),
+            ], prefix=Text(f"  group {g.group}:"), indent=12))
+    return Group(*blocks)
+
+
+def checks_table(result: Any, logics: list[str] | None = None) -> Any:
     if not result.checks:
         return None
-    table = Table(title=f"{result.logic} logic: checks", box=box.SIMPLE,
-                  title_justify="left")
+    names = ", ".join(logics or [result.logic])
+    title = f"{names} logic: checks"
+    table = Table(title=title, box=box.SIMPLE, title_justify="left")
     table.add_column("check")
-    table.add_column("held")
+    table.add_column("held", no_wrap=True)
     table.add_column("observed")
+    blocks: list[Any] = [Text(""), Text(title, style="italic")]
     for check in result.checks:
-        table.add_row(check.description, Text("yes", style="green") if check.passed else Text("NO", style="red"),
-                      check.observed)
-    return table
+        held = Text("yes", style="green") if check.passed else Text("NO", style="red")
+        table.add_row(check.description, held, check.observed)
+        blocks.append(Text.assemble("  ", held, "  ", check.description))
+        blocks.append(Items(check.observed.split(" "), prefix="       ", indent=7, sep=" ", style="dim"))
+    return Fit(table, Group(*blocks))
+
+
+def _checks_key(result: Any) -> tuple:
+    return tuple((c.description, c.passed, c.observed) for c in result.checks)
+
+
+def next_steps_renderable(steps: list[tuple[str, str]]) -> Any:
+    if not steps:
+        return None
+    width = max(len(label) for label, _ in steps)
+    lines: list[Any] = [Text(""), Text("what to do next", style="bold")]
+    for label, text in steps:
+        lines.append(Items(text.split(" "), prefix=Text.assemble("  ", (f"{label:<{width}}", "bold"), " "),
+                           indent=width + 4, sep=" "))
+    return Group(*lines)
 
 
 def repro_renderables(report: Any) -> list[Any]:
+    from kvdoctor.report.next_steps import FIXED_LOGIC, next_steps
+
     items: list[Any] = [
         Text.assemble(("recipe ", "bold"), report.recipe.name,
                       f" ({report.recipe.bug})" if report.recipe.bug else "", " — ", report.recipe.title or ""),
-        Text(f"setup: {setup_line(report.setup)}", style="dim"),
+        Items(setup_line(report.setup).split(" "), prefix=Text("setup:"), sep=" ", indent=7, style="dim"),
         verdict_table(report),
     ]
+    if any(r.logic in ("fixed", "unpatched") for r in report.results):
+        items.append(Items(FIXED_LOGIC.split(" "), sep=" ", indent=0, style="dim"))
     shown: dict[tuple, str] = {}
+    checks_shown: dict[tuple, list[str]] = {}
     for result in report.results:
         if result.failure is not None:
             f = result.failure
@@ -125,18 +210,44 @@ def repro_renderables(report: Any) -> list[Any]:
         elif result.outcome.value == "setup_error":
             items.append(Text(f"[{result.logic}] setup error: {result.detail}", style="yellow"))
             items.append(state_table(result.requests, f"{result.logic} logic: request state"))
-        checks = checks_table(result)
-        if checks is not None:
-            items.append(checks)
+        if result.checks:
+            checks_shown.setdefault(_checks_key(result), []).append(result.logic)
+    by_key = {_checks_key(r): r for r in report.results if r.checks}
+    for key, logics in checks_shown.items():  # identical checks under several variants: one table
+        items.append(checks_table(by_key[key], logics))
+    decisive = report.decisive
+    fixed = next((r for r in report.results if r.logic == "fixed"), None)
+    cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
+    steps = next_steps(report.recipe, decisive.outcome.value, getattr(report, "first_fixed", None), cap,
+                       decisive.detail)
+    rendered = next_steps_renderable(steps)
+    if rendered is not None:
+        items.append(rendered)
     return items
 
 
+def setup_fields(setup: Any) -> list[tuple[str, Any]]:
+    """Every setup field that shapes the run, in a stable order (extra connector keys last)."""
+    fields = [("block_size", setup.block_size), ("blocks_per_chunk", setup.blocks_per_chunk),
+              ("gpu_blocks", setup.gpu_blocks), ("max_model_len", setup.max_model_len),
+              ("max_num_batched_tokens", setup.max_num_batched_tokens), ("max_num_seqs", setup.max_num_seqs),
+              ("async_scheduling", setup.async_scheduling),
+              ("enable_chunked_prefill", setup.enable_chunked_prefill)]
+    if hasattr(setup, "enable_prefix_caching"):
+        fields.append(("enable_prefix_caching", setup.enable_prefix_caching))
+    fields += [("offload_prompt_only", setup.offload_prompt_only), ("cpu_bytes_to_use", setup.cpu_bytes_to_use),
+               ("spec_name", setup.spec_name or "CPUOffloadingSpec"),
+               ("model", setup.model or "tiny-llama")]  # kvdoctor's own config.json (2 layers, 2 KV heads)
+    for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
+        fields.append((f"kv_connector_extra_config.{key}", value))
+    groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups
+    if groups:
+        fields.append(("kv_groups", groups))
+    return fields
+
+
 def setup_line(setup: Any) -> str:
-    return (f"block_size={setup.block_size} blocks_per_chunk={setup.blocks_per_chunk} "
-            f"gpu_blocks={setup.gpu_blocks} async_scheduling={setup.async_scheduling} "
-            f"max_num_batched_tokens={setup.max_num_batched_tokens} max_num_seqs={setup.max_num_seqs} "
-            f"offload_prompt_only={setup.offload_prompt_only} cpu_bytes_to_use={setup.cpu_bytes_to_use}"
-            + (f" spec_name={setup.spec_name}" if setup.spec_name else ""))
+    return " ".join(f"{key}={value}" for key, value in setup_fields(setup))
 
 
 def events_line(events: Any) -> str:
@@ -196,8 +307,9 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
             items.append(Text(f"  {result.outcome.value}: {result.detail}", style=OUTCOME_STYLE.get(
                 result.outcome.value, "")))
         if entry.predicted_trip and not entry.failed:
-            items.append(Text(f"  {TRIP_MARK}: {', '.join(entry.predicted_trip)} — storable chunks exceed what "
-                              f"the next store pass can pair with blocks", style="bold red"))
+            items.append(Items(f"{TRIP_MARK}: {', '.join(entry.predicted_trip)} — storable chunks exceed what "
+                               f"the next store pass can pair with blocks".split(" "), prefix="  ", sep=" ",
+                               indent=4, style="bold red"))
         items.append(state_table(entry.requests, ""))
     flush_folded()
     return items
@@ -208,19 +320,54 @@ def audit_renderables(report: Any) -> list[Any]:
     if report.metrics:
         table = Table(title="measured (performance bugs)", box=box.SIMPLE, title_justify="left")
         for column in ("bug", "upstream", "what it costs", "measured"):
-            table.add_column(column, overflow="fold")
+            table.add_column(column, no_wrap=column == "bug")
+        blocks: list[Any] = [Text("measured (performance bugs)", style="italic")]
         for metric in report.metrics:
             table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric.summary)
-        items.append(table)
+            blocks.append(Text.assemble((f"{metric.bug:<4}", "bold"), ", ".join(metric.refs)))
+            blocks.append(Items(metric.title.split(" "), prefix="    ", sep=" ", indent=4))
+            blocks.append(Items(metric.summary.split(" "), prefix="    measured:", sep=" ", indent=6))
+        items.append(Fit(table, Group(*blocks)))
+    if any(row.installed.outcome.value == "reproduced" for row in report.rows):
+        items.append(Text("report one: kvdoctor repro RECIPE --report issue.md (or this table: "
+                          "kvdoctor audit --report audit.md)", style="dim"))
     return items
 
 
-def audit_table(report: Any) -> Table:
-    table = Table(title=f"known KV-offload bugs on vLLM {report.vllm_version}", box=box.SIMPLE_HEAVY,
-                  title_justify="left")
-    for column in ("bug", "recipe", "upstream", "what it breaks", "installed logic", "hint"):
-        table.add_column(column, overflow="fold")
+def audit_table(report: Any) -> Any:
+    from kvdoctor.report.next_steps import FIXED_LOGIC
+
+    title = f"known KV-offload bugs on vLLM {report.vllm_version}"
+    table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption=FIXED_LOGIC,
+                  caption_justify="left")
+    for column in ("bug", "recipe", "upstream", "what it breaks", "installed logic", "what to do next"):
+        table.add_column(column, no_wrap=column in ("bug", "recipe", "installed logic"))
+    blocks: list[Any] = [Text(title, style="italic")]
     for row in report.rows:
+        steps = row_next_steps(row)
         table.add_row(row.bug, row.recipe.name, "\n".join(row.recipe.refs[:2]), row.recipe.title or "",
-                      outcome_text(row.installed.outcome.value), row.hint)
-    return table
+                      outcome_text(row.installed.outcome.value),
+                      "\n".join(f"{label}: {text}" for label, text in steps) or row.hint)
+        blocks.append(Text.assemble((f"{row.bug:<4}", "bold"), row.recipe.name, "  ",
+                                    outcome_text(row.installed.outcome.value)))
+        if row.recipe.title:
+            blocks.append(Items(row.recipe.title.split(" "), prefix="    ", sep=" ", indent=4))
+        for label, text in steps or [("", row.hint)]:
+            if text:
+                blocks.append(Items(text.split(" "), prefix=Text.assemble("    ", (f"{label}:" if label else "",
+                                                                                  "bold")),
+                                    sep=" ", indent=6, style="" if label else "dim"))
+        blocks.append(Text(""))
+    blocks.append(Items(FIXED_LOGIC.split(" "), sep=" ", indent=0, style="dim"))
+    return Fit(table, Group(*blocks))
+
+
+def row_next_steps(row: Any) -> list[tuple[str, str]]:
+    from kvdoctor.report.next_steps import next_steps
+
+    outcome = row.installed.outcome.value
+    cap = row.fixed.outcome.value != "reproduced" if row.fixed is not None else None
+    steps = next_steps(row.recipe, outcome, getattr(row, "first_fixed", None), cap, row.installed.detail)
+    if outcome == "reproduced":  # one "report one" line under the table instead of one per row
+        steps = [(label, text) for label, text in steps if label != "report it"]
+    return steps

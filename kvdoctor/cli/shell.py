@@ -1,0 +1,169 @@
+"""How the command line looks from outside: one error style, help text, a busy indicator.
+
+- Every usage error (an unknown option, a missing argument, a bad integer, and
+  kvdoctor's own `UsageError`) is one line `kvdoctor: error: ...` and exit 2:
+  `KvGroup.main` runs click with `standalone_mode=False` and formats what it
+  raises, so Typer's boxed errors never show.
+- Flags that take no value show no `<bool>` in `--help`.
+- Serve flags that do not reach the scheduler are accepted with a one-line note.
+- A spinner on stderr (a terminal only) covers the vLLM import and the run.
+
+Cheap to import: Typer only (rich is imported when something is shown).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+try:  # typer >= 0.22 vendors click
+    from typer._click import exceptions as _click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as _click_exceptions
+
+from kvdoctor.errors import ExitStatus
+
+ClickUsageError = _click_exceptions.UsageError
+ClickException = _click_exceptions.ClickException
+
+
+def exit_codes_text(meanings: dict[ExitStatus, str] | None = None) -> str:
+    """The exit-code paragraph of `--help`, from `ExitStatus`'s own descriptions
+    (`meanings` words 0 and 1 for commands where they mean something else)."""
+    words = meanings or {}
+    shown = [s for s in ExitStatus if s is not ExitStatus.INTERRUPTED]
+    return "Exit codes: " + "; ".join(f"{int(s)} {words.get(s, s.meaning)}" for s in shown) + "."
+
+
+def _without_bool_metavar(option: Any) -> Any:
+    if option is not None and getattr(option, "is_flag", False) and option.metavar is None:
+        option.metavar = ""  # Typer shows `<bool>` after flags that take no value otherwise
+    return option
+
+
+class KvCommand(TyperCommand):
+    """Plain (click) help, reflowed to the terminal, options grouped under their panel names."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        return _without_bool_metavar(super().get_help_option(ctx))
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return [_without_bool_metavar(p) if p.param_type_name == "option" else p for p in super().get_params(ctx)]
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                section = "Arguments"
+            else:
+                section = getattr(param, "rich_help_panel", None) or "Options"
+            sections.setdefault(section, []).append(record)
+        for name, records in sections.items():
+            with formatter.section(name):
+                formatter.write_dl(records)
+
+
+def usage_error_line(exc: Any) -> str:
+    """One line for a click usage error: its message and where to look for help."""
+    message = " ".join(exc.format_message().split())
+    ctx = getattr(exc, "ctx", None)
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    return f"kvdoctor: error: {message}{where}"
+
+
+class KvGroup(TyperGroup):
+    def get_help_option(self, ctx: Any) -> Any:
+        return _without_bool_metavar(super().get_help_option(ctx))
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return [_without_bool_metavar(p) if p.param_type_name == "option" else p for p in super().get_params(ctx)]
+
+    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        argv = accept_serve_flags(argv)
+        try:
+            code = super().main(argv, prog_name=prog_name or "kvdoctor", complete_var=complete_var,
+                                standalone_mode=False, **extra)
+        except ClickUsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `kvdoctor`: the help, as before
+                typer.echo(exc.ctx.get_help() if exc.ctx is not None else "", err=True)
+            else:
+                typer.echo(usage_error_line(exc), err=True)
+            code = ExitStatus.USAGE
+        except ClickException as exc:  # e.g. a file option that cannot be opened
+            typer.echo(f"kvdoctor: error: {' '.join(exc.format_message().split())}", err=True)
+            code = exc.exit_code
+        except (_click_exceptions.Abort, KeyboardInterrupt, EOFError):
+            typer.echo("kvdoctor: interrupted", err=True)
+            code = ExitStatus.INTERRUPTED
+        code = int(code or 0) if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+# -- serve flags that do not reach the scheduler ----------------------------------------------
+
+# flag -> takes a value. These shape the GPU side of `vllm serve` (memory, parallelism, the
+# HTTP server, the weights); kvdoctor's run is the scheduler with a given block pool, so
+# they are accepted (an operator pastes a whole command line) and named as having no effect.
+NO_EFFECT_SERVE_FLAGS: dict[str, bool] = {
+    "--gpu-memory-utilization": True, "--tensor-parallel-size": True, "-tp": True,
+    "--pipeline-parallel-size": True, "-pp": True, "--data-parallel-size": True, "-dp": True,
+    "--kv-cache-memory-bytes": True, "--swap-space": True, "--cpu-offload-gb": True,
+    "--dtype": True, "--kv-cache-dtype": True, "--quantization": True, "-q": True, "--seed": True,
+    "--served-model-name": True, "--host": True, "--port": True, "--uvicorn-log-level": True,
+    "--download-dir": True, "--load-format": True, "--tokenizer": True, "--max-logprobs": True,
+    "--distributed-executor-backend": True, "--compilation-config": True, "-O": True,
+    "--enforce-eager": False, "--trust-remote-code": False, "--disable-log-requests": False,
+    "--enable-log-requests": False, "--disable-log-stats": False, "--disable-custom-all-reduce": False,
+}
+_RUN_COMMANDS = ("repro", "inspect")
+
+
+def accept_serve_flags(argv: list[str]) -> list[str]:
+    """Drop the no-effect serve flags from a `repro`/`inspect` command line, one note each."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in _RUN_COMMANDS:
+        return argv
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in NO_EFFECT_SERVE_FLAGS and arg != "--":
+            takes_value = NO_EFFECT_SERVE_FLAGS[name]
+            skip = 2 if takes_value and "=" not in arg and i + 1 < len(argv) else 1
+            typer.echo(f"kvdoctor: note: {name} does not change the run (it does not reach the scheduler "
+                       f"and its connector); ignored", err=True)
+            i += skip
+            continue
+        if arg == "--":
+            kept.extend(argv[i:])
+            break
+        kept.append(arg)
+        i += 1
+    return kept
+
+
+# -- a busy indicator ----------------------------------------------------------------------------
+
+@contextmanager
+def working(text: str = "importing vLLM and running the recipe") -> Iterator[None]:
+    """A spinner on stderr while the application works; nothing when stderr is not a terminal."""
+    if not sys.stderr.isatty() or os.environ.get("KVDOCTOR_NO_SPINNER"):
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(text, spinner="dots"):
+        yield
