@@ -64,6 +64,7 @@ class RunResult:
     guards: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     timeline: list[TimelineEntry] = field(default_factory=list)
+    kv_plan: Any = None  # kv_layout.KvPlan: the KV cache groups vLLM's planner built for this run
 
 
 class ExpectationFailed(Exception):
@@ -178,6 +179,7 @@ class ScenarioRun:
             self.result.detail = "; ".join(reasons)
             return self.result
         harness = Harness(self.api, self.setup)
+        self.result.kv_plan = harness.kv_plan
         try:
             return self._run_on(harness)
         finally:

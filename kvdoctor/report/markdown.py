@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from kvdoctor.report.tables import events_line, setup_line
+from kvdoctor.report.tables import events_line, kv_cache_lines, setup_line
 
 
 def _scrub(text: str) -> str:
@@ -105,6 +105,7 @@ def render_markdown(command: str, report: Any) -> str:
     lines += ["## Recipe", "", f"**{recipe.title or recipe.name}**", "", recipe.summary, "",
               "Upstream: " + ", ".join(recipe.refs), "", f"Reproduced means: {recipe.signature.describe()}", ""]
     lines += ["## Setup", "", f"`{setup_line(report.setup)}`", ""]
+    lines += [f"- {line.strip()}" for line in kv_cache_lines(report.kv_plan)] + ([""] if report.kv_plan else [])
     lines += ["## Outcome", ""] + _result_rows(report)
     for result in report.results:
         if result.failure is not None:
@@ -136,6 +137,8 @@ def render_audit_markdown(report: Any) -> str:
         result = row.installed
         if result.failure is not None:
             lines += [f"## {row.bug} `{row.recipe.name}`", "", f"Setup: `{setup_line(row.setup)}`", ""]
+            plan_lines = kv_cache_lines(row.installed.kv_plan)
+            lines += [f"- {line.strip()}" for line in plan_lines] + ([""] if plan_lines else [])
             lines += _failure(result)
             lines += _timeline(result)
         elif result.violations:
