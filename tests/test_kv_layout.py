@@ -108,3 +108,18 @@ def test_repro_with_a_sliding_window_model_shows_two_groups() -> None:
     done = run_cli("repro", "queued-abort", "--model", model)
     assert "group 0: sliding_window block_size=4 window=128" in done.stdout
     assert "group 1: full_attention block_size=4" in done.stdout
+
+
+def test_recipe_layout_must_be_shipped(tmp_path: Path) -> None:
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_file as load_recipe
+
+    source = Path(__file__).resolve().parent.parent / "repros" / "queued-abort.toml"
+    text = source.read_text().replace("gpu_blocks = 8", 'gpu_blocks = 8\nlayout = "swa-ful"', 1)
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    line = text.split("\n").index('layout = "swa-ful"') + 1
+    with pytest.raises(RecipeError, match=rf"r.toml:{line}: \[setup\] layout 'swa-ful' is not a layout kvdoctor ships"):
+        load_recipe(path)
+    path.write_text(text.replace("swa-ful", "swa-full"))
+    assert load_recipe(path).setup["layout"] == "swa-full"
