@@ -28,6 +28,11 @@ class ReproReport:
     command: str = ""
 
     @property
+    def kv_plan(self) -> Any:
+        """The KV cache groups vLLM's planner built (every variant builds the same); None if none ran."""
+        return next((r.kv_plan for r in self.results if r.kv_plan is not None), None)
+
+    @property
     def decisive(self) -> Any:
         """The result whose outcome sets the exit code: installed logic when it ran."""
         for result in self.results:

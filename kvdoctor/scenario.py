@@ -64,6 +64,7 @@ class RunResult:
     guards: list[str] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     timeline: list[TimelineEntry] = field(default_factory=list)
+    kv_plan: Any = None  # kv_layout.KvPlan: the KV cache groups vLLM's planner built for this run
 
 
 class ExpectationFailed(Exception):
@@ -216,6 +217,7 @@ class ScenarioRun:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
             return self._failed_to_build(exc)
+        self.result.kv_plan = harness.kv_plan
         try:
             return self._run_on(harness)
         finally:

@@ -418,23 +418,137 @@ class VllmApi:
         return tuple(int(b) for b in ids) if ids is not None else ()
 
     @staticmethod
-    def allocated_block_ids(scheduler_output: Any, block_size: int) -> set[int]:
-        """GPU blocks freshly allocated to scheduled requests in this step.
+    def block_ids_by_group(spec: Any) -> tuple[tuple[int, ...], ...]:
+        """A GPULoadStoreSpec's block ids split by KV cache group (`group_sizes`; one group without it)."""
+        ids = VllmApi.block_ids_of(spec)
+        sizes = getattr(spec, "group_sizes", None)
+        if sizes is None:
+            return (ids,)
+        groups, start = [], 0
+        for size in sizes:
+            groups.append(ids[start:start + int(size)])
+            start += int(size)
+        return tuple(groups)
+
+    @staticmethod
+    def allocated_block_ids(scheduler_output: Any, group_block_sizes: tuple[int, ...]) -> tuple[set[int], ...]:
+        """GPU blocks freshly allocated to scheduled requests in this step, per KV cache group.
 
         A new or resumed request's block list starts with its prefix-cache hits
-        (shared, same content): those are not allocations. Block 0 is the null block.
+        (shared, same content): those are not allocations; each group counts
+        them in its own block size. Block 0 is the null block (sliding-window
+        groups hold it for blocks outside the window).
         """
-        allocated: set[int] = set()
+        allocated: tuple[set[int], ...] = tuple(set() for _ in group_block_sizes)
+
+        def add(groups: Any, computed: int) -> None:
+            for g, ids in enumerate(groups or ()):
+                skip = computed // group_block_sizes[g] if computed else 0
+                allocated[g].update(b for b in ids[skip:] if b != 0)
+
         for new in scheduler_output.scheduled_new_reqs:
-            skip = int(new.num_computed_tokens) // block_size
-            allocated.update(b for group in new.block_ids or () for b in group[skip:] if b != 0)
+            add(new.block_ids, int(new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
         for i, req_id in enumerate(cached.req_ids):
-            groups = cached.new_block_ids[i]
-            skip = int(cached.num_computed_tokens[i]) // block_size if req_id in resumed else 0
-            allocated.update(b for group in groups or () for b in group[skip:] if b != 0)
+            add(cached.new_block_ids[i], int(cached.num_computed_tokens[i]) if req_id in resumed else 0)
         return allocated
+
+    # -- KV cache planning (vLLM's own planner, per release) --------------
+    @staticmethod
+    def enable_hybrid_kv_cache_manager(vllm_config: Any) -> str | None:
+        """Undo VllmConfig's CPU-only switch-off of the hybrid KV cache manager.
+
+        Without a GPU, `current_platform.support_hybrid_kv_cache()` is False and
+        VllmConfig sets `disable_hybrid_kv_cache_manager = True`, which makes the
+        planner merge sliding-window and Mamba layers into full attention. A GPU
+        deployment with the OffloadingConnector (SupportsHMA) keeps it on.
+        Returns a note when kvdoctor could not do that, else None.
+        """
+        scheduler_config = vllm_config.scheduler_config
+        if not hasattr(scheduler_config, "disable_hybrid_kv_cache_manager"):
+            return ("this vLLM's SchedulerConfig has no disable_hybrid_kv_cache_manager: "
+                    "groups are as its planner made them on this CPU-only machine")
+        scheduler_config.disable_hybrid_kv_cache_manager = False
+        return None
+
+    def plan_kv_cache(self, vllm_config: Any, specs: dict[str, Any], num_blocks: int,
+                      draft_layers: set[str]) -> tuple[Any, Any, int, int, str, int]:
+        """Group per-layer specs and place them in a pool of `num_blocks` blocks, as the engine core does.
+
+        Returns (worker KVCacheConfig, scheduler KVCacheConfig, scheduler block size,
+        hash block size, which planner ran, the max_model_len its admission check was run with). 0.26-0.32: `kv_cache_utils.get_kv_cache_configs`;
+        0.33+: the KV cache layout is resolved first, then `kv_cache_planning`'s
+        `get_global_kv_cache_groups` + `get_kv_cache_configs`.
+        """
+        kcu = self.mods["kv_cache_utils"]
+        vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+        memory = [1 << 40]  # the override decides the block count
+        try:
+            planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
+        except ImportError:
+            planning = None
+        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+            from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+            wanted = OffloadingConnector.get_required_kvcache_layout(vllm_config)
+            resolve_kv_cache_layout(vllm_config, [[wanted, "LBNHC"]], list(specs.values()))
+
+            def configs() -> list[Any]:
+                groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
+                self._mark_eagle_groups(groups, draft_layers)
+                planned = planning.get_kv_cache_configs(vllm_config, [specs], memory, groups)
+                for config in planned:
+                    config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+                return planned
+            planner = "kv_cache_planning.get_global_kv_cache_groups + get_kv_cache_configs"
+        else:
+            def configs() -> list[Any]:
+                planned = kcu.get_kv_cache_configs(vllm_config, [specs], memory)
+                for config in planned:
+                    self._mark_eagle_groups(config.kv_cache_groups, draft_layers)
+                return planned
+            planner = "kv_cache_utils.get_kv_cache_configs"
+        planned, checked_len = _within_admission_check(vllm_config, configs)
+        scheduler_config = kcu.generate_scheduler_kv_cache_config(planned)
+        vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
+        block_size, hash_block_size = kcu.resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
+        if hasattr(kcu, "resolve_cache_hit_alignment_tokens"):
+            align = kcu.resolve_cache_hit_alignment_tokens(scheduler_config, vllm_config, block_size,
+                                                           hash_block_size)
+            for config in (*planned, scheduler_config):
+                config.hash_block_size = hash_block_size
+                config.cache_hit_alignment_tokens = align
+        return planned[0], scheduler_config, int(block_size), int(hash_block_size), planner, checked_len
+
+    @staticmethod
+    def _mark_eagle_groups(groups: list[Any], draft_layers: set[str]) -> None:
+        """Flag the groups holding drafter layers, as vLLM's planner does for an EAGLE speculative config.
+
+        kvdoctor builds no SpeculativeConfig (it would load a draft model); the
+        flag is what the connector reads (`GroupOffloadConfig.is_eagle_group`).
+        """
+        if not draft_layers:
+            return
+        for group in groups:
+            if not draft_layers.isdisjoint(group.layer_names):
+                if not hasattr(group, "is_eagle_group"):
+                    raise IncompatibleVllmError("this vLLM's KVCacheGroupSpec has no is_eagle_group")
+                group.is_eagle_group = True
+
+    @staticmethod
+    def describe_group(index: int, group: Any) -> dict[str, Any]:
+        """A release-neutral description of one KVCacheGroupSpec."""
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        kind = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window",
+                "MambaSpec": "mamba"}.get(name, name)
+        return {"index": index, "kind": kind, "block_size": int(spec.block_size),
+                "layers": list(group.layer_names),
+                "sliding_window": getattr(spec, "sliding_window", None),
+                "mamba_cache_mode": getattr(spec, "mamba_cache_mode", None) if kind == "mamba" else None,
+                "eagle": bool(getattr(group, "is_eagle_group", False))}
 
     @cached_property
     def offloading_package_dir(self) -> str:
@@ -458,6 +572,31 @@ _MODULES = {
     "offload_common": OFFLOADING_COMMON_MODULE,
     "offload_scheduler": OFFLOADING_SCHEDULER_MODULE,
 }
+
+
+def _within_admission_check(vllm_config: Any, plan: Any) -> tuple[list[Any], int]:
+    """Run the planner; when its start-up admission check refuses the pool, plan for shorter requests.
+
+    kvdoctor's pools are deliberately tiny (a queued request needs a full
+    pool), so vLLM's check that one `max_model_len` request fits would refuse
+    them. The check only decides whether a server starts; grouping and
+    placement do not depend on it. The length it checks is lowered for the
+    planning call only (halved until the check passes) and restored.
+    """
+    model_config = vllm_config.model_config
+    original = model_config.max_model_len
+    length = original
+    try:
+        while True:
+            try:
+                return plan(), length
+            except ValueError as exc:
+                if "max_model_len" not in str(exc) and "KV cache" not in str(exc) or length <= 1:
+                    raise
+                length //= 2
+                model_config.max_model_len = length
+    finally:
+        model_config.max_model_len = original
 
 
 def installed_vllm_version() -> str | None:

@@ -1,8 +1,9 @@
 """vLLM's real Scheduler (or AsyncScheduler) with the real OffloadingConnector, in-process.
 
-Only the worker is simulated (`SimulatedWorker`). The model config comes from a
-tiny `config.json` written at run time (or a local model directory), so
-nothing is downloaded.
+Only the worker is simulated (`SimulatedWorker`). vLLM's ModelConfig comes from
+a tiny `config.json` written at run time; the KV cache groups come from the
+model's layer layout (`kv_layout`: a local model directory or a shipped
+config), so nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.worker import Job, SimulatedWorker
@@ -35,7 +37,6 @@ TINY_LLAMA_CONFIG = {
 }
 EOS_TOKEN = 2
 DECODE_TOKEN = 7
-LAYER_NAME = "model.layers.0.self_attn.attn"
 
 
 @lru_cache(maxsize=1)
@@ -53,11 +54,9 @@ def tiny_model_dir() -> str:
 _MODEL_CONFIGS: dict[tuple[str, int], Any] = {}
 
 
-def _model_config(api: VllmApi, model: str | None, max_model_len: int) -> Any:
+def _model_config(api: VllmApi, max_model_len: int) -> Any:
     """ModelConfig is the slow part of a build (architecture inspection): build once per process."""
-    path = model or tiny_model_dir()
-    if model is not None and not (Path(model) / "config.json").is_file():
-        raise UsageError(f"--model {model}: no config.json in that directory (kvdoctor never downloads)")
+    path = tiny_model_dir()
     key = (path, max_model_len)
     if key not in _MODEL_CONFIGS:
         ModelConfig = api.cls("config", "ModelConfig")
@@ -76,12 +75,12 @@ def validation_message(exc: BaseException) -> str:
     return " · ".join(lines) if lines else type(exc).__name__
 
 
-def build_scheduler(api: VllmApi, setup: Setup) -> Any:
-    """The real scheduler with the real connector and a CPU tier of real capacity."""
-    import torch
-
+def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
+    """The real scheduler with the real connector, its KV cache groups planned by vLLM, and a CPU tier
+    of real capacity. The ModelConfig is kvdoctor's tiny Llama: the scheduler reads no weights or
+    architecture; the model's layer layout comes from its config.json (`kv_layout`)."""
     config_mod = api.mods["config"]
-    model_config = _model_config(api, setup.model, setup.max_model_len)
+    model_config = _model_config(api, setup.max_model_len)
     scheduler_kwargs: dict[str, Any] = dict(
         max_num_seqs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -91,11 +90,13 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
         async_scheduling=setup.async_scheduling,
     )
     kv_transfer_config = api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields)
+    cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
+    if setup.mamba_cache_mode is not None:
+        cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,
-            cache_config=config_mod.CacheConfig(block_size=setup.block_size,
-                                                enable_prefix_caching=setup.enable_prefix_caching),
+            cache_config=config_mod.CacheConfig(**cache_kwargs),
             scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
             kv_transfer_config=kv_transfer_config,
             device_config=config_mod.DeviceConfig("cpu"),
@@ -103,25 +104,17 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
     except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
 
-    kvi = api.mods["kv_cache_interface"]
-    spec = kvi.FullAttentionSpec(block_size=setup.block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    page_bytes = spec.page_size_bytes
-    kv_cache_config = kvi.KVCacheConfig(
-        num_blocks=setup.gpu_blocks,
-        # 0.26-0.29 size the CPU tier from these tensors: an empty list means 0 CPU blocks.
-        kv_cache_tensors=[api.kv_cache_tensor(page_bytes * setup.gpu_blocks, LAYER_NAME, page_bytes,
-                                              setup.gpu_blocks)],
-        kv_cache_groups=[kvi.KVCacheGroupSpec([LAYER_NAME], spec)],
-    )
-    vllm_config.cache_config.num_gpu_blocks = setup.gpu_blocks
+    kv_plan, kv_cache_config, block_size, hash_block_size = kv_layout.plan(api, vllm_config, setup)
 
     scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
                      else api.cls("scheduler", "Scheduler"))
     structured = api.cls("structured_output", "StructuredOutputManager")(vllm_config)
     # An exception here is vLLM's (its connector failed to initialise): the scenario reports it as
     # other_failure, never as the user's fault.
-    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                         structured_output_manager=structured, block_size=setup.block_size)
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                              structured_output_manager=structured, block_size=block_size,
+                              hash_block_size=hash_block_size)
+    return scheduler, kv_plan
 
 
 @dataclass
@@ -151,7 +144,7 @@ class Harness:
     def __init__(self, api: VllmApi, setup: Setup) -> None:
         self.api = api
         self.setup = setup
-        self.scheduler = build_scheduler(api, setup)
+        self.scheduler, self.kv_plan = build_scheduler(api, setup)
         self.connector_scheduler = api.connector_scheduler(self.scheduler)
         self.worker = SimulatedWorker()
         self.requests: dict[str, Any] = {}
@@ -165,7 +158,7 @@ class Harness:
         kcu = self.api.mods["kv_cache_utils"]
         sha256 = self.api.mods["hashing"].sha256
         kcu.init_none_hash(sha256)
-        return kcu.get_request_block_hasher(self.setup.block_size, sha256)
+        return kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
 
     # -- requests --------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -224,7 +217,9 @@ class Harness:
         meta = getattr(output, "kv_connector_metadata", None)
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         events.jobs_to_flush = sorted(flush)
-        allocated = self.api.allocated_block_ids(output, self.setup.block_size)
+        # Groups share one block pool: a block any group was handed again is reused.
+        allocated = set().union(*self.api.allocated_block_ids(
+            output, tuple(g.block_size for g in self.kv_plan.groups)))
         for jid, job in self.worker.in_flight.items():
             reused = sorted(set(job.src_block_ids) & allocated)
             if reused:
@@ -237,8 +232,9 @@ class Harness:
             new_jobs.append(Job(jid, job.req_id, "store", self.step_index, src_block_ids=src))
         for jid, job in load_jobs.items():
             events.new_load_jobs[jid] = job.req_id
-            dst = self.api.block_ids_of(getattr(job, "dst_spec", None))
-            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, dst))
+            dst_spec = getattr(job, "dst_spec", None)
+            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
+                                dst_groups=self.api.block_ids_by_group(dst_spec)))
         report = self.worker.take_step(new_jobs, flush, self.step_index)
         events.completed_jobs = [job.job_id for job in report.completed]
         events.failed_jobs = [job.job_id for job in report.failed]

@@ -15,6 +15,7 @@ from typing import Any
 from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
+MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,10 @@ class Setup:
     offload_prompt_only: bool = True
     cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
     spec_name: str | None = None
-    model: str | None = None  # a local model directory; None = kvdoctor's tiny config
+    model: str | None = None  # a local model directory whose config.json gives the KV layout
+    layout: str | None = None  # a layout kvdoctor ships (kvdoctor/models/<name>); recipes name these
+    sliding_window: int | None = None  # overrides the config's sliding_window (tokens)
+    mamba_cache_mode: str | None = None  # CacheConfig.mamba_cache_mode for Mamba layouts (None: vLLM's default)
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
     # passed to vLLM's KVTransferConfig as given.
@@ -60,6 +64,12 @@ class Setup:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise UsageError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
+                             f"got {self.mamba_cache_mode!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "

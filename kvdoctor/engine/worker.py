@@ -19,8 +19,9 @@ class Job:
     req_id: str
     kind: str  # "store" | "load"
     issued_step: int
-    dst_block_ids: tuple[int, ...] = ()  # loads: the GPU blocks written
+    dst_block_ids: tuple[int, ...] = ()  # loads: the GPU blocks written (all groups: they share one pool)
     src_block_ids: tuple[int, ...] = ()  # stores: the GPU blocks read
+    dst_groups: tuple[tuple[int, ...], ...] = ()  # loads: the same blocks, per KV cache group
 
 
 @dataclass
@@ -53,7 +54,18 @@ class WorkerReport:
 
     @property
     def invalid_block_ids(self) -> set[int]:
-        return {bid for job in self.failed if job.kind == "load" for bid in job.dst_block_ids}
+        """The blocks failed loads left unwritten. vLLM takes one set of block ids (the groups share
+        one pool); the null block (0) that sliding-window groups hold is never a load's target."""
+        return {bid for job in self.failed if job.kind == "load" for bid in job.dst_block_ids if bid != 0}
+
+    def invalid_block_ids_by_group(self) -> dict[int, set[int]]:
+        """The same blocks, per KV cache group (for reports)."""
+        groups: dict[int, set[int]] = {}
+        for job in self.failed:
+            if job.kind == "load":
+                for g, ids in enumerate(job.dst_groups):
+                    groups.setdefault(g, set()).update(b for b in ids if b != 0)
+        return groups
 
 
 class SimulatedWorker:

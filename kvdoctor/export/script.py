@@ -52,8 +52,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a standalone "
                          f"script reproduces crashes only: attach `kvdoctor repro --report` instead")
-    if setup.model is not None:
-        raise UsageError("--export-script writes kvdoctor's tiny model config; drop --model")
+    if setup.model is not None or setup.layout is not None:
+        raise UsageError("--export-script builds one full-attention KV cache group; it cannot reproduce a "
+                         "multi-group layout yet (drop --model / [setup] layout, or attach `kvdoctor repro --report`)")
     template = _TEMPLATE.read_text()
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its RECIPE line")

@@ -388,6 +388,12 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
         r.check_type(value, types, key_line, f"[setup] {key}")
         if types == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
+        if key == "layout":
+            from kvdoctor.engine.kv_layout import shipped_layouts
+
+            if value not in shipped_layouts():
+                raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
+                                       f"(expected one of {', '.join(shipped_layouts())})")
         setup[key] = value
     return setup
 

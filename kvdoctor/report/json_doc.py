@@ -42,9 +42,14 @@ def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
         "kvdoctor_version": __version__,
         "vllm_version": report.vllm_version,
         "recipe": recipe_dict(report.recipe),
-        "setup": report.setup.as_dict(),
+        "setup": setup_dict(report.setup, report.kv_plan),
         "results": [result_dict(r, with_timeline) for r in report.results],
     }
+
+
+def setup_dict(setup: Any, kv_plan: Any) -> dict[str, Any]:
+    """The setup as given, plus the KV cache groups vLLM's planner built from it (None: nothing ran)."""
+    return {**setup.as_dict(), "kv_cache": kv_plan.as_dict() if kv_plan is not None else None}
 
 
 def dumps(document: dict[str, Any]) -> str:
@@ -62,6 +67,7 @@ def audit_document(report: Any) -> dict[str, Any]:
             {
                 "bug": row.bug, "recipe": row.recipe.name, "refs": list(row.recipe.refs),
                 "title": row.recipe.title, "outcome": row.installed.outcome.value,
+                "setup": setup_dict(row.setup, row.installed.kv_plan),
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],

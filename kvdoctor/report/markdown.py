@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
-from kvdoctor.report.tables import events_line, row_next_steps, setup_fields
+from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields
 
 
 def _scrub(text: str) -> str:
@@ -150,6 +150,7 @@ def render_markdown(command: str, report: Any) -> str:
         lines += ["Upstream: " + github_refs(", ".join(recipe.refs)), ""]
     lines += [f"Reproduced means: {recipe.signature.describe()}", ""]
     lines += _setup_section(report.setup)
+    lines += [f"- {line.strip()}" for line in kv_cache_lines(report.kv_plan)] + ([""] if report.kv_plan else [])
     lines += ["## Outcome", ""] + _result_rows(report)
     checks_seen: dict[tuple, list[str]] = {}
     for result in report.results:
@@ -196,6 +197,8 @@ def render_audit_markdown(report: Any) -> str:
         result = row.installed
         if result.failure is not None:
             lines += [f"## {row.bug} `{row.recipe.name}`", ""] + _setup_section(row.setup)[2:]
+            plan_lines = kv_cache_lines(row.installed.kv_plan)
+            lines += [f"- {line.strip()}" for line in plan_lines] + ([""] if plan_lines else [])
             lines += _failure(result)
             lines += _timeline(result)
         elif result.violations:

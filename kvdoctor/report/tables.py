@@ -188,6 +188,7 @@ def repro_renderables(report: Any) -> list[Any]:
         Text.assemble(("recipe ", "bold"), report.recipe.name,
                       f" ({report.recipe.bug})" if report.recipe.bug else "", " — ", report.recipe.title or ""),
         Items(setup_line(report.setup).split(" "), prefix=Text("setup:"), sep=" ", indent=7, style="dim"),
+        *[Text(line, style="dim") for line in kv_cache_lines(report.kv_plan)],
         verdict_table(report),
     ]
     if any(r.logic in ("fixed", "unpatched") for r in report.results):
@@ -250,6 +251,16 @@ def setup_line(setup: Any) -> str:
     return " ".join(f"{key}={value}" for key, value in setup_fields(setup))
 
 
+def kv_cache_lines(plan: Any) -> list[str]:
+    """The KV cache groups of a run, one line each, then what kvdoctor had to say about them."""
+    if plan is None:
+        return []
+    lines = [f"kv cache: {plan.layout.source}, {len(plan.groups)} group(s) planned by vLLM's {plan.planner}"]
+    lines += [f"  {group.describe()}" for group in plan.groups]
+    lines += [f"  note: {note}" for note in plan.notes]
+    return lines
+
+
 def events_line(events: Any) -> str:
     if events is None:
         return ""
@@ -276,6 +287,7 @@ def events_line(events: Any) -> str:
 def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]:
     """One block per step; consecutive steps that changed nothing fold into one line."""
     items: list[Any] = [Text(f"timeline under the {result.logic} logic", style="bold underline")]
+    items += [Text(line, style="dim") for line in kv_cache_lines(result.kv_plan)]
     previous_state = None
     folded: list[int] = []
 

@@ -1,0 +1,291 @@
+"""The model's KV layout: which layers keep which kind of KV cache, and the groups vLLM makes of them.
+
+A layout is read from a `config.json` (a local `--model DIR`, or one of the
+small configs kvdoctor ships under `kvdoctor/models/`, named by a recipe's
+`[setup] layout`). kvdoctor stands in for the model runner's
+`get_kv_cache_spec()`: it builds one KV spec per layer (full attention,
+sliding window, Mamba state, EAGLE drafter layers); vLLM's own planner then
+groups them and places them in the pool (`compat.plan_kv_cache`), as the
+engine core does at start-up. Nothing here imports vLLM: the specs are built
+through the adapter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvdoctor.errors import UsageError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+MAMBA = "mamba"
+KINDS = (FULL, SLIDING, MAMBA)
+# config.json `layer_types` spellings (Hugging Face) -> kvdoctor's kinds
+_LAYER_TYPE_ALIASES = {
+    "full_attention": FULL, "attention": FULL, "global_attention": FULL,
+    "sliding_attention": SLIDING, "sliding_window": SLIDING, "local_attention": SLIDING,
+    "mamba": MAMBA, "linear_attention": MAMBA, "mamba2": MAMBA,
+}
+# Nemotron-H `hybrid_override_pattern`: M = Mamba, * = attention, - = MLP (no KV), E = MoE (no KV)
+_PATTERN_KINDS = {"M": MAMBA, "*": FULL}
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    kind: str
+    sliding_window: int | None = None
+    draft: bool = False  # an EAGLE/MTP drafter layer
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The layers that keep KV, in model order, and where they were read from."""
+
+    source: str  # "kvdoctor default", "shipped layout 'swa-full'", or a directory
+    layers: tuple[LayerKind, ...]
+    num_kv_heads: int = 1
+    head_size: int = 8
+    dtype: str = "float16"
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len({(layer.kind, layer.sliding_window, layer.draft) for layer in self.layers}) > 1
+
+    def layer_names(self) -> list[str]:
+        names = []
+        target = 0
+        draft = 0
+        for layer in self.layers:
+            if layer.draft:
+                names.append(f"drafter.layers.{draft}.self_attn.attn")
+                draft += 1
+            else:
+                part = "mixer" if layer.kind == MAMBA else "self_attn.attn"
+                names.append(f"model.layers.{target}.{part}")
+                target += 1
+        return names
+
+
+DEFAULT_LAYOUT = KvLayout("kvdoctor default (one full-attention layer)", (LayerKind(FULL),), dtype="float32")
+
+
+def shipped_layouts() -> dict[str, Path]:
+    """The layouts kvdoctor ships: name -> model directory holding its config.json."""
+    root = resources.files("kvdoctor") / "models"
+    found = {}
+    for entry in root.iterdir():
+        if entry.is_dir() and (entry / "config.json").is_file():
+            found[entry.name] = Path(str(entry))
+    return dict(sorted(found.items()))
+
+
+def shipped_layout_dir(name: str) -> Path:
+    layouts = shipped_layouts()
+    if name not in layouts:
+        raise UsageError(f"unknown layout {name!r}; kvdoctor ships: {', '.join(layouts) or 'none'}")
+    return layouts[name]
+
+
+def read_layout(model_dir: str | Path, source: str | None = None,
+                sliding_window: int | None = None) -> KvLayout:
+    """The KV layout a `config.json` describes (and, beside it, an EAGLE drafter's `draft/config.json`)."""
+    directory = Path(model_dir)
+    config = _read_json(directory / "config.json")
+    layers = list(_layers_of(config, directory, sliding_window))
+    draft_dir = directory / "draft"
+    if (draft_dir / "config.json").is_file():
+        draft = _read_json(draft_dir / "config.json")
+        layers.extend(LayerKind(k.kind, k.sliding_window, draft=True)
+                      for k in _layers_of(draft, draft_dir, sliding_window))
+    if not layers:
+        raise UsageError(f"{directory / 'config.json'}: no layer keeps a KV cache")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = _positive(text, "num_key_value_heads", text.get("num_attention_heads", 1), directory)
+    head_size = text.get("head_dim")
+    if head_size is None:
+        hidden = _positive(text, "hidden_size", 64, directory)
+        head_size = hidden // max(1, int(text.get("num_attention_heads", 1)))
+    return KvLayout(source or str(directory), tuple(layers), int(heads), int(head_size))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file (kvdoctor reads a local config.json, never downloads)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable JSON file ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: a model config must be a JSON object")
+    return data
+
+
+def _positive(config: dict, key: str, default: Any, where: Path) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{where / 'config.json'}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _layers_of(config: dict[str, Any], directory: Path, window_override: int | None) -> list[LayerKind]:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    window = window_override or text.get("sliding_window")
+    where = directory / "config.json"
+    if "layer_types" in text:
+        kinds = []
+        for value in text["layer_types"]:
+            kind = _LAYER_TYPE_ALIASES.get(str(value))
+            if kind is None:
+                raise UsageError(f"{where}: layer_types has an unknown kind {value!r} "
+                                 f"(kvdoctor knows {', '.join(sorted(_LAYER_TYPE_ALIASES))})")
+            kinds.append(kind)
+    elif "hybrid_override_pattern" in text:
+        kinds = [_PATTERN_KINDS[c] for c in str(text["hybrid_override_pattern"]) if c in _PATTERN_KINDS]
+    else:
+        count = _positive(text, "num_hidden_layers", 1, directory)
+        kinds = [SLIDING if window else FULL] * count
+    layers = []
+    for kind in kinds:
+        if kind == SLIDING:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise UsageError(f"{where}: sliding-window layers need a positive sliding_window, got {window!r}")
+            layers.append(LayerKind(SLIDING, window))
+        else:
+            layers.append(LayerKind(kind))
+    return layers
+
+
+@dataclass
+class KvGroup:
+    """One KV cache group as vLLM's planner made it (a compact, release-neutral description)."""
+
+    index: int
+    kind: str  # full_attention | sliding_window | mamba | ...: the spec class, in words
+    block_size: int
+    layers: list[str]
+    sliding_window: int | None = None
+    mamba_cache_mode: str | None = None
+    eagle: bool = False
+
+    def describe(self) -> str:
+        extra = f" window={self.sliding_window}" if self.sliding_window else ""
+        extra += f" mamba_cache_mode={self.mamba_cache_mode}" if self.mamba_cache_mode else ""
+        extra += " eagle" if self.eagle else ""
+        return f"group {self.index}: {self.kind} block_size={self.block_size}{extra} layers={len(self.layers)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "kind": self.kind, "block_size": self.block_size,
+                "layers": list(self.layers), "sliding_window": self.sliding_window,
+                "mamba_cache_mode": self.mamba_cache_mode, "eagle": self.eagle}
+
+
+@dataclass
+class KvPlan:
+    """What the planner built, and what kvdoctor had to say about it."""
+
+    layout: KvLayout
+    groups: list[KvGroup]
+    num_blocks: int
+    scheduler_block_size: int
+    hash_block_size: int
+    planner: str  # which vLLM functions grouped the layers
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.layout.source, "planner": self.planner, "num_blocks": self.num_blocks,
+                "scheduler_block_size": self.scheduler_block_size, "hash_block_size": self.hash_block_size,
+                "groups": [g.as_dict() for g in self.groups], "notes": list(self.notes)}
+
+    def describe(self) -> str:
+        return "; ".join(g.describe() for g in self.groups)
+
+
+def resolve_layout(model: str | None, layout: str | None, sliding_window: int | None = None) -> KvLayout:
+    """The layout a setup names: `--model DIR`, a shipped `layout`, or the single-group default."""
+    if model is not None and layout is not None:
+        raise UsageError("--model and a recipe's [setup] layout both name a model: give one")
+    if model is not None:
+        return read_layout(model, None, sliding_window)
+    if layout is not None:
+        return read_layout(shipped_layout_dir(layout), f"shipped layout {layout!r}", sliding_window)
+    return DEFAULT_LAYOUT
+
+
+def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
+                mamba_cache_mode: str | None) -> dict[str, Any]:
+    """Per-layer KV specs, as a model runner's `get_kv_cache_spec()` returns them.
+
+    Attention layers: float16 K/V of the config's KV heads and head size.
+    Mamba layers: a conv + SSM state padded to the attention page (vLLM pads
+    the smaller page to the larger one when it unifies page sizes); in `align`
+    mode one state per block of `block_size` tokens, otherwise one state per
+    request (block size = max model length), as vLLM's runner sizes them.
+    """
+    import torch
+
+    kvi = api.mods["kv_cache_interface"]
+    dtype = getattr(torch, layout.dtype)
+    full = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                 head_size=layout.head_size, dtype=dtype)
+    specs: dict[str, Any] = {}
+    for name, layer in zip(layout.layer_names(), layout.layers):
+        if layer.kind == FULL:
+            spec = full
+        elif layer.kind == SLIDING:
+            spec = kvi.SlidingWindowSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                         head_size=layout.head_size, dtype=dtype,
+                                         sliding_window=layer.sliding_window)
+        else:
+            mode = mamba_cache_mode or "none"
+            state = full.page_size_bytes // 2 // 2  # fp16 elements in half the attention page
+            conv = max(1, state // 4)
+            spec = kvi.MambaSpec(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
+                                 block_size=block_size if mode == "align" else max_model_len,
+                                 page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
+        specs[name] = spec
+    return specs
+
+
+def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]:
+    """Build the setup's layout and let vLLM group and place it; returns (plan, scheduler KVCacheConfig,
+    scheduler block size, hash block size)."""
+    layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
+    notes = []
+    note = api.enable_hybrid_kv_cache_manager(vllm_config)
+    if note:
+        notes.append(note)
+    specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+    names = layout.layer_names()
+    drafts = {name for name, layer in zip(names, layout.layers) if layer.draft}
+    try:
+        _, scheduler_config, block_size, hash_block_size, planner, checked_len = api.plan_kv_cache(
+            vllm_config, specs, setup.gpu_blocks, drafts)
+    except (ValueError, AssertionError, NotImplementedError) as exc:
+        raise UsageError(f"vLLM's KV cache planner rejected the layout ({layout.source}): "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from None
+    if checked_len < setup.max_model_len:
+        notes.append(f"the pool of {setup.gpu_blocks} blocks is below what vLLM's start-up check asks for "
+                     f"max_model_len={setup.max_model_len} (a server would refuse to start); planned with "
+                     f"the check at max_model_len={checked_len}")
+    groups = [KvGroup(**api.describe_group(i, g)) for i, g in enumerate(scheduler_config.kv_cache_groups)]
+    kinds = {(layer.kind, layer.sliding_window) for layer in layout.layers}
+    if len(kinds) > 1 and len(groups) < len({k for k, _ in kinds}):
+        notes.append(f"vLLM's planner merged {len(kinds)} layer kinds into {len(groups)} group(s): "
+                     "this is not what a GPU deployment builds")
+    if drafts:
+        notes.append("EAGLE: kvdoctor flags the groups holding drafter layers (is_eagle_group), as vLLM's "
+                     "planner does for an EAGLE speculative config; no draft model is built")
+    if any(layer.kind == MAMBA for layer in layout.layers):
+        notes.append("Mamba state pages are padded to the attention page (a GPU deployment may instead grow "
+                     "the attention block size to match the state)")
+    return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes),
+            scheduler_config, block_size, hash_block_size)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__

@@ -1,0 +1,125 @@
+"""KV layouts: config.json parsing (no vLLM), and the groups vLLM's real planner builds from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdoctor.engine import kv_layout
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
+from tests.conftest import run_cli
+
+
+def write_config(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_shipped_layouts_are_packaged() -> None:
+    assert {"swa-full", "mamba-hybrid", "eagle-pair"} <= set(kv_layout.shipped_layouts())
+
+
+def test_layer_types_with_sliding_window(tmp_path: Path) -> None:
+    layout = kv_layout.read_layout(write_config(tmp_path, {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "sliding_window": 64,
+        "num_key_value_heads": 2, "head_dim": 16}))
+    assert [(layer.kind, layer.sliding_window) for layer in layout.layers] == [
+        ("sliding_attention", 64), ("full_attention", None), ("sliding_attention", 64)]
+    assert (layout.num_kv_heads, layout.head_size) == (2, 16)
+    assert layout.is_hybrid
+
+
+def test_window_override_and_pattern(tmp_path: Path) -> None:
+    layout = kv_layout.read_layout(write_config(tmp_path, {"hybrid_override_pattern": "M-*-M"}))
+    assert [layer.kind for layer in layout.layers] == ["mamba", "full_attention", "mamba"]
+    assert layout.layer_names() == ["model.layers.0.mixer", "model.layers.1.self_attn.attn", "model.layers.2.mixer"]
+    swa = kv_layout.resolve_layout(None, "swa-full", sliding_window=8)
+    assert {layer.sliding_window for layer in swa.layers} == {8, None}
+
+
+def test_eagle_drafter_layers() -> None:
+    layout = kv_layout.resolve_layout(None, "eagle-pair")
+    assert [layer.draft for layer in layout.layers] == [False, True]
+    assert layout.layer_names()[1].startswith("drafter.")
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"layer_types": ["sliding_attention"]}, "need a positive sliding_window"),
+    ({"layer_types": ["cross_attention"]}, "unknown kind 'cross_attention'"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+])
+def test_bad_configs_are_usage_errors(tmp_path: Path, config: dict, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        kv_layout.read_layout(write_config(tmp_path, config))
+
+
+def test_model_and_layout_are_exclusive(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="give one"):
+        kv_layout.resolve_layout(str(tmp_path), "swa-full")
+    with pytest.raises(UsageError, match="unknown layout 'nope'"):
+        kv_layout.resolve_layout(None, "nope")
+
+
+# -- vLLM's real planner ---------------------------------------------------------------------------
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("setup,kinds", [
+    (Setup(), ["full_attention"]),
+    (Setup(layout="swa-full"), ["sliding_window", "full_attention"]),
+    (Setup(layout="mamba-hybrid", mamba_cache_mode="align"), ["mamba", "full_attention"]),
+    (Setup(layout="eagle-pair"), ["full_attention"]),
+])
+def test_planner_groups_as_a_gpu_deployment(api, setup: Setup, kinds: list[str]) -> None:
+    """The hybrid manager stays on (as on a GPU) and the connector sees every group."""
+    from kvdoctor.engine.harness import Harness
+
+    harness = Harness(api, setup)
+    try:
+        plan = harness.kv_plan
+        assert [g.kind for g in plan.groups] == kinds
+        assert all(g.block_size == setup.block_size for g in plan.groups)
+        configs = api.group_configs(harness.connector_scheduler)
+        assert len(configs) == len(kinds)
+        windows = [c.sliding_window_size_in_chunks for c in configs]
+        if setup.layout == "swa-full":
+            assert windows == [128 // setup.offloaded_block_size, None]
+            assert plan.groups[0].sliding_window == 128
+        if setup.layout == "eagle-pair":
+            assert [g.eagle for g in plan.groups] == [True]
+            assert [c.is_eagle_group for c in configs] == [True]
+        assert not harness.scheduler.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    finally:
+        harness.shutdown()
+
+
+@pytest.mark.vllm
+def test_repro_with_a_sliding_window_model_shows_two_groups() -> None:
+    """The issue's check: `repro --model <shipped sliding-window config>` shows both groups (JSON, tables)."""
+    model = str(kv_layout.shipped_layout_dir("swa-full"))
+    done = run_cli("repro", "queued-abort", "--model", model, "--json")
+    assert done.returncode in (0, 1), done.stderr
+    doc = json.loads(done.stdout)
+    groups = doc["setup"]["kv_cache"]["groups"]
+    assert [(g["kind"], g["sliding_window"]) for g in groups] == [("sliding_window", 128), ("full_attention", None)]
+    assert all(len(r["requests"][0]["groups"]) == 2 for r in doc["results"] if r["requests"])
+    done = run_cli("repro", "queued-abort", "--model", model)
+    assert "group 0: sliding_window block_size=4 window=128" in done.stdout
+    assert "group 1: full_attention block_size=4" in done.stdout
+
+
+def test_recipe_layout_must_be_shipped(tmp_path: Path) -> None:
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_file as load_recipe
+
+    source = Path(__file__).resolve().parent.parent / "repros" / "queued-abort.toml"
+    text = source.read_text().replace("gpu_blocks = 8", 'gpu_blocks = 8\nlayout = "swa-ful"', 1)
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    line = text.split("\n").index('layout = "swa-ful"') + 1
+    with pytest.raises(RecipeError, match=rf"r.toml:{line}: \[setup\] layout 'swa-ful' is not a layout kvdoctor ships"):
+        load_recipe(path)
+    path.write_text(text.replace("swa-ful", "swa-full"))
+    assert load_recipe(path).setup["layout"] == "swa-full"
