@@ -32,6 +32,11 @@ class Setup:
     spec_name: str | None = None
     model: str | None = None  # a local model directory; None = kvdoctor's tiny config
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    # Who stands where vLLM's GPU worker runs: "simulated" (bookkeeping) or "vllm" (vLLM's
+    # worker-role connector on real KV tensors). device/model_runner: None = resolved at run time.
+    worker: str = "simulated"
+    device: str | None = None  # "cpu" | "cuda" (vllm worker only)
+    model_runner: str | None = None  # "v1" | "v2"
 
     @property
     def offloaded_block_size(self) -> int:
@@ -45,6 +50,12 @@ class Setup:
         cfg["offload_prompt_only"] = self.offload_prompt_only
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
+        if self.worker == "vllm" and self.device != "cuda":
+            # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
+            from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
+
+            cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
+            cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
 
     def as_dict(self) -> dict[str, Any]:
@@ -56,6 +67,11 @@ class Setup:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        for name, allowed in (("worker", ("simulated", "vllm")), ("device", (None, "cpu", "cuda")),
+                              ("model_runner", (None, "v1", "v2"))):
+            if getattr(self, name) not in allowed:
+                choices = "|".join(a for a in allowed if a)
+                raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
