@@ -429,12 +429,13 @@ def gpu_default_model_runner(vllm_config: Any) -> str:
     env_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if env_choice is not None:
         return "v2" if env_choice.strip().lower() in ("1", "true") else "v1"
-    is_default = getattr(vllm_config, "_is_default_v2_model_runner_model", None)
+    is_default = getattr(vllm_config, "_is_default_v2_model_runner_model", None)  # 0.26: per architecture
     unsupported = getattr(vllm_config, "_get_v2_model_runner_unsupported_features", None)
-    if is_default is None or unsupported is None:
+    if unsupported is None:
         return "v1"
     try:
-        return "v2" if is_default() and not unsupported() else "v1"
+        default_model = is_default() if is_default is not None else True  # 0.33: V2 for every model
+        return "v2" if default_model and not unsupported() else "v1"
     except Exception:  # noqa: BLE001 - a probe that cannot answer means the release's plain default
         return "v1"
 
@@ -514,7 +515,20 @@ def kv_tensor_layers(kv_tensor: Any) -> list[str]:
     raise IncompatibleVllmError("KVCacheTensor has neither shared_by nor layers")
 
 
-def allocate_kv_caches(api: VllmApi, kv_cache_config: Any, device: Any, fill: int) -> dict[str, Any]:
+def required_kv_cache_layout(scheduler: Any) -> str | None:
+    """The KV cache layout the scheduler's connector asks for (0.33+), None where it asks none."""
+    connector = getattr(scheduler, "connector", None)
+    probe = getattr(type(connector), "get_required_kvcache_layout", None)
+    if probe is None:
+        return None
+    try:
+        return probe(vllm_config_of(scheduler))
+    except Exception:  # noqa: BLE001 - a connector that cannot say asks for nothing in particular
+        return None
+
+
+def allocate_kv_caches(api: VllmApi, kv_cache_config: Any, device: Any, fill: int,
+                       layout_name: str | None = None) -> dict[str, Any]:
     """Per-layer KV cache tensors as the release's GPU model runner would hand them to the
     connector, filled with `fill` bytes. Where the release has `allocate_kv_cache` (0.33) it is
     vLLM's own; otherwise one buffer per KVCacheTensor viewed (num_blocks, page) per layer,
@@ -526,8 +540,9 @@ def allocate_kv_caches(api: VllmApi, kv_cache_config: Any, device: Any, fill: in
     allocate = getattr(utils, "allocate_kv_cache", None) if utils else None
     layout_mod = mods.get("kv_cache_layout")
     if allocate is not None and layout_mod is not None and hasattr(layout_mod, "KVCacheLayout"):
-        layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or "NHD"
-        layout = layout_mod.KVCacheLayout[layout_name]
+        layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or layout_name
+        members = layout_mod.KVCacheLayout.__members__
+        layout = members[layout_name] if layout_name in members else next(iter(members.values()))
         kv = allocate(kv_cache_config, torch.device(device), layout)
         for tensor in kv.values():
             first = tensor[0] if isinstance(tensor, list) else tensor

@@ -42,7 +42,8 @@ class VllmWorker:
         # The worker's spec reads its extra config when the worker connector is created.
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         extra[CONTROL_KEY] = self.control_id
-        self.kv_caches = compat.allocate_kv_caches(api, self.kv_cache_config, device, POISON_BYTE)
+        self.kv_caches = compat.allocate_kv_caches(api, self.kv_cache_config, device, POISON_BYTE,
+                                                   compat.required_kv_cache_layout(scheduler))
         self.connector = compat.create_worker_connector(api, self.vllm_config, self.kv_cache_config)
         self._v2 = None
         with compat.active_worker_connector(api, self.connector):
