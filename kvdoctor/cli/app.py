@@ -106,6 +106,9 @@ def repro(
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     kv_transfer_config: opt.KvTransferConfig = None,
     model: opt.Model = None,
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -131,6 +134,7 @@ def repro(
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model)
+        overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
         if export_script is not None:
@@ -165,6 +169,9 @@ def inspect(
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     kv_transfer_config: opt.KvTransferConfig = None,
     model: opt.Model = None,
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -186,6 +193,7 @@ def inspect(
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model)
+        overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
         result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
@@ -211,6 +219,9 @@ def inspect(
 
 @app.command()
 def audit(
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -227,7 +238,8 @@ def audit(
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
         from kvdoctor import app as application
 
-        result = application.audit(command=_command_line())
+        overrides = opt.worker_overrides(worker, model_runner, device)
+        result = application.audit(command=_command_line(), overrides=overrides)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 

@@ -136,7 +136,10 @@ def setup_line(setup: Any) -> str:
             f"gpu_blocks={setup.gpu_blocks} async_scheduling={setup.async_scheduling} "
             f"max_num_batched_tokens={setup.max_num_batched_tokens} max_num_seqs={setup.max_num_seqs} "
             f"offload_prompt_only={setup.offload_prompt_only} cpu_bytes_to_use={setup.cpu_bytes_to_use}"
-            + (f" spec_name={setup.spec_name}" if setup.spec_name else ""))
+            + (f" spec_name={setup.spec_name}" if setup.spec_name else "")
+            + f" worker={setup.worker}"
+            + (f" device={setup.device}" if setup.device else "")
+            + (f" model_runner={setup.model_runner}" if setup.model_runner else ""))
 
 
 def events_line(events: Any) -> str:
@@ -159,12 +162,16 @@ def events_line(events: Any) -> str:
         parts.append("preempted " + ", ".join(events.preempted))
     if events.finished:
         parts.append("finished " + ", ".join(events.finished))
+    for finding in getattr(events, "content_findings", ()):
+        parts.append(f"{finding.invariant}: {finding.message}")
     return "; ".join(parts) or "nothing scheduled"
 
 
 def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]:
     """One block per step; consecutive steps that changed nothing fold into one line."""
     items: list[Any] = [Text(f"timeline under the {result.logic} logic", style="bold underline")]
+    if getattr(result, "worker", ""):
+        items.append(Text(f"worker: {result.worker}", style="dim"))
     previous_state = None
     folded: list[int] = []
 

@@ -266,6 +266,8 @@ class ToyModel:
         if expectation is None:
             return
         for block, slots in expectation.slots.items():
+            if sum(f.job == job for f in self.findings) >= MAX_FINDINGS_PER_CHECK:
+                return
             for layer in self.layers:
                 positions = range(slots[0][0], slots[-1][0] + 1)
                 self._check(layer, expectation.request, [block] * (positions.stop // layer.block_size + 1),
