@@ -582,3 +582,9 @@ def scheduled_new_tokens(new_request: Any) -> list[int]:
     `prefill_token_ids`)."""
     tokens = getattr(new_request, "prefill_token_ids", None) or new_request.prompt_token_ids
     return list(tokens or ())
+
+
+def offloading_worker_of(connector: Any) -> Any:
+    """The `OffloadingWorker` a worker-role connector's spec built (None before registration)."""
+    worker_side = _require(connector, "connector_worker", type(connector).__name__)
+    return getattr(worker_side, "worker", None) if worker_side is not None else None
