@@ -62,7 +62,29 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any]) -> Setup:
             if bpc != setup.blocks_per_chunk:
                 raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
         setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
+    return resolve_device(setup)
+
+
+def resolve_device(setup: Setup) -> Setup:
+    """Where vLLM's worker keeps the KV tensors: the GPU when torch sees one, unless told."""
+    if setup.worker != "vllm":
+        return setup
+    import torch
+
+    has_cuda = bool(torch.cuda.is_available())
+    if setup.device == "cuda" and not has_cuda:
+        raise UsageError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
+    if setup.device is None:
+        return setup.with_overrides(device="cuda" if has_cuda else "cpu")
     return setup
+
+
+def with_model_runner(setup: Setup, results: list[Any]) -> Setup:
+    """The setup as it ran: the model runner the harness resolved (the same for every variant)."""
+    import dataclasses
+
+    runner = next((r.model_runner for r in results if getattr(r, "model_runner", "")), None)
+    return dataclasses.replace(setup, model_runner=runner) if runner else setup
 
 
 def load_vllm() -> Any:
@@ -84,6 +106,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command)
     for variant in variants:
         report.results.append(run_scenario(api, recipe, setup, variant, record_timeline=record_timeline))
+    report.setup = with_model_runner(setup, report.results)
     return report
 
 
@@ -189,19 +212,20 @@ class AuditReport:
         return exit_code_for_many(outcomes)
 
 
-def audit(command: str = "") -> AuditReport:
+def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process."""
     from kvdoctor.recipes.builtins import all_builtins
     from kvdoctor.scenario import run_scenario
 
     recipes = all_builtins()
-    setups = [resolve_setup(recipe, {}) for recipe in recipes]
+    setups = [resolve_setup(recipe, dict(overrides or {})) for recipe in recipes]
     api = load_vllm()
     report = AuditReport(vllm_version=api.version_text, command=command)
     for recipe, setup in zip(recipes, setups):
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
-        report.rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed))
+        report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
+                                    installed, fixed))
     report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
     from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 

@@ -39,7 +39,9 @@ class TimelineEntry:
     def as_dict(self) -> dict[str, Any]:
         return {
             "index": self.index, "action": self.action, "description": self.description, "line": self.line,
-            "events": self.events.__dict__ if self.events else None,
+            "events": ({**self.events.__dict__,
+                        "content_findings": [f.message for f in self.events.content_findings]}
+                       if self.events else None),
             "requests": [r.as_dict() for r in self.requests],
             "predicted_failure": self.predicted_trip, "failed": self.failed,
         }
@@ -65,6 +67,8 @@ class RunResult:
     violations: list[Violation] = field(default_factory=list)
     timeline: list[TimelineEntry] = field(default_factory=list)
     kv_plan: Any = None  # kv_layout.KvPlan: the KV cache groups vLLM's planner built for this run
+    worker: str = ""  # which worker ran, in words (Worker.describe)
+    model_runner: str = ""  # the model runner the scheduler shaped its output for
 
 
 class ExpectationFailed(Exception):
@@ -192,7 +196,10 @@ class ScenarioRun:
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
                  extra_invariants: tuple[str, ...] = ()) -> None:
         self.api = api
-        names = [recipe.signature.invariant, *recipe.invariants, *extra_invariants]
+        from kvdoctor.observe.invariants import CONTENT_INVARIANTS
+
+        content = CONTENT_INVARIANTS if setup.worker == "vllm" else ()
+        names = [recipe.signature.invariant, *recipe.invariants, *extra_invariants, *content]
         self.invariants = list(dict.fromkeys(n for n in names if n))
         self.recipe = recipe
         self.setup = setup
@@ -218,6 +225,8 @@ class ScenarioRun:
         except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
             return self._failed_to_build(exc)
         self.result.kv_plan = harness.kv_plan
+        self.result.worker = harness.worker.describe()
+        self.result.model_runner = harness.model_runner
         try:
             return self._run_on(harness)
         finally:
@@ -270,8 +279,11 @@ class ScenarioRun:
     def _violated(self, violations: list[Violation], counter: int) -> RunResult:
         self.result.violations = violations
         self.result.failure_step = counter
+        from kvdoctor.observe.invariants import CONTENT_FORM_OF
+
         wanted = self.recipe.signature.invariant
-        if wanted and any(v.invariant == wanted for v in violations):
+        accepted = {wanted, CONTENT_FORM_OF.get(wanted)} - {None}
+        if wanted and any(v.invariant in accepted for v in violations):
             self.result.outcome = Outcome.REPRODUCED
         else:
             self.result.outcome = Outcome.OTHER_FAILURE

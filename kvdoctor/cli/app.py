@@ -146,6 +146,9 @@ def repro(
     kv_offloading_size: opt.KvOffloadingSize = None,
     kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -178,6 +181,7 @@ def repro(
                                            kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
                                            kv_offloading_size=kv_offloading_size,
                                            kv_offloading_backend=kv_offloading_backend)
+        overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
         if export_script is not None:
@@ -223,6 +227,9 @@ def inspect(
     kv_offloading_size: opt.KvOffloadingSize = None,
     kv_offloading_backend: opt.KvOffloadingBackend = None,
     model: opt.Model = None,
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -247,6 +254,7 @@ def inspect(
                                            kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
                                            kv_offloading_size=kv_offloading_size,
                                            kv_offloading_backend=kv_offloading_backend)
+        overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
         with working():
@@ -277,6 +285,9 @@ def inspect(
     "kvdoctor audit --report audit.md    # attach to an upstream issue"))
 @_with_exit_codes(_AUDIT_EXIT_CODES)
 def audit(
+    worker: opt.Worker = None,
+    model_runner: opt.ModelRunner = None,
+    device: opt.Device = None,
     json_out: opt.Json = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
@@ -294,8 +305,9 @@ def audit(
         opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
+        overrides = opt.worker_overrides(worker, model_runner, device)
         with working("importing vLLM and running every built-in recipe"):
-            result = application.audit(command=_command_line())
+            result = application.audit(command=_command_line(), overrides=overrides)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 

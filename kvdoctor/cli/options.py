@@ -10,6 +10,7 @@ import typer
 from kvdoctor.errors import UsageError
 
 GEOMETRY = "Serving geometry (overrides the recipe's [setup])"  # plain help: no markup to escape
+WORKER = "Worker side"
 OUTPUT = "Output"
 
 BlockSize = Annotated[Optional[int], typer.Option("--block-size", help="GPU KV block size in tokens.",
@@ -51,6 +52,17 @@ KvTransferConfig = Annotated[Optional[str], typer.Option(
 Model = Annotated[Optional[Path], typer.Option(
     "--model", help="A local model directory (config.json only is read; nothing is downloaded).",
     rich_help_panel=GEOMETRY)]
+Worker = Annotated[Optional[str], typer.Option(
+    "--worker", help="simulated: bookkeeping only (default, fastest) | vllm: vLLM's worker-role connector on real "
+                     "KV tensors with KV content checks.", rich_help_panel=WORKER, show_default=False)]
+ModelRunner = Annotated[Optional[str], typer.Option(
+    "--model-runner", help="v1 | v2: the model runner whose connector calls --worker vllm follows and whose "
+                           "output the scheduler shapes (default: what a GPU deployment of this vLLM runs).",
+    rich_help_panel=WORKER, show_default=False)]
+Device = Annotated[Optional[str], typer.Option(
+    "--device", help="cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
+                     "worker does the copies; default cuda when torch sees a GPU).",
+    rich_help_panel=WORKER, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.", rich_help_panel=OUTPUT)]
 ReportFile = Annotated[Optional[Path], typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
@@ -174,3 +186,14 @@ def _writable(target: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def worker_overrides(worker: str | None, model_runner: str | None, device: str | None) -> dict[str, Any]:
+    """--worker / --model-runner / --device as `Setup` overrides, checked before vLLM is imported."""
+    for flag, value, allowed in (("--worker", worker, ("simulated", "vllm")), ("--model-runner", model_runner,
+                                 ("v1", "v2")), ("--device", device, ("cpu", "cuda"))):
+        if value is not None and value not in allowed:
+            raise UsageError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")
+    if device is not None and (worker or "simulated") != "vllm":
+        raise UsageError("--device places the KV tensors of --worker vllm; add --worker vllm")
+    return {"worker": worker, "model_runner": model_runner, "device": device}

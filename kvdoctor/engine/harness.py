@@ -1,9 +1,10 @@
 """vLLM's real Scheduler (or AsyncScheduler) with the real OffloadingConnector, in-process.
 
-Only the worker is simulated (`SimulatedWorker`). vLLM's ModelConfig comes from
-a tiny `config.json` written at run time; the KV cache groups come from the
-model's layer layout (`kv_layout`: a local model directory or a shipped
-config), so nothing is downloaded.
+The worker side sits behind a seam (`kvdoctor.engine.workers.base.Worker`): the simulated
+bookkeeping worker, or vLLM's own worker-role connector on real KV tensors
+(`--worker vllm`). vLLM's ModelConfig comes from a tiny `config.json` written at
+run time; the KV cache groups come from the model's layer layout (`kv_layout`: a
+local model directory or a shipped config), so nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.setup import Setup
-from kvdoctor.engine.worker import Job, SimulatedWorker
+from kvdoctor.engine.worker import Job
 from kvdoctor.errors import UsageError
 
 TINY_LLAMA_CONFIG = {
@@ -131,11 +132,13 @@ class StepEvents:
     finished: list[str] = field(default_factory=list)
     # store job -> GPU blocks it still reads that this step handed to a request again
     reused_while_storing: dict[int, list[int]] = field(default_factory=dict)
+    # KV slots whose bytes are not what their tokens say (vLLM worker only): ContentFinding
+    content_findings: list[Any] = field(default_factory=list)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
                         self.completed_jobs, self.failed_jobs, self.preempted, self.finished,
-                        self.reused_while_storing))
+                        self.reused_while_storing, self.content_findings))
 
 
 class Harness:
@@ -146,13 +149,37 @@ class Harness:
         self.setup = setup
         self.scheduler, self.kv_plan = build_scheduler(api, setup)
         self.connector_scheduler = api.connector_scheduler(self.scheduler)
-        self.worker = SimulatedWorker()
+        self.model_runner = self._choose_model_runner()
+        self.worker = self._make_worker()
         self.requests: dict[str, Any] = {}
         self.step_index = 0
         self._finish_next: set[str] = set()
         self._pending_output: tuple[Any, Any] | None = None  # async: last step's output, not yet applied
         self.store_jobs_by_request: dict[str, list[int]] = {}
         self._block_hasher = self._make_block_hasher()
+
+    def _choose_model_runner(self) -> str:
+        """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
+        vLLM worker follows what a GPU deployment of this release would run; the simulated worker
+        keeps the scheduler's own pick on this machine."""
+        from kvdoctor.engine import compat
+
+        runner = self.setup.model_runner
+        if runner is None and self.setup.worker == "vllm":
+            runner = compat.gpu_default_model_runner(compat.vllm_config_of(self.scheduler))
+        if runner is None:
+            return compat.scheduler_model_runner(self.scheduler)
+        compat.set_scheduler_model_runner(self.scheduler, runner)
+        return runner
+
+    def _make_worker(self) -> Any:
+        if self.setup.worker == "vllm":
+            from kvdoctor.engine.workers.vllm_worker import VllmWorker
+
+            return VllmWorker(self.api, self.scheduler, self.setup.device or "cpu", self.model_runner)
+        from kvdoctor.engine.workers.simulated import SimulatedTransfers
+
+        return SimulatedTransfers(self.api)
 
     def _make_block_hasher(self) -> Any:
         kcu = self.api.mods["kv_cache_utils"]
@@ -199,6 +226,7 @@ class Harness:
 
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
+        self.worker.shutdown()
         try:
             self.scheduler.shutdown()
         except Exception:  # noqa: BLE001 - a crashed scheduler may not shut down cleanly
@@ -235,10 +263,12 @@ class Harness:
             dst_spec = getattr(job, "dst_spec", None)
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
                                 dst_groups=self.api.block_ids_by_group(dst_spec)))
-        report = self.worker.take_step(new_jobs, flush, self.step_index)
-        events.completed_jobs = [job.job_id for job in report.completed]
-        events.failed_jobs = [job.job_id for job in report.failed]
-        runner_output = self._model_runner_output(output, report)
+        sampled = self._sample(output)
+        done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
+        events.completed_jobs = done.completed_jobs
+        events.failed_jobs = done.failed_jobs
+        events.content_findings = done.content_findings
+        runner_output = self._model_runner_output(output, sampled, done.kv_connector_output)
         if self.setup.async_scheduling:
             previous, self._pending_output = self._pending_output, (output, runner_output)
             if previous is not None:
@@ -247,20 +277,20 @@ class Harness:
             self.scheduler.update_from_output(output, runner_output)
         return events
 
-    def _model_runner_output(self, output: Any, report: Any) -> Any:
-        meta = self.api.worker_metadata([job.job_id for job in report.completed],
-                                        [job.job_id for job in report.failed])
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
+    def _sample(self, output: Any) -> dict[str, list[int]]:
+        """The token each scheduled request samples (EOS where a recipe finishes it)."""
+        sampled: dict[str, list[int]] = {}
+        for req_id in output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             # A token is sampled only once every known token is computed (not mid-prefill).
             if request is not None and request.num_computed_tokens >= request.num_tokens:
                 token = EOS_TOKEN if req_id in self._finish_next else DECODE_TOKEN
                 self._finish_next.discard(req_id)
-                sampled.append([token])
+                sampled[req_id] = [token]
             else:
-                sampled.append([])
-        kv_output = self.api.kv_connector_output(meta, report.finished_recving, report.failed_loads,
-                                                 report.invalid_block_ids)
-        return self.api.model_runner_output(req_ids, sampled, kv_output)
+                sampled[req_id] = []
+        return sampled
+
+    def _model_runner_output(self, output: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:
+        req_ids = list(output.num_scheduled_tokens)
+        return self.api.model_runner_output(req_ids, [sampled[rid] for rid in req_ids], kv_output)

@@ -40,6 +40,11 @@ class Setup:
     # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
     # passed to vLLM's KVTransferConfig as given.
     kv_transfer_fields: dict[str, Any] = field(default_factory=dict)
+    # Who stands where vLLM's GPU worker runs: "simulated" (bookkeeping) or "vllm" (vLLM's
+    # worker-role connector on real KV tensors). device/model_runner: None = resolved at run time.
+    worker: str = "simulated"
+    device: str | None = None  # "cpu" | "cuda" (vllm worker only)
+    model_runner: str | None = None  # "v1" | "v2"
 
     @property
     def offloaded_block_size(self) -> int:
@@ -53,6 +58,12 @@ class Setup:
         cfg["offload_prompt_only"] = self.offload_prompt_only
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
+        if self.worker == "vllm" and self.device != "cuda":
+            # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
+            from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
+
+            cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
+            cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,6 +81,11 @@ class Setup:
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
                              f"got {self.mamba_cache_mode!r}")
+        for name, allowed in (("worker", ("simulated", "vllm")), ("device", (None, "cpu", "cuda")),
+                              ("model_runner", (None, "v1", "v2"))):
+            if getattr(self, name) not in allowed:
+                choices = "|".join(a for a in allowed if a)
+                raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "

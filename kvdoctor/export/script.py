@@ -19,7 +19,14 @@ _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps"
 
 
 def recipe_data(recipe: Recipe, setup: Setup) -> dict:
+    """The script always drives the worker side with plain bookkeeping: the scheduler-side crash it
+    reproduces needs no KV bytes, and vLLM's worker connector on a CPU needs kvdoctor's copy
+    engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
+    import dataclasses
+
     from kvdoctor.scenario import ExpectationFailed, prompt_for
+
+    setup = dataclasses.replace(setup, worker="simulated", device=None)
 
     prompts: dict[str, list[int]] = {}
     steps = []

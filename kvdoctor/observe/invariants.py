@@ -78,6 +78,32 @@ def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     return [f"job #{jid} has no owning request state" for jid in orphans]
 
 
+# -- KV content (the vLLM worker's toy model judges bytes; the simulated worker moves none) ------
+
+CONTENT_INVARIANTS = ("store-copies-computed-kv", "reads-see-their-tokens", "load-returns-stored-bytes")
+
+
+def _content(name: str) -> Check:
+    def check(ctx: StepContext) -> list[str]:
+        return [f.message for f in getattr(ctx.events, "content_findings", ()) if f.invariant == name]
+    return check
+
+
+invariant("store-copies-computed-kv",
+          "a store job copies only KV slots whose bytes are what their tokens say (checked when the store "
+          "is built and again when its copy reads the GPU blocks)")(_content("store-copies-computed-kv"))
+invariant("reads-see-their-tokens",
+          "every KV slot a forward reads holds the KV its tokens say (a stale or wrong load shows here)")(
+    _content("reads-see-their-tokens"))
+invariant("load-returns-stored-bytes",
+          "a load writes into GPU blocks exactly the bytes stored into the CPU slot it reads")(
+    _content("load-returns-stored-bytes"))
+
+# A content invariant is the data-level form of a bookkeeping one: a recipe whose signature names
+# the bookkeeping invariant reproduces when its content form is violated.
+CONTENT_FORM_OF = {"store-covers-computed-slots": "store-copies-computed-kv"}
+
+
 def unknown(names: list[str]) -> list[str]:
     return [n for n in names if n not in INVARIANTS]
 

@@ -30,6 +30,8 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "checks": [c.__dict__ for c in result.checks],
         "guards": list(result.guards),
         "violations": [v.__dict__ for v in result.violations],
+        "worker": getattr(result, "worker", "") or None,
+        "model_runner": getattr(result, "model_runner", "") or None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]

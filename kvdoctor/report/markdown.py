@@ -122,6 +122,8 @@ def _timeline(result: Any) -> list[str]:
         return []
     lines = ["<details>", f"<summary>Timeline under the {result.logic} logic ({len(result.timeline)} steps)</summary>",
              ""]
+    if getattr(result, "worker", ""):
+        lines += [f"Worker: {result.worker}", ""]
     for entry in result.timeline:
         lines.append(f"**step {entry.index}** `{entry.description}` {events_line(entry.events)}")
         if entry.predicted_trip and not entry.failed:

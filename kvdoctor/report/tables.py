@@ -238,7 +238,9 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
         fields.append(("enable_prefix_caching", setup.enable_prefix_caching))
     fields += [("offload_prompt_only", setup.offload_prompt_only), ("cpu_bytes_to_use", setup.cpu_bytes_to_use),
                ("spec_name", setup.spec_name or "CPUOffloadingSpec"),
-               ("model", setup.model or "tiny-llama")]  # kvdoctor's own config.json (2 layers, 2 KV heads)
+               ("model", setup.model or "tiny-llama"),  # kvdoctor's own config.json (2 layers, 2 KV heads)
+               ("worker", setup.worker)]
+    fields += [(name, getattr(setup, name)) for name in ("device", "model_runner") if getattr(setup, name, None)]
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
     groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups
@@ -281,6 +283,8 @@ def events_line(events: Any) -> str:
         parts.append("preempted " + ", ".join(events.preempted))
     if events.finished:
         parts.append("finished " + ", ".join(events.finished))
+    for finding in getattr(events, "content_findings", ()):
+        parts.append(f"{finding.invariant}: {finding.message}")
     return "; ".join(parts) or "nothing scheduled"
 
 
@@ -288,6 +292,8 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
     """One block per step; consecutive steps that changed nothing fold into one line."""
     items: list[Any] = [Text(f"timeline under the {result.logic} logic", style="bold underline")]
     items += [Text(line, style="dim") for line in kv_cache_lines(result.kv_plan)]
+    if getattr(result, "worker", ""):
+        items.append(Text(f"worker: {result.worker}", style="dim"))
     previous_state = None
     folded: list[int] = []
 

@@ -1,0 +1,288 @@
+"""The toy model: KV bytes that say which tokens they belong to, and checks that they do.
+
+kvdoctor has no model weights. Instead every KV slot it "computes" holds a pattern that
+is a function of (layer, the token prefix up to that position): word 0 is a 64-bit hash
+of the prefix, word 1 names the layer, the rest repeat word 0. Any slot can then be
+judged: it holds what its tokens say, it was never written (the poison the KV tensors
+start with), or it holds another position's bytes ("stale: bytes of request X position
+P"). This is a stand-in for the model's attention, and says so; the bytes move only
+through vLLM's worker connector and the copy engine.
+
+A token's slot is the toy model's layout of a page: page bytes [off*slot, (off+1)*slot)
+for the token at offset `off` of its block. vLLM moves whole pages, so any layout that
+partitions a page works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+POISON_BYTE = 0x5A  # every KV byte starts as this: a slot never written reads back as poison
+POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
+MAX_FINDINGS_PER_CHECK = 3  # first few slots per (request, layer): enough to name the bug
+
+
+@dataclass
+class ContentFinding:
+    """One KV slot whose bytes are not what its tokens say."""
+
+    invariant: str
+    request: str
+    layer: str
+    position: int
+    block: int
+    found: str
+    job: int | None = None
+
+    @property
+    def message(self) -> str:
+        job = f"store job #{self.job}: " if self.job is not None and self.invariant != "load-returns-stored-bytes" else (
+            f"load job #{self.job}: " if self.job is not None else "")
+        return (f"{job}{self.request} layer {self.layer} position {self.position} (block {self.block}): "
+                f"{self.found}")
+
+
+@dataclass
+class RequestKv:
+    tokens: list[int]
+    block_ids: list[list[int]]  # per KV cache group
+    num_computed: int = 0
+    keys: list[int] = field(default_factory=list)
+
+
+def _next_key(previous: int, token: int) -> int:
+    digest = hashlib.blake2b(previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True),
+                             digest_size=8).digest()
+    key = int.from_bytes(digest, "little", signed=True)
+    return key if key not in (0, POISON_WORD) else key + 1
+
+
+@dataclass
+class _Layer:
+    name: str
+    tag: int
+    group: int
+    block_size: int
+    slots: Any  # int64 view (num_blocks, block_size, words)
+
+
+@dataclass
+class _StoreExpectation:
+    request: str
+    # gpu block -> [(position, key or None when past the request's tokens)]
+    slots: dict[int, list[tuple[int, int | None]]]
+
+
+class ToyModel:
+    def __init__(self, layers: list[_Layer]) -> None:
+        import torch
+
+        self.torch = torch
+        self.layers = layers
+        self.reqs: dict[str, RequestKv] = {}
+        self.retired: dict[str, RequestKv] = {}  # finished: their final store may still come
+        self.origin: dict[int, tuple[str, int]] = {}  # prefix key -> first (request, position) written
+        self.findings: list[ContentFinding] = []
+        self.expectations: dict[int, _StoreExpectation] = {}
+        self.checked_slots = 0
+        self._reported: set[tuple[int, str, int]] = set()
+
+    @classmethod
+    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> "ToyModel":
+        from kvdoctor.engine import compat
+        from kvdoctor.errors import UsageError
+
+        layers = []
+        n = kv_cache_config.num_blocks
+        for idx, (name, (group, spec)) in enumerate(sorted(compat.kv_layer_specs(kv_cache_config).items())):
+            if not compat.is_attention_spec(api, spec):
+                raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "
+                                 f"attention KV only")
+            page = int(spec.page_size_bytes)
+            bs = int(spec.block_size)
+            if page % (bs * 16):
+                raise UsageError(f"--worker vllm: a {page}-byte page of {bs} tokens leaves under 16 bytes per "
+                                 f"token slot, too few for the toy model's content pattern")
+            pages = compat.kv_pages(kv_caches[name], n, page)
+            slots = pages.view(cls_int64()).view(n, bs, page // bs // 8)
+            layers.append(_Layer(name, idx + 1, group, bs, slots))
+        return cls(layers)
+
+    # -- request state, from the scheduler's output (as GPUModelRunner._update_states) ----------
+    def update_states(self, output: Any) -> None:
+        from kvdoctor.engine import compat
+
+        for rid in output.finished_req_ids or ():
+            if rid in self.reqs:
+                self.retired[rid] = self.reqs.pop(rid)
+        for rid in getattr(output, "preempted_req_ids", None) or ():
+            self.reqs.pop(rid, None)
+        for new in output.scheduled_new_reqs:
+            old = self.reqs.get(new.req_id) or self.retired.get(new.req_id)
+            tokens = compat.scheduled_new_tokens(new)
+            if old is not None and len(old.tokens) > len(tokens) and old.tokens[:len(tokens)] == tokens:
+                tokens = old.tokens  # a resumed request keeps the tokens it sampled
+            self.reqs[new.req_id] = RequestKv(list(tokens), [list(g) for g in new.block_ids],
+                                              int(new.num_computed_tokens))
+        cached = output.scheduled_cached_reqs
+        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        for i, rid in enumerate(cached.req_ids):
+            state = self.reqs.get(rid) or self.retired.get(rid)
+            if state is None:
+                continue
+            self.reqs[rid] = state
+            new_ids = cached.new_block_ids[i]
+            if rid in resumed:
+                state.block_ids = [list(g) for g in new_ids or ()]
+                if rid in all_tokens:
+                    state.tokens = list(all_tokens[rid])
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    state.block_ids[g].extend(ids)
+            state.num_computed = int(cached.num_computed_tokens[i])
+        for block in getattr(output, "new_block_ids_to_zero", None) or ():
+            for layer in self.layers:
+                layer.slots[int(block)].zero_()
+        for copy in getattr(output, "kv_cache_block_copies", None) or ():
+            src, dst = int(copy[0]), int(copy[1])
+            for layer in self.layers:
+                layer.slots[dst].copy_(layer.slots[src])
+
+    def _keys(self, state: RequestKv, upto: int) -> list[int]:
+        keys = state.keys
+        while len(keys) < min(upto, len(state.tokens)):
+            keys.append(_next_key(keys[-1] if keys else 0, state.tokens[len(keys)]))
+        return keys
+
+    # -- one forward ----------------------------------------------------------
+    def forward(self, output: Any, sampled: dict[str, list[int]]) -> None:
+        """Check every slot the step's attention reads, write the KV of the scheduled tokens,
+        and take the sampled tokens (the harness decides them)."""
+        for rid, count in output.num_scheduled_tokens.items():
+            state = self.reqs.get(rid)
+            if state is None:
+                continue
+            start = state.num_computed
+            end = min(start + int(count), len(state.tokens))
+            keys = self._keys(state, end)
+            for layer in self.layers:
+                table = state.block_ids[layer.group]
+                if start:
+                    self._check(layer, rid, table, range(0, start), keys[:start], "reads-see-their-tokens", None)
+                self._write(layer, rid, table, range(start, end), keys[start:end])
+            state.num_computed = start + int(count)
+            state.tokens.extend(sampled.get(rid) or ())
+
+    def _locate(self, layer: _Layer, table: list[int], positions: range) -> tuple[Any, Any, list[int]]:
+        torch = self.torch
+        device = layer.slots.device
+        pos = torch.arange(positions.start, positions.stop, dtype=torch.int64, device=device)
+        blocks = [table[p // layer.block_size] if p // layer.block_size < len(table) else 0 for p in positions]
+        return torch.tensor(blocks, dtype=torch.int64, device=device), pos % layer.block_size, blocks
+
+    def _write(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int]) -> None:
+        if not len(positions):
+            return
+        torch = self.torch
+        blocks, offs, _ = self._locate(layer, table, positions)
+        key_t = torch.tensor(keys, dtype=torch.int64, device=layer.slots.device)
+        rows = key_t[:, None].repeat(1, layer.slots.shape[-1])
+        rows[:, 1] = layer.tag
+        layer.slots[blocks, offs] = rows
+        for p, key in zip(positions, keys):
+            self.origin.setdefault(key, (rid, p))
+
+    def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int | None],
+               invariant: str, job: int | None) -> None:
+        if not len(positions):
+            return
+        torch = self.torch
+        blocks, offs, block_list = self._locate(layer, table, positions)
+        got = layer.slots[blocks, offs]
+        self.checked_slots += len(positions)
+        device = layer.slots.device
+        key_t = torch.tensor([k if k is not None else 0 for k in keys], dtype=torch.int64, device=device)
+        ok = (got[:, 0] == key_t) & (got[:, 1] == layer.tag) & (got[:, 2:] == key_t[:, None]).all(1)
+        past = torch.tensor([k is None for k in keys], dtype=torch.bool, device=device)
+        ok &= ~past
+        ok &= blocks != 0
+        if bool(ok.all()):
+            return
+        bad = (~ok).nonzero().flatten().tolist()[:MAX_FINDINGS_PER_CHECK]
+        for i in bad:
+            p = positions[i]
+            mark = (job if job is not None else -1, layer.name, p)
+            if job is not None and mark in self._reported:
+                continue
+            self._reported.add(mark)
+            block = block_list[i]
+            if block == 0:
+                found = "the null block"
+            elif keys[i] is None:
+                found = "a slot past the request's tokens"
+            else:
+                found = self.classify(got[i].tolist(), layer.tag)
+            self.findings.append(ContentFinding(invariant, rid, layer.name, p, block, found, job))
+
+    def classify(self, row: list[int], tag: int) -> str:
+        if all(w == POISON_WORD for w in row):
+            return "never written"
+        if not any(row):
+            return "zeros"
+        origin = self.origin.get(row[0])
+        if origin is not None and row[1] == tag:
+            return f"stale: bytes of request {origin[0]} position {origin[1]}"
+        return "unknown bytes"
+
+    # -- stores and loads -----------------------------------------------------
+    def expect_store(self, job: int, rid: str, gpu_blocks: tuple[int, ...], group_sizes: tuple[int, ...]) -> None:
+        """A store job was built: record what each slot it will copy must hold, and check it now
+        (the step's forward has run: a slot that is still wrong now was never computed)."""
+        state = self.reqs.get(rid) or self.retired.get(rid)
+        if state is None:
+            return
+        slots: dict[int, list[tuple[int, int | None]]] = {}
+        start = 0
+        for group, size in enumerate(group_sizes):
+            table = state.block_ids[group] if group < len(state.block_ids) else []
+            bs = next((l.block_size for l in self.layers if l.group == group), None)
+            for block in gpu_blocks[start:start + size]:
+                if bs is None or block not in table:
+                    continue
+                first = table.index(block) * bs
+                keys = self._keys(state, first + bs)
+                slots[block] = [(p, keys[p] if p < len(state.tokens) and p < len(keys) else None)
+                                for p in range(first, first + bs)]
+            start += size
+        self.expectations[job] = _StoreExpectation(rid, slots)
+        self.check_store(job)
+
+    def check_store(self, job: int) -> None:
+        """The store's copy reads its GPU blocks now: every slot must still hold its tokens' KV."""
+        expectation = self.expectations.get(job)
+        if expectation is None:
+            return
+        for block, slots in expectation.slots.items():
+            if sum(f.job == job for f in self.findings) >= MAX_FINDINGS_PER_CHECK:
+                return
+            for layer in self.layers:
+                positions = range(slots[0][0], slots[-1][0] + 1)
+                self._check(layer, expectation.request, [block] * (positions.stop // layer.block_size + 1),
+                            positions, [k for _, k in slots], "store-copies-computed-kv", job)
+
+    def positions_of(self, rid: str, block: int) -> int:
+        state = self.reqs.get(rid) or self.retired.get(rid)
+        for layer in self.layers:
+            table = state.block_ids[layer.group] if state else []
+            if block in table:
+                return table.index(block) * layer.block_size
+        return -1
+
+
+def cls_int64() -> Any:
+    import torch
+
+    return torch.int64

@@ -1,0 +1,159 @@
+"""vLLM's worker side for real: the WORKER-role OffloadingConnector on real KV tensors.
+
+Each step goes through the connector calls of the model runner a deployment would use:
+V1 `GPUModelRunner` (`handle_preemptions`, then `KVConnectorModelRunnerMixin`'s
+`_get_kv_connector_output` around the forward, or `kv_connector_no_forward`), or Model
+Runner V2's `ActiveKVConnector` (`pre_forward` / `post_forward` / `no_forward`). The
+forward is kvdoctor's toy model (`toy_model.py`); transfers are kvdoctor's copy engine
+on a CPU (`copy_engine.py`, loaded by vLLM itself as `Kvdoctor<spec>`) or, with
+`--device cuda`, vLLM's own `CPUOffloadingSpec` worker doing CUDA copies, unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from kvdoctor.engine import compat
+from kvdoctor.engine.worker import Job, Rule
+from kvdoctor.engine.workers.base import WorkerStep
+from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
+from kvdoctor.engine.workers.copy_engine import TransferControl
+from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel
+from kvdoctor.errors import UsageError
+
+_IDS = itertools.count(1)
+
+
+class VllmWorker:
+    name = "vllm"
+
+    def __init__(self, api: Any, scheduler: Any, device: str, model_runner: str) -> None:
+        self.api = api
+        self.device = device
+        self.model_runner = model_runner
+        self.vllm_config = compat.vllm_config_of(scheduler)
+        self.kv_cache_config = compat.kv_cache_config_of(scheduler)
+        self.in_flight: dict[int, Job] = {}
+        self._holds: list[Rule] = []
+        self.control = TransferControl()
+        self.control_id = f"kvdoctor-{next(_IDS)}"
+        CONTROLS[self.control_id] = self.control
+        # The worker's spec reads its extra config when the worker connector is created.
+        extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        extra[CONTROL_KEY] = self.control_id
+        self.kv_caches = compat.allocate_kv_caches(api, self.kv_cache_config, device, POISON_BYTE,
+                                                   compat.required_kv_cache_layout(scheduler))
+        self.connector = compat.create_worker_connector(api, self.vllm_config, self.kv_cache_config)
+        self._v2 = None
+        with compat.active_worker_connector(api, self.connector):
+            if model_runner == "v2":
+                if not compat.has_v2_kv_connector(api):
+                    raise UsageError("--model-runner v2: this vLLM has no Model Runner V2 connector glue")
+                self._v2 = compat.v2_connector(api, self.vllm_config, self.kv_caches)
+            else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
+                self.connector.register_kv_caches(self.kv_caches)
+        self.model = ToyModel.over(api, self.kv_cache_config, self.kv_caches)
+        self.control.on_store_copy = lambda job, _blocks: self.model.check_store(job)
+        self.control.on_load_mismatch = self._load_mismatch
+        self.engine = self.control.engine  # None with vLLM's own (CUDA) worker
+
+    # -- transfer control (recipe steps) ----------------------------------------
+    def _controllable(self, what: str) -> None:
+        if self.engine is None:
+            raise UsageError(f"{what} needs kvdoctor's copy engine (--device cpu): vLLM's own CUDA worker "
+                             f"completes transfers when the GPU does")
+
+    def hold(self, request: str | None = None, kind: str | None = None) -> None:
+        self._controllable("hold_transfers")
+        self._holds.append(Rule(request, kind))
+
+    def _release(self, request: str | None, kind: str | None, into: set[int]) -> list[int]:
+        rule = Rule(request, kind)
+        chosen = [jid for jid, job in self.in_flight.items() if rule.matches(job)]
+        for jid in chosen:
+            self.control.held.discard(jid)
+            into.add(jid)
+        self._holds = [r for r in self._holds
+                       if not ((request is None or r.request == request) and (kind is None or r.kind == kind))]
+        return chosen
+
+    def complete(self, request: str | None = None, kind: str | None = None) -> list[int]:
+        if self.engine is None:
+            return []
+        return self._release(request, kind, self.control.release_now)
+
+    def fail(self, request: str | None = None, kind: str | None = None) -> list[int]:
+        """Report matching jobs with success=False: what this release's connector does with a
+        failed transfer is vLLM's behaviour (0.26-0.33 assert every transfer succeeded)."""
+        self._controllable("fail_transfers")
+        return self._release(request, kind, self.control.failed)
+
+    def forget(self) -> None:
+        """A connector reset drops the scheduler's jobs; the worker's copies still run and report."""
+
+    # -- one step -----------------------------------------------------------------
+    def run_step(self, output: Any, new_jobs: list[Job], jobs_to_flush: set[int], step: int,
+                 sampled: dict[str, list[int]]) -> WorkerStep:
+        store_jobs, _ = self.api.store_and_load_jobs(output)  # copy: handle_preemptions pops flushed jobs
+        for job in new_jobs:
+            self.in_flight[job.job_id] = job
+            if any(rule.matches(job) for rule in self._holds):
+                self.control.held.add(job.job_id)
+        with compat.active_worker_connector(self.api, self.connector):
+            kv_output = self._step_v2(output, sampled) if self._v2 is not None else self._step_v1(output, sampled)
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        for jid, job in store_jobs.items():
+            spec = getattr(job, "src_spec", None)
+            sizes, _ = compat.gpu_spec_groups(spec, num_groups)
+            self.model.expect_store(int(jid), job.req_id, self.api.block_ids_of(spec), sizes)
+        completed = compat.completed_job_ids(kv_output)
+        failed = compat.failed_job_ids(kv_output)
+        for jid in completed + failed:
+            self.in_flight.pop(jid, None)
+        findings, self.model.findings = self.model.findings, []
+        return WorkerStep(kv_output, completed, failed, findings)
+
+    def _step_v1(self, output: Any, sampled: dict[str, list[int]]) -> Any:
+        """vllm/v1/worker/gpu_model_runner.py: the connector calls of execute_model."""
+        mixin = compat.runner_mixin(self.api)
+        self.connector.handle_preemptions(output.kv_connector_metadata)
+        self.model.update_states(output)
+        if not output.total_num_scheduled_tokens:
+            return mixin.kv_connector_no_forward(output, self.vllm_config).kv_connector_output
+        with compat.forward_context(self.api, self.vllm_config), mixin._get_kv_connector_output(output) as kvo:
+            self.model.forward(output, sampled)
+        return kvo
+
+    def _step_v2(self, output: Any, sampled: dict[str, list[int]]) -> Any:
+        """vllm/v1/worker/gpu/model_runner.py (Model Runner V2) through its ActiveKVConnector."""
+        self.model.update_states(output)
+        if not output.total_num_scheduled_tokens:
+            return self._v2.no_forward(output).kv_connector_output
+        self._v2.pre_forward(output)
+        with compat.forward_context(self.api, self.vllm_config):
+            self.model.forward(output, sampled)
+        if hasattr(self._v2, "finish_forward"):
+            self._v2.finish_forward()
+        return self._v2.post_forward(output.finished_req_ids)
+
+    def _load_mismatch(self, job: int, gpu_block: int, cpu_slot: int, found: str) -> None:
+        owner = self.in_flight.get(job)
+        request = owner.req_id if owner else "?"
+        self.model.findings.append(ContentFinding(
+            "load-returns-stored-bytes", request, "(page)", self.model.positions_of(request, gpu_block), gpu_block,
+            f"CPU slot {cpu_slot} returned {found}", job))
+
+    def describe(self) -> str:
+        copies = ("kvdoctor's CPU copy engine (vLLM's copy plan, memmove)" if self.engine is not None
+                  else "vLLM's CPUOffloadingWorker (CUDA copies)")
+        glue = "ActiveKVConnector" if self._v2 is not None else "KVConnectorModelRunnerMixin"
+        return (f"vLLM worker-role OffloadingConnector via model runner {self.model_runner} ({glue}), "
+                f"KV tensors on {self.device}, transfers by {copies}")
+
+    def shutdown(self) -> None:
+        try:
+            self.connector.shutdown()
+        except Exception:  # noqa: BLE001 - a crashed run may not shut down cleanly
+            pass
+        CONTROLS.pop(self.control_id, None)

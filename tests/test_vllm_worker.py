@@ -1,0 +1,163 @@
+"""--worker vllm: vLLM's worker-role OffloadingConnector on real KV bytes (CPU copy engine).
+
+Per-release outcomes are measurements (0.26.0 and 0.33.0); the content checks are judged
+on every built-in recipe. One harness per recipe run, one vLLM import per session.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from kvdoctor import app
+from kvdoctor.engine.harness import Harness
+from kvdoctor.observe.invariants import CONTENT_INVARIANTS
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes.builtins import all_builtins, resolve
+from kvdoctor.scenario import run_scenario
+from tests.conftest import ROOT, expected_for
+
+pytestmark = pytest.mark.vllm
+
+VLLM_CPU = {"worker": "vllm", "device": "cpu"}
+REPRODUCED, NOT = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
+# installed-logic outcome per built-in recipe with --worker vllm (measured)
+MEASURED = {
+    (0, 26): {"queued-abort": REPRODUCED, "preemption": REPRODUCED, "prefetch": REPRODUCED,
+              "final-token-slot-stored": REPRODUCED, "finished-after-finalize": REPRODUCED,
+              "preempt-reload-same-step": REPRODUCED},
+    (0, 33): {name: NOT for name in ("queued-abort", "preemption", "prefetch", "final-token-slot-stored",
+                                     "finished-after-finalize", "preempt-reload-same-step")},
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(api):
+    """Every built-in recipe once under the installed logic with vLLM's worker, and the simulated
+    worker's outcome beside it."""
+    runs = {}
+    for recipe in all_builtins():
+        setup = app.resolve_setup(recipe, VLLM_CPU)
+        simulated = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")
+        runs[recipe.name] = (run_scenario(api, recipe, setup, "installed"), simulated)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["queued-abort", "preemption", "prefetch", "final-token-slot-stored",
+                                  "finished-after-finalize", "preempt-reload-same-step"])
+def test_builtin_recipe_outcome_with_vllm_worker(api, release, vllm_runs, name):
+    expected = expected_for(api, release, MEASURED)[name]
+    real, simulated = vllm_runs[name]
+    assert real.outcome is expected, real.detail or real.failure
+    assert "vLLM worker-role OffloadingConnector" in real.worker and real.model_runner in ("v1", "v2")
+    if name in ("queued-abort", "preemption", "prefetch"):
+        assert real.outcome is simulated.outcome  # the K1 paths reproduce as with the simulated worker
+        if real.failure is not None:
+            assert (real.failure.exception, real.failure.function) == (
+                simulated.failure.exception, simulated.failure.function)
+
+
+def test_content_checks_hold_where_nothing_reproduces(api, release, vllm_runs):
+    """Not reproduced means every invariant held, the content ones included (they run on every step)."""
+    table = expected_for(api, release, MEASURED)
+    for name, (real, _) in vllm_runs.items():
+        if table.get(name) is NOT:
+            assert real.outcome is NOT and not real.violations, (name, real.detail)
+
+
+def test_final_token_slot_is_caught_by_content(api, release, vllm_runs):
+    """K4 through the bytes: the store copies position 15, whose KV the model never wrote."""
+    if expected_for(api, release, MEASURED)["final-token-slot-stored"] is not REPRODUCED:
+        pytest.skip("K4 does not reproduce on this release")
+    real, _ = vllm_runs["final-token-slot-stored"]
+    content = [v for v in real.violations if v.invariant == "store-copies-computed-kv"]
+    assert content, real.detail
+    assert "A layer model.layers.0.self_attn.attn position 15" in content[0].message
+    assert "never written" in content[0].message and "(block " in content[0].message
+
+
+@contextmanager
+def fence_removed(api):
+    """The connector's metadata without `jobs_to_flush` (scoped: always restored)."""
+    module = __import__("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+                        fromlist=["OffloadingConnector"])
+    cls = module.OffloadingConnector
+    original = cls.build_connector_meta
+
+    def without_fence(self, scheduler_output):
+        meta = original(self, scheduler_output)
+        meta.jobs_to_flush = set()
+        return meta
+
+    cls.build_connector_meta = without_fence
+    try:
+        yield
+    finally:
+        cls.build_connector_meta = original
+
+
+HELD_STORE = str(ROOT / "tests" / "data" / "held-store-blocks-reused.toml")
+
+
+def test_held_store_over_reused_blocks_is_fenced(api):
+    """Released code: the flush makes the worker copy A's bytes before B computes into the blocks."""
+    (result,) = app.repro(HELD_STORE, VLLM_CPU, "installed", record_timeline=True).results
+    assert result.outcome is NOT, result.detail
+    reuse = [e for e in result.timeline if e.events and e.events.reused_while_storing]
+    assert reuse and all(set(e.events.reused_while_storing) <= set(e.events.jobs_to_flush) for e in reuse)
+
+
+def test_missing_fence_shows_as_stale_bytes(api):
+    with fence_removed(api):
+        (result,) = app.repro(HELD_STORE, VLLM_CPU, "installed").results
+    assert result.outcome is REPRODUCED, result.detail or result.failure
+    (first, *_) = [v for v in result.violations if v.invariant == "store-copies-computed-kv"]
+    assert "store job #" in first.message and "A layer" in first.message
+    assert "stale: bytes of request B position" in first.message
+    # and the scope restored vLLM's method: the released code holds again
+    (again,) = app.repro(HELD_STORE, VLLM_CPU, "installed").results
+    assert again.outcome is NOT
+
+
+def test_bytes_really_move_and_loads_return_them(api):
+    """Store a prefix, reset the GPU prefix cache, reload it: loaded pages equal stored ones,
+    and the reader's forward checks every slot it reads."""
+    recipe = resolve("queued-abort")
+    setup = app.resolve_setup(recipe, {**VLLM_CPU, "gpu_blocks": 16})
+    harness = Harness(api, setup)
+    try:
+        prompt = list(range(100, 124))
+        harness.add("A", prompt, 2)
+        for _ in range(4):
+            harness.step()
+        assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+        harness.add("B", prompt + [7, 8, 9, 10, 11], 2)
+        findings = []
+        for _ in range(5):
+            findings += harness.step().content_findings
+        engine = harness.worker.engine
+        kinds = {kind for kind, _ in engine.submitted}
+        assert kinds == {"store", "load"}, engine.submitted
+        assert engine.stored and harness.worker.model.checked_slots > len(prompt)
+        assert findings == []
+    finally:
+        harness.shutdown()
+
+
+def test_content_invariants_are_named():
+    from kvdoctor.observe.invariants import INVARIANTS
+
+    assert set(CONTENT_INVARIANTS) <= set(INVARIANTS)
+
+
+def test_device_cuda_without_a_gpu_is_a_usage_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from tests.conftest import run_cli
+
+    proc = run_cli("repro", "queued-abort", "--worker", "vllm", "--device", "cuda")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "--device cuda" in proc.stderr
