@@ -18,10 +18,11 @@ from kvdoctor.cli import options as opt
 from kvdoctor.errors import (
     EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, KvdoctorError,
 )
+from kvdoctor.releases import SUPPORTED_RANGE_TEXT
 
 EXIT_CODES_HELP = (
     "Exit codes: 0 not reproduced (or not applicable) · 1 reproduced · 2 usage error or bad recipe file · "
-    "3 vLLM missing, broken or outside >=0.26.0,<0.34 · 4 recipe setup error or other failure."
+    f"3 vLLM missing, broken or outside {SUPPORTED_RANGE_TEXT} · 4 recipe setup error or other failure."
 )
 
 app = typer.Typer(
@@ -240,6 +241,9 @@ def audit(
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
 
 app.command()(explore)
+from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
+
+app.command()(matrix)
 
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from kvdoctor.report.tables import events_line, setup_line
+from kvdoctor.report.tables import events_line, release_hint_text, setup_line
 
 
 def _scrub(text: str) -> str:
@@ -106,6 +106,8 @@ def render_markdown(command: str, report: Any) -> str:
               "Upstream: " + ", ".join(recipe.refs), "", f"Reproduced means: {recipe.signature.describe()}", ""]
     lines += ["## Setup", "", f"`{setup_line(report.setup)}`", ""]
     lines += ["## Outcome", ""] + _result_rows(report)
+    if getattr(report, "release_hint", None) is not None:
+        lines += [f"_{release_hint_text(report.release_hint)}_", ""]
     for result in report.results:
         if result.failure is not None:
             lines += _failure(result)
@@ -125,7 +127,8 @@ def render_audit_markdown(report: Any) -> str:
               "|---|---|---|---|---|---|"]
     for row in report.rows:
         lines.append(f"| {row.bug} | {row.recipe.name} | {', '.join(row.recipe.refs)} | {row.recipe.title or ''} "
-                     f"| **{row.installed.outcome.value}** | {_scrub(row.hint or '')} |")
+                     f"| **{row.installed.outcome.value}** | {_scrub(row.hint or '')}"
+                     + (f"<br>{release_hint_text(row.release_hint)}" if row.release_hint else "") + " |")
     lines.append("")
     if report.metrics:
         lines += ["## Measured (performance bugs)", "", "| bug | upstream | what it costs | measured |",

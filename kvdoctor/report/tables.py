@@ -35,6 +35,12 @@ def verdict_table(report: Any) -> Table:
     return table
 
 
+def release_hint_text(hint: Any) -> str:
+    """A KnownFix as one line; says where it comes from, since it is not this run's verdict."""
+    return (f"upgrade hint: stops reproducing in vLLM {hint.release} (last reproducing {hint.last_reproducing}; "
+            f"kvdoctor {hint.kvdoctor_version} measurements of {hint.measured_on})")
+
+
 def why(result: Any) -> str:
     if result.failure is not None:
         f = result.failure
@@ -108,6 +114,8 @@ def repro_renderables(report: Any) -> list[Any]:
         Text(f"setup: {setup_line(report.setup)}", style="dim"),
         verdict_table(report),
     ]
+    if getattr(report, "release_hint", None) is not None:
+        items.append(Text(release_hint_text(report.release_hint), style="dim"))
     shown: dict[tuple, str] = {}
     for result in report.results:
         if result.failure is not None:
@@ -222,5 +230,6 @@ def audit_table(report: Any) -> Table:
         table.add_column(column, overflow="fold")
     for row in report.rows:
         table.add_row(row.bug, row.recipe.name, "\n".join(row.recipe.refs[:2]), row.recipe.title or "",
-                      outcome_text(row.installed.outcome.value), row.hint)
+                      outcome_text(row.installed.outcome.value),
+                      row.hint + (f"\n{release_hint_text(row.release_hint)}" if row.release_hint else ""))
     return table
