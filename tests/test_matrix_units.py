@@ -188,3 +188,15 @@ def test_the_shipped_data_file_loads_and_names_known_releases():
     rows = data.load()
     assert all(r.release in KNOWN_RELEASES for r in rows)
     assert len({(r.release, r.recipe) for r in rows}) == len(rows)
+
+
+def test_shipped_data_hints_where_queued_abort_stops():
+    """The measured 0.26.0 -> 0.27.0 fix of K1 (PR #49146) shows as the hint repro/audit print."""
+    measured = {r.release for r in data.load() if r.recipe == "queued-abort"}
+    if not {"0.26.0", "0.27.0"} <= measured:
+        pytest.skip("queued-abort not measured on both 0.26.0 and 0.27.0")
+    hint = known.first_release_not_reproducing("queued-abort")
+    assert (hint.release, hint.last_reproducing) == ("0.27.0", "0.26.0")
+    from kvdoctor.report.tables import release_hint_text
+
+    assert release_hint_text(hint).startswith("upgrade hint: stops reproducing in vLLM 0.27.0 (last reproducing 0.26.0;")

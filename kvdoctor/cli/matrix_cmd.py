@@ -84,6 +84,8 @@ def matrix(
         if write_data is not None:
             from kvdoctor.matrix import data
 
+            for release, why in matrix_app.unmeasured_releases(result).items():
+                typer.echo(f"kvdoctor matrix: vLLM {release} not written to {write_data} ({why})", err=True)
             rows = data.merge(data.load(write_data), matrix_app.data_rows(result))
             _write_whole(write_data, data.render(rows), "--write-data")
             typer.echo(f"release outcomes written to {write_data}", err=True)

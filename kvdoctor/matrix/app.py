@@ -148,11 +148,20 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
     return report
 
 
+def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
+    """Releases whose run broke (environment or kvdoctor failure): no measurement to keep."""
+    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
+
+    return {c.release: f"{c.outcome}: {c.detail}" for c in report.cells.values()
+            if c.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE)}
+
+
 def data_rows(report: MatrixReport) -> list:
-    """The report's cells as release-outcomes rows (only whole-audit runs may be written)."""
+    """The report's cells as release-outcomes rows, leaving out releases whose run broke."""
     from kvdoctor.matrix.data import OutcomeRow
 
+    broken = unmeasured_releases(report)
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
                        failure_site=c.failure_site if c.outcome == "reproduced" else None,
                        measured_on=report.measured_on, kvdoctor_version=report.kvdoctor_version)
-            for c in report.cells.values()]
+            for c in report.cells.values() if c.release not in broken]
