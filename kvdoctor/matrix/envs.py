@@ -33,7 +33,7 @@ MARKER = ".kvdoctor-env.json"
 # Packages kvdoctor needs next to vLLM (kvdoctor's own dependencies, from pyproject).
 RUNTIME_REQUIREMENTS = ("typer>=0.12", "rich>=13.7")
 OVERRIDES = ("flashinfer-python; sys_platform == 'never'",)
-_NETWORK_WORDS = ("failed to fetch", "dns error", "connection refused", "connect error", "network",
+_NETWORK_WORDS = ("failed to fetch", "not found in the cache", "dns error", "connection refused", "connect error", "network",
                   "timed out", "offline", "error sending request", "tcp connect", "could not connect")
 
 
