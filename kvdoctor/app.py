@@ -26,6 +26,8 @@ class ReproReport:
     vllm_version: str
     results: list[Any] = field(default_factory=list)  # RunResult
     command: str = ""
+    # From kvdoctor's release measurements (kvdoctor.matrix.known), shown as a hint, never the verdict.
+    release_hint: Any = None  # KnownFix | None
 
     @property
     def kv_plan(self) -> Any:
@@ -103,7 +105,8 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     api = load_vllm()
     from kvdoctor.scenario import run_scenario
 
-    report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command)
+    report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command,
+                         release_hint=_release_hint(recipe))
     for variant in variants:
         report.results.append(run_scenario(api, recipe, setup, variant, record_timeline=record_timeline))
     report.setup = with_model_runner(setup, report.results)
@@ -149,6 +152,7 @@ class AuditRow:
     setup: Setup
     installed: Any  # RunResult
     fixed: Any  # RunResult
+    release_hint: Any = None  # KnownFix | None: measured on other releases, never the verdict
 
     @property
     def hint(self) -> str:
@@ -225,7 +229,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditRe
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
-                                    installed, fixed))
+                                    installed, fixed, _release_hint(recipe)))
     report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
     from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 
@@ -235,6 +239,15 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditRe
     except MeasurementIncomplete as exc:
         report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), None, error=str(exc)))
     return report
+
+
+def _release_hint(recipe: Recipe) -> Any:
+    """The first release where kvdoctor measured a built-in recipe stop reproducing, if any."""
+    if not recipe.builtin:
+        return None
+    from kvdoctor.matrix.known import first_release_not_reproducing
+
+    return first_release_not_reproducing(recipe.name)
 
 
 def _bug_order(bug: str) -> tuple[int, str]:

@@ -16,12 +16,12 @@ def test_parse_version(text, expected):
     assert compat.parse_version(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0.26.0", "0.29.3", "0.33.0", "0.33.9"])
+@pytest.mark.parametrize("text", ["0.26.0", "0.29.3", "0.33.0", "0.33.9", "0.34.0"])
 def test_supported_releases_pass(text):
     assert compat.check_supported(text)[:2] >= (0, 26)
 
 
-@pytest.mark.parametrize("text", ["0.25.1", "0.34.0", "1.0.0", "nonsense"])
+@pytest.mark.parametrize("text", ["0.25.1", "0.35.0", "1.0.0", "nonsense"])
 def test_unsupported_releases_are_exit_3(text):
     with pytest.raises(VllmUnavailableError) as info:
         compat.check_supported(text)

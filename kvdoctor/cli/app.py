@@ -323,6 +323,11 @@ from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only);
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor explore --time-budget 60",
     "kvdoctor explore --logic fixed --workers 2 --out findings/"))(_with_exit_codes(_EXPLORE_EXIT_CODES)(explore))
+from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
+
+app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
+    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_AUDIT_EXIT_CODES)(matrix))
 
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],

@@ -20,9 +20,7 @@ from typing import Any, Iterator
 
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 
-SUPPORTED_MIN = (0, 26, 0)
-SUPPORTED_MAX_EXCLUSIVE = (0, 35, 0)
-SUPPORTED_RANGE_TEXT = ">=0.26.0,<0.35"
+from kvdoctor.releases import SUPPORTED_MAX_EXCLUSIVE, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT  # noqa: F401 - one definition
 
 OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 OFFLOADING_COMMON_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"

@@ -46,12 +46,21 @@ def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
         "recipe": recipe_dict(report.recipe),
         "setup": setup_dict(report.setup, report.kv_plan),
         "results": [result_dict(r, with_timeline) for r in report.results],
+        "release_hint": release_hint_dict(getattr(report, "release_hint", None)),
     }
 
 
 def setup_dict(setup: Any, kv_plan: Any) -> dict[str, Any]:
     """The setup as given, plus the KV cache groups vLLM's planner built from it (None: nothing ran)."""
     return {**setup.as_dict(), "kv_cache": kv_plan.as_dict() if kv_plan is not None else None}
+
+
+def release_hint_dict(hint: Any) -> dict[str, Any] | None:
+    """kvdoctor's measurement on other releases (a hint; the verdict is `results`)."""
+    if hint is None:
+        return None
+    return {"first_not_reproducing": hint.release, "last_reproducing": hint.last_reproducing,
+            "measured_on": hint.measured_on, "kvdoctor_version": hint.kvdoctor_version}
 
 
 def dumps(document: dict[str, Any]) -> str:
@@ -73,6 +82,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
+                "release_hint": release_hint_dict(row.release_hint),
             }
             for row in report.rows
         ],

@@ -49,9 +49,11 @@ def first_fixed_text(value: Any) -> str:
     if isinstance(value, str):
         return f"vLLM {value} and later (measured by kvdoctor matrix)" if value[:1].isdigit() else value
     release = getattr(value, "release", None) or getattr(value, "version", None)
-    when = getattr(value, "measured", None) or getattr(value, "date", None)
+    when = getattr(value, "measured_on", None)
+    last = getattr(value, "last_reproducing", None)
     if release:
-        return f"vLLM {release} and later (measured by kvdoctor matrix{f', {when}' if when else ''})"
+        return (f"vLLM {release} and later (last reproducing: {last}; measured by kvdoctor matrix"
+                f"{f' on {when}' if when else ''}: a hint, not this run's verdict)")
     return str(value)
 
 

@@ -64,6 +64,12 @@ def why_lines(result: Any) -> list[str]:
     return parts or ["ran through; no failure"]
 
 
+def release_hint_text(hint: Any) -> str:
+    """A KnownFix as one line; says where it comes from, since it is not this run's verdict."""
+    return (f"upgrade hint: stops reproducing in vLLM {hint.release} (last reproducing {hint.last_reproducing}; "
+            f"kvdoctor {hint.kvdoctor_version} measurements of {hint.measured_on})")
+
+
 def why(result: Any) -> str:
     if result.failure is not None:
         f = result.failure
@@ -219,7 +225,7 @@ def repro_renderables(report: Any) -> list[Any]:
     decisive = report.decisive
     fixed = next((r for r in report.results if r.logic == "fixed"), None)
     cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
-    steps = next_steps(report.recipe, decisive.outcome.value, getattr(report, "first_fixed", None), cap,
+    steps = next_steps(report.recipe, decisive.outcome.value, getattr(report, "release_hint", None), cap,
                        decisive.detail)
     rendered = next_steps_renderable(steps)
     if rendered is not None:
@@ -385,7 +391,7 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
 
     outcome = row.installed.outcome.value
     cap = row.fixed.outcome.value != "reproduced" if row.fixed is not None else None
-    steps = next_steps(row.recipe, outcome, getattr(row, "first_fixed", None), cap, row.installed.detail)
+    steps = next_steps(row.recipe, outcome, getattr(row, "release_hint", None), cap, row.installed.detail)
     if outcome == "reproduced":  # one "report one" line under the table instead of one per row
         steps = [(label, text) for label, text in steps if label != "report it"]
     return steps

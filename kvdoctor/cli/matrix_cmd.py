@@ -1,0 +1,167 @@
+"""`kvdoctor matrix`: the same recipes asked of many vLLM releases, one environment each.
+
+Register with `app.command()(matrix)` in `kvdoctor.cli.app`. Importing this module stays
+cheap (Typer only): the work is in `kvdoctor.matrix.app`, imported inside the command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from kvdoctor.cli import options as opt
+from kvdoctor.releases import KNOWN_RELEASES
+
+RELEASES = "Releases"
+
+
+def matrix(
+    recipes: Annotated[Optional[list[str]], typer.Argument(
+        help="Built-in recipe names or recipe .toml files.", show_default=False)] = None,
+    vllm: Annotated[Optional[str], typer.Option(
+        "--vllm", help=f"Releases: a list (0.26.0,0.30.0) or an inclusive range (0.26.0..0.34.0) of "
+                       f"{', '.join(KNOWN_RELEASES)}. Default: all of them.",
+        rich_help_panel=RELEASES, show_default=False)] = None,
+    audit: Annotated[bool, typer.Option("--audit", help="Every built-in recipe (kvdoctor audit) on each release.",
+                                        rich_help_panel=RELEASES)] = False,
+    bisect: Annotated[bool, typer.Option(
+        "--bisect", help="Find the first release where each recipe stops reproducing (and the last where it "
+                         "still does), testing as few releases as a binary search needs.",
+        rich_help_panel=RELEASES)] = False,
+    env_dir: Annotated[Optional[Path], typer.Option(
+        "--env-dir", envvar="KVDOCTOR_MATRIX_ENV_DIR",
+        help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
+             "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
+             "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
+    json_out: opt.Json = False,
+    report: opt.ReportFile = None,
+    write_data: Annotated[Optional[Path], typer.Option(
+        "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
+                             "FILE (rows of the releases measured are replaced; for kvdoctor's maintainers).",
+        rich_help_panel=opt.OUTPUT)] = None,
+) -> None:
+    """Run recipes on several vLLM releases, each in its own uv-built environment, and tabulate
+    release x recipe -> outcome under the installed logic, with the failure site where reproduced.
+
+    Environments are built once (uv, from the package registry) and reused. kvdoctor runs in each
+    with --json, from this kvdoctor's own source.
+
+    Exit codes: 0 nothing reproduced · 1 a recipe reproduced on some release · 2 usage error (bad
+    release name, release out of range) · 3 an environment cannot be built (no registry) · 4 a
+    setup_error/other_failure or a broken environment somewhere."""
+    from kvdoctor.cli.app import _command_line, _console, _run
+
+    def action() -> int:
+        from kvdoctor.errors import UsageError
+
+        if write_data is not None and (not audit or bisect):
+            raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
+        for path, flag in ((report, "--report"), (write_data, "--write-data")):
+            if path is not None and not path.resolve().parent.is_dir():
+                raise UsageError(f"{flag} {path}: no such directory {path.resolve().parent}")
+        from kvdoctor.matrix import app as matrix_app
+
+        with _Display() as display:
+            result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
+                                       command=_command_line(), progress=display.callbacks())
+        from kvdoctor.report.matrix import matrix_document, matrix_markdown, matrix_renderables
+
+        if json_out:
+            from kvdoctor.report.json_doc import dumps
+
+            typer.echo(dumps(matrix_document(result)))
+        else:
+            console = _console()
+            for item in matrix_renderables(result):
+                console.print(item)
+        if report is not None:
+            _write_whole(report, matrix_markdown(result), "--report")
+            typer.echo(f"report written to {report}", err=True)
+        if write_data is not None:
+            from kvdoctor.matrix import data
+
+            for release, why in matrix_app.unmeasured_releases(result).items():
+                typer.echo(f"kvdoctor matrix: vLLM {release} not written to {write_data} ({why})", err=True)
+            rows = data.merge(data.load(write_data), matrix_app.data_rows(result))
+            _write_whole(write_data, data.render(rows), "--write-data")
+            typer.echo(f"release outcomes written to {write_data}", err=True)
+        return int(result.exit_status)
+
+    _run(action)
+
+
+def _write_whole(path: Path, text: str, flag: str) -> None:
+    """Write to a scratch file next to `path`, then rename: never a half-written file."""
+    from kvdoctor.errors import UsageError
+
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        scratch.write_text(text)
+        scratch.replace(path)
+    except OSError as exc:
+        scratch.unlink(missing_ok=True)
+        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+
+
+class _Display:
+    """A rich progress bar on stderr while environments are built; one line per step otherwise."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        self.live = self.console.is_terminal
+        self.progress: Any = None
+        self.build_task: Any = None
+        self.run_task: Any = None
+
+    def __enter__(self) -> "_Display":
+        if self.live:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                     console=self.console, transient=True)
+            self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def callbacks(self) -> Any:
+        from kvdoctor.matrix.app import Progress
+
+        return Progress(building=self._building, built=self._built, running=self._running, ran=self._ran)
+
+    def _say(self, text: str) -> None:
+        if self.progress is None:
+            print(f"kvdoctor matrix: {text}", file=sys.stderr, flush=True)
+
+    def _building(self, release: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            if self.build_task is None:
+                self.build_task = self.progress.add_task("environments", total=total)
+            self.progress.update(self.build_task, total=total, completed=done,
+                                 description=f"building the vLLM {release} environment (uv)")
+        self._say(f"building the vLLM {release} environment with uv ({done + 1}/{total})")
+
+    def _built(self, release: str, seconds: float) -> None:
+        if self.progress is not None and self.build_task is not None:
+            self.progress.advance(self.build_task)
+            self.progress.update(self.build_task, description="environments")
+        self._say(f"vLLM {release} environment ready ({seconds:.0f} s)")
+
+    def _running(self, release: str, what: str) -> None:
+        if self.progress is not None:
+            if self.run_task is None:
+                self.run_task = self.progress.add_task("running", total=None)
+            self.progress.update(self.run_task, description=f"vLLM {release}: {what}")
+
+    def _ran(self, cell: Any) -> None:
+        if self.progress is not None and self.run_task is not None:
+            self.progress.advance(self.run_task)

@@ -1,0 +1,167 @@
+"""`kvdoctor matrix`'s application function: releases x recipes -> cells, and bisections.
+
+Free of Typer and formatting (`kvdoctor.report.matrix` renders the report). Inputs are
+checked before any environment is built; the report is written by the CLI only after
+every cell is in, so a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvdoctor import __version__
+from kvdoctor.errors import ExitStatus, UsageError
+from kvdoctor.matrix.bisect import Bisection, bisect_releases
+from kvdoctor.matrix.envs import EnvStore, ReleaseEnv
+from kvdoctor.matrix.releases import parse_spec
+from kvdoctor.matrix.runner import Cell, Runner
+
+AUDIT = "(audit)"
+
+
+@dataclass
+class MatrixReport:
+    releases: list[str]  # asked for, oldest first
+    recipes: list[str]  # recipe names, in the order given (every built-in for --audit)
+    audit: bool
+    bisect: bool
+    cells: dict[tuple[str, str], Cell] = field(default_factory=dict)  # (release, recipe) -> cell
+    bisections: list[Bisection] = field(default_factory=list)
+    environments: dict[str, str] = field(default_factory=dict)  # release -> "cached" | "built" | "lent"
+    command: str = ""
+    kvdoctor_version: str = __version__
+    measured_on: str = field(default_factory=lambda: datetime.date.today().isoformat())
+
+    def cell(self, release: str, recipe: str) -> Cell | None:
+        return self.cells.get((release, recipe))
+
+    @property
+    def tested_releases(self) -> list[str]:
+        seen = {release for release, _ in self.cells}
+        return [r for r in self.releases if r in seen]
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        """Like audit's: 1 when anything reproduced, else 4 when any cell is neither answer."""
+        outcomes = [c.outcome for c in self.cells.values()]
+        if "reproduced" in outcomes:
+            return ExitStatus.REPRODUCED
+        if any(o not in ("not_reproduced", "not_applicable") for o in outcomes):
+            return ExitStatus.SETUP_OR_OTHER_FAILURE
+        return ExitStatus.NOT_REPRODUCED
+
+
+@dataclass
+class Progress:
+    """Callbacks for the CLI's progress display (all optional)."""
+
+    building: Callable[[str, int, int], None] = lambda release, done, total: None
+    built: Callable[[str, float], None] = lambda release, seconds: None
+    running: Callable[[str, str], None] = lambda release, what: None
+    ran: Callable[[Cell], None] = lambda cell: None
+
+
+def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
+    """(name, reference for the child) per recipe; files become absolute paths."""
+    from kvdoctor.recipes.builtins import all_builtins, resolve
+
+    if audit and refs:
+        raise UsageError("give RECIPE names or --audit, not both")
+    if not audit and not refs:
+        raise UsageError("give one or more RECIPEs (built-in names or .toml files), or --audit")
+    if audit:
+        return [(r.name, r.name) for r in all_builtins()]
+    out: list[tuple[str, str]] = []
+    for ref in refs:
+        recipe = resolve(ref)
+        child_ref = ref if recipe.builtin else str(Path(ref).resolve())
+        if recipe.name not in [name for name, _ in out]:
+            out.append((recipe.name, child_ref))
+    return out
+
+
+def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: bool,
+           env_dir: Path | None = None, command: str = "", progress: Progress | None = None) -> MatrixReport:
+    progress = progress or Progress()
+    recipes = resolve_recipes(recipe_refs, audit)
+    releases = parse_spec(vllm_spec)
+    if env_dir is not None and not env_dir.is_dir():
+        raise UsageError(f"--env-dir {env_dir}: not a directory")
+    store = EnvStore(env_dir=env_dir)
+    report = MatrixReport(releases=releases, recipes=[name for name, _ in recipes], audit=audit, bisect=bisect,
+                          command=command)
+    envs: dict[str, ReleaseEnv] = {}
+    to_build = store.missing(releases) if not bisect else []  # bisect builds only what it tests
+
+    def env_for(release: str) -> ReleaseEnv:
+        if release not in envs:
+            ready = store.ready(release)
+            if ready is None:
+                if release not in to_build:
+                    to_build.append(release)
+                progress.building(release, to_build.index(release), len(to_build))
+                import time
+
+                started = time.monotonic()
+                ready = store.build(release)
+                progress.built(release, time.monotonic() - started)
+                report.environments[release] = "built"
+            else:
+                report.environments[release] = "lent" if ready.lent else "cached"
+            envs[release] = ready
+        return envs[release]
+
+    with Runner() as runner:
+        def run(release: str, name: str, ref: str) -> Cell:
+            if (release, name) not in report.cells:
+                env = env_for(release)
+                if audit:
+                    progress.running(release, "audit")
+                    for cell in runner.audit(env):
+                        report.cells[(release, cell.recipe)] = cell
+                        progress.ran(cell)
+                    if (release, name) not in report.cells:  # the audit itself failed
+                        failed = report.cells.pop((release, AUDIT), None) or Cell(release, name, "internal_error")
+                        for recipe_name in report.recipes:
+                            report.cells[(release, recipe_name)] = Cell(**{**failed.as_dict(), "recipe": recipe_name})
+                else:
+                    progress.running(release, name)
+                    cell = runner.recipe(env, ref)
+                    cell.recipe = name
+                    report.cells[(release, name)] = cell
+                    progress.ran(cell)
+            return report.cells[(release, name)]
+
+        for release in to_build:  # build every missing environment first: one progress bar
+            env_for(release)
+        if bisect:
+            for name, ref in recipes:
+                report.bisections.append(
+                    bisect_releases(name, releases, lambda release: run(release, name, ref).outcome))
+        else:
+            for release in releases:
+                for name, ref in recipes:
+                    run(release, name, ref)
+    return report
+
+
+def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
+    """Releases whose run broke (environment or kvdoctor failure): no measurement to keep."""
+    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
+
+    return {c.release: f"{c.outcome}: {c.detail}" for c in report.cells.values()
+            if c.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE)}
+
+
+def data_rows(report: MatrixReport) -> list:
+    """The report's cells as release-outcomes rows, leaving out releases whose run broke."""
+    from kvdoctor.matrix.data import OutcomeRow
+
+    broken = unmeasured_releases(report)
+    return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
+                       failure_site=c.failure_site if c.outcome == "reproduced" else None,
+                       measured_on=report.measured_on, kvdoctor_version=report.kvdoctor_version)
+            for c in report.cells.values() if c.release not in broken]

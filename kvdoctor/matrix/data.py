@@ -1,0 +1,75 @@
+"""The release-outcomes data file: kvdoctor's own measurements, one row per release x recipe.
+
+Written only from real runs (`kvdoctor matrix --audit --write-data FILE`), reviewed like
+code, and checked by tests/test_release_outcomes.py against `kvdoctor audit --json` on the
+release installed; `kvdoctor.matrix.known` reads it for the hints in `repro` and `audit`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from kvdoctor.errors import UsageError
+from kvdoctor.releases import KNOWN_RELEASES
+
+DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "release_outcomes.toml"
+DATA_SCHEMA_VERSION = 1
+HEADER = """\
+# vLLM release x built-in recipe -> outcome under vLLM's installed logic, as kvdoctor measured it.
+# Written by `kvdoctor matrix --audit --write-data kvdoctor/data/release_outcomes.toml` from real
+# runs; never edit by hand: re-measure. tests/test_release_outcomes.py fails when a release's
+# `kvdoctor audit --json` disagrees with its rows (outcome, or the failure site when reproduced).
+"""
+
+
+@dataclass(frozen=True)
+class OutcomeRow:
+    release: str
+    recipe: str
+    bug: str
+    outcome: str
+    failure_site: str | None
+    measured_on: str  # YYYY-MM-DD
+    kvdoctor_version: str
+
+
+def load(path: Path = DATA_FILE) -> list[OutcomeRow]:
+    if not path.is_file():
+        return []
+    try:
+        data = tomllib.loads(path.read_text())
+        return [OutcomeRow(release=r["release"], recipe=r["recipe"], bug=r.get("bug", "-"), outcome=r["outcome"],
+                           failure_site=r.get("failure_site"), measured_on=r["measured_on"],
+                           kvdoctor_version=r["kvdoctor_version"])
+                for r in data.get("outcome", [])]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise UsageError(f"{path}: not a release-outcomes file ({type(exc).__name__}: {exc})") from None
+
+
+def _order(row: OutcomeRow) -> tuple[int, str]:
+    index = KNOWN_RELEASES.index(row.release) if row.release in KNOWN_RELEASES else len(KNOWN_RELEASES)
+    return index, row.recipe
+
+
+def render(rows: Iterable[OutcomeRow]) -> str:
+    from kvdoctor.recipes.writer import toml_string
+
+    lines = [HEADER, f"schema_version = {DATA_SCHEMA_VERSION}", ""]
+    for row in sorted(rows, key=_order):
+        lines.append("[[outcome]]")
+        for key in ("release", "recipe", "bug", "outcome", "failure_site", "measured_on", "kvdoctor_version"):
+            value = getattr(row, key)
+            if value is not None:
+                lines.append(f"{key} = {toml_string(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def merge(old: Iterable[OutcomeRow], new: Iterable[OutcomeRow]) -> list[OutcomeRow]:
+    """The new measurements replace every old row of the releases they cover."""
+    new = list(new)
+    remeasured = {row.release for row in new}
+    return [row for row in old if row.release not in remeasured] + new

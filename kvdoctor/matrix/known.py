@@ -1,0 +1,41 @@
+"""What the release-outcomes data says about upgrading: a hint, never a verdict.
+
+The verdict of `repro`/`audit` always comes from running the recipe on the vLLM installed
+here; this only adds "on the releases kvdoctor measured, it stops reproducing from X".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+from kvdoctor.matrix import data
+from kvdoctor.releases import KNOWN_RELEASES
+
+NOT_REPRODUCING = ("not_reproduced", "not_applicable")
+
+
+class KnownFix(NamedTuple):
+    release: str  # first measured release where the recipe no longer reproduces
+    last_reproducing: str  # the measured release before it, where it still does
+    measured_on: str
+    kvdoctor_version: str
+
+
+def first_release_not_reproducing(recipe_name: str, path: Path | None = None) -> KnownFix | None:
+    """The first measured release after the last one where `recipe_name` reproduces (installed
+    logic), when it does not reproduce there; None when never measured, never reproducing, or
+    reproducing up to the newest measured release."""
+    try:
+        rows = [r for r in data.load(path or data.DATA_FILE) if r.recipe == recipe_name and r.release in KNOWN_RELEASES]
+    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+        return None
+    rows.sort(key=lambda r: KNOWN_RELEASES.index(r.release))
+    last = max((i for i, r in enumerate(rows) if r.outcome == "reproduced"), default=None)
+    if last is None:
+        return None
+    for row in rows[last + 1:]:
+        if row.outcome in NOT_REPRODUCING:
+            return KnownFix(row.release, rows[last].release, row.measured_on, row.kvdoctor_version)
+        return None  # an error or setup_error right after: no honest answer
+    return None
