@@ -77,6 +77,9 @@ class Signature:
     function: str | None = None
     contains: str | None = None  # text the failing source line must contain
     invariant: str | None = None
+    # vLLM functions expected above `function` in the traceback, outermost first (not necessarily
+    # adjacent). Optional; `kvdoctor diagnose` ranks a log's crash higher when its chain has them.
+    callers: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.invariant:
@@ -100,3 +103,4 @@ class Recipe:
     builtin: bool = False
     requires: tuple[str, ...] = ()  # e.g. "spec:TieringOffloadingSpec" (see recipes/requirements.py)
     invariants: tuple[str, ...] = ()  # extra invariants to check every step (see observe/invariants.py)
+    workaround: str | None = None  # what an operator can do until the fix is in their release
