@@ -241,6 +241,10 @@ from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only);
 
 app.command()(explore)
 
+from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
+
+app.command()(diagnose)
+
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
             renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:
