@@ -55,7 +55,7 @@ def _pick_crash(tracebacks: list[LogTraceback]) -> LogTraceback | None:
     if not candidates:
         return None
     best = min(candidates, key=lambda tb: (rank(tb), tb.start_line))
-    if best.is_reraise and not best.vllm_frames:
+    if best.is_reraise:  # only the API server's EngineDeadError: the engine's traceback is not here
         return None
     return best
 

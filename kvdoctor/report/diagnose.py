@@ -51,6 +51,10 @@ def crash_lines(report: Any) -> list[str]:
     s = report.summary
     crash = s.crash
     if crash is None:
+        if s.reraise_seen:
+            return ["no engine crash found in this log: only the API server's EngineDeadError, which says the "
+                    "engine died; its own traceback is earlier in the full log (look for `EngineCore "
+                    "encountered a fatal error`)"]
         return ["no engine crash found in this log"]
     out = []
     who = f"in {crash.process}" if crash.process else "(no process prefix)"
