@@ -258,3 +258,15 @@ def test_cli_stdin_json_and_report_without_leaks(tmp_path):
     text = report.read_text() + proc.stdout
     for leak in ("sk-", "/home", "node-17", "10.1.2.3", "10.0.0.", "POST", "/usr/local", "/mnt/secret"):
         assert leak not in text
+
+
+def test_many_earlier_tracebacks_and_a_stale_cut_one_do_not_hide_the_crash():
+    warning = ("(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] Traceback (most recent call last):\n"
+               '(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116]   File "/x/vllm/v1/kv_offload/worker/'
+               'worker.py", line 114, in transfer_async\n'
+               "(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] AssertionError\n")
+    stale = '(APIServer pid=1) ERROR 08-04 09:40:00 [x.py:1] Traceback (most recent call last):\n'
+    requests = '(APIServer pid=1) INFO:     10.0.0.1:5000 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 600
+    summary = _read(stale + requests + warning * 100 + SYNTHETIC)
+    assert summary.crash.vllm_frames[-1].function == "_build_store_jobs"
+    assert summary.crash.after_fatal_marker

@@ -13,16 +13,21 @@ import io
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from kvdoctor.diagnose import serveline
 from kvdoctor.diagnose.logline import clean
-from kvdoctor.diagnose.traceback import LogTraceback, TracebackAssembler
+from kvdoctor.diagnose.traceback import LogTraceback, TracebackAssembler, crash_rank
 from kvdoctor.errors import UsageError
 
 MAX_LINE = 64 * 1024
-_CHEAP_MARKERS = ("Traceback", "File ", "Error", "Exception", "version", "args", "serve", "vllm",
-                  "EngineCore", "...", "Dead")
+CHUNK = 4 << 20
+# A line that can start what diagnosis reads contains one of these: a traceback's header or a frame (a
+# paste may lack the header), the fatal-error markers, the version and args lines. Each is searched for
+# over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
+# lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
+_MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
+            b"serve", b"vllm")
 
 
 @dataclass
@@ -46,57 +51,102 @@ class LogSummary:
 def _pick_crash(tracebacks: list[LogTraceback]) -> LogTraceback | None:
     """The engine's own traceback: complete before cut short, engine process before others,
     never the API server's EngineDeadError re-raise unless nothing else is there; first wins."""
-    def rank(tb: LogTraceback) -> tuple[int, int, int, int]:
-        engine = tb.process is not None and tb.process.startswith("EngineCore")
-        return (1 if tb.is_reraise else 0, 1 if tb.cut_short else 0,
-                0 if (engine or tb.after_fatal_marker) else 1, 0 if tb.vllm_frames else 1)
-
     candidates = [tb for tb in tracebacks if tb.frames or tb.exception]
     if not candidates:
         return None
-    best = min(candidates, key=lambda tb: (rank(tb), tb.start_line))
+    best = min(candidates, key=lambda tb: (crash_rank(tb), tb.start_line))
     if best.is_reraise:  # only the API server's EngineDeadError: the engine's traceback is not here
         return None
     return best
 
 
+def _chunks(stream: IO[bytes]) -> Iterator[bytes]:
+    """Whole lines, a few MiB at a time; a line longer than MAX_LINE is cut there (the rest skipped)."""
+    carry = b""
+    skipping = False
+    while True:
+        data = stream.read(CHUNK)
+        if not data:
+            if carry and not skipping:
+                yield carry + b"\n"
+            return
+        if skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                continue
+            data, skipping = data[newline + 1:], False
+        buffer = carry + data
+        cut = buffer.rfind(b"\n")
+        if cut >= 0:
+            yield buffer[: cut + 1]
+            carry = buffer[cut + 1:]
+        else:
+            carry = buffer
+        if len(carry) > MAX_LINE:
+            yield carry[:MAX_LINE] + b"\n"
+            carry, skipping = b"", True
+
+
+def _interesting_starts(chunk: bytes) -> list[int]:
+    starts: set[int] = set()
+    for marker in _MARKERS:
+        at = chunk.find(marker)
+        while at >= 0:
+            starts.add(chunk.rfind(b"\n", 0, at + (1 if marker[:1] == b"\n" else 0)) + 1)
+            line_end = chunk.find(b"\n", at + 1)
+            if line_end < 0:
+                break
+            at = chunk.find(marker, line_end + (0 if marker[:1] == b"\n" else 1))
+    if chunk[:1] in (b" ", b"\t"):
+        starts.add(0)
+    return sorted(starts)
+
+
 def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     summary = LogSummary(source=source)
     assembler = TracebackAssembler()
-    image_version: str | None = None
-    command_args: dict[str, Any] | None = None
-    number = 0
-    while True:
-        raw = stream.readline(MAX_LINE)
-        if not raw:
-            break
-        number += 1
-        if len(raw) == MAX_LINE and not raw.endswith(b"\n"):
-            while True:  # skip the rest of an over-long line without holding it
-                rest = stream.readline(MAX_LINE)
-                if not rest or rest.endswith(b"\n"):
-                    break
-        text = raw.decode("utf-8", errors="replace")
+    found: dict[str, Any] = {"image_version": None, "command_args": None}
+
+    def look_at(raw: bytes, number: int) -> None:
+        text = raw[:MAX_LINE].decode("utf-8", errors="replace")
         if "\x00" in text:
             text = text.replace("\x00", "")
-        if not any(marker in text for marker in _CHEAP_MARKERS) and not text.startswith((" ", "\t")) \
-                and not assembler.open:
-            continue  # the bulk of a log (request lines) costs one scan
         line = clean(text)
         body = line.body
         if summary.version is None and "version" in body:
             summary.version = serveline.banner_version(body)
             if summary.version:
                 summary.version_source = "banner"
-        if image_version is None and "vllm-openai:" in body:
-            image_version = serveline.image_version(body)
+        if found["image_version"] is None and "vllm-openai:" in body:
+            found["image_version"] = serveline.image_version(body)
         if summary.args_source != "non-default args" and "non-default args" in body:
             args = serveline.non_default_args(body)
             if args is not None:
                 summary.serve_args, summary.args_source = args, "non-default args"
-        if command_args is None and "serve" in body or command_args is None and "api_server" in body:
-            command_args = serveline.command_line_args(body)
+        if found["command_args"] is None and ("serve" in body or "api_server" in body):
+            found["command_args"] = serveline.command_line_args(body)
         assembler.feed(line, number)
+
+    number = 0  # lines before the current chunk
+    for chunk in _chunks(stream):
+        starts = _interesting_starts(chunk)
+        index, position, counted, lines_before = 0, 0, 0, number
+        size = len(chunk)
+        while position < size:
+            if not assembler.open:
+                while index < len(starts) and starts[index] < position:
+                    index += 1
+                if index == len(starts):
+                    break
+                position = starts[index]
+            end = chunk.find(b"\n", position)
+            end = size if end < 0 else end
+            lines_before += chunk.count(b"\n", counted, position)
+            counted = position
+            look_at(chunk[position:end], lines_before + 1)
+            position = end + 1
+        number += chunk.count(b"\n")
+    image_version, command_args = found["image_version"], found["command_args"]
     summary.lines = number
     summary.tracebacks = assembler.close()
     summary.tracebacks_dropped = assembler.dropped

@@ -17,6 +17,7 @@ from kvdoctor.diagnose.logline import LogLine
 MAX_FRAMES = 200
 MAX_CODE = 300
 MAX_MESSAGE = 500
+STALE_LINES = 500  # open tracebacks that gain nothing for this many lines were cut short: close them
 
 _START = re.compile(r"^\s*Traceback \(most recent call last\):\s*$")
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]{1,1000})", line (?P<line>\d{1,9}), in (?P<func>\S{1,200})')
@@ -65,6 +66,14 @@ class LogTraceback:
         return [f for f in self.frames if f.in_vllm]
 
 
+def crash_rank(tb: LogTraceback) -> tuple[int, ...]:
+    """Lower is likelier the engine's crash: not the API server's re-raise, complete, after the fatal-error
+    marker, in an engine process, with vLLM frames."""
+    engine = tb.process is not None and tb.process.startswith("EngineCore")
+    return (1 if tb.is_reraise else 0, 1 if tb.cut_short else 0, 0 if tb.after_fatal_marker else 1,
+            0 if engine else 1, 0 if tb.vllm_frames else 1)
+
+
 def display_path(path: str) -> str:
     """A frame's file without the machine's prefix: `vllm/...`, else its last two components."""
     path = path.replace("\\", "/")
@@ -102,17 +111,28 @@ class TracebackAssembler:
         self.done: list[LogTraceback] = []
         self.keep = keep
         self.dropped = 0
+        self.idle = 0  # lines since an open traceback last gained a frame, code line or exception
 
     def _finish(self, key: str | None) -> None:
         tb = self.open.pop(key, None)
         if tb is None:
             return
-        if len(self.done) < self.keep:
-            self.done.append(tb)
-        else:
+        self.done.append(tb)
+        if len(self.done) > self.keep:  # keep the `keep` likeliest crashes, earliest first among equals
+            self.done.remove(max(self.done, key=lambda t: (crash_rank(t), t.start_line)))
             self.dropped += 1
 
     def feed(self, line: LogLine, number: int) -> None:
+        if self.open:
+            self.idle += 1
+            if self.idle > STALE_LINES:
+                for key in list(self.open):
+                    self._finish(key)
+        if self._feed(line, number):
+            self.idle = 0
+
+    def _feed(self, line: LogLine, number: int) -> bool:
+        """One line; True when it added to a traceback."""
         body = line.body
         key = line.process if line.process is not None else self.last_key
         if _FATAL.search(body):
@@ -121,12 +141,12 @@ class TracebackAssembler:
             self._finish(key)
             self.open[key] = LogTraceback(key, number, after_fatal_marker=key in self.fatal)
             self.last_key = key
-            return
+            return True
         tb = self.open.get(key)
         if tb is None:
             frame = _FRAME.match(body)
             if frame is None:
-                return
+                return False
             # a traceback whose start was cut off (or pasted without its header)
             tb = self.open[key] = LogTraceback(key, number, elided=True, after_fatal_marker=key in self.fatal)
         self.last_key = key
@@ -136,16 +156,17 @@ class TracebackAssembler:
             if len(tb.frames) > MAX_FRAMES:
                 del tb.frames[0]
                 tb.elided = True
-            return
+            return True
         if _ELISION.match(body):
             tb.elided = True
-            return
+            return True
         if _CARET.match(body) or not body.strip():
-            return
+            return False
         if body[:1] in " \t":
             if tb.frames and not tb.frames[-1].code:
                 tb.frames[-1].code = body.strip()[:MAX_CODE]
-            return
+                return True
+            return False
         match = _exception_line(body)
         if match:
             tb.qualified_exception = match.group("name")[:200]
@@ -154,6 +175,8 @@ class TracebackAssembler:
             self._finish(key)
             if key in self.fatal and key is not None:
                 self.fatal.discard(key)
+            return True
+        return False
 
     def close(self) -> list[LogTraceback]:
         """End of the log: whatever is still open was cut short."""
