@@ -30,9 +30,9 @@ def diagnose(
     known bug it matches (and why) and run that recipe on the installed vLLM under the installed and
     fixed logic, with the log's geometry (scaled down when production-sized).
 
-    A log with no engine crash is not an error (exit 0). The installed logic's outcome on the best
-    match sets the exit code: 0 not reproduced or nothing to run · 1 reproduced · 2 bad path or flag ·
-    3 vLLM missing · 4 other failure."""
+    A log with no engine crash is not an error (exit 0).
+
+    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or nothing to run · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure."""  # noqa: E501
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
