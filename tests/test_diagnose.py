@@ -270,3 +270,22 @@ def test_many_earlier_tracebacks_and_a_stale_cut_one_do_not_hide_the_crash():
     summary = _read(stale + requests + warning * 100 + SYNTHETIC)
     assert summary.crash.vllm_frames[-1].function == "_build_store_jobs"
     assert summary.crash.after_fatal_marker
+
+
+def test_cli_no_match_writes_a_starting_recipe_that_loads(tmp_path):
+    paste = tmp_path / "paste.txt"
+    paste.write_text('Traceback (most recent call last):\n'
+                     '  File "/opt/v/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloading/'
+                     'scheduler.py", line 420, in update_state_after_alloc\n'
+                     '    assert not req_status.transfer_jobs\n'
+                     'AssertionError\n')
+    recipe = tmp_path / "start.toml"
+    report = tmp_path / "r.md"
+    proc = run_cli("diagnose", str(paste), "--write-recipe", str(recipe), "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert "no known bug matches" in proc.stdout
+    loaded = load_recipe_text(recipe.read_text(), str(recipe))
+    assert (loaded.signature.exception, loaded.signature.function) == ("AssertionError", "update_state_after_alloc")
+    assert "```toml" in report.read_text() and "/opt/v" not in report.read_text()
+    proc = run_cli("diagnose", str(paste), "--report", str(tmp_path / "nodir" / "r.md"))
+    assert proc.returncode == 2 and "no such directory" in proc.stderr

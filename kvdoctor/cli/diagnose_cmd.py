@@ -39,9 +39,11 @@ def diagnose(
         from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
 
-        for path in (report, write_recipe):
+        for path in (report, write_recipe):  # before any run: a bad output path costs no vLLM import
             if path is not None and path.is_dir():
                 raise UsageError(f"{path}: is a directory")
+            if path is not None and not path.parent.is_dir():
+                raise UsageError(f"{path}: no such directory {path.parent}")
         result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line())
         from kvdoctor.report import diagnose as render
 

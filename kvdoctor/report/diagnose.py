@@ -86,8 +86,7 @@ def match_lines(report: Any) -> list[str]:
     if crash is not None and crash.cut_short:
         return [f"cannot name a bug: {m.why_none}"]
     if not m.candidates:
-        out = [f"no known bug matches: {m.why_none}" if m.why_none and "no known bug" not in m.why_none
-               else "no known bug matches" + (f" ({m.why_none})" if m.why_none else "")]
+        out = [m.why_none if m.why_none.startswith("no known bug") else f"no known bug matches: {m.why_none}"]
         if report.summary.crash is None:
             out = ["no engine crash found in this log"]
         if report.starting_recipe:
