@@ -329,6 +329,10 @@ app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
     "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_AUDIT_EXIT_CODES)(matrix))
 
+from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
+
+app.command()(diagnose)
+
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
             renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:

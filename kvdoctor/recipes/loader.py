@@ -30,7 +30,7 @@ _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
-                   "request": (str,)}
+                   "request": (str,), "callers": (list,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.name not in ("model", "extra_connector_config")}
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
@@ -418,6 +418,16 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
     elif not ("exception" in raw and "function" in raw):
         missing = " and ".join(f"'{k}'" for k in ("exception", "function") if k not in raw)
         raise r.fail(line, f"[signature] needs 'exception' and 'function' (or 'invariant'); missing {missing}")
+    raw = dict(raw)
+    if "callers" in raw:
+        callers_line = r.index.key(line, "callers")
+        if "invariant" in raw:
+            raise r.fail(callers_line, "[signature] callers go with 'exception' + 'function', not 'invariant'")
+        for name in raw["callers"]:
+            r.check_type(name, (str,), callers_line, "[signature] callers entries")
+            if not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise r.fail(callers_line, f"[signature] callers entries must be function names, got {_show(name)}")
+        raw["callers"] = tuple(raw["callers"])
     return Signature(**raw)
 
 

@@ -78,6 +78,9 @@ class Signature:
     contains: str | None = None  # text the failing source line must contain
     invariant: str | None = None
     request: str | None = None  # the request the failure must involve (else it is the bug by another path)
+    # vLLM functions expected above `function` in the traceback, outermost first (not necessarily
+    # adjacent). Optional; `kvdoctor diagnose` ranks a log's crash higher when its chain has them.
+    callers: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if self.invariant:

@@ -93,8 +93,11 @@ def _setup_lines(setup: dict[str, Any]) -> list[str]:
 
 
 def _signature_lines(signature: Signature) -> list[str]:
-    return ["[signature]", *_pairs((k, getattr(signature, k)) for k in ("exception", "function", "contains", "request",
-                                                                        "invariant"))]
+    lines = ["[signature]", *_pairs((k, getattr(signature, k)) for k in ("exception", "function", "contains",
+                                                                         "request", "invariant"))]
+    if signature.callers:
+        lines.append(f"callers = {toml_value(list(signature.callers))}")
+    return lines
 
 
 def _step_lines(step: Step, table: str, comment: str | None = None) -> list[str]:
@@ -117,6 +120,8 @@ def recipe_to_toml(recipe: Recipe, header: str = "", step_comments: dict[int, st
     lines += ["[recipe]", *_pairs(meta)]
     summary = recipe.summary.strip()
     lines.append("summary = " + (toml_multiline(summary) if "\n" in summary else toml_string(summary)))
+    if recipe.workaround is not None:
+        lines.append(f"workaround = {toml_string(recipe.workaround)}")
     for key in ("refs", "requires", "invariants"):
         values = list(getattr(recipe, key))
         if values:

@@ -1,0 +1,101 @@
+"""Rank the built-in recipes against a crash read from a log, with the reasons.
+
+A recipe is a candidate when its signature's exception and function are the
+crash's exception and innermost vLLM frame. It ranks higher for the same
+assertion text (`contains` in the failing source line or the message) and
+for the same caller chain (`callers`, outermost first, in the vLLM frames
+above). A `contains` the log's source line contradicts rules the recipe out:
+that is another assertion in the same function. Silent bugs (invariants)
+never match a crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvdoctor.diagnose.traceback import LogTraceback
+from kvdoctor.recipes.model import Recipe
+
+
+@dataclass
+class Candidate:
+    recipe: Recipe
+    score: int
+    reasons: list[str] = field(default_factory=list)
+    gaps: list[str] = field(default_factory=list)  # what the log could not confirm
+
+
+@dataclass
+class MatchResult:
+    candidates: list[Candidate] = field(default_factory=list)
+    why_none: str = ""
+
+    @property
+    def best(self) -> list[Candidate]:
+        """The candidates of the best score, simplest recipe (fewest steps) first."""
+        if not self.candidates:
+            return []
+        top = self.candidates[0].score
+        return [c for c in self.candidates if c.score == top]
+
+    @property
+    def best_bugs(self) -> list[str]:
+        return list(dict.fromkeys(c.recipe.bug or c.recipe.name for c in self.best))
+
+
+def _in_order(wanted: tuple[str, ...], functions: list[str]) -> bool:
+    position = 0
+    for name in wanted:
+        try:
+            position = functions.index(name, position) + 1
+        except ValueError:
+            return False
+    return True
+
+
+def innermost_vllm(crash: LogTraceback):
+    frames = crash.vllm_frames
+    return frames[-1] if frames else None
+
+
+def match_crash(crash: LogTraceback | None, recipes: list[Recipe]) -> MatchResult:
+    if crash is None:
+        return MatchResult(why_none="no engine crash found in this log")
+    if crash.cut_short:
+        deepest = crash.frames[-1] if crash.frames else None
+        where = f" (the last frame in the log is {deepest.function})" if deepest else ""
+        return MatchResult(why_none="the traceback is cut short before its exception line" + where
+                                    + ": nothing to match a signature against")
+    inner = innermost_vllm(crash)
+    if inner is None:
+        return MatchResult(why_none=f"{crash.exception} was not raised inside vLLM (no vLLM frame in its "
+                                    f"traceback)")
+    above = [f.function for f in crash.vllm_frames[:-1]]
+    candidates: list[Candidate] = []
+    for recipe in recipes:
+        sig = recipe.signature
+        if sig.invariant or sig.exception != crash.exception or sig.function != inner.function:
+            continue
+        candidate = Candidate(recipe, 1, [f"same exception and function ({sig.exception} in {sig.function})"])
+        if sig.contains:
+            haystack = " ".join(filter(None, (inner.code, crash.message)))
+            if inner.code or crash.message:
+                if sig.contains not in haystack:
+                    continue  # another assertion in the same function
+                candidate.score += 1
+                candidate.reasons.append(f"same assertion text ({sig.contains})")
+            else:
+                candidate.gaps.append("the log does not show the failing source line")
+        if sig.callers:
+            if _in_order(sig.callers, above):
+                candidate.score += 1
+                candidate.reasons.append("same caller chain (" + " → ".join((*sig.callers, sig.function)) + ")")
+            elif crash.elided or not above:
+                candidate.gaps.append("the frames above it are not in the log")
+            else:
+                candidate.gaps.append("called through another path (" + " → ".join(above[-3:]) + ")")
+        candidates.append(candidate)
+    candidates.sort(key=lambda c: (-c.score, len(c.recipe.steps), c.recipe.name))
+    if not candidates:
+        return MatchResult(why_none=f"no known bug matches {crash.exception} in {inner.function}")
+    return MatchResult(candidates)

@@ -1,0 +1,183 @@
+"""Stream a log once, line by line, and keep only what diagnosis needs.
+
+The file is never read whole: lines come from a buffered binary stream with a
+per-line cap (`MAX_LINE`; the rest of a longer line is skipped), are decoded
+with replacement (any bytes are accepted), cleaned, and fed to the version /
+args finders and the traceback assembler. Memory is bounded by the number of
+tracebacks kept and their frame cap, not by the log's size.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from kvdoctor.diagnose import serveline
+from kvdoctor.diagnose.logline import clean
+from kvdoctor.diagnose.traceback import LogTraceback, TracebackAssembler, crash_rank
+from kvdoctor.errors import UsageError
+
+MAX_LINE = 64 * 1024
+CHUNK = 4 << 20
+# A line that can start what diagnosis reads contains one of these: a traceback's header or a frame (a
+# paste may lack the header), the fatal-error markers, the version and args lines. Each is searched for
+# over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
+# lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
+_MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
+            b"serve", b"vllm")
+
+
+@dataclass
+class LogSummary:
+    source: str  # how the log is named to the user ("-" for stdin; a file name, never its directory)
+    lines: int = 0
+    version: str | None = None
+    version_source: str | None = None  # "banner" | "image tag"
+    serve_args: dict[str, Any] = field(default_factory=dict)
+    args_source: str | None = None  # "non-default args" | "command line"
+    tracebacks: list[LogTraceback] = field(default_factory=list)
+    tracebacks_dropped: int = 0
+    crash: LogTraceback | None = None
+    reraise_seen: bool = False  # an EngineDeadError re-raised in the API server
+
+    @property
+    def crash_found(self) -> bool:
+        return self.crash is not None
+
+
+def _pick_crash(tracebacks: list[LogTraceback]) -> LogTraceback | None:
+    """The engine's own traceback: complete before cut short, engine process before others,
+    never the API server's EngineDeadError re-raise unless nothing else is there; first wins."""
+    candidates = [tb for tb in tracebacks if tb.frames or tb.exception]
+    if not candidates:
+        return None
+    best = min(candidates, key=lambda tb: (crash_rank(tb), tb.start_line))
+    if best.is_reraise:  # only the API server's EngineDeadError: the engine's traceback is not here
+        return None
+    return best
+
+
+def _chunks(stream: IO[bytes]) -> Iterator[bytes]:
+    """Whole lines, a few MiB at a time; a line longer than MAX_LINE is cut there (the rest skipped)."""
+    carry = b""
+    skipping = False
+    while True:
+        data = stream.read(CHUNK)
+        if not data:
+            if carry and not skipping:
+                yield carry + b"\n"
+            return
+        if skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                continue
+            data, skipping = data[newline + 1:], False
+        buffer = carry + data
+        cut = buffer.rfind(b"\n")
+        if cut >= 0:
+            yield buffer[: cut + 1]
+            carry = buffer[cut + 1:]
+        else:
+            carry = buffer
+        if len(carry) > MAX_LINE:
+            yield carry[:MAX_LINE] + b"\n"
+            carry, skipping = b"", True
+
+
+def _interesting_starts(chunk: bytes) -> list[int]:
+    starts: set[int] = set()
+    for marker in _MARKERS:
+        at = chunk.find(marker)
+        while at >= 0:
+            starts.add(chunk.rfind(b"\n", 0, at + (1 if marker[:1] == b"\n" else 0)) + 1)
+            line_end = chunk.find(b"\n", at + 1)
+            if line_end < 0:
+                break
+            at = chunk.find(marker, line_end + (0 if marker[:1] == b"\n" else 1))
+    if chunk[:1] in (b" ", b"\t"):
+        starts.add(0)
+    return sorted(starts)
+
+
+def read_stream(stream: IO[bytes], source: str) -> LogSummary:
+    summary = LogSummary(source=source)
+    assembler = TracebackAssembler()
+    found: dict[str, Any] = {"image_version": None, "command_args": None}
+
+    def look_at(raw: bytes, number: int) -> None:
+        text = raw[:MAX_LINE].decode("utf-8", errors="replace")
+        if "\x00" in text:
+            text = text.replace("\x00", "")
+        line = clean(text)
+        body = line.body
+        if summary.version is None and "version" in body:
+            summary.version = serveline.banner_version(body)
+            if summary.version:
+                summary.version_source = "banner"
+        if found["image_version"] is None and "vllm-openai:" in body:
+            found["image_version"] = serveline.image_version(body)
+        if summary.args_source != "non-default args" and "non-default args" in body:
+            args = serveline.non_default_args(body)
+            if args is not None:
+                summary.serve_args, summary.args_source = args, "non-default args"
+        if found["command_args"] is None and ("serve" in body or "api_server" in body):
+            found["command_args"] = serveline.command_line_args(body)
+        assembler.feed(line, number)
+
+    number = 0  # lines before the current chunk
+    for chunk in _chunks(stream):
+        starts = _interesting_starts(chunk)
+        index, position, counted, lines_before = 0, 0, 0, number
+        size = len(chunk)
+        while position < size:
+            if not assembler.open:
+                while index < len(starts) and starts[index] < position:
+                    index += 1
+                if index == len(starts):
+                    break
+                position = starts[index]
+            end = chunk.find(b"\n", position)
+            end = size if end < 0 else end
+            lines_before += chunk.count(b"\n", counted, position)
+            counted = position
+            look_at(chunk[position:end], lines_before + 1)
+            position = end + 1
+        number += chunk.count(b"\n")
+    image_version, command_args = found["image_version"], found["command_args"]
+    summary.lines = number
+    summary.tracebacks = assembler.close()
+    summary.tracebacks_dropped = assembler.dropped
+    if summary.version is None and image_version is not None:
+        summary.version, summary.version_source = image_version, "image tag"
+    if summary.args_source is None and command_args:
+        summary.serve_args, summary.args_source = command_args, "command line"
+    summary.reraise_seen = any(tb.is_reraise for tb in summary.tracebacks)
+    summary.crash = _pick_crash(summary.tracebacks)
+    return summary
+
+
+def read_log(path_text: str, stdin: IO[bytes] | None = None) -> LogSummary:
+    """`-` reads stdin; anything else is a file path (a bad one is a usage error, one line)."""
+    if path_text == "-":
+        stream = stdin if stdin is not None else sys.stdin.buffer
+        return read_stream(stream, "-")
+    path = Path(path_text)
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        raise UsageError(f"{path_text}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path_text}: is a directory, not a log file") from None
+    except OSError as exc:
+        raise UsageError(f"{path_text}: cannot read: {exc.strerror}") from None
+    with handle:
+        try:
+            return read_stream(io.BufferedReader(handle) if not isinstance(handle, io.BufferedReader)
+                               else handle, path.name)
+        except IsADirectoryError:
+            raise UsageError(f"{path_text}: is a directory, not a log file") from None
+        except OSError as exc:
+            raise UsageError(f"{path_text}: cannot read: {exc.strerror}") from None

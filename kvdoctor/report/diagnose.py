@@ -1,0 +1,256 @@
+"""`kvdoctor diagnose` output: rich renderables, the Markdown attachment and the JSON document.
+
+Formatting only. Nothing of the log is shown beyond the crash's reconstructed
+traceback (file paths trimmed to `vllm/...`), the version and the redacted
+serve arguments of interest: no request lines, hostnames, paths or secrets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvdoctor.diagnose.match import innermost_vllm
+from kvdoctor.diagnose.redact import format_value, redact_serve_args
+from kvdoctor.diagnose.traceback import display_path
+
+SCHEMA_VERSION = 1
+
+
+def _refs(recipe: Any) -> tuple[list[str], list[str]]:
+    issues = [r for r in recipe.refs if "(issue" in r]
+    fixes = [r for r in recipe.refs if "(fix" in r]
+    return issues, fixes
+
+
+def _ref_link(ref: str) -> str:
+    number = ref.split("#", 1)[1].split(" ", 1)[0] if "#" in ref else ""
+    kind = "pull" if "(fix" in ref or "(introduced" in ref else "issues"
+    return f"https://github.com/vllm-project/vllm/{kind}/{number}" if number.isdigit() else ""
+
+
+def log_lines(report: Any) -> list[str]:
+    s = report.summary
+    out = [f"log: {s.source} ({s.lines:,} lines read)"]
+    if s.version:
+        out.append(f"vLLM version in the log: {s.version} (from the {s.version_source})")
+    else:
+        out.append("vLLM version in the log: not found (no start-up banner)")
+    if s.serve_args:
+        shown = redact_serve_args(s.serve_args)
+        out.append(f"serve arguments (from the {s.args_source}):")
+        out += [f"  {k} = {format_value(v)}" for k, v in shown.items()]
+    else:
+        out.append("serve arguments: not in the log")
+    for note in report.geometry.notes:
+        out.append(f"  note: {note}")
+    return out
+
+
+def crash_lines(report: Any) -> list[str]:
+    s = report.summary
+    crash = s.crash
+    if crash is None:
+        if s.reraise_seen:
+            return ["no engine crash found in this log: only the API server's EngineDeadError, which says the "
+                    "engine died; its own traceback is earlier in the full log (look for `EngineCore "
+                    "encountered a fatal error`)"]
+        return ["no engine crash found in this log"]
+    out = []
+    who = f"in {crash.process}" if crash.process else "(no process prefix)"
+    if crash.cut_short:
+        out.append(f"engine traceback {who}, cut short before its exception line")
+    else:
+        out.append(f"exception: {crash.exception}" + (f": {crash.message}" if crash.message else ""))
+    inner = innermost_vllm(crash)
+    if inner is not None and not crash.cut_short:
+        out.append(f"where: {display_path(inner.file)}:{inner.line} in {inner.function}()")
+        if inner.code:
+            out.append(f"code: {inner.code}")
+    frames = crash.vllm_frames[:-1] if not crash.cut_short else crash.vllm_frames
+    if frames:
+        out.append("vLLM frames (outermost first):")
+        out += [f"  {display_path(f.file)}:{f.line} {f.function}" + (f": {f.code}" if f.code else "")
+                for f in frames[-12:]]
+    if crash.elided:
+        out.append("(frames are missing from the log above this point: elided or cut)")
+    if s.reraise_seen:
+        out.append("the API server's EngineDeadError re-raise is a consequence; the engine's own traceback "
+                   "is the crash")
+    return out
+
+
+def match_lines(report: Any) -> list[str]:
+    m = report.match
+    crash = report.summary.crash
+    if crash is not None and crash.cut_short:
+        return [f"cannot name a bug: {m.why_none}"]
+    if not m.candidates:
+        out = [m.why_none if m.why_none.startswith("no known bug") else f"no known bug matches: {m.why_none}"]
+        if report.summary.crash is None:
+            out = ["no engine crash found in this log"]
+        if report.starting_recipe:
+            out.append("starting recipe with the crash's signature (edit its steps, then `kvdoctor repro FILE`):")
+        return out
+    out = []
+    for c in m.candidates:
+        bug = c.recipe.bug or "-"
+        out.append(f"{bug}  {c.recipe.name}: " + "; ".join(c.reasons)
+                   + (f"  (not confirmed: {'; '.join(c.gaps)})" if c.gaps else ""))
+    bugs = m.best_bugs
+    if len(m.best) > 1 and len(bugs) == 1:
+        out.append(f"the best matches are one bug ({bugs[0]}) reached by different paths; each is run below, "
+                   f"simplest first")
+    elif len(bugs) > 1:
+        out.append(f"the log cannot tell {', '.join(bugs)} apart (same signature); the runs below can")
+    return out
+
+
+def run_lines(report: Any) -> list[str]:
+    out = []
+    if report.vllm_error:
+        return [f"not run: {report.vllm_error}"]
+    if not report.runs:
+        return []
+    installed = report.installed_vllm or "not installed"
+    out.append(f"ran on the installed vLLM {installed}")
+    if report.versions_differ:
+        out.append(f"note: the log is from vLLM {report.summary.version}, the installed vLLM is {installed}: the "
+                   f"verdict below is about {installed}")
+    elif not report.summary.version:
+        out.append(f"note: the log does not say its vLLM version; the verdict below is about {installed}")
+    for note in report.scaled:
+        out.append(f"geometry: {note}")
+    for run in report.runs:
+        if run.geometry == "log":
+            where = "the log's geometry" + (" (scaled down where production-sized)" if report.scaled else "")
+        elif run.log_geometry_problem:
+            where = "the recipe's own geometry"
+        else:
+            where = "the recipe's own geometry (the log names none of its serve arguments)"
+        out.append(f"{run.recipe.name} ({run.recipe.bug or '-'}) with {where}: {_setup_text(run.setup)}")
+        if run.log_geometry_problem:
+            out.append(f"  {run.log_geometry_problem}")
+        for result in run.results:
+            out.append(f"  {result.logic:<10} {result.outcome.value:<15} {_why(result)}")
+        release = report.first_release_not_reproducing.get(run.recipe.name)
+        if release:
+            out.append(f"  first release where it stops reproducing (kvdoctor matrix): {release}")
+    if report.matrix_note:
+        out.append(report.matrix_note)
+    return out
+
+
+def _setup_text(setup: Any) -> str:
+    from kvdoctor.report.tables import setup_line
+
+    return setup_line(setup)
+
+
+def _why(result: Any) -> str:
+    from kvdoctor.report.tables import why
+
+    return why(result).replace("\n", "; ")
+
+
+def next_lines(report: Any) -> list[str]:
+    if not report.match.candidates:
+        if report.summary.crash is None:
+            return []
+        if report.summary.crash.cut_short:
+            return ["find the rest of the engine's traceback in the full log (from its `Traceback` line to the "
+                    "exception line under it) and run kvdoctor diagnose on that"]
+        return ["file an upstream issue with the traceback above (and `kvdoctor diagnose LOG --report FILE`)"]
+    recipe = report.runs[0].recipe if report.runs else report.match.best[0].recipe
+    issues, fixes = _refs(recipe)
+    out = []
+    for ref in issues:
+        out.append(f"upstream issue: {ref} {_ref_link(ref)}".rstrip())
+    for ref in fixes:
+        out.append(f"fix: {ref} {_ref_link(ref)}".rstrip())
+    if recipe.workaround:
+        out.append(f"workaround: {recipe.workaround}")
+    run = report.runs[0] if report.runs else None
+    if run is not None and run.installed is not None and run.installed.outcome.value == "reproduced":
+        fixed = next((r for r in run.results if r.logic == "fixed"), None)
+        if fixed is not None and fixed.outcome.value == "not_reproduced":
+            out.append("the fixed logic (PR #49146 cap) prevents it on this vLLM")
+    out.append(f"reproduce: kvdoctor repro {recipe.name}   ·   attach: kvdoctor diagnose LOG --report FILE")
+    return out
+
+
+SECTIONS = (("What the log says", log_lines), ("The crash", crash_lines), ("Which known bug", match_lines),
+            ("The run", run_lines), ("What to do next", next_lines))
+
+
+def diagnose_renderables(report: Any) -> list[Any]:
+    from rich.text import Text
+
+    out: list[Any] = []
+    for title, lines in SECTIONS:
+        body = lines(report)
+        if not body:
+            continue
+        out.append(Text(title, style="bold underline"))
+        out += [Text(line) for line in body]  # Text(): `[...]` from a log is not rich markup
+        if title == "Which known bug" and report.starting_recipe:
+            out.append(Text(report.starting_recipe.rstrip()))
+        out.append(Text(""))
+    return out
+
+
+def render_diagnose_markdown(report: Any) -> str:
+    from kvdoctor.report.markdown import _env_section, _scrub
+
+    lines = [f"# kvdoctor diagnose: {report.summary.source}", "",
+             f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}_", ""]
+    lines += _env_section()
+    for title, fn in SECTIONS:
+        body = fn(report)
+        if not body:
+            continue
+        lines += [f"## {title}", "", "```", *body, "```", ""]
+        if title == "Which known bug" and report.starting_recipe:
+            lines += ["```toml", report.starting_recipe.rstrip(), "```", ""]
+    if report.script:
+        lines += ["## Standalone reproducer", "",
+                  f"`python repro.py` exits 1 with vLLM's traceback on the crash ({report.runs[0].recipe.name}):", "",
+                  "<details><summary>repro.py</summary>", "", "```python", report.script.rstrip(), "```", "",
+                  "</details>", ""]
+    return _scrub("\n".join(lines)) + "\n"
+
+
+def diagnose_document(report: Any) -> dict[str, Any]:
+    s = report.summary
+    crash = s.crash
+    inner = innermost_vllm(crash) if crash is not None else None
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": "diagnose",
+        "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
+                "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source},
+        "crash": None if crash is None else {
+            "process": crash.process, "exception": crash.exception, "message": crash.message,
+            "cut_short": crash.cut_short, "elided": crash.elided,
+            "file": display_path(inner.file) if inner else None, "line": inner.line if inner else None,
+            "function": inner.function if inner else None, "code": inner.code if inner else None,
+            "vllm_frames": [{"file": display_path(f.file), "line": f.line, "function": f.function, "code": f.code}
+                            for f in crash.vllm_frames],
+        },
+        "matches": [{"recipe": c.recipe.name, "bug": c.recipe.bug, "score": c.score, "reasons": c.reasons,
+                     "not_confirmed": c.gaps} for c in report.match.candidates],
+        "no_match_reason": report.match.why_none or None,
+        "starting_recipe": report.starting_recipe or None,
+        "installed_vllm": report.installed_vllm,
+        "versions_differ": report.versions_differ,
+        "geometry_scaled": report.scaled,
+        "geometry_notes": report.geometry.notes,
+        "runs": [{"recipe": r.recipe.name, "bug": r.recipe.bug, "geometry": r.geometry, "setup": r.setup.as_dict(),
+                  "log_geometry_problem": r.log_geometry_problem or None,
+                  "results": [{"logic": x.logic, "outcome": x.outcome.value, "why": _why(x)} for x in r.results],
+                  "first_release_not_reproducing": report.first_release_not_reproducing.get(r.recipe.name)}
+                 for r in report.runs],
+        "vllm_error": report.vllm_error or None,
+        "next": next_lines(report),
+        "exit_code": int(report.exit_status),
+    }

@@ -1,0 +1,291 @@
+"""`kvdoctor diagnose` without vLLM: reading real and synthetic logs, matching, geometry, redaction, CLI."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from kvdoctor.diagnose.logline import clean
+from kvdoctor.diagnose.match import match_crash
+from kvdoctor.diagnose.pyrepr import Unreadable, parse_repr
+from kvdoctor.diagnose.reader import read_log, read_stream
+from kvdoctor.diagnose.redact import redact_serve_args
+from kvdoctor.engine.serve_args import SERVE_ARG_TO_SETUP, setup_overrides_from_serve_args
+from kvdoctor.recipes.builtins import all_builtins
+from kvdoctor.recipes.loader import load_recipe_text
+
+from .conftest import ROOT, run_cli
+
+LOGS = ROOT / "tests" / "data" / "logs"
+RECIPES = all_builtins()
+K1 = {"queued-abort", "preemption", "prefetch"}
+
+# A synthetic log in vLLM's formats (not from a thread): banner, args line with a secret, request lines,
+# interleaved processes, colour codes, CRLF line ends, an elided engine traceback, then the API server's
+# EngineDeadError re-raise. Its crash frames are those of the real #51013 log.
+SYNTHETIC = (
+    "\x1b[1;36m(APIServer pid=1)\x1b[0;0m INFO 08-04 09:40:01 [api_server.py:1896] vLLM API server version 0.26.0\r\n"
+    "(APIServer pid=1) INFO 08-04 09:40:01 [utils.py:326] non-default args: {'model_tag': '/home/op/models/Qwen3-8B', "
+    "'host': 'node-17.internal', 'api_key': ['sk-abcdefghijklmnop'], 'model': '/home/op/models/Qwen3-8B', "
+    "'max_model_len': 32768, 'block_size': 16, 'num_gpu_blocks_override': 100000, "
+    "'kv_transfer_config': KVTransferConfig(kv_connector='OffloadingConnector', engine_id='e1', kv_role='kv_both', "
+    "kv_rank=None, kv_ip='10.1.2.3', kv_port=14579, kv_connector_extra_config={'cpu_bytes_to_use': 68719476736, "
+    "'block_size': 64, 'root_dir': '/mnt/secret'}, kv_connector_module_path=None), 'async_scheduling': True, "
+    "'max_num_seqs': 4, 'enable_chunked_prefill': True, 'served': <function f at 0x7f00>}\r\n"
+    + "".join(f'(APIServer pid=1) INFO:     10.0.0.{i}:5000 - "POST /v1/completions HTTP/1.1" 200 OK\r\n'
+              for i in range(20))
+    + "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332] EngineCore encountered a fatal error.\r\n"
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332] Traceback (most recent call last):\r\n"
+    '(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]   File "/usr/local/lib/python3.12/dist-packages/'
+    'vllm/v1/core/sched/scheduler.py", line 1174, in schedule\r\n'
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     meta = self._build_kv_connector_meta(...)\r\n"
+    '(APIServer pid=1) INFO:     10.0.0.99:5000 - "POST /v1/completions HTTP/1.1" 200 OK\r\n'
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]   ...\r\n"
+    '(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]   File "/usr/local/lib/python3.12/dist-packages/'
+    'vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", line 700, in build_connector_meta\r\n'
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     self._build_store_jobs(scheduler_output)\r\n"
+    '(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]   File "/usr/local/lib/python3.12/dist-packages/'
+    'vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", line 975, in _build_store_jobs\r\n'
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     assert len(offload_keys) == len(offload_block_ids)\r\n"
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\r\n"
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332] AssertionError\r\n"
+    "(APIServer pid=1) ERROR 08-04 09:48:15 [async_llm.py:704] Traceback (most recent call last):\r\n"
+    '(APIServer pid=1) ERROR 08-04 09:48:15 [async_llm.py:704]   File "/usr/local/lib/python3.12/dist-packages/'
+    'vllm/v1/engine/async_llm.py", line 660, in output_handler\r\n'
+    "(APIServer pid=1) ERROR 08-04 09:48:15 [async_llm.py:704] vllm.v1.engine.exceptions.EngineDeadError: "
+    "EngineCore encountered an issue. See stack trace (above) for the root cause.\r\n"
+)
+
+
+def _read(text: str):
+    return read_stream(io.BytesIO(text.encode()), "synthetic.log")
+
+
+# -- the real logs kept under tests/data/logs -------------------------------------------------------------
+
+REAL = {
+    # file: (complete crash?, exception, innermost vLLM function, matching bugs, process of the crash)
+    "vllm-51013-k1-tail.log": (True, "AssertionError", "_build_store_jobs", {"K1"}, "EngineCore"),
+    "vllm-43593-serve-cmd-cut.log": (False, None, "run_busy_loop", set(), "EngineCore"),
+    "vllm-55503-mtp-cut.log": (False, None, "run_busy_loop", set(), "EngineCore"),
+    "vllm-52170-mixed-prefix-cut.log": (False, None, "run_busy_loop", set(), "EngineCore"),
+    "vllm-25856-caret-ansi-cut.log": (False, None, "run_busy_loop", set(), "EngineCore_0"),
+    "vllm-54914-bare-frames-cut.log": (False, None, "schedule", set(), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_logs(name):
+    complete, exception, function, bugs, process = REAL[name]
+    summary = read_log(str(LOGS / name))
+    crash = summary.crash
+    assert crash is not None
+    assert crash.process == process
+    assert crash.cut_short is not complete
+    assert crash.exception == exception
+    assert crash.vllm_frames[-1].function == function
+    result = match_crash(crash, RECIPES)
+    assert {c.recipe.bug for c in result.candidates} == bugs
+    if not bugs:
+        assert "cut short" in result.why_none
+
+
+def test_51013_names_k1_by_its_three_paths_with_reasons():
+    result = match_crash(read_log(str(LOGS / "vllm-51013-k1-tail.log")).crash, RECIPES)
+    assert {c.recipe.name for c in result.best} == K1
+    assert result.best[0].recipe.name == "queued-abort"  # the simplest path first
+    first = result.best[0]
+    assert first.reasons == ["same exception and function (AssertionError in _build_store_jobs)",
+                             "same assertion text (len(offload_keys) == len(offload_block_ids))"]
+    assert first.gaps == ["the frames above it are not in the log"]  # the paste starts at that frame
+
+
+def test_43593_command_line_geometry_and_the_reraise():
+    summary = read_log(str(LOGS / "vllm-43593-serve-cmd-cut.log"))
+    assert summary.args_source == "command line"
+    assert summary.serve_args == {"model": "Qwen/Qwen3.5-4B", "max_model_len": "196416",
+                                  "kv_offloading_backend": "native", "kv_offloading_size": "32"}
+    assert summary.reraise_seen and not summary.crash.is_reraise
+    mapped = setup_overrides_from_serve_args(summary.serve_args)
+    assert mapped.overrides == {"max_model_len": 196416, "cpu_bytes_to_use": 32 << 30}
+
+
+def test_caret_notation_colour_codes_are_stripped():
+    line = clean("^[[1;36m(EngineCore_0 pid=271)^[[0;0m ERROR 09-21 17:33:21 [core.py:714]   File \"x\", line 1, in f")
+    assert (line.process, line.level, line.body) == ("EngineCore_0", "ERROR", '  File "x", line 1, in f')
+
+
+# -- synthetic logs --------------------------------------------------------------------------------------
+
+def test_synthetic_full_log():
+    summary = _read(SYNTHETIC)
+    assert (summary.version, summary.version_source) == ("0.26.0", "banner")
+    assert summary.args_source == "non-default args"
+    assert "api_key" not in summary.serve_args and "host" not in summary.serve_args
+    crash = summary.crash
+    assert (crash.process, crash.exception, crash.elided) == ("EngineCore_DP0", "AssertionError", True)
+    assert [f.function for f in crash.vllm_frames] == ["schedule", "build_connector_meta", "_build_store_jobs"]
+    assert summary.reraise_seen
+    result = match_crash(crash, RECIPES)
+    assert {c.recipe.name for c in result.best} == K1
+    assert "same caller chain (schedule → build_connector_meta → _build_store_jobs)" in result.best[0].reasons
+    mapped = setup_overrides_from_serve_args(summary.serve_args)
+    assert mapped.overrides["block_size"] == 16
+    assert mapped.overrides["gpu_blocks"] == 100000
+    assert mapped.overrides["_offloaded_block_size"] == 64
+    assert mapped.overrides["cpu_bytes_to_use"] == 64 << 30
+    assert mapped.overrides["async_scheduling"] is True
+    assert "extra_connector_config" not in mapped.overrides  # root_dir stays in the deployment
+
+
+def test_redaction_keeps_geometry_and_drops_secrets_paths_and_hosts():
+    summary = _read(SYNTHETIC)
+    shown = redact_serve_args(summary.serve_args)
+    text = repr(shown)
+    for secret in ("sk-", "/home", "node-17", "10.1.2.3", "14579", "/mnt/secret", "root_dir"):
+        assert secret not in text
+    assert shown["model"] == "Qwen3-8B"
+    assert shown["kv_transfer_config"]["kv_connector_extra_config"] == {"cpu_bytes_to_use": 68719476736,
+                                                                        "block_size": 64}
+
+
+def test_the_engine_traceback_is_the_crash_not_the_api_servers_reraise():
+    only_reraise = SYNTHETIC.split("(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332] EngineCore")[0] + \
+        SYNTHETIC.split("AssertionError\r\n", 1)[1]
+    assert _read(only_reraise).crash is None  # the re-raise alone names no crash
+
+
+def test_no_crash_and_empty_logs():
+    assert _read("(APIServer pid=1) INFO:  started\n" * 50).crash is None
+    assert _read("").crash is None
+    assert match_crash(None, RECIPES).why_none == "no engine crash found in this log"
+
+
+def test_a_pasted_traceback_alone_and_a_no_match_starting_recipe(tmp_path):
+    paste = ('Traceback (most recent call last):\n'
+             '  File "/opt/venv/lib/python3.12/site-packages/vllm/v1/core/sched/scheduler.py", line 610, in schedule\n'
+             '    self.connector.update_state_after_alloc(request, blocks, n)\n'
+             '  File "/opt/venv/lib/python3.12/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/'
+             'offloading/scheduler.py", line 420, in update_state_after_alloc\n'
+             '    assert not req_status.transfer_jobs\n'
+             'AssertionError\n')
+    summary = _read(paste)
+    assert summary.crash.exception == "AssertionError"
+    assert match_crash(summary.crash, RECIPES).candidates == []
+    from kvdoctor.diagnose.app import starting_recipe_toml
+
+    recipe = load_recipe_text(starting_recipe_toml(summary, {"block_size": 16}), "start.toml")
+    assert recipe.signature.exception == "AssertionError"
+    assert recipe.signature.function == "update_state_after_alloc"
+    assert recipe.signature.contains == "assert not req_status.transfer_jobs"
+    assert recipe.signature.callers == ("schedule",)
+    assert recipe.setup == {"block_size": 16}
+
+
+def test_a_different_assertion_in_the_same_function_does_not_match():
+    text = SYNTHETIC.replace("assert len(offload_keys) == len(offload_block_ids)", "assert job_id not in self._jobs")
+    assert match_crash(_read(text).crash, RECIPES).candidates == []
+
+
+def test_over_long_lines_and_binary_junk_are_read_in_bounded_lines():
+    blob = b"x" * (1 << 20) + b"\n" + bytes(range(256)) * 10 + b"\n" + SYNTHETIC.encode()
+    summary = read_stream(io.BytesIO(blob), "junk")
+    assert summary.crash.exception == "AssertionError"
+
+
+def test_pyrepr_reads_literals_and_never_evaluates():
+    value = parse_repr("{'a': 1, 'b': [1.5, None, True], 'c': C(x='y', z=(1, 2)), 'd': __import__('os'), "
+                       "'e': <bound method X>, 'f': 'it''s'")
+    assert value["a"] == 1 and value["b"] == [1.5, None, True]
+    assert value["c"] == {"__class__": "C", "x": "y", "z": [1, 2]}
+    assert value["d"] == {"__class__": "__import__"}  # read as a repr, never called
+    assert isinstance(value["e"], Unreadable)
+    assert isinstance(parse_repr("[" * 100_000), list)
+
+
+def test_one_mapping_for_serve_args():
+    assert set(SERVE_ARG_TO_SETUP.values()) <= {"block_size", "gpu_blocks", "async_scheduling",
+                                                 "enable_chunked_prefill", "max_num_batched_tokens",
+                                                 "max_num_seqs", "max_model_len"}
+    mapped = setup_overrides_from_serve_args({"block_size": "0", "max_num_seqs": "x", "kv_offloading_backend":
+                                              "lmcache"})
+    assert mapped.overrides == {} and len(mapped.notes) == 3
+
+
+def test_signature_callers_are_validated_with_lines():
+    from kvdoctor.errors import RecipeError
+
+    base = (ROOT / "repros" / "queued-abort.toml").read_text()
+    bad = base.replace('callers = ["schedule", "build_connector_meta"]', 'callers = ["schedule", "not a name"]')
+    line = next(i for i, text in enumerate(bad.splitlines(), 1) if text.startswith("callers"))
+    with pytest.raises(RecipeError, match=f"bad.toml:{line}: \\[signature\\] callers entries must be function"):
+        load_recipe_text(bad, "bad.toml")
+
+
+# -- the command line (no vLLM import: --no-run, or nothing to run) -------------------------------------
+
+def test_cli_no_crash_exit_0(tmp_path):
+    log = tmp_path / "ok.log"
+    log.write_text("(APIServer pid=1) INFO 08-04 09:40:01 [api_server.py:1] vLLM API server version 0.26.0\n")
+    proc = run_cli("diagnose", str(log))
+    assert proc.returncode == 0, proc.stderr
+    assert "no engine crash found in this log" in proc.stdout
+
+
+def test_cli_bad_path_one_line_exit_2(tmp_path):
+    proc = run_cli("diagnose", str(tmp_path / "missing.log"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "no such file" in proc.stderr
+    proc = run_cli("diagnose", str(tmp_path))
+    assert proc.returncode == 2 and "is a directory" in proc.stderr
+
+
+def test_cli_stdin_json_and_report_without_leaks(tmp_path):
+    import json
+    import subprocess
+
+    from .conftest import KVDOCTOR
+
+    report = tmp_path / "r.md"
+    proc = subprocess.run([*KVDOCTOR, "diagnose", "-", "--no-run", "--json", "--report", str(report)],
+                          input=SYNTHETIC, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["log"]["vllm_version"] == "0.26.0"
+    assert [m["recipe"] for m in doc["matches"]][0] == "queued-abort"
+    assert doc["crash"]["file"] == "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
+    text = report.read_text() + proc.stdout
+    for leak in ("sk-", "/home", "node-17", "10.1.2.3", "10.0.0.", "POST", "/usr/local", "/mnt/secret"):
+        assert leak not in text
+
+
+def test_many_earlier_tracebacks_and_a_stale_cut_one_do_not_hide_the_crash():
+    warning = ("(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] Traceback (most recent call last):\n"
+               '(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116]   File "/x/vllm/v1/kv_offload/worker/'
+               'worker.py", line 114, in transfer_async\n'
+               "(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] AssertionError\n")
+    stale = '(APIServer pid=1) ERROR 08-04 09:40:00 [x.py:1] Traceback (most recent call last):\n'
+    requests = '(APIServer pid=1) INFO:     10.0.0.1:5000 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 600
+    summary = _read(stale + requests + warning * 100 + SYNTHETIC)
+    assert summary.crash.vllm_frames[-1].function == "_build_store_jobs"
+    assert summary.crash.after_fatal_marker
+
+
+def test_cli_no_match_writes_a_starting_recipe_that_loads(tmp_path):
+    paste = tmp_path / "paste.txt"
+    paste.write_text('Traceback (most recent call last):\n'
+                     '  File "/opt/v/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloading/'
+                     'scheduler.py", line 420, in update_state_after_alloc\n'
+                     '    assert not req_status.transfer_jobs\n'
+                     'AssertionError\n')
+    recipe = tmp_path / "start.toml"
+    report = tmp_path / "r.md"
+    proc = run_cli("diagnose", str(paste), "--write-recipe", str(recipe), "--report", str(report))
+    assert proc.returncode == 0, proc.stderr
+    assert "no known bug matches" in proc.stdout
+    loaded = load_recipe_text(recipe.read_text(), str(recipe))
+    assert (loaded.signature.exception, loaded.signature.function) == ("AssertionError", "update_state_after_alloc")
+    assert "```toml" in report.read_text() and "/opt/v" not in report.read_text()
+    proc = run_cli("diagnose", str(paste), "--report", str(tmp_path / "nodir" / "r.md"))
+    assert proc.returncode == 2 and "no such directory" in proc.stderr

@@ -1,0 +1,75 @@
+"""`kvdoctor diagnose` end to end on the installed vLLM: the matching recipes really run."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+
+import pytest
+
+from .conftest import KVDOCTOR, ROOT, expected_for
+from .test_diagnose import LOGS, SYNTHETIC
+
+pytestmark = pytest.mark.vllm
+
+# Measured by running (installed logic / fixed logic of queued-abort, the best match of both logs).
+OUTCOMES = {
+    (0, 26): {"installed": "reproduced", "fixed": "not_reproduced", "exit": 1},
+    (0, 33): {"installed": "not_reproduced", "fixed": "not_reproduced", "exit": 0},
+}
+
+
+@pytest.fixture(scope="module")
+def real_51013(api):
+    from kvdoctor.diagnose.app import diagnose
+
+    return diagnose(str(LOGS / "vllm-51013-k1-tail.log"))
+
+
+@pytest.fixture(scope="module")
+def synthetic_cli():
+    """The synthetic log (production geometry) on stdin, through the CLI: JSON and exit code."""
+    proc = subprocess.run([*KVDOCTOR, "diagnose", "-", "--json"], input=SYNTHETIC, capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    return proc
+
+
+def test_real_log_runs_k1_recipes(real_51013, api, release):
+    expected = expected_for(api, release, OUTCOMES)
+    report = real_51013
+    assert [run.recipe.name for run in report.runs] == ["queued-abort", "preemption", "prefetch"]
+    best = report.runs[0]
+    assert best.geometry == "recipe"  # the paste has no serve arguments
+    assert {r.logic: r.outcome.value for r in best.results} == {"installed": expected["installed"],
+                                                                 "fixed": expected["fixed"]}
+    assert int(report.exit_status) == expected["exit"]
+    assert report.installed_vllm == api.version_text
+    assert "RECIPE = json.loads" in report.script  # the exported standalone reproducer
+
+
+def test_markdown_attachment_of_the_real_log(real_51013):
+    from kvdoctor.report.diagnose import render_diagnose_markdown
+
+    text = render_diagnose_markdown(real_51013)
+    assert "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:975 in _build_store_jobs()" in text
+    assert "https://github.com/vllm-project/vllm/issues/49118" in text
+    assert "workaround:" in text and "```python" in text
+    assert "/usr/local" not in text and "dist-packages" not in text
+
+
+def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api, release):
+    expected = expected_for(api, release, OUTCOMES)
+    proc = synthetic_cli
+    assert proc.returncode == expected["exit"], proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert any("gpu_blocks 100,000 is production-sized" in note for note in doc["geometry_scaled"])
+    best = doc["runs"][0]
+    assert best["recipe"] == "queued-abort" and best["geometry"] == "log"
+    assert (best["setup"]["block_size"], best["setup"]["blocks_per_chunk"], best["setup"]["async_scheduling"]) \
+        == (16, 4, True)
+    assert best["setup"]["gpu_blocks"] == 8  # the recipe's own pool, not the log's 100,000 blocks
+    assert {r["logic"]: r["outcome"] for r in best["results"]} == {"installed": expected["installed"],
+                                                                    "fixed": expected["fixed"]}
+    assert doc["versions_differ"] is (api.version_text != "0.26.0")
+    assert "sk-" not in proc.stdout and "10.1.2.3" not in proc.stdout
