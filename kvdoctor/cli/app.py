@@ -103,6 +103,7 @@ def repro(
     async_scheduling: opt.AsyncScheduling = None,
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
+    max_model_len: opt.MaxModelLen = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     kv_transfer_config: opt.KvTransferConfig = None,
     model: opt.Model = None,
@@ -130,7 +131,7 @@ def repro(
             raise UsageError("--svg renders the tables; it cannot be combined with --json")
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, max_model_len)
         from kvdoctor import app as application
 
         if export_script is not None:
@@ -162,6 +163,7 @@ def inspect(
     async_scheduling: opt.AsyncScheduling = None,
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
+    max_model_len: opt.MaxModelLen = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     kv_transfer_config: opt.KvTransferConfig = None,
     model: opt.Model = None,
@@ -185,7 +187,7 @@ def inspect(
             raise UsageError(f"--step must be >= 1, got {step}")
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, model)
+                                           kv_transfer_config, model, max_model_len)
         from kvdoctor import app as application
 
         result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())

@@ -28,7 +28,9 @@ TINY_LLAMA_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "vocab_size": 1024,
-    "max_position_embeddings": 4096,
+    # Long enough for production context lengths (--max-model-len 131072 and beyond);
+    # vLLM refuses a max_model_len above the model's own.
+    "max_position_embeddings": 1 << 20,
     "torch_dtype": "float16",
 }
 EOS_TOKEN = 2
@@ -59,13 +61,19 @@ def _model_config(api: VllmApi, model: str | None, max_model_len: int) -> Any:
             _MODEL_CONFIGS[key] = ModelConfig(model=path, skip_tokenizer_init=True,
                                               max_model_len=max_model_len, dtype="float16", seed=0)
         except Exception as exc:  # vLLM's own validation message, one line
-            raise UsageError(f"vLLM rejected the model config: {_first_line(exc)}") from None
+            raise UsageError(f"vLLM rejected the model config: {_vllm_message(exc)}") from None
     return _MODEL_CONFIGS[key]
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(exc).__name__
+def _vllm_message(exc: BaseException) -> str:
+    """vLLM's whole validation message on one line.
+
+    pydantic puts the reason on the lines after "1 validation error for
+    ModelConfig"; only its documentation link is dropped.
+    """
+    lines = [" ".join(line.split()) for line in str(exc).splitlines()]
+    lines = [line for line in lines if line and not line.startswith("For further information visit")]
+    return " — ".join(lines) if lines else type(exc).__name__
 
 
 def build_scheduler(api: VllmApi, setup: Setup) -> Any:
@@ -95,7 +103,7 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
             device_config=config_mod.DeviceConfig("cpu"),
         )
     except Exception as exc:
-        raise UsageError(f"vLLM rejected the configuration: {_first_line(exc)}") from None
+        raise UsageError(f"vLLM rejected the configuration: {_vllm_message(exc)}") from None
 
     kvi = api.mods["kv_cache_interface"]
     spec = kvi.FullAttentionSpec(block_size=setup.block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -116,7 +124,7 @@ def build_scheduler(api: VllmApi, setup: Setup) -> Any:
         return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                              structured_output_manager=structured, block_size=setup.block_size)
     except Exception as exc:
-        raise UsageError(f"vLLM rejected the connector configuration: {_first_line(exc)}") from None
+        raise UsageError(f"vLLM rejected the connector configuration: {_vllm_message(exc)}") from None
 
 
 @dataclass

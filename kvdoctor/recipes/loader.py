@@ -460,6 +460,12 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
                 raise r.fail(at("prompt"), f"{where} (add) prompt must be a non-empty array of token ids in [0, 1024)")
         if ("shared_prefix_with" in args) != ("shared_prefix_tokens" in args):
             raise r.fail(line, f"{where} (add) needs both 'shared_prefix_with' and 'shared_prefix_tokens'")
+    if action == "schedule" and "until" in args:
+        if args["until"] != "filled":
+            raise r.fail(at("until"), f"{where} (schedule) until must be \"filled\" (the steps the fill_pool "
+                                      f"before it needs), got {_show(args['until'])}")
+        if "count" in args:
+            raise r.fail(line, f"{where} (schedule) takes 'count' or 'until', not both")
     if "kind" in args and args["kind"] not in TRANSFER_KINDS:
         raise r.fail(at("kind"), f"{where} ({action}) kind must be one of {', '.join(TRANSFER_KINDS)}, "
                                  f"got {_show(args['kind'])}")

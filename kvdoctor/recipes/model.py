@@ -26,7 +26,8 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "shared_prefix_with": ((str,), False),
         "shared_prefix_tokens": ((int,), False),
     },
-    "schedule": {"count": ((int,), False)},
+    # until = "filled": as many steps as the fill_pool before it needs at this geometry
+    "schedule": {"count": ((int,), False), "until": ((str,), False)},
     "drain": {},  # async: apply the output still in flight, without scheduling (the engine goes idle)
     "abort": {"request": ((str,), True)},
     "finish": {"request": ((str,), True)},

@@ -135,6 +135,7 @@ def setup_line(setup: Any) -> str:
     return (f"block_size={setup.block_size} blocks_per_chunk={setup.blocks_per_chunk} "
             f"gpu_blocks={setup.gpu_blocks} async_scheduling={setup.async_scheduling} "
             f"max_num_batched_tokens={setup.max_num_batched_tokens} max_num_seqs={setup.max_num_seqs} "
+            f"max_model_len={setup.max_model_len} enable_chunked_prefill={setup.enable_chunked_prefill} "
             f"offload_prompt_only={setup.offload_prompt_only} cpu_bytes_to_use={setup.cpu_bytes_to_use}"
             + (f" spec_name={setup.spec_name}" if setup.spec_name else ""))
 
