@@ -176,22 +176,48 @@ def check(recipe, setup: Setup) -> list[str]:
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
         if kind == "setup":
-            reason = _setup_requirement(value, setup)
+            reason = _setup_requirement(value, setup, recipe)
             if reason:
                 reasons.append(reason)
     return reasons
 
 
+def cpu_tier_chunks(setup: Setup) -> int:
+    """Chunks the CPU tier holds for kvdoctor's tiny KV spec (64 bytes a token; the tiering
+    spec pads each chunk to whole 4 KiB pages)."""
+    chunk = setup.offloaded_block_size * 64
+    if setup.spec_name == "TieringOffloadingSpec":
+        chunk = _ceil(chunk, 4096) * 4096
+    return setup.cpu_bytes_to_use // chunk
+
+
+_GEOMETRY_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                    "enable_chunked_prefill")
+
+
+def _own_geometry(setup: Setup, recipe) -> str | None:
+    differ = [f"{name}={getattr(setup, name)}" for name in _GEOMETRY_FIELDS
+              if name in recipe.setup and recipe.setup[name] != getattr(setup, name)]
+    if not differ:
+        return None
+    own = ", ".join(f"{name}={recipe.setup[name]}" for name in _GEOMETRY_FIELDS if name in recipe.setup)
+    return (f"this recipe's trigger is scripted for its own geometry ({own}) and not yet restated for "
+            f"{', '.join(differ)}")
+
+
 _SETUP_REQUIREMENTS = {
-    "sync_scheduling": (lambda s: not s.async_scheduling,
-                        "the trigger needs synchronous scheduling: under --async-scheduling the step already "
-                        "in flight computes the last sampled token's KV slot"),
+    "sync_scheduling": lambda s, r: None if not s.async_scheduling else (
+        "the trigger needs synchronous scheduling: under --async-scheduling the step already in flight "
+        "computes the last sampled token's KV slot, so the final store is legitimate"),
+    "one_chunk_cpu_tier": lambda s, r: None if cpu_tier_chunks(s) == 1 else (
+        f"the trigger needs a CPU tier whose every block is held by an in-flight store; this one holds "
+        f"{cpu_tier_chunks(s):,} chunks (cpu_bytes_to_use={s.cpu_bytes_to_use:,})"),
+    "own_geometry": lambda s, r: _own_geometry(s, r),
 }
 
 
-def _setup_requirement(name: str, setup: Setup) -> str | None:
-    test, reason = _SETUP_REQUIREMENTS[name]
-    return None if test(setup) else reason
+def _setup_requirement(name: str, setup: Setup, recipe) -> str | None:
+    return _SETUP_REQUIREMENTS[name](setup, recipe)
 
 
 def is_known_setup_requirement(name: str) -> bool:

@@ -8,7 +8,7 @@ missing is `not_applicable`, with the reason.
 from __future__ import annotations
 
 REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>",
-                     "setup:<geometry condition> (sync_scheduling)")
+                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry>")
 
 
 def is_known_requirement(text: str) -> bool:
