@@ -19,7 +19,9 @@ from kvdoctor.observe.failure import Failure, describe_exception
 from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
-from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry, plan_fill, prompt_length
+from kvdoctor.recipes.geometry import (
+    NotApplicable, check as check_geometry, plan_fill, prompt_length, shared_prefix_length,
+)
 from kvdoctor.recipes.model import Recipe, Step
 
 
@@ -76,13 +78,14 @@ def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int
     args = step.args
     if "prompt" in args:
         return list(args["prompt"])
-    return _tokens(order, prompt_length(args, setup), args, prompts)
+    return _tokens(order, prompt_length(args, setup), args, prompts, setup)
 
 
-def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, list[int]]) -> list[int]:
+def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, list[int]],
+            setup: Setup | None = None) -> list[int]:
     tokens = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
     if "shared_prefix_with" in args:
-        prefix = prompts[args["shared_prefix_with"]][: args["shared_prefix_tokens"]]
+        prefix = prompts[args["shared_prefix_with"]][: shared_prefix_length(args, setup)]
         tokens[: len(prefix)] = prefix
     return tokens
 

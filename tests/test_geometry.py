@@ -27,8 +27,9 @@ def test_fill_cost_does_not_grow_with_the_pool(blocks):
     setup = Setup(block_size=16, gpu_blocks=blocks, max_num_batched_tokens=8192, max_num_seqs=256,
                   max_model_len=131072)
     plan = plan_fill(setup, 8)
-    assert plan.mode == "budget" and plan.steps == 1
-    assert sum(plan.prompts) <= 2 * 8192 + 16  # two steps' budget, whatever the pool
+    assert plan.steps <= 2 and len(plan.prompts) <= 2
+    assert sum(plan.prompts) <= 2 * 8192 + 16  # two steps' budget (or the pool, where smaller)
+    assert plan.mode == ("pool" if blocks * 16 < 2 * 8192 + 16 else "budget")
 
 
 def test_fillers_fit_max_model_len():

@@ -47,7 +47,8 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
             except (ExpectationFailed, NotApplicable) as exc:
                 raise UsageError(f"cannot export {recipe.name}: {exc}") from None
             prompts[args["request"]] = args["prompt"]
-            for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens"):
+            for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
+                        "trim_tokens", "shared_prefix_chunks"):
                 args.pop(key, None)
         args.pop("description", None)
         steps.append({"action": step.action, "args": args})

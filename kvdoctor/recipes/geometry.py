@@ -138,8 +138,14 @@ def prompt_length(args: dict, setup: Setup) -> int:
     if args.get("fill_pool"):
         return plan_fill(setup, args.get("max_tokens", 8)).prompts[0]
     if "prompt_chunks" in args:
-        return args["prompt_chunks"] * setup.offloaded_block_size
+        return max(1, args["prompt_chunks"] * setup.offloaded_block_size - args.get("trim_tokens", 0))
     return args["prompt_tokens"]
+
+
+def shared_prefix_length(args: dict, setup: Setup) -> int:
+    if "shared_prefix_chunks" in args:
+        return args["shared_prefix_chunks"] * setup.offloaded_block_size
+    return args.get("shared_prefix_tokens", 0)
 
 
 def check(recipe, setup: Setup) -> list[str]:
@@ -161,6 +167,13 @@ def check(recipe, setup: Setup) -> list[str]:
             reasons.append(f"step {counter} (line {step.line}) fill_pool: {exc}")
             continue
         total = length + step.args.get("max_tokens", 8)
+        usable = setup.gpu_blocks - 1
+        if not step.args.get("fill_pool") and _ceil(length + 1, setup.block_size) > usable:
+            # vLLM admits a request only when its whole prompt fits the free blocks
+            reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
+                           f"needs {_ceil(length + 1, setup.block_size)} blocks of {setup.block_size} tokens; the "
+                           f"pool has {usable} usable")
+            continue
         if length > setup.max_model_len:
             message = (f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
                        f"with max_tokens {step.args.get('max_tokens', 8)} does not fit max_model_len "

@@ -25,6 +25,9 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "max_tokens": ((int,), False),
         "shared_prefix_with": ((str,), False),
         "shared_prefix_tokens": ((int,), False),
+        # geometry-relative sizes: a prompt_chunks prompt N tokens short; a prefix of N chunks
+        "trim_tokens": ((int,), False),
+        "shared_prefix_chunks": ((int,), False),
     },
     # until = "filled": as many steps as the fill_pool before it needs at this geometry
     "schedule": {"count": ((int,), False), "until": ((str,), False)},
