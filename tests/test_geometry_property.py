@@ -11,7 +11,7 @@ well under two minutes here.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from kvdoctor.app import resolve_setup
 from kvdoctor.recipes.builtins import all_builtins
@@ -51,7 +51,8 @@ def expectation(api, release):
     return expected_for(api, release, EXPECTED)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+# No shrinking: a failure names its geometry already, and shrinking would multiply the cost.
+@settings(max_examples=6, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @example(geometry=dict(block_size=16, blocks_per_chunk=1, gpu_blocks=512, enable_chunked_prefill=True,
                        max_model_len=256, max_num_seqs=64, max_num_batched_tokens=2048, async_scheduling=True))

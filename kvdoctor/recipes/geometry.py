@@ -138,7 +138,11 @@ def prompt_length(args: dict, setup: Setup) -> int:
     if args.get("fill_pool"):
         return plan_fill(setup, args.get("max_tokens", 8)).prompts[0]
     if "prompt_chunks" in args:
-        return max(1, args["prompt_chunks"] * setup.offloaded_block_size - args.get("trim_tokens", 0))
+        length = args["prompt_chunks"] * setup.offloaded_block_size - args.get("trim_tokens", 0)
+        if length < 1:
+            raise NotApplicable(f"{args['prompt_chunks']} chunk(s) of {setup.offloaded_block_size} tokens less "
+                                f"{args['trim_tokens']} token(s) leave no prompt")
+        return length
     return args["prompt_tokens"]
 
 
@@ -164,7 +168,7 @@ def check(recipe, setup: Setup) -> list[str]:
         try:
             length = prompt_length(step.args, setup)
         except NotApplicable as exc:
-            reasons.append(f"step {counter} (line {step.line}) fill_pool: {exc}")
+            reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: {exc}")
             continue
         total = length + step.args.get("max_tokens", 8)
         usable = setup.gpu_blocks - 1
@@ -226,6 +230,8 @@ _SETUP_REQUIREMENTS = {
         f"the trigger needs a CPU tier whose every block is held by an in-flight store; this one holds "
         f"{cpu_tier_chunks(s):,} chunks (cpu_bytes_to_use={s.cpu_bytes_to_use:,})"),
     "own_geometry": lambda s, r: _own_geometry(s, r),
+    "two_running_requests": lambda s, r: None if s.max_num_seqs >= 2 else (
+        "the trigger needs two requests running at once; --max-num-seqs is 1"),
 }
 
 
