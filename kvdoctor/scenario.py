@@ -90,6 +90,11 @@ def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, li
     return tokens
 
 
+def prefill_steps(prompt: list[int], setup: Setup) -> int:
+    """Steps a prompt's prefill takes at the step budget (chunked prefill splits it by the budget)."""
+    return max(1, -(-len(prompt) // setup.max_num_batched_tokens))
+
+
 def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
     """Compare one `expect`/`check` with the observed state; returns (held, observed)."""
     args = step.args
@@ -195,6 +200,8 @@ class ScenarioRun:
                 repeats = step.args.get("count", 1) if step.action == "schedule" else 1
                 if step.args.get("until") == "filled":
                     repeats = self.fill_steps
+                elif step.args.get("until") == "prefilled":
+                    repeats = prefill_steps(self.prompts[step.args["request"]], self.setup)
                 for _ in range(repeats):
                     counter += 1
                     try:

@@ -27,8 +27,11 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     fill_steps = 1
     for step in recipe.steps:
         args = dict(step.args)
-        if step.action == "schedule" and args.pop("until", None) == "filled":
+        until = args.pop("until", None) if step.action == "schedule" else None
+        if until == "filled":
             args["count"] = fill_steps
+        elif until == "prefilled":
+            args["count"] = max(1, -(-len(prompts[args.pop("request")]) // setup.max_num_batched_tokens))
         if step.action == "add" and args.get("fill_pool"):
             try:
                 plan = plan_fill(setup, args.get("max_tokens", 8))

@@ -467,11 +467,16 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
             raise r.fail(at("trim_tokens"), f"{where} (add) trim_tokens shortens a prompt_chunks prompt; "
                                             f"give prompt_chunks")
     if action == "schedule" and "until" in args:  # noqa: SIM102
-        if args["until"] != "filled":
+        if args["until"] not in ("filled", "prefilled"):
             raise r.fail(at("until"), f"{where} (schedule) until must be \"filled\" (the steps the fill_pool "
-                                      f"before it needs), got {_show(args['until'])}")
+                                      f"before it needs) or \"prefilled\" (with request: the steps its prompt "
+                                      f"needs at the step budget), got {_show(args['until'])}")
         if "count" in args:
             raise r.fail(line, f"{where} (schedule) takes 'count' or 'until', not both")
+        if (args["until"] == "prefilled") != ("request" in args):
+            raise r.fail(line, f"{where} (schedule) takes 'request' with until = \"prefilled\", and only then")
+    elif action == "schedule" and "request" in args:
+        raise r.fail(at("request"), f"{where} (schedule) takes 'request' only with until = \"prefilled\"")
     if "kind" in args and args["kind"] not in TRANSFER_KINDS:
         raise r.fail(at("kind"), f"{where} ({action}) kind must be one of {', '.join(TRANSFER_KINDS)}, "
                                  f"got {_show(args['kind'])}")

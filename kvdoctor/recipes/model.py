@@ -30,7 +30,8 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "shared_prefix_chunks": ((int,), False),
     },
     # until = "filled": as many steps as the fill_pool before it needs at this geometry
-    "schedule": {"count": ((int,), False), "until": ((str,), False)},
+    # until = "prefilled" (with request): ceil(its prompt / max_num_batched_tokens) steps
+    "schedule": {"count": ((int,), False), "until": ((str,), False), "request": ((str,), False)},
     "drain": {},  # async: apply the output still in flight, without scheduling (the engine goes idle)
     "abort": {"request": ((str,), True)},
     "finish": {"request": ((str,), True)},
