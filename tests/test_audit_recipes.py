@@ -133,7 +133,7 @@ def test_recipes_are_builtins():
     assert k8.bug == "K8" and any("57810" in ref for ref in k8.refs)
     assert (k8.signature.exception, k8.signature.function) == ("AssertionError", "build_connector_meta")
     assert k2.bug == "K2" and any("49635" in ref for ref in k2.refs)
-    assert k2.requires == ("spec:TieringOffloadingSpec",)
+    assert k2.requires[0] == "spec:TieringOffloadingSpec"
     assert k2.setup["spec_name"] == "TieringOffloadingSpec"
     assert k2.setup["extra_connector_config"]["secondary_tiers"] == []
     assert (k2.signature.exception, k2.signature.function) == ("KeyError", "prepare_store")
