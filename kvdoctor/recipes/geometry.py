@@ -172,6 +172,11 @@ def check(recipe, setup: Setup) -> list[str]:
             continue
         total = length + step.args.get("max_tokens", 8)
         usable = setup.gpu_blocks - 1
+        if length > setup.max_model_len and not recipe.builtin:  # vLLM rejects it: a usage error, first
+            raise UsageError(f"{recipe.source}:{step.line}: step {counter} (line {step.line}) add "
+                             f"{step.args['request']}: a {length}-token prompt with max_tokens "
+                             f"{step.args.get('max_tokens', 8)} does not fit max_model_len {setup.max_model_len} "
+                             f"(vLLM rejects such a request); raise --max-model-len")
         if not step.args.get("fill_pool") and _ceil(length + 1, setup.block_size) > usable:
             # vLLM admits a request only when its whole prompt fits the free blocks
             reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
