@@ -102,6 +102,9 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     recipe = resolve(recipe_ref)
     variants = expand_logic(logic)
     setup = resolve_setup(recipe, overrides)
+    from kvdoctor.recipes.geometry import check as check_geometry
+
+    check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
     api = load_vllm()
     from kvdoctor.scenario import run_scenario
 

@@ -19,6 +19,9 @@ from kvdoctor.observe.failure import Failure, describe_exception
 from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
+from kvdoctor.recipes.geometry import (
+    NotApplicable, check as check_geometry, plan_fill, prompt_length, shared_prefix_length,
+)
 from kvdoctor.recipes.model import Recipe, Step
 
 
@@ -94,19 +97,21 @@ def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int
     args = step.args
     if "prompt" in args:
         return list(args["prompt"])
-    if args.get("fill_pool"):
-        length = (setup.gpu_blocks - 2) * setup.block_size
-        if length < 1:
-            raise ExpectationFailed(f"fill_pool needs at least 3 GPU blocks, the setup has {setup.gpu_blocks}")
-    elif "prompt_chunks" in args:
-        length = args["prompt_chunks"] * setup.offloaded_block_size
-    else:
-        length = args["prompt_tokens"]
+    return _tokens(order, prompt_length(args, setup), args, prompts, setup)
+
+
+def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, list[int]],
+            setup: Setup | None = None) -> list[int]:
     tokens = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
     if "shared_prefix_with" in args:
-        prefix = prompts[args["shared_prefix_with"]][: args["shared_prefix_tokens"]]
+        prefix = prompts[args["shared_prefix_with"]][: shared_prefix_length(args, setup)]
         tokens[: len(prefix)] = prefix
     return tokens
+
+
+def prefill_steps(prompt: list[int], setup: Setup) -> int:
+    """Steps a prompt's prefill takes at the step budget (chunked prefill splits it by the budget)."""
+    return max(1, -(-len(prompt) // setup.max_num_batched_tokens))
 
 
 def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
@@ -208,12 +213,16 @@ class ScenarioRun:
         self.log = CallLog()
         self.all_calls: list[StorableCall] = []
         self.prompts: dict[str, list[int]] = {}
+        self.fill_steps = 1  # a `schedule until = "filled"` repeats this often (set by its fill_pool add)
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
         from kvdoctor.recipes.requirements import missing
 
-        reasons = missing(self.api, self.recipe.requires)
+        try:
+            reasons = check_geometry(self.recipe, self.setup) + missing(self.api, self.recipe.requires)
+        except NotApplicable as exc:
+            reasons = [str(exc)]
         if reasons:
             self.result.outcome = Outcome.NOT_APPLICABLE
             self.result.detail = "; ".join(reasons)
@@ -238,6 +247,10 @@ class ScenarioRun:
         with storable_chunks_variant(self.api, self.logic, self.log):
             for step in self.recipe.steps:
                 repeats = step.args.get("count", 1) if step.action == "schedule" else 1
+                if step.args.get("until") == "filled":
+                    repeats = self.fill_steps
+                elif step.args.get("until") == "prefilled":
+                    repeats = prefill_steps(self.prompts[step.args["request"]], self.setup)
                 for _ in range(repeats):
                     counter += 1
                     try:
@@ -352,6 +365,8 @@ class ScenarioRun:
                 description = args.get("description", step.describe())
                 raise ExpectationFailed(f"expected {description}; observed {observed}")
             return None
+        if action == "add" and args.get("fill_pool"):
+            self.fill_steps = plan_fill(self.setup, args.get("max_tokens", 8)).steps
         return apply_to_harness(step, harness, self.setup, self.prompts)
 
 
@@ -359,7 +374,15 @@ def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[s
     """Carry out one engine-facing step (every action but `expect`); `schedule` returns its events."""
     args = step.args
     action = step.action
-    if action == "add":
+    if action == "add" and args.get("fill_pool"):
+        # The named request is the first filler; the others are named after it (A.2, A.3, ...).
+        plan = plan_fill(setup, args.get("max_tokens", 8))
+        for i, length in enumerate(plan.prompts):
+            req_id = args["request"] if i == 0 else f"{args['request']}.{i + 1}"
+            prompt = _tokens(len(prompts), length, {}, prompts)
+            prompts[req_id] = prompt
+            harness.add(req_id, prompt, args.get("max_tokens", 8))
+    elif action == "add":
         prompt = prompt_for(step, len(prompts), setup, prompts)
         prompts[args["request"]] = prompt
         harness.add(args["request"], prompt, args.get("max_tokens", 8))

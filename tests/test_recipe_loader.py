@@ -251,7 +251,7 @@ def test_shared_prefix_with_unknown_request(tmp_path: Path) -> None:
 def test_shared_prefix_needs_both_fields(tmp_path: Path) -> None:
     text = replace(GOOD, "prompt_chunks = 4", 'prompt_chunks = 4\nshared_prefix_with = "A"')
     assert_error(tmp_path, text, line_of(text, "[[step]]", 3),
-                 "needs both 'shared_prefix_with' and 'shared_prefix_tokens'")
+                 "needs both 'shared_prefix_with' and one of 'shared_prefix_tokens' or 'shared_prefix_chunks'")
 
 
 @pytest.mark.parametrize("old,new,what,expected", [
@@ -280,7 +280,7 @@ def test_unknown_field_in_step(tmp_path: Path) -> None:
 def test_field_of_another_action(tmp_path: Path) -> None:
     text = replace(GOOD, "count = 2", "count = 2\nrequest = \"A\"")
     assert_error(tmp_path, text, line_of(text, 'request = "A"', 2),
-                 "step 4 (schedule)", "unknown field 'request'", "(expected count)")
+                 "step 4 (schedule)", "unknown field 'request'", "(expected count, until)")
 
 
 def test_unknown_subtable_of_a_step_points_at_its_header(tmp_path: Path) -> None:

@@ -140,6 +140,7 @@ def repro(
     async_scheduling: opt.AsyncScheduling = None,
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
+    max_model_len: opt.MaxModelLen = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
@@ -180,7 +181,8 @@ def repro(
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
                                            kv_offloading_size=kv_offloading_size,
-                                           kv_offloading_backend=kv_offloading_backend)
+                                           kv_offloading_backend=kv_offloading_backend,
+                                           max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
@@ -221,6 +223,7 @@ def inspect(
     async_scheduling: opt.AsyncScheduling = None,
     max_num_batched_tokens: opt.MaxBatchedTokens = None,
     max_num_seqs: opt.MaxNumSeqs = None,
+    max_model_len: opt.MaxModelLen = None,
     enable_chunked_prefill: opt.ChunkedPrefill = None,
     enable_prefix_caching: opt.PrefixCaching = None,
     kv_transfer_config: opt.KvTransferConfig = None,
@@ -253,7 +256,8 @@ def inspect(
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
                                            kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
                                            kv_offloading_size=kv_offloading_size,
-                                           kv_offloading_backend=kv_offloading_backend)
+                                           kv_offloading_backend=kv_offloading_backend,
+                                           max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 

@@ -26,6 +26,9 @@ AsyncScheduling = Annotated[Optional[bool], typer.Option(
     rich_help_panel=GEOMETRY, show_default=False)]
 MaxBatchedTokens = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", help="Token budget per step.", rich_help_panel=GEOMETRY)]
+MaxModelLen = Annotated[Optional[int], typer.Option(
+    "--max-model-len", help="Model context length in tokens (prompt + output); longer prompts are refused.",
+    rich_help_panel=GEOMETRY)]
 MaxNumSeqs = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Max running requests.",
                                                    rich_help_panel=GEOMETRY)]
 ChunkedPrefill = Annotated[Optional[bool], typer.Option(
@@ -119,7 +122,8 @@ def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu
                        max_num_seqs: int | None, enable_chunked_prefill: bool | None,
                        kv_transfer_config: str | None, model: Path | None,
                        enable_prefix_caching: bool | None = None, kv_offloading_size: float | None = None,
-                       kv_offloading_backend: str | None = None) -> dict[str, Any]:
+                       kv_offloading_backend: str | None = None, max_model_len: int | None = None
+                       ) -> dict[str, Any]:
     """Flags given on the command line, as `Setup` overrides (None = keep the recipe's)."""
     from kvdoctor.engine.setup import parse_kv_transfer_config
 
@@ -130,8 +134,10 @@ def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu
         "async_scheduling": async_scheduling, "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs, "enable_chunked_prefill": enable_chunked_prefill,
         "enable_prefix_caching": enable_prefix_caching,
+        "max_model_len": max_model_len,
     }
-    for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                 "max_model_len"):
         value = overrides[name]
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")

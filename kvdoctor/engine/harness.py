@@ -33,7 +33,9 @@ TINY_LLAMA_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "vocab_size": 1024,
-    "max_position_embeddings": 4096,
+    # Long enough for production context lengths (--max-model-len 131072 and beyond);
+    # vLLM refuses a max_model_len above the model's own.
+    "max_position_embeddings": 1 << 20,
     "torch_dtype": "float16",
 }
 EOS_TOKEN = 2

@@ -24,21 +24,41 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
     import dataclasses
 
-    from kvdoctor.scenario import ExpectationFailed, prompt_for
+    from kvdoctor.recipes.geometry import NotApplicable, plan_fill
+    from kvdoctor.scenario import ExpectationFailed, _tokens, prompt_for
 
     setup = dataclasses.replace(setup, worker="simulated", device=None)
 
     prompts: dict[str, list[int]] = {}
     steps = []
+    fill_steps = 1
     for step in recipe.steps:
         args = dict(step.args)
+        until = args.pop("until", None) if step.action == "schedule" else None
+        if until == "filled":
+            args["count"] = fill_steps
+        elif until == "prefilled":
+            args["count"] = max(1, -(-len(prompts[args.pop("request")]) // setup.max_num_batched_tokens))
+        if step.action == "add" and args.get("fill_pool"):
+            try:
+                plan = plan_fill(setup, args.get("max_tokens", 8))
+            except NotApplicable as exc:
+                raise UsageError(f"cannot export {recipe.name}: {exc}") from None
+            fill_steps = plan.steps
+            for i, length in enumerate(plan.prompts):
+                rid = args["request"] if i == 0 else f"{args['request']}.{i + 1}"
+                prompts[rid] = _tokens(len(prompts), length, {}, prompts)
+                steps.append({"action": "add", "args": {"request": rid, "prompt": prompts[rid],
+                                                        "max_tokens": args.get("max_tokens", 8)}})
+            continue
         if step.action == "add":
             try:
                 args["prompt"] = prompt_for(step, len(prompts), setup, prompts)
-            except ExpectationFailed as exc:
+            except (ExpectationFailed, NotApplicable) as exc:
                 raise UsageError(f"cannot export {recipe.name}: {exc}") from None
             prompts[args["request"]] = args["prompt"]
-            for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens"):
+            for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
+                        "trim_tokens", "shared_prefix_chunks"):
                 args.pop(key, None)
         args.pop("description", None)
         steps.append({"action": step.action, "args": args})

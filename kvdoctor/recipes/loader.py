@@ -476,7 +476,8 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
     def at(key: str) -> int:
         return r.index.key(line, key)
 
-    for key in ("prompt_tokens", "prompt_chunks", "max_tokens", "count", "shared_prefix_tokens"):
+    for key in ("prompt_tokens", "prompt_chunks", "max_tokens", "count", "shared_prefix_tokens", "trim_tokens",
+                "shared_prefix_chunks"):
         if key in args and args[key] < 1:
             raise r.fail(at(key), f"{where} ({action}) {key} must be a positive integer, got {args[key]}")
     for key in ("allocated_blocks", "min_allocated_blocks", "in_flight_jobs", "min_in_flight_jobs",
@@ -492,8 +493,24 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
             if not args["prompt"] or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1024
                                              for t in args["prompt"]):
                 raise r.fail(at("prompt"), f"{where} (add) prompt must be a non-empty array of token ids in [0, 1024)")
-        if ("shared_prefix_with" in args) != ("shared_prefix_tokens" in args):
-            raise r.fail(line, f"{where} (add) needs both 'shared_prefix_with' and 'shared_prefix_tokens'")
+        prefix_sizes = [k for k in ("shared_prefix_tokens", "shared_prefix_chunks") if k in args]
+        if ("shared_prefix_with" in args) != bool(prefix_sizes) or len(prefix_sizes) > 1:
+            raise r.fail(line, f"{where} (add) needs both 'shared_prefix_with' and one of 'shared_prefix_tokens' "
+                               f"or 'shared_prefix_chunks'")
+        if "trim_tokens" in args and "prompt_chunks" not in args:
+            raise r.fail(at("trim_tokens"), f"{where} (add) trim_tokens shortens a prompt_chunks prompt; "
+                                            f"give prompt_chunks")
+    if action == "schedule" and "until" in args:  # noqa: SIM102
+        if args["until"] not in ("filled", "prefilled"):
+            raise r.fail(at("until"), f"{where} (schedule) until must be \"filled\" (the steps the fill_pool "
+                                      f"before it needs) or \"prefilled\" (with request: the steps its prompt "
+                                      f"needs at the step budget), got {_show(args['until'])}")
+        if "count" in args:
+            raise r.fail(line, f"{where} (schedule) takes 'count' or 'until', not both")
+        if (args["until"] == "prefilled") != ("request" in args):
+            raise r.fail(line, f"{where} (schedule) takes 'request' with until = \"prefilled\", and only then")
+    elif action == "schedule" and "request" in args:
+        raise r.fail(at("request"), f"{where} (schedule) takes 'request' only with until = \"prefilled\"")
     if "kind" in args and args["kind"] not in TRANSFER_KINDS:
         raise r.fail(at("kind"), f"{where} ({action}) kind must be one of {', '.join(TRANSFER_KINDS)}, "
                                  f"got {_show(args['kind'])}")

@@ -25,8 +25,13 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "max_tokens": ((int,), False),
         "shared_prefix_with": ((str,), False),
         "shared_prefix_tokens": ((int,), False),
+        # geometry-relative sizes: a prompt_chunks prompt N tokens short; a prefix of N chunks
+        "trim_tokens": ((int,), False),
+        "shared_prefix_chunks": ((int,), False),
     },
-    "schedule": {"count": ((int,), False)},
+    # until = "filled": as many steps as the fill_pool before it needs at this geometry
+    # until = "prefilled" (with request): ceil(its prompt / max_num_batched_tokens) steps
+    "schedule": {"count": ((int,), False), "until": ((str,), False), "request": ((str,), False)},
     "drain": {},  # async: apply the output still in flight, without scheduling (the engine goes idle)
     "abort": {"request": ((str,), True)},
     "finish": {"request": ((str,), True)},

@@ -7,11 +7,16 @@ missing is `not_applicable`, with the reason.
 
 from __future__ import annotations
 
-REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>")
+REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>",
+                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests>")
 
 
 def is_known_requirement(text: str) -> bool:
     kind, _, value = text.partition(":")
+    if kind == "setup":  # judged on the geometry, before vLLM is imported (recipes/geometry.py)
+        from kvdoctor.recipes.geometry import is_known_setup_requirement
+
+        return is_known_setup_requirement(value)
     return kind in ("spec", "kv_cache_group_field") and bool(value)
 
 

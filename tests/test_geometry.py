@@ -1,0 +1,114 @@
+"""Recipes at the user's geometry: fill plans, refusals before the run, and the issue's deployment flags."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvdoctor.engine.setup import Setup, parse_kv_transfer_config
+from kvdoctor.recipes.geometry import NotApplicable, plan_fill
+from tests.conftest import expected_for, run_cli
+
+ISSUE_FLAGS = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--max-num-batched-tokens", "2048",
+               "--max-num-seqs", "64", "--enable-chunked-prefill", "--async-scheduling", "--kv-transfer-config",
+               '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+               '"kv_connector_extra_config":{"cpu_bytes_to_use":1073741824}}']
+
+
+def test_default_fill_is_the_founding_case():
+    # issue #49118: block size 4, 8 GPU blocks: one 24-token request, its first decode takes the last block
+    plan = plan_fill(Setup(), 8)
+    assert plan.prompts == (24,) and plan.steps == 1 and plan.mode == "pool"
+
+
+@pytest.mark.parametrize("blocks", [1_000, 10_000, 100_000, 1_000_000])
+def test_fill_cost_does_not_grow_with_the_pool(blocks):
+    setup = Setup(block_size=16, gpu_blocks=blocks, max_num_batched_tokens=8192, max_num_seqs=256,
+                  max_model_len=131072)
+    plan = plan_fill(setup, 8)
+    assert plan.steps <= 2 and len(plan.prompts) <= 2
+    assert sum(plan.prompts) <= 2 * 8192 + 16  # two steps' budget (or the pool, where smaller)
+    assert plan.mode == ("pool" if blocks * 16 < 2 * 8192 + 16 else "budget")
+
+
+def test_fillers_fit_max_model_len():
+    setup = Setup(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=256)
+    plan = plan_fill(setup, 8)
+    assert len(plan.prompts) > 1 and max(plan.prompts) + 8 <= 256
+
+
+def test_pool_fill_reserves_the_fillers_decode_blocks():
+    # block size 1: every decode takes a block; a two-step fill must leave room for them
+    setup = Setup(block_size=1, gpu_blocks=40, max_num_batched_tokens=16, max_num_seqs=16, max_model_len=32,
+                  enable_chunked_prefill=True)
+    plan = plan_fill(setup, 8)
+    assert sum(plan.prompts) + len(plan.prompts) * (plan.steps + 1) <= 39
+
+
+def test_no_fill_when_a_block_does_not_fit_max_model_len():
+    with pytest.raises(NotApplicable, match="max_model_len"):
+        plan_fill(Setup(block_size=128, gpu_blocks=64, max_model_len=128), 8)
+
+
+def test_impossible_pool_is_refused_at_once():
+    start = time.perf_counter()
+    proc = run_cli("repro", "queued-abort", "--num-gpu-blocks-override", "100000000", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert time.perf_counter() - start < 10
+    assert proc.stderr.count("\n") == 1 and "4,000,000" in proc.stderr
+
+
+def test_prompt_longer_than_max_model_len_is_refused_naming_the_step(tmp_path):
+    from kvdoctor.recipes.builtins import resolve
+
+    source = open(resolve("queued-abort").source).read().replace("prompt_chunks = 4", "prompt_tokens = 300")
+    path = tmp_path / "long.toml"
+    path.write_text(source)
+    proc = run_cli("repro", str(path), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "step 3" in proc.stderr and "max_model_len 256" in proc.stderr and "300-token prompt" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_max_model_len_flag_is_validated():
+    proc = run_cli("repro", "queued-abort", "--max-model-len", "0", timeout=60)
+    assert proc.returncode == 2 and "--max-model-len" in proc.stderr
+
+
+def test_kv_transfer_config_sets_the_cpu_tier():
+    assert parse_kv_transfer_config(ISSUE_FLAGS[-1])["cpu_bytes_to_use"] == 1 << 30
+
+
+# Measured with the issue's deployment flags (block size 16, 512 blocks, 2048-token budget, 64 seqs,
+# chunked prefill, async scheduling, a 1 GB CPU tier).
+ISSUE_OUTCOMES = {
+    (0, 26): {"queued-abort": "reproduced", "prefetch": "reproduced", "preempt-reload-same-step": "reproduced",
+              "final-token-slot-stored": "not_applicable", "finished-after-finalize": "not_applicable",
+              "preemption": "not_applicable"},
+    (0, 33): {"queued-abort": "not_reproduced", "prefetch": "not_reproduced",
+              "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "not_applicable",
+              "finished-after-finalize": "not_applicable", "preemption": "not_applicable"},
+}
+
+
+@pytest.mark.vllm
+def test_issue_geometry(api, release):
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.scenario import run_scenario
+
+    expected = expected_for(api, release, ISSUE_OUTCOMES)
+    overrides = dict(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64,
+                     enable_chunked_prefill=True, async_scheduling=True,
+                     **parse_kv_transfer_config(ISSUE_FLAGS[-1]))
+    for name, outcome in expected.items():
+        recipe = resolve(name)
+        result = run_scenario(api, recipe, resolve_setup(recipe, overrides), "installed")
+        assert result.outcome.value == outcome, (name, result.outcome.value, result.detail)
+        if outcome == "not_applicable":
+            assert result.detail
+        if name == "queued-abort" and outcome == "reproduced":
+            # the right path: the aborted request B trips, not a filler
+            tripping = [r.request for r in result.requests if r.would_trip]
+            assert tripping == ["B"], tripping
