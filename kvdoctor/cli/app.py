@@ -331,7 +331,7 @@ from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
 
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
-    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_AUDIT_EXIT_CODES)(matrix))
+    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(matrix)
 
 from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
 
