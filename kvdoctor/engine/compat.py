@@ -737,14 +737,23 @@ def kv_cache_config_of(scheduler: Any) -> Any:
     return _require(scheduler, "kv_cache_config", type(scheduler).__name__)
 
 
+SCHEDULER_RUNNER_AGNOSTIC = "any (this release's scheduler output does not depend on the runner)"
+
+
 def scheduler_model_runner(scheduler: Any) -> str:
-    return "v2" if _require(scheduler, "use_v2_model_runner", type(scheduler).__name__) else "v1"
+    """Which runner the scheduler shapes its output for; 0.34 has no such switch (feature probe)."""
+    if not hasattr(scheduler, "use_v2_model_runner"):
+        return SCHEDULER_RUNNER_AGNOSTIC
+    return "v2" if scheduler.use_v2_model_runner else "v1"
 
 
 def set_scheduler_model_runner(scheduler: Any, runner: str) -> None:
-    """The scheduler shapes its output for the model runner it serves (V2: resumed = new)."""
-    _require(scheduler, "use_v2_model_runner", type(scheduler).__name__)
-    scheduler.use_v2_model_runner = runner == "v2"
+    """The scheduler shapes its output for the model runner it serves (V2: resumed = new).
+
+    A release whose scheduler has no `use_v2_model_runner` shapes one output for both runners:
+    nothing to set there."""
+    if hasattr(scheduler, "use_v2_model_runner"):
+        scheduler.use_v2_model_runner = runner == "v2"
 
 
 def gpu_default_model_runner(vllm_config: Any) -> str:
