@@ -289,3 +289,11 @@ def test_cli_no_match_writes_a_starting_recipe_that_loads(tmp_path):
     assert "```toml" in report.read_text() and "/opt/v" not in report.read_text()
     proc = run_cli("diagnose", str(paste), "--report", str(tmp_path / "nodir" / "r.md"))
     assert proc.returncode == 2 and "no such directory" in proc.stderr
+
+
+@pytest.mark.parametrize("text", ["{)", "{]", "{>", "{'a': 1 ) 'b': 2}", "{" + ")" * 50])
+def test_args_reader_always_moves_on(text):
+    """A stray closer in a mapping once made the reader loop for ever (found by the fuzz test)."""
+    from kvdoctor.diagnose.pyrepr import parse_repr
+
+    assert isinstance(parse_repr(text), dict)

@@ -143,10 +143,13 @@ class _Reader:
             if c == ",":
                 self.i += 1
                 continue
+            before = self.i
             key = self.value(depth + 1, ":,}")
             self.ws()
             if self.peek() != ":":
                 self.skip_value(",}")
+                if self.i == before:  # nothing consumed (e.g. a stray closer): step over it
+                    self.i += 1
                 continue
             self.i += 1
             val = self.value(depth + 1, ",}")
