@@ -57,6 +57,7 @@ EXPECTED = {
         K4: {False: same(N), True: same(NA)},  # PR #54288 in: no store past the commit point
     },
 }
+EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
 
 SHM_PATTERN = "/dev/shm/vllm_offload_*.mmap"
 

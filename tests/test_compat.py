@@ -76,6 +76,8 @@ PROBES = {
     (0, 26): {"params": ("group_config", "num_offloadable_tokens"), "aborted_basis": False},
     (0, 33): {"params": ("group_config", "group_state", "num_offloadable_tokens"), "aborted_basis": True},
 }
+PROBES[(0, 34)] = {"params": ("group_config", "group_state", "num_offloadable_tokens", "apply_eagle_drop"),
+                   "aborted_basis": True}  # read off vLLM 0.34.0's code (2026-12-02)
 
 
 def test_release_probes(api, release):
