@@ -278,9 +278,9 @@ def test_unknown_field_in_step(tmp_path: Path) -> None:
 
 
 def test_field_of_another_action(tmp_path: Path) -> None:
-    text = replace(GOOD, "count = 2", "count = 2\nrequest = \"A\"")
-    assert_error(tmp_path, text, line_of(text, 'request = "A"', 2),
-                 "step 4 (schedule)", "unknown field 'request'", "(expected count, until)")
+    text = replace(GOOD, "count = 2", "count = 2\nkind = \"store\"")
+    assert_error(tmp_path, text, line_of(text, 'kind = "store"'),
+                 "step 4 (schedule)", "unknown field 'kind'")
 
 
 def test_unknown_subtable_of_a_step_points_at_its_header(tmp_path: Path) -> None:

@@ -126,8 +126,6 @@ def recipe_to_toml(recipe: Recipe, header: str = "", step_comments: dict[int, st
         values = list(getattr(recipe, key))
         if values:
             lines.append(f"{key} = {toml_value(values)}")
-    if recipe.workaround:
-        lines.append(f"workaround = {toml_string(recipe.workaround)}")
     if recipe.setup:
         lines += ["", *_setup_lines(recipe.setup)]
     lines += ["", *_signature_lines(recipe.signature)]
