@@ -131,8 +131,8 @@ def test_exported_script_reproduces_with_vllm_only(tmp_path, name, k1_outcome):
 def test_export_refuses_silent_bugs(tmp_path):
     recipe = tmp_path / "silent.toml"
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
-    recipe.write_text(re.sub(r"\[signature\]\n(?:[^\n\[]+\n)+", '[signature]\ninvariant = "store-covers-computed-slots"\n',
-                             text, count=1))
+    head, rest = text.split("[signature]\n", 1)
+    recipe.write_text(head + '[signature]\ninvariant = "store-covers-computed-slots"\n\n' + rest.split("\n\n", 1)[1])
     proc = run_cli("repro", str(recipe), "--export-script", str(tmp_path / "x.py"))
     assert proc.returncode == 2 and "silent bug" in proc.stderr
 

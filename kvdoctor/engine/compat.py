@@ -486,13 +486,16 @@ class VllmApi:
             planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
         except ImportError:
             planning = None
-        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
+        # Releases that resolve the KV cache layout once in the engine core (0.30+: feature probe)
+        # need it resolved before planning, whichever planner they have.
+        backend_utils = importlib.import_module("vllm.v1.attention.backends.utils")
+        resolve_kv_cache_layout = getattr(backend_utils, "resolve_kv_cache_layout", None)
+        if resolve_kv_cache_layout is not None:
             from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-            from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
             wanted = OffloadingConnector.get_required_kvcache_layout(vllm_config)
             resolve_kv_cache_layout(vllm_config, [[wanted, "LBNHC"]], list(specs.values()))
-
+        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
             def configs() -> list[Any]:
                 groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
                 self._mark_eagle_groups(groups, draft_layers)
