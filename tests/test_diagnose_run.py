@@ -68,7 +68,7 @@ def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api, release)
     assert best["recipe"] == "queued-abort" and best["geometry"] == "log"
     assert (best["setup"]["block_size"], best["setup"]["blocks_per_chunk"], best["setup"]["async_scheduling"]) \
         == (16, 4, True)
-    assert best["setup"]["gpu_blocks"] == 8  # the recipe's own pool, not the log's 100,000 blocks
+    assert best["setup"]["gpu_blocks"] == 512  # scaled down from the log's 100,000 blocks
     assert {r["logic"]: r["outcome"] for r in best["results"]} == {"installed": expected["installed"],
                                                                     "fixed": expected["fixed"]}
     assert doc["versions_differ"] is (api.version_text != "0.26.0")

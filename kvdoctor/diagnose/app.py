@@ -17,8 +17,10 @@ from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serv
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
 
 MAX_RUNS = 3  # matched recipes run at most (the best-ranked, simplest first)
-# Above these a geometry is production-sized: the recipe's own value is used instead (and said).
-TOY_LIMITS = {"gpu_blocks": 64, "max_num_batched_tokens": 1024, "max_num_seqs": 64, "max_model_len": 2048,
+# Above these a geometry is production-sized: it is scaled down to the limit (and said). The
+# recipes plan their triggers at whatever geometry they run (kvdoctor.recipes.geometry), so a
+# clamped pool still holds them; the recipe's own tiny pool would not hold the log's chunks.
+TOY_LIMITS = {"gpu_blocks": 512, "max_num_batched_tokens": 2048, "max_num_seqs": 64, "max_model_len": 2048,
               "cpu_bytes_to_use": 64 << 20}
 _FINE = ("reproduced", "not_reproduced", "not_applicable")
 
@@ -79,8 +81,8 @@ def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]
     for name, limit in TOY_LIMITS.items():
         value = overrides.get(name)
         if isinstance(value, int) and value > limit:
-            del overrides[name]
-            notes.append(f"{name} {value:,} is production-sized: scaled down to the recipe's own value")
+            overrides[name] = limit
+            notes.append(f"{name} {value:,} is production-sized: scaled down to {limit:,}")
     return overrides, notes
 
 
