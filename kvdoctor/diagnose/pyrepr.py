@@ -129,67 +129,56 @@ class _Reader:
                     break
         return Unreadable(self.text[start:self.i][:80])
 
-    def mapping(self, depth: int) -> dict[Any, Any]:
-        self.i += 1
-        out: dict[Any, Any] = {}
+    def _items(self, close: str, read_item: Any) -> None:
+        """The loop every container shares: items separated by commas up to `close` (or the end).
+
+        `read_item` reads one item; if it consumed nothing (a stray closer, say) the loop steps
+        over one character, so the reader always moves on.
+        """
+        self.i += 1  # the opener
         while True:
             self.ws()
             c = self.peek()
             if not c:
-                return out
-            if c == "}":
+                return
+            if c == close:
                 self.i += 1
-                return out
+                return
             if c == ",":
                 self.i += 1
                 continue
             before = self.i
+            read_item()
+            if self.i == before:
+                self.i += 1
+
+    def mapping(self, depth: int) -> dict[Any, Any]:
+        out: dict[Any, Any] = {}
+
+        def entry() -> None:
             key = self.value(depth + 1, ":,}")
             self.ws()
             if self.peek() != ":":
                 self.skip_value(",}")
-                if self.i == before:  # nothing consumed (e.g. a stray closer): step over it
-                    self.i += 1
-                continue
+                return
             self.i += 1
             val = self.value(depth + 1, ",}")
             if isinstance(key, (str, int, float, bool)) or key is None:
                 out[key] = val
 
+        self._items("}", entry)
+        return out
+
     def sequence(self, depth: int) -> list[Any]:
         close = _CLOSERS[self.peek()]
-        self.i += 1
         out: list[Any] = []
-        while True:
-            self.ws()
-            c = self.peek()
-            if not c:
-                return out
-            if c == close:
-                self.i += 1
-                return out
-            if c == ",":
-                self.i += 1
-                continue
-            before = self.i
-            out.append(self.value(depth + 1, "," + close))
-            if self.i == before:  # nothing consumed: step over it
-                self.i += 1
+        self._items(close, lambda: out.append(self.value(depth + 1, "," + close)))
+        return out
 
     def call(self, name: str, depth: int) -> dict[str, Any]:
-        self.i += 1  # "("
         out: dict[str, Any] = {"__class__": name}
-        while True:
-            self.ws()
-            c = self.peek()
-            if not c:
-                return out
-            if c == ")":
-                self.i += 1
-                return out
-            if c == ",":
-                self.i += 1
-                continue
+
+        def argument() -> None:
             match = _NAME.match(self.text, self.i)
             if match:
                 after = self.i
@@ -198,12 +187,12 @@ class _Reader:
                 if self.peek() == "=":
                     self.i += 1
                     out[match.group()] = self.value(depth + 1, ",)")
-                    continue
+                    return
                 self.i = after
-            before = self.i
             self.value(depth + 1, ",)")  # positional argument: read past it
-            if self.i == before:
-                self.i += 1
+
+        self._items(")", argument)
+        return out
 
 
 def parse_repr(text: str) -> Any:
