@@ -48,10 +48,10 @@ def test_variants_on_a_real_request_state(api):
     (group_state,) = state.group_states
     assert len(group_state.offload_keys) == 4 and len(group_state.block_ids) == 0
 
-    original = api.RequestOffloadState.storable_chunks
-
-    def call(req_state, gc, gs, n):
-        return original(req_state, gc, gs, n) if api.storable_chunks_takes_group_state else original(req_state, gc, n)
+    # The call in this release's form, with the extra arguments its store pass gives (0.34:
+    # apply_eagle_drop), exactly as the scenario's recording patch makes it.
+    call = api.storable_caller(api.RequestOffloadState.storable_chunks,
+                               api.next_store_extra_args(harness.connector_scheduler))
 
     assert evaluate("fixed", call, state, group_config, group_state, 16, 1) == 0
     unpatched = evaluate("unpatched", call, state, group_config, group_state, 16, 1)

@@ -110,7 +110,14 @@ def main():
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
+    import dataclasses
+    import inspect
+
     import vllm
+
+    # Feature probes, not version checks: the fields and signatures moved between releases.
+    runner_output_fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    reports_failed_jobs = "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
 
     setup = RECIPE["setup"]
     print(f"vLLM {vllm.__version__}: scenario {RECIPE['name']!r}")
@@ -131,8 +138,13 @@ def main():
                          "dst": tuple(int(b) for b in ids) if ids is not None else ()})
         done, failed = worker.take_step(jobs, set(meta.jobs_to_flush or ()))
         worker_meta = OffloadingWorkerMetadata()
-        for job in done + failed:
+        for job in done:
             worker_meta.mark_completed(job["id"])
+        for job in failed:  # 0.34+: the worker reports a failed transfer; before, it has no failure path
+            if reports_failed_jobs:
+                worker_meta.mark_completed(job["id"], success=False)
+            else:
+                worker_meta.mark_completed(job["id"])
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -143,11 +155,18 @@ def main():
             else:
                 sampled.append([])
         recving = {j["req_id"] for j in done + failed if j["kind"] == "load"}
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                kv_connector_worker_meta=worker_meta, finished_recving=recving or None,
-                invalid_block_ids={b for j in failed if j["kind"] == "load" for b in j["dst"]}))
+        kv_output = {"kv_connector_worker_meta": worker_meta, "finished_recving": recving or None}
+        failed_loads = [j for j in failed if j["kind"] == "load"]
+        if reports_failed_jobs:
+            if failed_loads:
+                kv_output["failed_recving"] = {j["req_id"] for j in failed_loads}
+        else:  # the base scheduler's generic path for KV that could not be loaded
+            kv_output["invalid_block_ids"] = {b for j in failed_loads for b in j["dst"]}
+        runner_kwargs = {"req_ids": req_ids, "sampled_token_ids": sampled,
+                         "kv_connector_output": KVConnectorOutput(**kv_output)}
+        if "req_id_to_index" in runner_output_fields:  # gone in 0.34
+            runner_kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        runner_output = ModelRunnerOutput(**runner_kwargs)
         if setup["async_scheduling"]:  # the engine applies the previous step's output
             previous, pending = pending, (out, runner_output)
             if previous is not None:
