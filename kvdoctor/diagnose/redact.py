@@ -29,7 +29,8 @@ def _path_tail(text: str) -> str:
     return text
 
 
-def _scalar(key: str, value: Any) -> Any:
+def _scalar(key: Any, value: Any) -> Any:
+    key = str(key)  # a log's args repr can have any literal as a key (`{0: ''}`)
     if isinstance(value, Unreadable):
         return "<unreadable>"
     if isinstance(value, str):
@@ -58,6 +59,7 @@ def _mapping(value: Any) -> dict[str, Any] | None:
 def redact_serve_args(args: dict[str, Any]) -> dict[str, Any]:
     shown: dict[str, Any] = {}
     for key, value in args.items():
+        key = str(key)
         if key == "kv_transfer_config":
             data = _mapping(value)
             if data is None:
