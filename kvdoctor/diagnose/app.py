@@ -171,6 +171,9 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
 
     recipes = all_builtins()
     match = match_crash(summary.crash, recipes)
+    if summary.crash is None and summary.fatal_line is not None:
+        match = MatchResult(why_none=f"the engine's fatal error is at line {summary.fatal_line}, but no frame of "
+                                     f"its traceback follows it in this log: nothing to match a signature against")
     geometry = setup_overrides_from_serve_args(summary.serve_args)
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,

@@ -3,8 +3,9 @@
 vLLM prefixes every line of a subprocess with `(EngineCore_DP0 pid=123) ` (in
 colour on a terminal), then its logger writes `ERROR 08-04 09:48:15
 [core.py:1332] ` (older releases: `core.py:1142] `). Container runtimes may put
-an ISO timestamp in front of all that. GitHub pastes show ESC as the two
-characters `^[`, so both forms of colour codes are removed.
+an ISO timestamp in front of all that, and some log collectors a `>>` or `|`
+after it. GitHub pastes show ESC as the two characters `^[`, so both forms of
+colour codes are removed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 _ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b")
-_ISO_STAMP = re.compile(r"^\s*\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\s+")
+_ISO_STAMP = re.compile(r"^\s*\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\s+(?:(?:>>|\|)\s+)?")
 _PROCESS = re.compile(r"^\((?P<proc>[A-Za-z_][\w.\-]*) pid=(?P<pid>\d+)\)\s?")
 _LOGGER = re.compile(
     r"^(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+"

@@ -5,12 +5,15 @@ crash's exception and innermost vLLM frame. It ranks higher for the same
 assertion text (`contains` in the failing source line or the message) and
 for the same caller chain (`callers`, outermost first, in the vLLM frames
 above). A `contains` the log's source line contradicts rules the recipe out:
-that is another assertion in the same function. Silent bugs (invariants)
-never match a crash.
+that is another assertion in the same function. A traceback shows one line of
+a statement that spans several (`assert (` ... `)`): such a fragment confirms a
+`contains` it overlaps and contradicts none. Silent bugs (invariants) never
+match a crash.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from kvdoctor.diagnose.traceback import LogTraceback
@@ -53,6 +56,19 @@ def _in_order(wanted: tuple[str, ...], functions: list[str]) -> bool:
     return True
 
 
+def _squash(text: str) -> str:
+    return " ".join(text.replace("(", " ( ").replace(")", " ) ").split())
+
+
+def is_fragment(code: str, exception: str | None) -> bool:
+    """One line of a multi-line statement: brackets left open or closed from an earlier line, or an
+    AssertionError's line that is not the `assert` itself."""
+    text = code.strip()
+    if exception == "AssertionError" and not text.startswith("assert"):
+        return True
+    return any(text.count(o) != text.count(c) for o, c in ("()", "[]", "{}"))
+
+
 def innermost_vllm(crash: LogTraceback):
     frames = crash.vllm_frames
     return frames[-1] if frames else None
@@ -79,11 +95,20 @@ def match_crash(crash: LogTraceback | None, recipes: list[Recipe]) -> MatchResul
         candidate = Candidate(recipe, 1, [f"same exception and function ({sig.exception} in {sig.function})"])
         if sig.contains:
             haystack = " ".join(filter(None, (inner.code, crash.message)))
-            if inner.code or crash.message:
-                if sig.contains not in haystack:
-                    continue  # another assertion in the same function
+            partial = bool(inner.code) and is_fragment(inner.code, crash.exception)
+            if sig.contains in haystack:
                 candidate.score += 1
                 candidate.reasons.append(f"same assertion text ({sig.contains})")
+            elif partial:  # the log shows one line of the statement: it can confirm, never contradict
+                shown, wanted = _squash(inner.code.strip().rstrip("(").strip()), _squash(sig.contains)
+                if re.search(r"\w{3,}", shown) and (shown in wanted or wanted in shown):
+                    candidate.score += 1
+                    candidate.reasons.append(f"same assertion text, partly shown ({inner.code.strip()} "
+                                             f"in {sig.contains})")
+                else:
+                    candidate.gaps.append(f"the log shows one line of the failing statement ({inner.code.strip()})")
+            elif inner.code or crash.message:
+                continue  # another assertion in the same function
             else:
                 candidate.gaps.append("the log does not show the failing source line")
         if sig.callers:

@@ -27,7 +27,7 @@ CHUNK = 4 << 20
 # over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
 # lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
 _MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
-            b"serve", b"vllm")
+            b"serve", b"vllm", b"LLM engine (v")
 
 
 @dataclass
@@ -42,6 +42,7 @@ class LogSummary:
     tracebacks_dropped: int = 0
     crash: LogTraceback | None = None
     reraise_seen: bool = False  # an EngineDeadError re-raised in the API server
+    fatal_line: int | None = None  # where the engine said it hit a fatal error (its traceback may be cut)
 
     @property
     def crash_found(self) -> bool:
@@ -113,7 +114,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
             text = text.replace("\x00", "")
         line = clean(text)
         body = line.body
-        if summary.version is None and "version" in body:
+        if summary.version is None and ("version" in body or "LLM engine (v" in body):
             summary.version = serveline.banner_version(body)
             if summary.version:
                 summary.version_source = "banner"
@@ -150,6 +151,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     summary.lines = number
     summary.tracebacks = assembler.close()
     summary.tracebacks_dropped = assembler.dropped
+    summary.fatal_line = assembler.fatal_line
     if summary.version is None and image_version is not None:
         summary.version, summary.version_source = image_version, "image tag"
     if summary.args_source is None and command_args:

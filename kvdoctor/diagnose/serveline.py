@@ -1,7 +1,8 @@
 """What a log says about the server: the vLLM version and the serve arguments that matter.
 
 Sources, first found wins: the start-up banner (`vLLM API server version X`,
-`Initializing a V1 LLM engine (vX)`, the ASCII-art logo's `version X`), else a
+`Initializing a V1 LLM engine (vX)`, the ASCII-art logo's `version X`; the
+crash dump's `Dumping input data for V1 LLM engine (vX)`), else a
 container image tag `vllm/vllm-openai:vX`; the `non-default args: {...}` line,
 else a `vllm serve ...` command line. Only the arguments of
 `serve_args.SERVE_ARGS_OF_INTEREST` are kept, so nothing else from the args
@@ -20,7 +21,7 @@ from kvdoctor.engine.serve_args import SERVE_ARGS_OF_INTEREST, normalise_arg_nam
 _VERSION = r"(\d+\.\d+\.\d+(?:[.+\-][\w.+\-]*)?|\d+\.\d+\.\d+)"
 _BANNER_VERSIONS = (
     re.compile(r"vLLM API server version " + _VERSION),
-    re.compile(r"Initializing a V1 LLM engine \(v" + _VERSION + r"\)"),
+    re.compile(r"V1 LLM engine \(v" + _VERSION + r"\)"),  # "Initializing a ..." and "Dumping input data for ..."
     re.compile(r"vLLM version " + _VERSION),
 )
 _LOGO_VERSION = re.compile(r"[\u2580-\u259f].*\bversion " + _VERSION)

@@ -112,6 +112,7 @@ class TracebackAssembler:
         self.keep = keep
         self.dropped = 0
         self.idle = 0  # lines since an open traceback last gained a frame, code line or exception
+        self.fatal_line: int | None = None  # the first fatal-error marker's line
 
     def _finish(self, key: str | None) -> None:
         tb = self.open.pop(key, None)
@@ -137,6 +138,10 @@ class TracebackAssembler:
         key = line.process if line.process is not None else self.last_key
         if _FATAL.search(body):
             self.fatal.add(key)
+            # an unprefixed traceback pasted under the engine's prefixed fatal-error line is the engine's
+            self.last_key = key
+            if self.fatal_line is None:
+                self.fatal_line = number
         if _START.match(body):
             self._finish(key)
             self.open[key] = LogTraceback(key, number, after_fatal_marker=key in self.fatal)

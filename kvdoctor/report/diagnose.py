@@ -51,6 +51,9 @@ def crash_lines(report: Any) -> list[str]:
     s = report.summary
     crash = s.crash
     if crash is None:
+        if s.fatal_line is not None:
+            return [f"the engine's fatal error is at line {s.fatal_line} of the log, but its traceback is cut short "
+                    f"before its first frame"]
         if s.reraise_seen:
             return ["no engine crash found in this log: only the API server's EngineDeadError, which says the "
                     "engine died; its own traceback is earlier in the full log (look for `EngineCore "
@@ -88,7 +91,8 @@ def match_lines(report: Any) -> list[str]:
     if not m.candidates:
         out = [m.why_none if m.why_none.startswith("no known bug") else f"no known bug matches: {m.why_none}"]
         if report.summary.crash is None:
-            out = ["no engine crash found in this log"]
+            out = [f"cannot name a bug: {m.why_none}" if report.summary.fatal_line is not None
+                   else "no engine crash found in this log"]
         if report.starting_recipe:
             out.append("starting recipe with the crash's signature (edit its steps, then `kvdoctor repro FILE`):")
         return out
@@ -156,6 +160,9 @@ def _why(result: Any) -> str:
 def next_lines(report: Any) -> list[str]:
     if not report.match.candidates:
         if report.summary.crash is None:
+            if report.summary.fatal_line is not None:
+                return ["find the engine's traceback under its fatal-error line in the full log and run kvdoctor "
+                        "diagnose on that"]
             return []
         if report.summary.crash.cut_short:
             return ["find the rest of the engine's traceback in the full log (from its `Traceback` line to the "
