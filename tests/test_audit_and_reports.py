@@ -17,6 +17,7 @@ K1_RECIPES = ("queued-abort", "preemption", "prefetch")
 # The installed logic's outcome on the K1 recipes (measured per release).
 K1_OUTCOME = {(0, 26): "reproduced", (0, 33): "not_reproduced"}
 K1_OUTCOME[(0, 34)] = K1_OUTCOME[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
+K1_OUTCOME[(0, 30)] = K1_OUTCOME[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,11 @@ EXPECTED = {
     },
 }
 EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
+EXPECTED[(0, 30)] = {  # measured on vLLM 0.30.0 (2026-12-03, by running this module there)
+    K8: {False: same(R), True: same(R)},  # PR #57810 not in yet
+    K2: {False: same(N), True: same(N)},
+    K4: {False: same(N), True: same(NA)},
+}
 
 SHM_PATTERN = "/dev/shm/vllm_offload_*.mmap"
 
@@ -252,7 +257,7 @@ def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
 
 # Store jobs the async K4 run builds (measured per release): 0.26 stores the computed final chunk;
 # the PR #54288 clamp on 0.33 builds none.
-K4_ASYNC_STORES = {(0, 26): 1, (0, 33): 0}
+K4_ASYNC_STORES = {(0, 26): 1, (0, 30): 0, (0, 33): 0}  # 0.30: measured 2026-12-03
 
 
 def test_k4_async_stores_a_computed_slot(api, expected, release):

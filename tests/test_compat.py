@@ -78,6 +78,7 @@ PROBES = {
 }
 PROBES[(0, 34)] = {"params": ("group_config", "group_state", "num_offloadable_tokens", "apply_eagle_drop"),
                    "aborted_basis": True}  # read off vLLM 0.34.0's code (2026-12-02)
+PROBES[(0, 30)] = PROBES[(0, 33)]  # read off vLLM 0.30.0's code (2026-12-03): the same as 0.33.0
 
 
 def test_release_probes(api, release):

@@ -90,6 +90,8 @@ ISSUE_OUTCOMES = {
               "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "not_applicable",
               "finished-after-finalize": "not_applicable", "preemption": "not_applicable"},
 }
+ISSUE_OUTCOMES[(0, 34)] = ISSUE_OUTCOMES[(0, 33)]  # measured 2026-12-03: the same as 0.33.0
+ISSUE_OUTCOMES[(0, 30)] = {**ISSUE_OUTCOMES[(0, 33)], "preempt-reload-same-step": "reproduced"}  # measured 2026-12-03
 
 
 @pytest.mark.vllm

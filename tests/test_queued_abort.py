@@ -44,6 +44,7 @@ EXPECTED = {
     (0, 33): {"installed": N, "fixed": N, "unpatched": N, "unpatched_guard": "PR #49285", "fixed_guard": None},
 }
 EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
+EXPECTED[(0, 30)] = EXPECTED[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
 
 
 @pytest.fixture(scope="module")

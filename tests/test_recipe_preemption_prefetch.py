@@ -35,6 +35,7 @@ EXPECTED = {
     (0, 33): {name: {"installed": N, "fixed": N, "unpatched": N} for name in RECIPES},
 }
 EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
+EXPECTED[(0, 30)] = EXPECTED[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,7 @@ GUARDS = {
     (0, 33): {"preemption": {logic: "PR #49285" for logic in LOGICS}},
 }
 GUARDS[(0, 34)] = GUARDS[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
+GUARDS[(0, 30)] = GUARDS[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
