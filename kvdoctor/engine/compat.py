@@ -382,6 +382,15 @@ class VllmApi:
             num_computed_tokens=int(request.num_computed_tokens),
         )
 
+    @staticmethod
+    def update_block_hashes(request: Any) -> None:
+        """Let the request's block hasher compute every hash still missing (`Request.update_block_hashes`)."""
+        _require(request, "update_block_hashes", "Request")()
+
+    @staticmethod
+    def block_hash_count(request: Any) -> int:
+        return len(_require(request, "block_hashes", "Request"))
+
     def has_offloading_spec(self, name: str) -> bool:
         """Whether `kv_connector_extra_config.spec_name = name` resolves in this vLLM.
 

@@ -158,6 +158,9 @@ class Harness:
         self._finish_next: set[str] = set()
         self._pending_output: tuple[Any, Any] | None = None  # async: last step's output, not yet applied
         self.store_jobs_by_request: dict[str, list[int]] = {}
+        # Requests whose new block hashes are withheld (delay_block_hashes): vLLM's hasher is
+        # incremental, so the withheld hashes are computed when the request is released.
+        self.hashes_withheld: set[str] = set()
         self._block_hasher = self._make_block_hasher()
 
     def _choose_model_runner(self) -> str:
@@ -187,7 +190,16 @@ class Harness:
         kcu = self.api.mods["kv_cache_utils"]
         sha256 = self.api.mods["hashing"].sha256
         kcu.init_none_hash(sha256)
-        return kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
+        hasher = kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
+        withheld = self.hashes_withheld
+
+        def request_block_hasher(request: Any) -> Any:
+            # Block hashes that arrive later than blocks (P/D, hybrid, 0.34 lookahead hashes):
+            # nothing new while withheld; vLLM's own hasher catches up from len(block_hashes).
+            if request.request_id in withheld:
+                return []
+            return hasher(request)
+        return request_block_hasher
 
     # -- requests --------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -202,6 +214,15 @@ class Harness:
         )
         self.requests[req_id] = request
         self.scheduler.add_request(request)
+
+    def delay_block_hashes(self, req_id: str) -> None:
+        """From now on the request's new full blocks get no block hash (so no offload key) until released."""
+        self.hashes_withheld.add(req_id)
+
+    def release_block_hashes(self, req_id: str) -> None:
+        """The withheld block hashes arrive now (vLLM's hasher computes every one still missing)."""
+        self.hashes_withheld.discard(req_id)
+        self.api.update_block_hashes(self.requests[req_id])
 
     def abort(self, req_id: str) -> None:
         status = self.api.cls("request", "RequestStatus")
