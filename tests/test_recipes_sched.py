@@ -1,4 +1,4 @@
-"""The built-in recipes for K5, K6 and K11, run on the installed vLLM's real scheduler.
+"""The built-in recipes for K5, K6, K9 and K11, run on the installed vLLM's real scheduler.
 
 One vLLM import for the module: every recipe runs once per scheduling mode it
 supports, under all three logic variants, timelines recorded. The expected
@@ -23,8 +23,9 @@ from .conftest import expected_for
 
 K5 = "eagle-final-chunk-unstored"
 K6 = "offload-keys-lag-blocks"
+K9 = "reused-block-unfenced-multiconnector"
 K11 = "readmitted-stale-store-cursor"
-RECIPES = (K5, K6, K11)
+RECIPES = (K5, K6, K9, K11)
 MODES = (False, True)
 LOGICS = ("installed", "fixed", "unpatched")
 
@@ -43,11 +44,13 @@ def both(outcome):
 
 # (major, minor) -> recipe -> async_scheduling -> logic -> outcome. Measured 2026-12-03.
 # None of these bugs is held by the PR #49146 allocated-chunk cap: the three logics agree
-# (K6: the blocks are allocated, the keys are missing; K5 and K11 are not storable_chunks-bound).
-FIXED = {K5: both(N), K6: both(N), K11: {False: same(N), True: same(NA)}}
+# (K6: the blocks are allocated, the keys are missing; K5, K9 and K11 are not storable_chunks-bound).
+FIXED = {K5: both(N), K6: both(N), K9: both(N), K11: {False: same(N), True: same(NA)}}
 EXPECTED = {
-    (0, 26): {K5: both(R), K6: both(R), K11: {False: same(R), True: same(NA)}},
-    (0, 34): FIXED,  # PR #52771 (K5), PR #52923 (K6), the cursor rewind on restart (K11)
+    (0, 26): {K5: both(R), K6: both(R), K9: both(R), K11: {False: same(R), True: same(NA)}},
+    # PR #52771 (K5), PR #52923 (K6), allocations recorded before the zero-token return (K9),
+    # the cursor rewind on restart (K11)
+    (0, 34): FIXED,
 }
 
 
@@ -94,7 +97,7 @@ def test_recipes_are_builtins():
         recipe = load_builtin(name)
         assert recipe.name == name and recipe.title and recipe.summary and recipe.refs
         assert any(step.action == "expect" for step in recipe.steps), name
-    k5, k6, k11 = (load_builtin(name) for name in RECIPES)
+    k5, k6, k11 = (load_builtin(name) for name in (K5, K6, K11))
     assert k5.bug == "K5" and any("52735" in ref for ref in k5.refs) and any("52771" in ref for ref in k5.refs)
     assert k5.signature.invariant == "final-store-covers-computed-chunks"
     assert k5.setup["layout"] == "eagle-pair" and "kv_cache_group_field:is_eagle_group" in k5.requires
@@ -102,6 +105,9 @@ def test_recipes_are_builtins():
     assert (k6.signature.exception, k6.signature.function, k6.signature.request) == (
         "AssertionError", "_build_store_jobs", "A")
     assert [s.action for s in k6.steps].count("delay_block_hashes") == 1
+    k9 = load_builtin(K9)
+    assert k9.bug == "K9" and any("46951" in ref for ref in k9.refs)
+    assert k9.signature.invariant == "reused-blocks-are-flushed" and k9.setup["multi_connector"] is True
     assert k11.bug == "K11" and any("52211" in ref for ref in k11.refs)
     assert k11.signature.invariant == "readmitted-chunks-offered-again"
 
@@ -175,6 +181,36 @@ def test_k6_fixed_release_stores_the_chunk_once_its_key_arrives(reports, expecte
     release_at = index_of(run, "release_block_hashes")
     stores = [i for i, e in enumerate(run.timeline) if e.events is not None and "A" in e.events.new_store_jobs.values()]
     assert len(stores) == 2 and stores[0] < index_of(run, "delay_block_hashes") < release_at < stores[1]
+
+
+# -- K9: a block another connector loads into is not fenced -----------------------
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k9_runs_under_a_multiconnector(reports, mode):
+    """The load comes from the second OffloadingConnector: C waits with no load of the watched one."""
+    run = result(reports, K9, mode, "installed")
+    step = next(e for e in run.timeline if e.events is not None and e.events.reused_while_storing)
+    c = snap(step, "C")
+    assert c.status == "WAITING_FOR_REMOTE_KVS" and c.computed_tokens == 192 and not c.in_flight_jobs
+    assert not step.events.new_load_jobs  # not the watched connector's load
+    assert step.events.reused_while_storing == {0: [1]}  # A's pending store, A's freed block
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
+def test_k9_violation_names_the_unfenced_store(reports, expected, mode):
+    for run in reproduced_runs(reports, K9, mode):
+        assert [v.invariant for v in run.violations] == ["reused-blocks-are-flushed"]
+        assert "store job #0 (request A) still reads block(s) [1]" in run.violations[0].message
+        assert not run.timeline[-1].events.jobs_to_flush
+        assert snap(run.timeline[-1], "A").in_flight_jobs == ["store#0"]  # still reading block 1
+
+
+def test_k9_fixed_release_flushes_in_the_load_step(reports, expected, release):
+    run = result(reports, K9, False, "installed")
+    if run.outcome is not N:
+        pytest.skip(f"K9 reproduces on {release}")
+    step = next(e for e in run.timeline if e.events is not None and e.events.reused_while_storing)
+    assert set(step.events.reused_while_storing) <= set(step.events.jobs_to_flush)
 
 
 # -- K11: stale store cursor after re-admission ----------------------------------

@@ -62,9 +62,14 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
            "a GPU block handed out again while a pending store still reads it is fenced by a flush (K9)")
 def _reused_blocks_flushed(ctx: StepContext) -> list[str]:
     flushed = set(ctx.events.jobs_to_flush)
-    return [f"store job #{jid} still reads block(s) {blocks}, which this step allocated again, and was not "
-            f"flushed: the worker may store the new owner's KV" for jid, blocks in
-            sorted(ctx.events.reused_while_storing.items()) if jid not in flushed]
+    in_flight = getattr(getattr(ctx.harness, "worker", None), "in_flight", {}) if ctx.harness is not None else {}
+
+    def whose(jid: int) -> str:
+        job = in_flight.get(jid)
+        return f" (request {job.req_id})" if job is not None else ""
+    return [f"store job #{jid}{whose(jid)} still reads block(s) {blocks}, which this step allocated again, and "
+            f"was not flushed (expected in this step's jobs_to_flush): the worker may store the new owner's KV"
+            for jid, blocks in sorted(ctx.events.reused_while_storing.items()) if jid not in flushed]
 
 
 @invariant("final-store-covers-computed-chunks",
