@@ -400,6 +400,10 @@ def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[s
         harness.worker.complete(args.get("request"), args.get("kind"))
     elif action == "fail_transfers":
         harness.worker.fail(args.get("request"), args.get("kind"))
+    elif action == "delay_block_hashes":
+        harness.delay_block_hashes(args["request"])
+    elif action == "release_block_hashes":
+        harness.release_block_hashes(args["request"])
     elif action == "reset_prefix_cache":
         harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
     return None

@@ -269,7 +269,8 @@ class VllmApi:
         code = self.OffloadingConnectorScheduler._build_store_jobs.__code__
         return "FINISHED_ABORTED" in code.co_names
 
-    def kv_transfer_config(self, extra_config: dict[str, Any], fields: dict[str, Any]) -> Any:
+    def kv_transfer_config(self, extra_config: dict[str, Any], fields: dict[str, Any],
+                           second_extra_config: dict[str, Any] | None = None) -> Any:
         """vLLM's `KVTransferConfig` for the OffloadingConnector, with the user's other fields.
 
         A field this release's KVTransferConfig does not have is refused (exit 2)
@@ -285,8 +286,16 @@ class VllmApi:
             raise UsageError(f"--kv-transfer-config: this vLLM's KVTransferConfig has no "
                              f"{', '.join(absent)}")
         values = {"kv_role": "kv_both", **fields}
+        connector = "OffloadingConnector"
+        if second_extra_config is not None:  # MultiConnector: the watched connector first, then the other
+            role = values["kv_role"]
+            extra_config = {"connectors": [
+                {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra_config},
+                {"kv_connector": "OffloadingConnector", "kv_role": role,
+                 "kv_connector_extra_config": second_extra_config}]}
+            connector = "MultiConnector"
         try:
-            return cls(kv_connector="OffloadingConnector", kv_connector_extra_config=extra_config, **values)
+            return cls(kv_connector=connector, kv_connector_extra_config=extra_config, **values)
         except (ValueError, TypeError) as exc:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             raise UsageError(f"--kv-transfer-config: vLLM rejected it: {' · '.join(lines)}") from None
@@ -303,11 +312,45 @@ class VllmApi:
         raise IncompatibleVllmError(f"KVCacheTensor has unknown fields {sorted(names)}")
 
     # -- private state the connector keeps ------------------------------
-    def connector_scheduler(self, scheduler: Any) -> Any:
+    @staticmethod
+    def sub_connectors(connector: Any) -> list[Any] | None:
+        """A MultiConnector's sub-connectors (0.34 `sub_connectors`, earlier `_connectors`); None otherwise."""
+        for name in ("sub_connectors", "_connectors"):
+            value = getattr(connector, name, None)
+            if value is not None:
+                return list(value)
+        return None
+
+    def connector_scheduler(self, scheduler: Any, index: int = 0) -> Any:
+        """The OffloadingConnector's scheduler side; under a MultiConnector, that of sub-connector `index`."""
         connector = _require(scheduler, "connector", "Scheduler")
         if connector is None:
             raise IncompatibleVllmError("the scheduler built no KV connector")
+        subs = self.sub_connectors(connector)
+        if subs is not None:
+            connector = subs[index]
         return _require(connector, "connector_scheduler", type(connector).__name__)
+
+    @staticmethod
+    def connector_metadatas(scheduler_output: Any) -> tuple[Any, ...]:
+        """The connector metadata of a step, one per (sub-)connector (a MultiConnector's in order)."""
+        meta = getattr(scheduler_output, "kv_connector_metadata", None)
+        if meta is None:
+            return ()
+        inner = getattr(meta, "metadata", None)
+        return tuple(inner) if isinstance(inner, tuple) else (meta,)
+
+    def multi_connector_output(self, outputs: list[Any]) -> Any:
+        """One KVConnectorOutput from each sub-connector's, as a MultiConnector worker reports it."""
+        multi = self.cls("multi_connector", "MultiKVConnectorWorkerMetadata")
+        first = outputs[0]
+        first.kv_connector_worker_meta = multi(metadata=tuple(o.kv_connector_worker_meta for o in outputs))
+        for other in outputs[1:]:
+            for name in ("finished_recving", "failed_recving", "invalid_block_ids"):
+                extra = getattr(other, name, None)
+                if extra:
+                    setattr(first, name, set(getattr(first, name, None) or ()) | set(extra))
+        return first
 
     def request_states(self, connector_scheduler: Any) -> dict[str, Any]:
         return _require(connector_scheduler, "_req_status", "OffloadingConnectorScheduler")
@@ -382,6 +425,15 @@ class VllmApi:
             num_computed_tokens=int(request.num_computed_tokens),
         )
 
+    @staticmethod
+    def update_block_hashes(request: Any) -> None:
+        """Let the request's block hasher compute every hash still missing (`Request.update_block_hashes`)."""
+        _require(request, "update_block_hashes", "Request")()
+
+    @staticmethod
+    def block_hash_count(request: Any) -> int:
+        return len(_require(request, "block_hashes", "Request"))
+
     def has_offloading_spec(self, name: str) -> bool:
         """Whether `kv_connector_extra_config.spec_name = name` resolves in this vLLM.
 
@@ -403,10 +455,12 @@ class VllmApi:
         return bool(getattr(job_status, "is_store", False))
 
     @staticmethod
-    def store_and_load_jobs(scheduler_output: Any) -> tuple[dict[int, Any], dict[int, Any]]:
-        meta = getattr(scheduler_output, "kv_connector_metadata", None)
-        if meta is None:
+    def store_and_load_jobs(scheduler_output: Any, index: int = 0) -> tuple[dict[int, Any], dict[int, Any]]:
+        """The store and load jobs of (sub-)connector `index` in one step."""
+        metas = VllmApi.connector_metadatas(scheduler_output)
+        if len(metas) <= index:
             return {}, {}
+        meta = metas[index]
         return dict(getattr(meta, "store_jobs", {}) or {}), dict(getattr(meta, "load_jobs", {}) or {})
 
     @staticmethod
@@ -572,6 +626,7 @@ _MODULES = {
     "outputs": "vllm.v1.outputs",
     "offload_common": OFFLOADING_COMMON_MODULE,
     "offload_scheduler": OFFLOADING_SCHEDULER_MODULE,
+    "multi_connector": "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
 }
 
 

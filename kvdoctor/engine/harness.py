@@ -92,7 +92,8 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
         enable_chunked_prefill=setup.enable_chunked_prefill,
         async_scheduling=setup.async_scheduling,
     )
-    kv_transfer_config = api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields)
+    kv_transfer_config = api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields,
+                                                setup.second_connector_extra_config())
     cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
     if setup.mamba_cache_mode is not None:
         cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
@@ -153,11 +154,21 @@ class Harness:
         self.connector_scheduler = api.connector_scheduler(self.scheduler)
         self.model_runner = self._choose_model_runner()
         self.worker = self._make_worker()
+        # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
+        # (it stands for another asynchronous connector; holds and failures apply to the watched one).
+        self.companion = None
+        if setup.multi_connector:
+            from kvdoctor.engine.workers.simulated import SimulatedTransfers
+
+            self.companion = SimulatedTransfers(api)
         self.requests: dict[str, Any] = {}
         self.step_index = 0
         self._finish_next: set[str] = set()
         self._pending_output: tuple[Any, Any] | None = None  # async: last step's output, not yet applied
         self.store_jobs_by_request: dict[str, list[int]] = {}
+        # Requests whose new block hashes are withheld (delay_block_hashes): vLLM's hasher is
+        # incremental, so the withheld hashes are computed when the request is released.
+        self.hashes_withheld: set[str] = set()
         self._block_hasher = self._make_block_hasher()
 
     def _choose_model_runner(self) -> str:
@@ -187,7 +198,16 @@ class Harness:
         kcu = self.api.mods["kv_cache_utils"]
         sha256 = self.api.mods["hashing"].sha256
         kcu.init_none_hash(sha256)
-        return kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
+        hasher = kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
+        withheld = self.hashes_withheld
+
+        def request_block_hasher(request: Any) -> Any:
+            # Block hashes that arrive later than blocks (P/D, hybrid, 0.34 lookahead hashes):
+            # nothing new while withheld; vLLM's own hasher catches up from len(block_hashes).
+            if request.request_id in withheld:
+                return []
+            return hasher(request)
+        return request_block_hasher
 
     # -- requests --------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
@@ -203,6 +223,15 @@ class Harness:
         self.requests[req_id] = request
         self.scheduler.add_request(request)
 
+    def delay_block_hashes(self, req_id: str) -> None:
+        """From now on the request's new full blocks get no block hash (so no offload key) until released."""
+        self.hashes_withheld.add(req_id)
+
+    def release_block_hashes(self, req_id: str) -> None:
+        """The withheld block hashes arrive now (vLLM's hasher computes every one still missing)."""
+        self.hashes_withheld.discard(req_id)
+        self.api.update_block_hashes(self.requests[req_id])
+
     def abort(self, req_id: str) -> None:
         status = self.api.cls("request", "RequestStatus")
         self.scheduler.finish_requests(req_id, status.FINISHED_ABORTED)
@@ -216,6 +245,8 @@ class Harness:
                                                reset_connector=reset_connector)
         if reset_connector:
             self.worker.forget()
+            if self.companion is not None:
+                self.companion.forget()
         return bool(ok)
 
     def drain(self) -> bool:
@@ -244,12 +275,19 @@ class Harness:
         events.preempted = sorted(getattr(output, "preempted_req_ids", None) or ())
         events.finished = sorted(output.finished_req_ids or ())
         store_jobs, load_jobs = self.api.store_and_load_jobs(output)
-        meta = getattr(output, "kv_connector_metadata", None)
-        flush = set(getattr(meta, "jobs_to_flush", None) or ())
+        metas = self.api.connector_metadatas(output)
+        flush = set(getattr(metas[0], "jobs_to_flush", None) or ()) if metas else set()
         events.jobs_to_flush = sorted(flush)
         # Groups share one block pool: a block any group was handed again is reused.
         allocated = set().union(*self.api.allocated_block_ids(
             output, tuple(g.block_size for g in self.kv_plan.groups)))
+        # A request that waits for an asynchronous load is not in the scheduler output: the blocks
+        # allocated for it are the loads' destinations (of every connector: under a MultiConnector
+        # another one may be loading them).
+        companion_jobs, companion_flush = self._companion_jobs(output, metas)
+        for job in list(load_jobs.values()) + [j for j in companion_jobs if j.kind == "load"]:
+            dst = job.dst_block_ids if isinstance(job, Job) else self.api.block_ids_of(getattr(job, "dst_spec", None))
+            allocated.update(b for b in dst if b != 0)
         for jid, job in self.worker.in_flight.items():
             reused = sorted(set(job.src_block_ids) & allocated)
             if reused:
@@ -267,6 +305,10 @@ class Harness:
                                 dst_groups=self.api.block_ids_by_group(dst_spec)))
         sampled = self._sample(output)
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
+        if self.companion is not None:
+            other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
+            done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,
+                                                                        other.kv_connector_output])
         events.completed_jobs = done.completed_jobs
         events.failed_jobs = done.failed_jobs
         events.content_findings = done.content_findings
@@ -278,6 +320,21 @@ class Harness:
         else:
             self.scheduler.update_from_output(output, runner_output)
         return events
+
+    def _companion_jobs(self, output: Any, metas: tuple[Any, ...]) -> tuple[list[Job], set[int]]:
+        """The second sub-connector's new jobs and flushes (multi_connector), as the companion worker takes them."""
+        if self.companion is None:
+            return [], set()
+        stores, loads = self.api.store_and_load_jobs(output, 1)
+        jobs = [Job(jid, job.req_id, "store", self.step_index,
+                    src_block_ids=self.api.block_ids_of(getattr(job, "src_spec", None)))
+                for jid, job in stores.items()]
+        for jid, job in loads.items():
+            dst_spec = getattr(job, "dst_spec", None)
+            jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
+                            dst_groups=self.api.block_ids_by_group(dst_spec)))
+        flush = set(getattr(metas[1], "jobs_to_flush", None) or ()) if len(metas) > 1 else set()
+        return jobs, flush
 
     def _sample(self, output: Any) -> dict[str, list[int]]:
         """The token each scheduled request samples (EOS where a recipe finishes it)."""

@@ -60,6 +60,11 @@ class Setup:
     # Who stands where vLLM's GPU worker runs: "simulated" (bookkeeping) or "vllm" (vLLM's
     # worker-role connector on real KV tensors). device/model_runner: None = resolved at run time.
     worker: str = "simulated"
+    # vLLM's MultiConnector with two OffloadingConnectors: the first is the one kvdoctor watches,
+    # the second (its own CPU tier of `second_cpu_bytes_to_use`) stands for another asynchronous
+    # connector: it loads what it holds, and the first is told num_external_tokens = 0.
+    multi_connector: bool = False
+    second_cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
     device: str | None = None  # "cpu" | "cuda" (vllm worker only)
     model_runner: str | None = None  # "v1" | "v2"
 
@@ -83,12 +88,20 @@ class Setup:
             cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
 
+    def second_connector_extra_config(self) -> dict[str, Any] | None:
+        """The second sub-connector's `kv_connector_extra_config` under `multi_connector`, else None."""
+        if not self.multi_connector:
+            return None
+        cfg = dict(self.kv_connector_extra_config())
+        cfg["cpu_bytes_to_use"] = self.second_cpu_bytes_to_use
+        return cfg
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def validate(self) -> "Setup":
         for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_seqs",
-                     "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use"):
+                     "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use", "second_cpu_bytes_to_use"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
@@ -103,6 +116,8 @@ class Setup:
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
                 raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.multi_connector and self.worker != "simulated":
+            raise UsageError("multi_connector runs with the simulated worker only (--worker simulated)")
         if self.gpu_blocks > MAX_GPU_BLOCKS:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "

@@ -62,9 +62,64 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
            "a GPU block handed out again while a pending store still reads it is fenced by a flush (K9)")
 def _reused_blocks_flushed(ctx: StepContext) -> list[str]:
     flushed = set(ctx.events.jobs_to_flush)
-    return [f"store job #{jid} still reads block(s) {blocks}, which this step allocated again, and was not "
-            f"flushed: the worker may store the new owner's KV" for jid, blocks in
-            sorted(ctx.events.reused_while_storing.items()) if jid not in flushed]
+    in_flight = getattr(getattr(ctx.harness, "worker", None), "in_flight", {}) if ctx.harness is not None else {}
+
+    def whose(jid: int) -> str:
+        job = in_flight.get(jid)
+        return f" (request {job.req_id})" if job is not None else ""
+    return [f"store job #{jid}{whose(jid)} still reads block(s) {blocks}, which this step allocated again, and "
+            f"was not flushed (expected in this step's jobs_to_flush): the worker may store the new owner's KV"
+            for jid, blocks in sorted(ctx.events.reused_while_storing.items()) if jid not in flushed]
+
+
+@invariant("final-store-covers-computed-chunks",
+           "a finished request's final store offers every chunk whose KV it computed and may offload "
+           "(K5: an EAGLE/MTP group's trailing chunk is never stored)")
+def _final_store_covers_computed(ctx: StepContext) -> list[str]:
+    best: dict[tuple[str, int], StorableCall] = {}
+    for call in ctx.calls:
+        if not call.request_status.startswith("FINISHED"):
+            continue
+        key = (call.req_id, call.group_idx)
+        if key not in best or call.returned > best[key].returned:
+            best[key] = call
+    messages = []
+    for (req_id, group), call in sorted(best.items()):
+        # Chunks whose every slot was computed and is offloadable, that the request still holds
+        # blocks and offload keys for: a correct final store offers all of them.
+        computed = min(call.computed_tokens, call.num_offloadable_tokens) // call.tokens_per_chunk
+        expected = min(computed, call.allocated_chunks, call.keyed_chunks)
+        if call.returned < expected and expected > call.next_stored_chunk:
+            missing = range(max(call.returned, call.next_stored_chunk), expected)
+            chunks = (f"chunk {missing[0]}" if len(missing) == 1 else f"chunks {missing[0]}-{missing[-1]}")
+            messages.append(f"{req_id} (group {group}, {call.request_status}): its final store counts "
+                            f"{call.returned} storable chunk(s) but its {call.computed_tokens} computed tokens fill "
+                            f"{expected}: {chunks} will never be stored")
+    return messages
+
+
+@invariant("readmitted-chunks-offered-again",
+           "every chunk a running request still has to compute (a re-admitted request: all it recomputes) "
+           "is offered for storing: its store cursor is not past its computed tokens (K11)")
+def _readmitted_chunks_offered(ctx: StepContext) -> list[str]:
+    messages = []
+    seen: set[tuple[str, int]] = set()
+    for call in ctx.calls:
+        key = (call.req_id, call.group_idx)
+        if call.request_status != "RUNNING" or key in seen:
+            continue
+        seen.add(key)
+        # Chunks below the cursor are taken as stored; a request restarted from fewer computed
+        # tokens recomputes them into new blocks, and they are never offered again.
+        computed_chunks = -(-call.computed_tokens // call.tokens_per_chunk)
+        if call.next_stored_chunk > computed_chunks:
+            first, last = computed_chunks, call.next_stored_chunk - 1
+            chunks = f"chunk {first}" if first == last else f"chunks {first}-{last}"
+            messages.append(f"{call.req_id} (group {call.group_idx}): its store cursor is at chunk "
+                            f"{call.next_stored_chunk} but it runs from {call.computed_tokens} computed tokens: "
+                            f"{chunks}, computed again into new GPU blocks, will never be offered for storing "
+                            f"(expected the cursor at or below chunk {computed_chunks})")
+    return messages
 
 
 @invariant("no-orphan-transfer-jobs",

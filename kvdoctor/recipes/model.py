@@ -11,7 +11,7 @@ from typing import Any
 
 ACTIONS = (
     "add", "schedule", "drain", "abort", "finish", "complete_transfers", "hold_transfers",
-    "fail_transfers", "reset_prefix_cache", "expect",
+    "fail_transfers", "reset_prefix_cache", "expect", "delay_block_hashes", "release_block_hashes",
 )
 
 # The fields each action accepts: name -> (python type(s), required)
@@ -40,6 +40,9 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "fail_transfers": {"request": ((str,), False), "kind": ((str,), False)},
     "reset_prefix_cache": {"reset_running_requests": ((bool,), False), "reset_connector": ((bool,), False)},
     "expect": {},  # filled from EXPECT_FIELDS
+    # block hashes (and so offload keys) that arrive later than blocks, as in P/D and hybrid deployments
+    "delay_block_hashes": {"request": ((str,), True)},
+    "release_block_hashes": {"request": ((str,), True)},
 }
 
 # State a step of kind `expect` (a precondition) or a `[[check]]` (a post-condition) can assert.
