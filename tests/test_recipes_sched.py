@@ -52,6 +52,8 @@ EXPECTED = {
     # the cursor rewind on restart (K11)
     (0, 34): FIXED,
 }
+# measured on vLLM 0.30.0 (2026-12-03, by running this module there): K5 and K6 fixed, K9 and K11 not yet
+EXPECTED[(0, 30)] = {K5: both(N), K6: both(N), K9: both(R), K11: {False: same(R), True: same(NA)}}
 
 
 @pytest.fixture(scope="module")
