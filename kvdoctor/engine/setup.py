@@ -60,6 +60,9 @@ class Setup:
     # Who stands where vLLM's GPU worker runs: "simulated" (bookkeeping) or "vllm" (vLLM's
     # worker-role connector on real KV tensors). device/model_runner: None = resolved at run time.
     worker: str = "simulated"
+    # False: no KV connector at all (a server without --kv-transfer-config). Explore's triage reruns a
+    # finding this way to tell an offloading bug from one of vLLM's core scheduler.
+    offloading: bool = True
     device: str | None = None  # "cpu" | "cuda" (vllm worker only)
     model_runner: str | None = None  # "v1" | "v2"
 
@@ -103,6 +106,9 @@ class Setup:
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
                 raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
+        if not self.offloading and self.worker == "vllm":
+            raise UsageError("offloading = false runs no KV connector: the vllm worker has nothing to drive "
+                             "(use the simulated worker)")
         if self.gpu_blocks > MAX_GPU_BLOCKS:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "
