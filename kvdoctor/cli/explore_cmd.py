@@ -29,8 +29,9 @@ def explore(
         rich_help_panel=SEARCH)] = "installed",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the search (same seed, same examples).",
                                       rich_help_panel=SEARCH)] = DEFAULT_SEED,
-    max_examples: Annotated[int, typer.Option(
-        "--max-examples", help="Generated examples to run at most (per worker; shrinking not counted).",
+    max_examples: Annotated[int | None, typer.Option(
+        "--max-examples", help="Generated examples to run at most (per worker; shrinking not counted). "
+                               "Default: no limit, the time budget decides.",
         rich_help_panel=SEARCH)] = DEFAULT_MAX_EXAMPLES,
     time_budget: Annotated[float, typer.Option(
         "--time-budget", help="Seconds of exploring at most, after vLLM is imported (a failure being "
@@ -136,8 +137,8 @@ class _Display:
             return grid
         stats = self.result.stats
         grid.add_row("explore", f"vLLM {self.result.vllm_version} · {head}")
-        budget = config.max_examples * config.workers
-        grid.add_row("examples", f"{stats.examples}/{budget} (+{stats.shrink_examples} while shrinking)"
+        budget = "" if config.max_examples is None else f"/{config.max_examples * config.workers}"
+        grid.add_row("examples", f"{stats.examples}{budget} (+{stats.shrink_examples} while shrinking)"
                                  + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
         grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
                               f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "

@@ -33,12 +33,12 @@ class ExploreReport:
         return self.result.findings
 
 
-def validate(logic: str, max_examples: int, time_budget: float, workers: int, max_events: int) -> None:
+def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int) -> None:
     from kvdoctor.logic.variants import LOGIC_VARIANTS
 
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
-    if max_examples < 1:
+    if max_examples is not None and max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {max_examples}")
     if not time_budget > 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
