@@ -55,6 +55,8 @@ class Finding:
     # hypothesis could not replay the shrunk example deterministically (`Flaky`): the recipe is
     # the smallest failing run seen, and replaying it may not fail every time.
     flaky: bool = False
+    triage: Any = None  # triage.Triage, once the finding was triaged
+
 
     @property
     def steps(self) -> int:
@@ -79,6 +81,7 @@ class Finding:
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
+            "triage": self.triage.as_dict() if self.triage is not None else None,
         }
 
 

@@ -46,6 +46,7 @@ class ExploreConfig:
     shrink_grace: float = SHRINK_GRACE_S
     invariants: tuple[str, ...] | None = None  # None: every registered invariant
     both_modes: bool = True  # run every sequence under sync and async scheduling (drawn mode first)
+    triage: bool = True  # rerun each finding without the connector and check what the harness did
     worker: str = "simulated"  # "vllm": vLLM's worker-role connector on real KV tensors, content checked
 
 
@@ -83,6 +84,7 @@ class ExploreResult:
     worker_stats: list[Stats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     error_codes: list[int | None] = field(default_factory=list)  # a KvdoctorError's exit code, else None
+    api: Any = None  # the in-process vLLM adapter (one worker), for the triage reruns
 
 
 class _StopExploring(BaseException):
@@ -287,6 +289,7 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
 
         findings, stats = worker_search(api, config, 0, progress, on_finding)
         result.stats, result.worker_stats = stats, [stats]
+        result.api = api
         result.findings = merge(findings)
         return result
     return _explore_parallel(config, on_progress, on_finding)
