@@ -107,11 +107,11 @@ def explore(config: Any, out_dir: Path, command: str = "",
         raise error
     write_findings(result.findings, out_dir)
     if config.triage and result.findings:
-        triage_findings(result, command)
+        triage_findings(result)
     return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command)
 
 
-def triage_findings(result: Any, command: str = "") -> None:
+def triage_findings(result: Any) -> None:
     """Triage every finding (see `kvdoctor.explore.triage`): after the budget, a few runs each."""
     from kvdoctor.engine import compat
     from kvdoctor.explore.triage import triage
@@ -119,7 +119,7 @@ def triage_findings(result: Any, command: str = "") -> None:
     api = result.api or compat.load()  # several workers: the parent imports vLLM for this only
     facts = compat.engine_core_facts()
     for finding in result.findings:
-        finding.triage = triage(api, finding, facts, command)
+        finding.triage = triage(api, finding, facts)
 
 
 def exit_status(report: ExploreReport) -> int:

@@ -164,7 +164,7 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
     return reasons, reachable, caveats
 
 
-def triage(api: Any, finding: Any, facts: Any | None = None, command: str = "") -> Triage:
+def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
     """Both checks, the verdict, and (for a candidate) the report attachment next to the recipe."""
     from kvdoctor.engine import compat
 
@@ -183,11 +183,21 @@ def triage(api: Any, finding: Any, facts: Any | None = None, command: str = "") 
     else:
         result.verdict = CANDIDATE
         if finding.file:
-            result.report = write_report(finding, command)
+            result.report = write_report(finding, result)
     return result
 
 
-def write_report(finding: Any, command: str = "") -> str | None:
+def triage_markdown(result: Triage) -> str:
+    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
+             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
+             + (f" ({result.without_connector_detail})" if result.without_connector_detail else "")]
+    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
+    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
+    lines += [f"- Caveat: {note}" for note in result.caveats]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(finding: Any, result: Triage) -> str | None:
     """`kvdoctor repro FILE --report` for the finding's recipe, written beside it (`<name>.report.md`)."""
     from kvdoctor import app as application
     from kvdoctor.report.markdown import render_markdown
@@ -197,7 +207,8 @@ def write_report(finding: Any, command: str = "") -> str | None:
     replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
     report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
     try:
-        target.write_text(render_markdown(replay, report), encoding="utf-8")
+        target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
+                          encoding="utf-8")
     except OSError:
         return None
     return str(target)
