@@ -20,7 +20,9 @@ Two questions, each answered by running or by reading vLLM, never assumed:
       report one (before 0.34 it asserts every transfer succeeds);
     - a geometry whose pool vLLM's start-up check refuses for `max_model_len`
       is one no server runs;
-    - an exception raised in kvdoctor itself is the harness's by definition.
+    - an exception raised in kvdoctor itself is the harness's by definition;
+    - a failure while building the scheduler is a configuration a server refuses
+      to start with, not a sequence of steps.
     Adds, schedules, aborts, EOS, held or completed transfers and drains are
     what an engine does between and during its steps.
 
@@ -127,6 +129,9 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
         return reasons, reachable, caveats
     setup = _setup(recipe)
     result = run_scenario(api, recipe, setup, finding.logic, record_timeline=True)
+    if result.failure is not None and result.failure_step == 0:
+        reasons.append("vLLM raised while building the scheduler and its connector: a server with this "
+                       "configuration does not start (a start-up refusal, not a step sequence)")
     notes = list(result.kv_plan.notes) if result.kv_plan is not None else []
     for note in notes:
         if "would refuse to start" in note:
@@ -173,18 +178,22 @@ def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
     reasons, reachable, caveats = harness_check(api, finding, facts)
     result = Triage(without_connector=word, without_connector_detail=detail, harness_caused=bool(reasons),
                     harness_reasons=reasons, reachable_notes=reachable, caveats=caveats)
-    known = finding.known
-    if reasons:
-        result.verdict = HARNESS
-    elif word == "reproduces":
-        result.verdict = f"{CORE}: vLLM's scheduler fails this way with no KV connector"
-    elif known:
-        result.verdict = f"{KNOWN} {known[0]} ({', '.join(known[1])})"
-    else:
-        result.verdict = CANDIDATE
+    result.verdict = verdict(word, reasons, finding.known)
+    if result.verdict == CANDIDATE:
         if finding.file:
             result.report = write_report(finding, result)
     return result
+
+
+def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[str, ...]] | None) -> str:
+    """What the two checks make of a finding (harness first: a step no engine takes decides nothing)."""
+    if harness_reasons:
+        return HARNESS
+    if without == "reproduces":
+        return f"{CORE}: vLLM's scheduler fails this way with no KV connector"
+    if known:
+        return f"{KNOWN} {known[0]} ({', '.join(known[1])})"
+    return CANDIDATE
 
 
 def triage_markdown(result: Triage) -> str:
