@@ -51,20 +51,40 @@ def test_tiering_spec_brings_k2_in_reach_shrunk_and_replayable(search):
     assert not triage.harness_caused and triage.verdict.startswith(f"{KNOWN} K2")
 
 
-def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_report(search):
-    """`reset_prefix_cache(reset_running_requests=True)` with an async output in flight: vLLM defers block
-    frees only with a KV-consumer connector, so the reset fails with it and not without it; EngineCore
-    handles the utility call between batches, so a server can do this: a candidate upstream report."""
-    wanted, findings = search
-    assert (RESET in findings) == wanted[RESET], sorted(findings)
-    triage = findings[RESET].triage
-    assert triage.without_connector == "does not reproduce"
-    assert not triage.harness_caused
-    assert any("step_with_batch_queue" in note for note in triage.reachable_notes), triage.reachable_notes
-    assert triage.verdict == CANDIDATE
-    text = Path(triage.report).read_text()
+def reset_finding(api, out: Path):
+    """explore's shrunk reset finding, built from its events: one 1-token request, one async step, then
+    `reset_prefix_cache(reset_running_requests=True)` with that step's output still in flight."""
+    from kvdoctor.explore.findings import Finding, finding_recipe, write_findings
+    from kvdoctor.explore.runner import observe
+
+    geometry = Geometry(4, 1, 4, 16, 256, True)
+    recipe = to_recipe(Example(geometry, (("add", ("tokens", 1), 1, None), ("schedule", 1),
+                                          ("reset", True, False))))
+    obs = observe(api, recipe, "installed")
+    finding = Finding(obs.signature or "", obs.kind, obs.detail, finding_recipe(recipe, obs, "test"), 0, 0, 0, 1,
+                      "installed", api.version_text, 0, 0.0)
+    if obs.signature is not None:
+        write_findings([finding], out)
+    return obs, finding
+
+
+def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_report(api, release, tmp_path):
+    """vLLM defers block frees under async scheduling only with a KV-consumer connector, so the reset
+    fails with it and not without it; EngineCore handles the utility call between batches, so a server
+    can do this: a candidate upstream report, with its attachment."""
+    from kvdoctor.explore.triage import triage
+
+    wanted = expected(release)
+    obs, finding = reset_finding(api, tmp_path)
+    assert (obs.signature == RESET) == wanted[RESET], obs.detail
+    result = triage(api, finding)
+    assert result.without_connector == "does not reproduce"
+    assert not result.harness_caused
+    assert any("step_with_batch_queue" in note for note in result.reachable_notes), result.reachable_notes
+    assert result.verdict == CANDIDATE
+    text = Path(result.report).read_text()
     assert "## Triage (kvdoctor explore)" in text and "RuntimeError" in text
-    no_connector = application.repro(findings[RESET].file, {"offloading": False}, "installed")
+    no_connector = application.repro(finding.file, {"offloading": False}, "installed")
     assert no_connector.results[0].outcome is Outcome.NOT_REPRODUCED
 
 
