@@ -11,7 +11,7 @@ import pytest
 from kvdoctor import app as application
 from kvdoctor.explore.generate import LAYOUTS, SPECS, TIERING, Example, Geometry, decode_geometry, to_recipe
 from kvdoctor.explore.search import ExploreConfig
-from kvdoctor.explore.triage import CANDIDATE, CORE, HARNESS, KNOWN, verdict
+from kvdoctor.explore.triage import CANDIDATE, CORE, HARNESS, KNOWN, STARTUP, verdict
 from kvdoctor.observe.verdict import Outcome
 
 K2 = "KeyError in prepare_store"
@@ -142,6 +142,8 @@ def test_verdict_order():
     assert verdict("reproduces", [], known).startswith(CORE)
     assert verdict("does not reproduce", [], known) == f"{KNOWN} K1 (queued-abort)"
     assert verdict("does not reproduce", [], None) == CANDIDATE
+    assert verdict("does not reproduce", ["vLLM raised while building the scheduler and its connector"],
+                   None) == STARTUP
 
 
 def test_hybrid_geometries_fit_a_whole_length_request_in_both_groups():

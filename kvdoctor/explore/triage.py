@@ -43,6 +43,8 @@ CANDIDATE = "candidate upstream report"
 KNOWN = "known bug"
 CORE = "not the connector's"
 HARNESS = "harness artifact"
+STARTUP = "start-up refusal: a server with this configuration does not start"
+_STARTUP_REASON = "vLLM raised while building the scheduler"
 
 
 @dataclass
@@ -130,7 +132,7 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
     setup = _setup(recipe)
     result = run_scenario(api, recipe, setup, finding.logic, record_timeline=True)
     if result.failure is not None and result.failure_step == 0:
-        reasons.append("vLLM raised while building the scheduler and its connector: a server with this "
+        reasons.append(f"{_STARTUP_REASON} and its connector: a server with this "
                        "configuration does not start (a start-up refusal, not a step sequence)")
     notes = list(result.kv_plan.notes) if result.kv_plan is not None else []
     for note in notes:
@@ -187,6 +189,8 @@ def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
 
 def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[str, ...]] | None) -> str:
     """What the two checks make of a finding (harness first: a step no engine takes decides nothing)."""
+    if any(reason.startswith(_STARTUP_REASON) for reason in harness_reasons):
+        return STARTUP
     if harness_reasons:
         return HARNESS
     if without == "reproduces":
