@@ -16,13 +16,14 @@ from kvdoctor.observe.verdict import Outcome
 
 K2 = "KeyError in prepare_store"
 RESET = "RuntimeError in reset_prefix_cache"
-# Measured with `kvdoctor explore --seed 1` (see the report of issue 13): K2 and the reset failure on 0.26.0.
-FINDS = {(0, 26): {K2: True, RESET: True}}
+# Measured with `kvdoctor explore --seed 1 --time-budget 120`: on 0.26.0 K1, K2, K4, K8 and the reset
+# failure; on 0.34.0 the reset failure (and a start-up refusal), no K2 in 5,589 examples.
+FINDS = {(0, 26): {K2: True, RESET: True}, (0, 34): {K2: False, RESET: True}}
 
 
 def expected(release):
     if tuple(release) not in FINDS:
-        pytest.skip(f"explore's findings measured on vLLM 0.26 only, not {release}")
+        pytest.skip(f"explore's findings measured on vLLM 0.26 and 0.34 only, not {release}")
     return FINDS[tuple(release)]
 
 
@@ -40,6 +41,8 @@ def search(api, release, tmp_path_factory):
 def test_tiering_spec_brings_k2_in_reach_shrunk_and_replayable(search):
     wanted, findings = search
     assert (K2 in findings) == wanted[K2], sorted(findings)
+    if not wanted[K2]:
+        return
     finding = findings[K2]
     assert finding.known and finding.known[0] == "K2"
     assert finding.recipe.setup["spec_name"] == TIERING
