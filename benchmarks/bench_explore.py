@@ -9,7 +9,7 @@ the recipe's events as direct scheduler calls (add_request, schedule() +
 update_from_output(), finish_requests, ...), stopping where explore's run
 stopped (at its failure). Both rates count the same engine steps; explore's
 time is its whole wall time (generation, shrinking, observation).
-Target: explore >= half the bare rate.
+Target: explore >= 0.8 of the bare rate (issue 13).
 
     .venv/bin/python benchmarks/bench_explore.py [--examples 400] [--seed 0] [--logic installed]
 """
@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-TARGET = 0.5
+TARGET = 0.8  # issue 13 (it was 0.5; measured 0.51-0.55 before)
 
 
 def bare_replay(api, traffic) -> tuple[int, float]:

@@ -199,7 +199,7 @@ class ScenarioRun:
     """One recipe, one variant, one fresh scheduler."""
 
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
-                 extra_invariants: tuple[str, ...] = ()) -> None:
+                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset()) -> None:
         self.api = api
         from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 
@@ -210,6 +210,7 @@ class ScenarioRun:
         self.setup = setup
         self.logic = logic
         self.record_timeline = record_timeline
+        self.timeline_at = timeline_at  # step counters recorded even without a whole timeline
         self.log = CallLog()
         self.all_calls: list[StorableCall] = []
         self.prompts: dict[str, list[int]] = {}
@@ -277,7 +278,8 @@ class ScenarioRun:
                     if events is not None:
                         observer.note_step(events.finished)
                         violations = check_all(self.invariants, StepContext(harness, events, step_calls))
-                    if self.record_timeline:  # snapshots cost ~6% of a run: only when someone reads them
+                    # snapshots cost ~6% of a run: only where someone reads them
+                    if self.record_timeline or counter in self.timeline_at:
                         self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
                                                                   step.line, events, observer.snapshot(),
                                                                   failed=bool(violations)))
@@ -410,5 +412,7 @@ def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[s
 
 
 def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
-                 extra_invariants: tuple[str, ...] = ()) -> RunResult:
-    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants).run()
+                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset()) -> RunResult:
+    """`timeline_at`: step counters (1-based, schedule repeats counted) whose entry is recorded even
+    when `record_timeline` is off."""
+    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at).run()

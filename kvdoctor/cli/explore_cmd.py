@@ -29,8 +29,9 @@ def explore(
         rich_help_panel=SEARCH)] = "installed",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the search (same seed, same examples).",
                                       rich_help_panel=SEARCH)] = DEFAULT_SEED,
-    max_examples: Annotated[int, typer.Option(
-        "--max-examples", help="Generated examples to run at most (per worker; shrinking not counted).",
+    max_examples: Annotated[int | None, typer.Option(
+        "--max-examples", help="Generated examples to run at most (per worker; shrinking not counted). "
+                               "Default: no limit, the time budget decides.",
         rich_help_panel=SEARCH)] = DEFAULT_MAX_EXAMPLES,
     time_budget: Annotated[float, typer.Option(
         "--time-budget", help="Seconds of exploring at most, after vLLM is imported (a failure being "
@@ -41,6 +42,14 @@ def explore(
         rich_help_panel=SEARCH)] = 1,
     max_events: Annotated[int, typer.Option(
         "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,
+    worker: Annotated[str, typer.Option(
+        "--worker", help="simulated (default, fast: bookkeeping only) | vllm: vLLM's worker-role connector on "
+                         "real KV tensors, every run also checked for KV content.",
+        rich_help_panel=SEARCH)] = "simulated",
+    triage: Annotated[bool, typer.Option(
+        "--triage/--no-triage", help="Rerun each finding without the offloading connector and check that a real "
+                                     "engine core can produce its steps (on by default).",
+        rich_help_panel=SEARCH)] = True,
     out: Annotated[Path, typer.Option(
         "--out", help="Folder for the shrunk recipes, one file per failure signature.",
         rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
@@ -48,24 +57,30 @@ def explore(
 ) -> None:
     """Search for new offload-scheduler failures with generated event sequences on the real scheduler.
 
-    Hypothesis draws a serving geometry and a sequence of events (add, with shared prefixes; schedule;
+    Hypothesis draws a serving geometry (block and chunk sizes, pool, batch budget, the offloading spec,
+    the model's KV layout) and a sequence of events (add, with shared prefixes; schedule;
     abort; finish by EOS; hold, complete or fail transfers; reset the prefix cache; drain) and runs it,
     sync and async, under every kvdoctor invariant; then every transfer completes and every finished
     request's connector state must be released.
 
     Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
     and written to --out as a recipe that `kvdoctor repro FILE` replays; a finding whose signature is
-    a known recipe's is labelled with that bug (K1, K4, ...)."""
+    a known recipe's is labelled with that bug (K1, K4, ...).
+
+    Each finding is then triaged: rerun without the offloading connector (a failure there too is
+    vLLM's core scheduler's), and its steps checked against what vLLM's engine core can produce. One
+    that survives both and is no known bug is a candidate upstream report, with its `repro --report`
+    attachment written beside its recipe."""
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
         from kvdoctor.explore import app as explore_app
         from kvdoctor.explore.search import ExploreConfig
 
-        explore_app.validate(logic, max_examples, time_budget, workers, max_events)
+        explore_app.validate(logic, max_examples, time_budget, workers, max_events, worker)
         opt.check_output_dir("--out", out)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
-                               max_events=max_events, workers=workers)
+                               max_events=max_events, workers=workers, worker=worker, triage=triage)
         display = _Display(config, quiet_lines=json_out)
         with display:
             report = explore_app.explore(config, out, command=_command_line(),
@@ -136,8 +151,8 @@ class _Display:
             return grid
         stats = self.result.stats
         grid.add_row("explore", f"vLLM {self.result.vllm_version} · {head}")
-        budget = config.max_examples * config.workers
-        grid.add_row("examples", f"{stats.examples}/{budget} (+{stats.shrink_examples} while shrinking)"
+        budget = "" if config.max_examples is None else f"/{config.max_examples * config.workers}"
+        grid.add_row("examples", f"{stats.examples}{budget} (+{stats.shrink_examples} while shrinking)"
                                  + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
         grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
                               f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "
@@ -189,6 +204,11 @@ def _summary(report: Any) -> list[Any]:
     for finding in report.findings:
         out.append(Text(f"{finding.label}: {finding.detail}"
                         + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
+        if finding.triage is not None:
+            style = "bold" if finding.triage.report else None
+            out.append(Text(f"    triage: {finding.triage.line}", style=style))
+            if finding.triage.report:
+                out.append(Text(f"    report attachment: {finding.triage.report}"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out

@@ -655,6 +655,27 @@ def _within_admission_check(vllm_config: Any, plan: Any) -> tuple[list[Any], int
         model_config.max_model_len = original
 
 
+@dataclass(frozen=True)
+class EngineCoreFacts:
+    """What vLLM's EngineCore lets a client do around the scheduler (read by explore's triage)."""
+
+    reset_params: frozenset[str]  # parameters of EngineCore.reset_prefix_cache (a utility call)
+    batch_queue: bool  # step_with_batch_queue: async scheduling returns with a batch still in flight
+    utilities_between_steps: bool  # EngineCoreProc's busy loop handles client calls between steps
+
+
+def engine_core_facts() -> EngineCoreFacts:
+    """Feature probes of `vllm.v1.engine.core` (imported here only: the scheduler never needs it)."""
+    module = _import("vllm.v1.engine.core")
+    core = _require(module, "EngineCore", "vllm.v1.engine.core")
+    proc = getattr(module, "EngineCoreProc", None)
+    reset = getattr(core, "reset_prefix_cache", None)
+    params = frozenset(inspect.signature(reset).parameters) - {"self"} if reset is not None else frozenset()
+    return EngineCoreFacts(reset_params=params, batch_queue=hasattr(core, "step_with_batch_queue"),
+                           utilities_between_steps=proc is not None and hasattr(proc, "_process_input_queue")
+                           and hasattr(proc, "run_busy_loop"))
+
+
 def installed_vllm_version() -> str | None:
     """The installed vLLM's version from its metadata, without importing it."""
     from importlib import metadata

@@ -92,8 +92,9 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
         enable_chunked_prefill=setup.enable_chunked_prefill,
         async_scheduling=setup.async_scheduling,
     )
-    kv_transfer_config = api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields,
-                                                setup.second_connector_extra_config())
+    kv_transfer_config = (api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields,
+                                                 setup.second_connector_extra_config())
+                          if setup.offloading else None)
     cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
     if setup.mamba_cache_mode is not None:
         cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
@@ -151,7 +152,8 @@ class Harness:
         self.api = api
         self.setup = setup
         self.scheduler, self.kv_plan = build_scheduler(api, setup)
-        self.connector_scheduler = api.connector_scheduler(self.scheduler)
+        # None when the setup runs no connector (`offloading = false`): nothing to observe there.
+        self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
         self.model_runner = self._choose_model_runner()
         self.worker = self._make_worker()
         # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
@@ -312,7 +314,8 @@ class Harness:
         events.completed_jobs = done.completed_jobs
         events.failed_jobs = done.failed_jobs
         events.content_findings = done.content_findings
-        runner_output = self._model_runner_output(output, sampled, done.kv_connector_output)
+        kv_output = done.kv_connector_output if self.connector_scheduler is not None else None
+        runner_output = self._model_runner_output(output, sampled, kv_output)
         if self.setup.async_scheduling:
             previous, self._pending_output = self._pending_output, (output, runner_output)
             if previous is not None:

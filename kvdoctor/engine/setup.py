@@ -65,6 +65,9 @@ class Setup:
     # connector: it loads what it holds, and the first is told num_external_tokens = 0.
     multi_connector: bool = False
     second_cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
+    # False: no KV connector at all (a server without --kv-transfer-config). Explore's triage reruns a
+    # finding this way to tell an offloading bug from one of vLLM's core scheduler.
+    offloading: bool = True
     device: str | None = None  # "cpu" | "cuda" (vllm worker only)
     model_runner: str | None = None  # "v1" | "v2"
 
@@ -118,6 +121,11 @@ class Setup:
                 raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.multi_connector and self.worker != "simulated":
             raise UsageError("multi_connector runs with the simulated worker only (--worker simulated)")
+        if self.multi_connector and not self.offloading:
+            raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
+        if not self.offloading and self.worker == "vllm":
+            raise UsageError("offloading = false runs no KV connector: the vllm worker has nothing to drive "
+                             "(use the simulated worker)")
         if self.gpu_blocks > MAX_GPU_BLOCKS:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "

@@ -16,7 +16,7 @@ hypothesis and vLLM are imported by the submodules, inside the command.
 from __future__ import annotations
 
 DEFAULT_SEED = 0
-DEFAULT_MAX_EXAMPLES = 1500
+DEFAULT_MAX_EXAMPLES = None  # no limit: the time budget decides
 DEFAULT_TIME_BUDGET = 30.0  # seconds of exploring, after vLLM is imported
 DEFAULT_MAX_EVENTS = 24  # events per generated sequence (before the settle tail)
 DEFAULT_OUT = "kvdoctor-findings"

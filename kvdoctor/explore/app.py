@@ -33,12 +33,13 @@ class ExploreReport:
         return self.result.findings
 
 
-def validate(logic: str, max_examples: int, time_budget: float, workers: int, max_events: int) -> None:
+def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int,
+             worker: str = "simulated") -> None:
     from kvdoctor.logic.variants import LOGIC_VARIANTS
 
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
-    if max_examples < 1:
+    if max_examples is not None and max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {max_examples}")
     if not time_budget > 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
@@ -46,6 +47,8 @@ def validate(logic: str, max_examples: int, time_budget: float, workers: int, ma
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
+    if worker not in ("simulated", "vllm"):
+        raise UsageError(f"--worker must be simulated or vllm, got {worker!r}")
 
 
 @contextmanager
@@ -82,7 +85,8 @@ def explore(config: Any, out_dir: Path, command: str = "",
     from kvdoctor.explore.findings import write_findings
     from kvdoctor.explore.search import explore as search
 
-    validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events)
+    validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
+             config.worker)
     if config.workers > 1 and api is None:
         declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
         if declared is None:
@@ -102,7 +106,20 @@ def explore(config: Any, out_dir: Path, command: str = "",
             error.exit_code = code
         raise error
     write_findings(result.findings, out_dir)
+    if config.triage and result.findings:
+        triage_findings(result)
     return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command)
+
+
+def triage_findings(result: Any) -> None:
+    """Triage every finding (see `kvdoctor.explore.triage`): after the budget, a few runs each."""
+    from kvdoctor.engine import compat
+    from kvdoctor.explore.triage import triage
+
+    api = result.api or compat.load()  # several workers: the parent imports vLLM for this only
+    facts = compat.engine_core_facts()
+    for finding in result.findings:
+        finding.triage = triage(api, finding, facts)
 
 
 def exit_status(report: ExploreReport) -> int:
@@ -128,6 +145,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "logic": config.logic,
         "seed": config.seed,
         "workers": config.workers,
+        "worker": config.worker,
         "max_examples": config.max_examples,
         "time_budget_s": config.time_budget,
         "out": str(report.out_dir),

@@ -55,6 +55,8 @@ class Finding:
     # hypothesis could not replay the shrunk example deterministically (`Flaky`): the recipe is
     # the smallest failing run seen, and replaying it may not fail every time.
     flaky: bool = False
+    triage: Any = None  # triage.Triage, once the finding was triaged
+
 
     @property
     def steps(self) -> int:
@@ -79,19 +81,35 @@ class Finding:
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
+            "triage": self.triage.as_dict() if self.triage is not None else None,
         }
 
 
-def _signature_matches(known: Signature, found: Signature) -> bool:
+# Exceptions whose message is only the key or index that failed (a request id, ...): the failing
+# source line says more and does not change with the request's name.
+_KEY_MESSAGES = ("KeyError", "IndexError")
+
+
+def contains_text(obs: Observation) -> str | None:
+    """What a finding's signature says the failing line contains: the message (a bare assert's is its
+    condition), or the source line where the message is only a key."""
+    if obs.kind != "exception":
+        return None
+    text = obs.code if obs.exception in _KEY_MESSAGES and obs.code else (obs.message or obs.code)
+    return text.removeprefix("assert ").strip() if text else None
+
+
+def _signature_matches(known: Signature, found: Signature, haystack: str = "") -> bool:
     if known.invariant or found.invariant:
         return bool(known.invariant) and known.invariant == found.invariant
     if (known.exception, known.function) != (found.exception, found.function):
         return False
-    return not known.contains or known.contains in (found.contains or "")
+    return not known.contains or known.contains in " ".join((found.contains or "", haystack))
 
 
-def known_bug(signature: Signature) -> tuple[str, tuple[str, ...]] | None:
-    """The known bug (and its built-in recipes) whose failure signature this one is."""
+def known_bug(signature: Signature, haystack: str = "") -> tuple[str, tuple[str, ...]] | None:
+    """The known bug (and its built-in recipes) whose failure signature this one is (`haystack`: more
+    text of the failure, its source line and message, for a built-in's `contains`)."""
     from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
 
@@ -99,7 +117,7 @@ def known_bug(signature: Signature) -> tuple[str, tuple[str, ...]] | None:
         recipes = all_builtins()
     except KvdoctorError:  # an installation without its recipes labels nothing
         return None
-    matches = [r for r in recipes if r.bug and _signature_matches(r.signature, signature)]
+    matches = [r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)]
     if not matches:
         return None
     return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
@@ -138,9 +156,7 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                        "description": f"{rid}'s connector state was released once every "
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
-        text = (obs.message or obs.code) if obs.kind == "exception" else None
-        contains = text.removeprefix("assert ").strip() if text else None
-        signature = Signature(exception=obs.exception, function=obs.function, contains=contains)
+        signature = Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
     return dataclasses.replace(recipe, name=name, summary=summary, signature=signature, steps=steps,
                                checks=checks, title=obs.signature)
 
@@ -154,8 +170,8 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
         f"Where: {obs.detail}",
     ]
     if obs.kind == "exception" and obs.exception and obs.function:
-        text = (obs.message or obs.code or "").removeprefix("assert ").strip()
-        known = known_bug(Signature(exception=obs.exception, function=obs.function, contains=text or None))
+        known = known_bug(Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs)),
+                          " ".join(filter(None, (obs.code, obs.message))))
     elif obs.kind == "invariant":
         known = known_bug(Signature(invariant=obs.invariant))
     else:

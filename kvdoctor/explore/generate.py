@@ -20,7 +20,12 @@ prefix cache (optionally preempting running requests and resetting the
 connector), drain (apply the async output in flight). Geometry: block size,
 blocks per chunk, GPU blocks (4-24: small pools force queueing and preemption),
 max_num_seqs, max_num_batched_tokens, sync or async scheduling, a small CPU
-tier (evictions) or a roomy one, prompt-only or prompt-and-decode offloading.
+tier (evictions) or a roomy one, prompt-only or prompt-and-decode offloading,
+the offloading spec (vLLM's default CPUOffloadingSpec or TieringOffloadingSpec,
+where the release has it), and the model's KV layout (one full-attention group,
+or a shipped hybrid one: swa-full with a drawn window, mamba-hybrid, eagle-pair).
+With two groups in one pool, the model length is what a request's blocks in both
+groups fit.
 
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
@@ -55,23 +60,37 @@ class Geometry:
     async_scheduling: bool
     cpu_bytes_to_use: int | None = None  # None: kvdoctor's default (a CPU tier nothing fills)
     offload_prompt_only: bool = True
+    spec_name: str | None = None  # None: vLLM's default CPUOffloadingSpec
+    layout: str | None = None  # a shipped hybrid layout (kvdoctor/models/<name>); None: one full-attention group
+    sliding_window: int | None = None  # swa-full's window, in tokens
+    mamba_cache_mode: str | None = None  # mamba-hybrid's CacheConfig.mamba_cache_mode
+    worker: str = "simulated"  # not drawn: `explore --worker`
+
+    @property
+    def groups(self) -> int:
+        """KV cache groups sharing the pool (the layouts kvdoctor ships make at most two)."""
+        return 2 if self.layout in ("swa-full", "mamba-hybrid") else 1
 
     @property
     def max_model_len(self) -> int:
-        return (self.gpu_blocks - 1) * self.block_size
+        # Every group of a request takes blocks from the one pool: a whole-length request must fit.
+        return max(1, (self.gpu_blocks - 1) // self.groups) * self.block_size
 
     @property
     def chunk_tokens(self) -> int:
         return self.block_size * self.blocks_per_chunk
 
     def setup_dict(self) -> dict[str, Any]:
+        optional = {"cpu_bytes_to_use": self.cpu_bytes_to_use, "spec_name": self.spec_name, "layout": self.layout,
+                    "sliding_window": self.sliding_window, "mamba_cache_mode": self.mamba_cache_mode}
         return {
             "block_size": self.block_size, "blocks_per_chunk": self.blocks_per_chunk,
             "gpu_blocks": self.gpu_blocks, "async_scheduling": self.async_scheduling,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
-            **({} if self.cpu_bytes_to_use is None else {"cpu_bytes_to_use": self.cpu_bytes_to_use}),
+            **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
+            **({} if self.worker == "simulated" else {"worker": self.worker}),
         }
 
 
@@ -90,18 +109,43 @@ TRANSFER_KINDS = (None, "store", "load")
 # A small CPU tier (evictions, stores that find no room) in 4 KiB pages: one page holds at
 # least one of these toy geometries' chunks on every release (0.33 aligns chunks to the page).
 CPU_TIERS = (None, None, None, 4096, 8192, 16384, 32768)
+# TieringOffloadingSpec maps its whole CPU tier (a /dev/shm region) per scheduler: kvdoctor's roomy
+# default (64 MiB) would cost every build; a roomy tiering tier is 256 KiB.
+TIERING_ROOMY_TIER = 1 << 18
+TIERING = "TieringOffloadingSpec"
+SPECS = (None, None, TIERING)  # specs a release lacks are drawn as the default (see `decode`)
+# Hybrid layouts (kvdoctor/models/): rarer than the single group most known bugs need.
+LAYOUTS = (None, None, None, None, None, "swa-full", "mamba-hybrid", "eagle-pair")
+WINDOW_BLOCKS = (4, 3, 6, 8, 2)  # swa-full's sliding window, in GPU blocks (unaligned to chunks too)
+# Only "align": in "none"/"all" the Mamba group's block is the whole model length, and the connector
+# refuses groups of different block sizes at start-up (a server would not start).
+MAMBA_MODES = ("align",)
 GAPS = (0, 0, 1, 1, 2, 3, 5, 8)  # engine steps a server runs after an event, before the next one
 MIN_GPU_BLOCKS, MAX_GPU_BLOCKS = 4, 24
 
 
-def decode_geometry(fields: tuple[int, ...]) -> Geometry:
-    block_size, blocks_per_chunk, gpu_blocks, seqs, batched, is_async, cpu_tier, decode_offload = fields
+def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None) -> Geometry:
+    """`specs`: the offloading specs the installed vLLM has (None: every one drawn is taken)."""
+    (block_size, blocks_per_chunk, gpu_blocks, seqs, batched, is_async, cpu_tier, decode_offload,
+     spec, layout, layout_arg) = fields
     max_num_seqs = MAX_NUM_SEQS[seqs]
-    return Geometry(block_size=BLOCK_SIZES[block_size], blocks_per_chunk=1 + blocks_per_chunk,
+    spec_name = SPECS[spec]
+    if spec_name is not None and specs is not None and spec_name not in specs:
+        spec_name = None
+    cpu = CPU_TIERS[cpu_tier]
+    if spec_name == TIERING and cpu is None:
+        cpu = TIERING_ROOMY_TIER
+    layout_name = LAYOUTS[layout]
+    bs = BLOCK_SIZES[block_size]
+    return Geometry(block_size=bs, blocks_per_chunk=1 + blocks_per_chunk,
                     gpu_blocks=MIN_GPU_BLOCKS + gpu_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
-                    async_scheduling=bool(is_async), cpu_bytes_to_use=CPU_TIERS[cpu_tier],
-                    offload_prompt_only=not decode_offload)
+                    async_scheduling=bool(is_async), cpu_bytes_to_use=cpu,
+                    offload_prompt_only=not decode_offload, spec_name=spec_name, layout=layout_name,
+                    sliding_window=bs * WINDOW_BLOCKS[layout_arg % len(WINDOW_BLOCKS)]
+                    if layout_name == "swa-full" else None,
+                    mamba_cache_mode=MAMBA_MODES[layout_arg % len(MAMBA_MODES)]
+                    if layout_name == "mamba-hybrid" else None)
 
 
 def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...]:
@@ -149,7 +193,8 @@ def raw_examples(max_events: int) -> st.SearchStrategy[Any]:
     geometry = st.tuples(st.integers(0, len(BLOCK_SIZES) - 1), st.integers(0, 3),
                          st.integers(0, MAX_GPU_BLOCKS - MIN_GPU_BLOCKS), st.integers(0, len(MAX_NUM_SEQS) - 1),
                          st.integers(0, len(BATCHED_TOKENS) - 1), st.integers(0, 1),
-                         st.integers(0, len(CPU_TIERS) - 1), st.integers(0, 1))
+                         st.integers(0, len(CPU_TIERS) - 1), st.integers(0, 1),
+                         st.integers(0, len(SPECS) - 1), st.integers(0, len(LAYOUTS) - 1), st.integers(0, 7))
     byte = st.integers(0, 255)
     event = st.tuples(st.integers(0, len(EVENT_TABLE) - 1), byte, byte, byte)
     return st.tuples(geometry, st.lists(event, min_size=1, max_size=max_events))
@@ -161,9 +206,12 @@ class Example:
     events: tuple[tuple[Any, ...], ...]
 
     @classmethod
-    def decode(cls, raw: Any) -> "Example":
-        geometry, events = raw
-        return cls(decode_geometry(geometry), tuple(event for fields in events for event in decode_event(*fields)))
+    def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated") -> "Example":
+        fields, events = raw
+        geometry = decode_geometry(fields, specs)
+        if worker != "simulated":
+            geometry = dataclasses.replace(geometry, worker=worker)
+        return cls(geometry, tuple(event for fields in events for event in decode_event(*fields)))
 
 
 def examples(max_events: int) -> st.SearchStrategy[Any]:
@@ -212,15 +260,16 @@ def event_steps(example: Example) -> list[Step]:
             _, size, max_tokens, prefix = event
             rid = request_name(len(names))
             args: dict[str, Any] = {"request": rid}
-            if size[0] == "fill" and g.gpu_blocks >= 3:
+            if size[0] == "fill" and g.gpu_blocks >= 3 and g.groups == 1:  # plan_fill plans one group
                 args["fill_pool"] = True
                 length = (g.gpu_blocks - 2) * g.block_size
             elif size[0] == "chunks" and size[1] * g.chunk_tokens <= mml - 1:
                 args["prompt_chunks"] = size[1]
                 length = size[1] * g.chunk_tokens
             else:
-                wanted = {"tokens": size[1], "chunks": size[1] * g.chunk_tokens,
-                          "pool": -(-size[1] * (mml - 1) // 8), "fill": mml - 1}[size[0]]
+                n = size[1] if len(size) > 1 else 0
+                wanted = {"tokens": n, "chunks": n * g.chunk_tokens,
+                          "pool": -(-n * (mml - 1) // 8), "fill": mml - 1}[size[0]]
                 length = max(1, min(wanted, mml - 1))
                 args["prompt_tokens"] = length
             args["max_tokens"] = max(1, min(max_tokens, mml - length))

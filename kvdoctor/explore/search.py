@@ -39,13 +39,15 @@ PROGRESS_EVERY_S = 0.2
 class ExploreConfig:
     seed: int = DEFAULT_SEED
     logic: str = "installed"
-    max_examples: int = DEFAULT_MAX_EXAMPLES  # per worker
+    max_examples: int | None = DEFAULT_MAX_EXAMPLES  # per worker; None: until the time budget is spent
     time_budget: float = DEFAULT_TIME_BUDGET  # seconds, per worker, after its vLLM import
     max_events: int = DEFAULT_MAX_EVENTS
     workers: int = 1
     shrink_grace: float = SHRINK_GRACE_S
     invariants: tuple[str, ...] | None = None  # None: every registered invariant
     both_modes: bool = True  # run every sequence under sync and async scheduling (drawn mode first)
+    triage: bool = True  # rerun each finding without the connector and check what the harness did
+    worker: str = "simulated"  # "vllm": vLLM's worker-role connector on real KV tensors, content checked
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ExploreResult:
     worker_stats: list[Stats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     error_codes: list[int | None] = field(default_factory=list)  # a KvdoctorError's exit code, else None
+    api: Any = None  # the in-process vLLM adapter (one worker), for the triage reruns
 
 
 class _StopExploring(BaseException):
@@ -104,6 +107,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
     strategy = examples(config.max_events)
+    specs = available_specs(api)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     start = time.monotonic()
     deadline = start + config.time_budget
@@ -117,12 +121,13 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             last_report = now
             on_progress(stats)
 
+    limit = config.max_examples if config.max_examples is not None else 10**9
     round_ = 0
-    while stats.examples < config.max_examples and time.monotonic() < deadline:
+    while stats.examples < limit and time.monotonic() < deadline:
         round_ += 1
         seed_here = example_seed(config.seed, worker, round_)
         lock: dict[str, Any] = {"signature": None, "best": None}
-        budget_left = config.max_examples - stats.examples
+        budget_left = limit - stats.examples
         # An invariant already found is not checked again: a run goes on past it, to what else breaks.
         invariants = tuple(name for name in (INVARIANTS if config.invariants is None else config.invariants)
                            if f"invariant {name}" not in found)
@@ -132,10 +137,10 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             shrinking = lock["signature"] is not None
             if (not shrinking and now >= deadline) or now >= deadline + config.shrink_grace:
                 raise _StopExploring()
-            if not shrinking and stats.examples >= config.max_examples:
+            if not shrinking and stats.examples >= limit:
                 raise _StopExploring()
             runs: list[tuple[Any, Observation]] = []
-            for example in mode_variants(Example.decode(raw), config.both_modes):
+            for example in mode_variants(Example.decode(raw, specs, config.worker), config.both_modes):
                 recipe = to_recipe(example)
                 t0 = time.perf_counter()
                 try:
@@ -214,6 +219,13 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     return list(found.values()), stats
 
 
+def available_specs(api: Any) -> frozenset[str]:
+    """The drawable offloading specs this vLLM registers (others are drawn as the default spec)."""
+    from kvdoctor.explore.generate import SPECS
+
+    return frozenset(name for name in SPECS if name is not None and api.has_offloading_spec(name))
+
+
 # -- several processes ---------------------------------------------------------------------------
 
 def warm_up(api: Any) -> None:
@@ -277,6 +289,7 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
 
         findings, stats = worker_search(api, config, 0, progress, on_finding)
         result.stats, result.worker_stats = stats, [stats]
+        result.api = api
         result.findings = merge(findings)
         return result
     return _explore_parallel(config, on_progress, on_finding)

@@ -127,6 +127,8 @@ def _readmitted_chunks_offered(ctx: StepContext) -> list[str]:
 def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     api = ctx.harness.api
     cs = ctx.harness.connector_scheduler
+    if cs is None:  # no connector, no jobs
+        return []
     states = api.request_states(cs)
     owners = {jid for state in states.values() for jid in api.transfer_job_ids(state)}
     orphans = sorted(set(api.jobs(cs)) - owners)

@@ -90,10 +90,13 @@ class Observer:
 
     def snapshot(self, failing_calls: list[StorableCall] | None = None) -> list[RequestSnapshot]:
         api = self.api
-        states = api.request_states(self.cs)
-        jobs = api.jobs(self.cs)
-        bpc = api.blocks_per_chunk(self.cs)
-        configs = api.group_configs(self.cs)
+        if self.cs is None:  # no connector (offloading = false): scheduler state only
+            states, jobs, bpc, configs = {}, {}, 1, ()
+        else:
+            states = api.request_states(self.cs)
+            jobs = api.jobs(self.cs)
+            bpc = api.blocks_per_chunk(self.cs)
+            configs = api.group_configs(self.cs)
         original = self._original()
         recorded = {(c.req_id, c.group_idx): c for c in failing_calls or ()}
         snapshots = []

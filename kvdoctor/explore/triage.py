@@ -1,0 +1,227 @@
+"""Triage of a finding before it is reported: is it the offloading connector's, and could a real engine get there?
+
+Two questions, each answered by running or by reading vLLM, never assumed:
+
+(a) *Without the connector.* The shrunk recipe runs again with `offloading =
+    false` (no KV connector: a server without --kv-transfer-config). A failure
+    that fires there too is vLLM's core scheduler's, not the offloading
+    connector's.
+(b) *Could the harness have caused it?* kvdoctor drives the scheduler the way
+    vLLM's EngineCore does, with a few liberties; each step kind is checked
+    against what the installed EngineCore can produce (feature probes in
+    `compat.engine_core_facts`):
+    - `reset_prefix_cache` is EngineCore's utility call of that name (reached
+      through `LLM.reset_prefix_cache`, `AsyncLLM` and the dev server's
+      `/reset_prefix_cache`); an argument it does not take is unreachable. Under
+      async scheduling with an output still in flight it is reachable where the
+      engine core keeps a batch queue (`step_with_batch_queue` returns with the
+      batch queued) and its busy loop handles client calls between steps.
+    - a failed transfer is reachable only where vLLM's offloading worker can
+      report one (before 0.34 it asserts every transfer succeeds);
+    - a geometry whose pool vLLM's start-up check refuses for `max_model_len`
+      is one no server runs;
+    - an exception raised in kvdoctor itself is the harness's by definition;
+    - a failure while building the scheduler is a configuration a server refuses
+      to start with, not a sequence of steps.
+    Adds, schedules, aborts, EOS, held or completed transfers and drains are
+    what an engine does between and during its steps.
+
+A finding that survives both (not also without the connector, nothing the
+harness did that an engine cannot) and is not a known bug is a *candidate
+upstream report*: its `kvdoctor repro FILE --report` attachment is written next
+to its recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CANDIDATE = "candidate upstream report"
+KNOWN = "known bug"
+CORE = "not the connector's"
+HARNESS = "harness artifact"
+STARTUP = "start-up refusal: a server with this configuration does not start"
+_STARTUP_REASON = "vLLM raised while building the scheduler"
+
+
+@dataclass
+class Triage:
+    without_connector: str  # "reproduces" | "does not reproduce" | "fails otherwise" | "not run"
+    without_connector_detail: str = ""
+    harness_caused: bool = False
+    harness_reasons: list[str] = field(default_factory=list)  # why the harness may have caused it
+    reachable_notes: list[str] = field(default_factory=list)  # why each liberty it took is reachable
+    caveats: list[str] = field(default_factory=list)  # kvdoctor approximations the run relied on
+    verdict: str = ""
+    report: str | None = None  # the Markdown attachment, for a candidate
+
+    @property
+    def line(self) -> str:
+        connector = {"reproduces": "also without the connector",
+                     "does not reproduce": "not without the connector",
+                     "fails otherwise": "without the connector it fails otherwise",
+                     "not run": "not rerun without the connector"}[self.without_connector]
+        harness = ("the harness may have caused it: " + "; ".join(self.harness_reasons) if self.harness_caused
+                   else "a real engine core can produce every step")
+        return f"{self.verdict} ({connector}; {harness})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "without_connector": self.without_connector,
+                "without_connector_detail": self.without_connector_detail,
+                "harness_caused": self.harness_caused, "harness_reasons": list(self.harness_reasons),
+                "reachable": list(self.reachable_notes), "caveats": list(self.caveats), "report": self.report}
+
+
+def _setup(recipe: Any, **changes: Any) -> Any:
+    from kvdoctor.explore.runner import setup_of
+
+    setup = setup_of(recipe)
+    return dataclasses.replace(setup, **changes).validate() if changes else setup
+
+
+def without_connector(api: Any, finding: Any) -> tuple[str, str]:
+    """Rerun the shrunk recipe with no KV connector: (outcome word, detail)."""
+    from kvdoctor.errors import UsageError
+    from kvdoctor.observe.verdict import Outcome
+    from kvdoctor.scenario import run_scenario
+
+    if finding.kind == "harness":
+        return "not run", "the exception was kvdoctor's own"
+    try:
+        setup = _setup(finding.recipe, offloading=False)
+        result = run_scenario(api, finding.recipe, setup, finding.logic)
+    except UsageError as exc:
+        return "not run", f"vLLM refused the setup without a connector: {exc}"
+    if result.outcome is Outcome.REPRODUCED:
+        return "reproduces", result.detail or f"{finding.signature} fires with no KV connector configured"
+    if result.outcome is Outcome.NOT_REPRODUCED:
+        return "does not reproduce", "the same steps run through with no KV connector configured"
+    return "fails otherwise", f"{result.outcome.value}: {result.detail}"
+
+
+def _in_flight_resets(steps: tuple[Any, ...], async_scheduling: bool) -> tuple[list[Any], list[Any]]:
+    """(reset steps, those taken with an async output in flight: a schedule since the last drain)."""
+    resets, in_flight = [], []
+    pending = False
+    for step in steps:
+        if step.action == "schedule":
+            pending = async_scheduling
+        elif step.action == "drain":
+            pending = False
+        elif step.action == "reset_prefix_cache":
+            resets.append(step)
+            if pending:
+                in_flight.append(step)
+    return resets, in_flight
+
+
+def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[str], list[str]]:
+    """(reasons the harness may have caused it, why each liberty taken is reachable, caveats)."""
+    from kvdoctor.scenario import run_scenario
+
+    reasons: list[str] = []
+    reachable: list[str] = []
+    caveats: list[str] = []
+    recipe = finding.recipe
+    if finding.kind == "harness":
+        reasons.append("the exception was raised in kvdoctor, not in vLLM")
+        return reasons, reachable, caveats
+    setup = _setup(recipe)
+    result = run_scenario(api, recipe, setup, finding.logic, record_timeline=True)
+    if result.failure is not None and result.failure_step == 0:
+        reasons.append(f"{_STARTUP_REASON} and its connector: a server with this "
+                       "configuration does not start (a start-up refusal, not a step sequence)")
+    notes = list(result.kv_plan.notes) if result.kv_plan is not None else []
+    for note in notes:
+        if "would refuse to start" in note:
+            reasons.append(f"vLLM's start-up check refuses this pool: {note}")
+        else:
+            caveats.append(note)
+    resets, in_flight = _in_flight_resets(recipe.steps, setup.async_scheduling)
+    for step in resets:
+        wanted = {name for name in ("reset_running_requests", "reset_connector") if step.args.get(name)}
+        absent = sorted(wanted - facts.reset_params)
+        if absent:
+            reasons.append(f"this vLLM's EngineCore.reset_prefix_cache takes no {', '.join(absent)}")
+    if resets and not any(r.startswith("this vLLM's EngineCore") for r in reasons):
+        reachable.append("reset_prefix_cache is EngineCore's utility call of that name "
+                         "(LLM.reset_prefix_cache, AsyncLLM, the dev server's /reset_prefix_cache)")
+    if in_flight:
+        if facts.batch_queue and facts.utilities_between_steps:
+            reachable.append("the reset came with an async output in flight: EngineCore.step_with_batch_queue "
+                             "returns with that batch queued and EngineCoreProc's busy loop handles client "
+                             "calls before the next step")
+        else:
+            reasons.append("the reset came with an async output in flight, and this vLLM's engine core "
+                           "handles no client call while a batch is queued")
+    failed = [entry for entry in result.timeline if entry.events is not None and entry.events.failed_jobs]
+    if failed:
+        if api.worker_reports_failed_jobs:
+            reachable.append("failed transfers: this vLLM's offloading worker reports failed jobs "
+                             "(mark_completed(success=False))")
+        else:
+            reasons.append("a transfer failed, but this vLLM's offloading worker has no failure path "
+                           "(it asserts every transfer succeeds)")
+    if any(step.action == "drain" for step in recipe.steps) and setup.async_scheduling:
+        reachable.append("drain: an engine core with nothing to schedule applies the batch in flight "
+                         "without scheduling (step_with_batch_queue), as pause_generation waits for")
+    return reasons, reachable, caveats
+
+
+def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
+    """Both checks, the verdict, and (for a candidate) the report attachment next to the recipe."""
+    from kvdoctor.engine import compat
+
+    facts = facts or compat.engine_core_facts()
+    word, detail = without_connector(api, finding)
+    reasons, reachable, caveats = harness_check(api, finding, facts)
+    result = Triage(without_connector=word, without_connector_detail=detail, harness_caused=bool(reasons),
+                    harness_reasons=reasons, reachable_notes=reachable, caveats=caveats)
+    result.verdict = verdict(word, reasons, finding.known)
+    if result.verdict == CANDIDATE:
+        if finding.file:
+            result.report = write_report(finding, result)
+    return result
+
+
+def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[str, ...]] | None) -> str:
+    """What the two checks make of a finding (harness first: a step no engine takes decides nothing)."""
+    if any(reason.startswith(_STARTUP_REASON) for reason in harness_reasons):
+        return STARTUP
+    if harness_reasons:
+        return HARNESS
+    if without == "reproduces":
+        return f"{CORE}: vLLM's scheduler fails this way with no KV connector"
+    if known:
+        return f"{KNOWN} {known[0]} ({', '.join(known[1])})"
+    return CANDIDATE
+
+
+def triage_markdown(result: Triage) -> str:
+    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
+             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
+             + (f" ({result.without_connector_detail})" if result.without_connector_detail else "")]
+    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
+    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
+    lines += [f"- Caveat: {note}" for note in result.caveats]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(finding: Any, result: Triage) -> str | None:
+    """`kvdoctor repro FILE --report` for the finding's recipe, written beside it (`<name>.report.md`)."""
+    from kvdoctor import app as application
+    from kvdoctor.report.markdown import render_markdown
+
+    path = Path(finding.file)
+    target = path.with_suffix(".report.md")
+    replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
+    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
+    try:
+        target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
+                          encoding="utf-8")
+    except OSError:
+        return None
+    return str(target)
