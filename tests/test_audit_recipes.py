@@ -19,6 +19,7 @@ from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 
 from .conftest import expected_for
+from .recipe_runs import LOGICS, assert_outcome, index_of, reproduced_runs, result, snap
 
 pytestmark = pytest.mark.vllm
 
@@ -27,7 +28,6 @@ K2 = "finished-after-finalize"
 K4 = "final-token-slot-stored"
 RECIPES = (K8, K2, K4)
 MODES = (False, True)
-LOGICS = ("installed", "fixed", "unpatched")
 
 R = Outcome.REPRODUCED
 N = Outcome.NOT_REPRODUCED
@@ -106,33 +106,8 @@ def reports(api):
                 pass
 
 
-def result(reports, name, mode, logic):
-    return next(r for r in reports[(name, mode)].results if r.logic == logic)
-
-
-def reproduced_runs(reports, name, mode):
-    """The runs of `name` that reproduced, under any logic; skip when none did (nothing to assert)."""
-    runs = [result(reports, name, mode, logic) for logic in LOGICS]
-    chosen = [run for run in runs if run.outcome is R]
-    if not chosen:
-        pytest.skip(f"{name} does not reproduce in this mode on this release")
-    return chosen
-
-
-def index_of(run, action, after=0):
-    """Timeline position of the first `action` step at or after position `after`."""
-    for i, entry in enumerate(run.timeline[after:], start=after):
-        if entry.action == action:
-            return i
-    raise AssertionError(f"no {action} step after position {after}")
-
-
 def last_expect(run):
     return max(i for i, entry in enumerate(run.timeline) if entry.action == "expect")
-
-
-def snap(entry, request):
-    return next(s for s in entry.requests if s.request == request)
 
 
 # -- the recipes themselves --------------------------------------------------
@@ -163,11 +138,7 @@ def test_recipes_are_builtins():
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
 def test_outcome(reports, expected, name, mode, logic):
-    run = result(reports, name, mode, logic)
-    want = expected[name][mode][logic]
-    assert run.outcome is want, (
-        f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
-        f"{run.failure and run.failure.message}), expected {want.value}")
+    assert_outcome(reports, expected, name, mode, logic)
 
 
 # -- K8: preempted by a cache reset and reloaded in the same step ------------

@@ -20,6 +20,7 @@ from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 
 from .conftest import expected_for
+from .recipe_runs import LOGICS, assert_outcome, index_of, reproduced_runs, result, snap
 
 K5 = "eagle-final-chunk-unstored"
 K6 = "offload-keys-lag-blocks"
@@ -27,7 +28,6 @@ K9 = "reused-block-unfenced-multiconnector"
 K11 = "readmitted-stale-store-cursor"
 RECIPES = (K5, K6, K9, K11)
 MODES = (False, True)
-LOGICS = ("installed", "fixed", "unpatched")
 
 R = Outcome.REPRODUCED
 N = Outcome.NOT_REPRODUCED
@@ -67,29 +67,6 @@ def reports(api):
             for name in RECIPES for mode in MODES}
 
 
-def result(reports, name, mode, logic):
-    return next(r for r in reports[(name, mode)].results if r.logic == logic)
-
-
-def reproduced_runs(reports, name, mode):
-    runs = [result(reports, name, mode, logic) for logic in LOGICS]
-    chosen = [run for run in runs if run.outcome is R]
-    if not chosen:
-        pytest.skip(f"{name} does not reproduce in this mode on this release")
-    return chosen
-
-
-def snap(entry, request):
-    return next(s for s in entry.requests if s.request == request)
-
-
-def index_of(run, action, after=0):
-    for i, entry in enumerate(run.timeline[after:], start=after):
-        if entry.action == action:
-            return i
-    raise AssertionError(f"no {action} step after position {after}")
-
-
 # -- the recipes themselves ---------------------------------------------------
 
 def test_recipes_are_builtins():
@@ -120,11 +97,7 @@ def test_recipes_are_builtins():
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
 def test_outcome(reports, expected, name, mode, logic):
-    run = result(reports, name, mode, logic)
-    want = expected[name][mode][logic]
-    assert run.outcome is want, (
-        f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
-        f"{run.failure and run.failure.message}), expected {want.value}")
+    assert_outcome(reports, expected, name, mode, logic)
 
 
 # -- K5: an EAGLE group's final chunk is never stored --------------------------
