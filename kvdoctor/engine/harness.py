@@ -110,6 +110,7 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
 
     kv_plan, kv_cache_config, block_size, hash_block_size = kv_layout.plan(api, vllm_config, setup)
+    _chunk_in_blocks_for_mixed_groups(vllm_config, kv_plan, setup)
 
     scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
                      else api.cls("scheduler", "Scheduler"))
@@ -120,6 +121,22 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
                               structured_output_manager=structured, block_size=block_size,
                               hash_block_size=hash_block_size)
     return scheduler, kv_plan
+
+
+def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
+    """Groups of different block sizes (the planner grew one group's block to unify page sizes): the
+    connector refuses a chunk given in tokens (`block_size`), so it gets the chunk in GPU blocks
+    (`blocks_per_chunk`), as such a deployment must configure it; each group's chunk is then
+    `blocks_per_chunk` of its own blocks."""
+    sizes = {group.block_size for group in kv_plan.groups}
+    if len(sizes) < 2:
+        return
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra.pop("block_size", None)
+    extra["blocks_per_chunk"] = setup.blocks_per_chunk
+    kv_plan.notes.append(f"the groups' block sizes differ ({', '.join(str(s) for s in sorted(sizes))} tokens): the "
+                         f"connector gets blocks_per_chunk={setup.blocks_per_chunk}, so each group's chunk is "
+                         f"{setup.blocks_per_chunk} of its own blocks")
 
 
 @dataclass

@@ -12,6 +12,7 @@ through the adapter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -39,6 +40,10 @@ class LayerKind:
     kind: str
     sliding_window: int | None = None
     draft: bool = False  # an EAGLE/MTP drafter layer
+    # A full-attention layer's own KV geometry where it differs from the model's (Gemma 4's
+    # `global_head_dim` / `num_global_key_value_heads`); None: the layout's.
+    num_kv_heads: int | None = None
+    head_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,8 @@ class KvLayout:
 
     @property
     def is_hybrid(self) -> bool:
-        return len({(layer.kind, layer.sliding_window, layer.draft) for layer in self.layers}) > 1
+        return len({(layer.kind, layer.sliding_window, layer.draft, layer.num_kv_heads, layer.head_size)
+                    for layer in self.layers}) > 1
 
     def layer_names(self) -> list[str]:
         names = []
@@ -109,7 +115,25 @@ def read_layout(model_dir: str | Path, source: str | None = None,
     if head_size is None:
         hidden = _positive(text, "hidden_size", 64, directory)
         head_size = hidden // max(1, int(text.get("num_attention_heads", 1)))
+    layers = _with_global_geometry(layers, text, directory)
     return KvLayout(source or str(directory), tuple(layers), int(heads), int(head_size))
+
+
+def _with_global_geometry(layers: list[LayerKind], text: dict[str, Any], directory: Path) -> list[LayerKind]:
+    """Full-attention layers with their own head size / KV heads (Gemma 4: `global_head_dim`,
+    `num_global_key_value_heads`). Their page per token then differs from the sliding-window
+    layers', and vLLM's planner unifies page sizes by growing the smaller page's block size: the
+    groups get different block sizes (mixed granularities), as DeepSeek V4 deployments have."""
+    heads = text.get("num_global_key_value_heads")
+    size = text.get("global_head_dim")
+    if heads is None and size is None:
+        return layers
+    if heads is not None:
+        heads = _positive(text, "num_global_key_value_heads", None, directory)
+    if size is not None:
+        size = _positive(text, "global_head_dim", None, directory)
+    return [dataclasses.replace(layer, num_kv_heads=heads, head_size=size)
+            if layer.kind == FULL and not layer.draft else layer for layer in layers]
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -233,7 +257,10 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
                                  head_size=layout.head_size, dtype=dtype)
     specs: dict[str, Any] = {}
     for name, layer in zip(layout.layer_names(), layout.layers):
-        if layer.kind == FULL:
+        if layer.kind == FULL and (layer.num_kv_heads or layer.head_size):
+            spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
+                                         head_size=layer.head_size or layout.head_size, dtype=dtype)
+        elif layer.kind == FULL:
             spec = full
         elif layer.kind == SLIDING:
             spec = kvi.SlidingWindowSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,

@@ -1,0 +1,75 @@
+"""The sliding-window recipes (K3) on vLLM's real scheduler, under every logic variant.
+
+One vLLM import and one run per recipe for the module (sync scheduling: the recipe's steps are
+counted for it). Outcomes per release are measurements (kvdoctor repro on each release's
+environment, 2026-12-03); a release not measured here skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdoctor import app
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes.builtins import load_builtin
+
+from .conftest import expected_for
+
+pytestmark = pytest.mark.vllm
+
+K3 = "swa-unaligned-pending-bound"
+LOGICS = ("installed", "fixed", "unpatched")
+R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
+
+
+def same(outcome):
+    return {logic: outcome for logic in LOGICS}
+
+
+# (major, minor) -> recipe -> logic -> outcome. `fixed` (the PR #49146 store cap) does not touch
+# the load path, so it reproduces K3 wherever `installed` does.
+EXPECTED = {
+    (0, 26): {K3: same(R)},   # the bound is sliding_window_size_in_chunks * blocks_per_chunk
+    (0, 27): {K3: same(N)},   # PR #49052 in (bound + 1): B loads its 160-token hit and runs
+}
+# Measured 2026-12-03 on 0.27.0/0.27.1, 0.28.0 ... 0.33.0: not_reproduced, as 0.27. On 0.34.0 also
+# not_reproduced, but there the unaligned hit is not reached (its LRU ranks a finished request's
+# chunks tail first, so G evicts chunk 7 and B hits 224 aligned tokens): see the recipe's summary.
+for minor in range(28, 35):
+    EXPECTED[(0, minor)] = EXPECTED[(0, 27)]
+
+
+@pytest.fixture(scope="module")
+def expected(api, release):
+    return expected_for(api, release, EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def reports(api):
+    return {name: app.repro(name, {}, "all", record_timeline=True) for name in (K3,)}
+
+
+def result(reports, name, logic):
+    return next(r for r in reports[name].results if r.logic == logic)
+
+
+def test_k3_recipe_states_its_trigger():
+    recipe = load_builtin(K3)
+    assert recipe.bug == "K3" and any("49052" in ref for ref in recipe.refs)
+    assert recipe.setup["layout"] == "swa-full-mixed" and recipe.setup["blocks_per_chunk"] == 2
+    assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "update_state_after_alloc")
+
+
+def test_k3_layout_has_mixed_granularity(reports):
+    """The planner gave the two groups different block sizes (64-token sliding-window blocks)."""
+    plan = result(reports, K3, "installed").kv_plan
+    assert sorted((g.kind, g.block_size) for g in plan.groups) == [("full_attention", 16), ("sliding_window", 64)]
+
+
+@pytest.mark.parametrize("logic", LOGICS)
+def test_k3_outcome(reports, expected, logic):
+    run = result(reports, K3, logic)
+    want = expected[K3][logic]
+    assert run.outcome is want, f"{K3} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
+    if want is R:
+        assert "num_pending_gpu_blocks" in ((run.failure.code or "") + run.failure.message)
