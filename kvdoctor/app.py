@@ -14,7 +14,7 @@ from kvdoctor import __version__
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.logic.variants import expand_logic
-from kvdoctor.recipes.model import Recipe
+from kvdoctor.recipes.model import Recipe, bug_order
 
 SCHEMA_VERSION = 1
 
@@ -233,7 +233,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditRe
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
                                     installed, fixed, _release_hint(recipe)))
-    report.rows.sort(key=lambda row: (_bug_order(row.bug), row.recipe.name))
+    report.rows.sort(key=lambda row: (bug_order(row.bug), row.recipe.name))
     from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 
     title = "Concurrent loads of one prefix serialise: overlapping requests wait for the first load"
@@ -253,6 +253,3 @@ def _release_hint(recipe: Recipe) -> Any:
     return first_release_not_reproducing(recipe.name)
 
 
-def _bug_order(bug: str) -> tuple[int, str]:
-    digits = "".join(ch for ch in bug if ch.isdigit())
-    return (int(digits) if digits else 10_000, bug)

@@ -21,6 +21,10 @@ from .conftest import ROOT, run_cli
 LOGS = ROOT / "tests" / "data" / "logs"
 RECIPES = all_builtins()
 K1 = {"queued-abort", "preemption", "prefetch"}
+# Every recipe whose crash is `assert len(offload_keys) == len(offload_block_ids)` in _build_store_jobs
+# via schedule -> build_connector_meta: K1's three paths and K6 (keys lagging blocks). A log alone cannot
+# tell them apart; diagnose names both bugs and runs both.
+SAME_ASSERT = K1 | {"offload-keys-lag-blocks"}
 
 # A synthetic log in vLLM's formats (not from a thread): banner, args line with a secret, request lines,
 # interleaved processes, colour codes, CRLF line ends, an elided engine traceback, then the API server's
@@ -99,7 +103,7 @@ REAL = {
 # K12 are being added in other branches: when one lands, move its logs' entries (1cat-vllm-567 carries
 # K7's signature; its source line is one line of the multi-line assert, which confirms and never
 # contradicts). A log without a complete crash names nothing whatever the recipes.
-MATCHES: dict[str, set[str]] = {name: set() for name in REAL} | {"vllm-51013-k1-tail.log": {"K1"}}
+MATCHES: dict[str, set[str]] = {name: set() for name in REAL} | {"vllm-51013-k1-tail.log": {"K1", "K6"}}
 
 
 def test_every_real_log_is_in_the_tables():
@@ -139,8 +143,8 @@ def test_reports_of_real_logs_quote_no_machine_paths(name):
 
 def test_51013_names_k1_by_its_three_paths_with_reasons():
     result = match_crash(read_log(str(LOGS / "vllm-51013-k1-tail.log")).crash, RECIPES)
-    assert {c.recipe.name for c in result.best} == K1
-    assert result.best[0].recipe.name == "queued-abort"  # the simplest path first
+    assert {c.recipe.name for c in result.best} == SAME_ASSERT
+    assert result.best[0].recipe.name == "queued-abort"  # K1 before K6, then the simplest path
     first = result.best[0]
     assert first.reasons == ["same exception and function (AssertionError in _build_store_jobs)",
                              "same assertion text (len(offload_keys) == len(offload_block_ids))"]
@@ -174,7 +178,7 @@ def test_synthetic_full_log():
     assert [f.function for f in crash.vllm_frames] == ["schedule", "build_connector_meta", "_build_store_jobs"]
     assert summary.reraise_seen
     result = match_crash(crash, RECIPES)
-    assert {c.recipe.name for c in result.best} == K1
+    assert {c.recipe.name for c in result.best} == SAME_ASSERT
     assert "same caller chain (schedule → build_connector_meta → _build_store_jobs)" in result.best[0].reasons
     mapped = setup_overrides_from_serve_args(summary.serve_args)
     assert mapped.overrides["block_size"] == 16
@@ -299,7 +303,7 @@ def test_cli_stdin_json_and_report_without_leaks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["log"]["vllm_version"] == "0.26.0"
-    assert [m["recipe"] for m in doc["matches"]][0] == "queued-abort"
+    assert {m["recipe"] for m in doc["matches"]} >= SAME_ASSERT
     assert doc["crash"]["file"] == "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
     text = report.read_text() + proc.stdout
     for leak in ("sk-", "/home", "node-17", "10.1.2.3", "10.0.0.", "POST", "/usr/local", "/mnt/secret"):
@@ -361,11 +365,10 @@ def test_one_line_of_a_multi_line_assert_confirms_and_never_contradicts():
                                 "num_locally_computed_tokens <= num_locally_computed_gpu_blocks * tokens_per_block")
     other = _recipe_with_signature("update_state_after_alloc", "assert not req_status.transfer_jobs", "other")
     result = match_crash(crash, [k7, other])
-    assert [c.recipe.name for c in result.candidates] == ["k7-like", "other"]
-    first, second = result.candidates
+    # the shown line names only what `other`'s assertion does not: it is another assertion
+    assert [c.recipe.name for c in result.candidates] == ["k7-like"]
+    (first,) = result.candidates
     assert first.score == 2 and any("partly shown" in r for r in first.reasons)
-    assert second.score == 1 and "the log shows one line of the failing statement (num_locally_computed_tokens)" \
-        in second.gaps
     # a whole assert line still rules out another assertion in the same function
     whole = _read('Traceback (most recent call last):\n'
                   '  File "/x/vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", line 646, in '

@@ -16,7 +16,7 @@ from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
 
-MAX_RUNS = 3  # matched recipes run at most (the best-ranked, simplest first)
+MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
 # Above these a geometry is production-sized: it is scaled down to the limit (and said). The
 # recipes plan their triggers at whatever geometry they run (kvdoctor.recipes.geometry), so a
 # clamped pool still holds them; the recipe's own tiny pool would not hold the log's chunks.
@@ -193,7 +193,10 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
         report.vllm_error = str(exc)
         return report
     report.installed_vllm = api.version_text
-    for candidate in match.best[:MAX_RUNS]:
+    # One recipe per bug: a signature several bugs share (K1 and K6) runs each of them, not three
+    # paths of the first.
+    per_bug = list({(c.recipe.bug or c.recipe.name): c for c in reversed(match.best)}.values())[::-1]
+    for candidate in per_bug[:MAX_RUNS]:
         report.runs.append(_run_candidate(api, candidate, overrides, logics))
     _first_release_not_reproducing(report)
     best = report.runs[0]

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdoctor.diagnose.traceback import LogTraceback
-from kvdoctor.recipes.model import Recipe
+from kvdoctor.recipes.model import Recipe, bug_order
 
 
 @dataclass
@@ -35,7 +35,7 @@ class MatchResult:
 
     @property
     def best(self) -> list[Candidate]:
-        """The candidates of the best score, simplest recipe (fewest steps) first."""
+        """The candidates of the best score, in the catalogue's bug order, simplest recipe first."""
         if not self.candidates:
             return []
         top = self.candidates[0].score
@@ -101,10 +101,15 @@ def match_crash(crash: LogTraceback | None, recipes: list[Recipe]) -> MatchResul
                 candidate.reasons.append(f"same assertion text ({sig.contains})")
             elif partial:  # the log shows one line of the statement: it can confirm, never contradict
                 shown, wanted = _squash(inner.code.strip().rstrip("(").strip()), _squash(sig.contains)
+                names = set(re.findall(r"[A-Za-z_]\w{2,}", shown)) - {"assert", "and", "not"}
                 if re.search(r"\w{3,}", shown) and (shown in wanted or wanted in shown):
                     candidate.score += 1
                     candidate.reasons.append(f"same assertion text, partly shown ({inner.code.strip()} "
                                              f"in {sig.contains})")
+                elif names and not any(name in wanted for name in names):
+                    # The shown line names only what the recipe's assertion does not: the traceback
+                    # line of a multi-line assert is its first operand, so this is another assertion.
+                    continue
                 else:
                     candidate.gaps.append(f"the log shows one line of the failing statement ({inner.code.strip()})")
             elif inner.code or crash.message:
@@ -120,7 +125,9 @@ def match_crash(crash: LogTraceback | None, recipes: list[Recipe]) -> MatchResul
             else:
                 candidate.gaps.append("called through another path (" + " → ".join(above[-3:]) + ")")
         candidates.append(candidate)
-    candidates.sort(key=lambda c: (-c.score, len(c.recipe.steps), c.recipe.name))
+    # Equal evidence: the catalogue's order first (one signature can be several bugs, e.g. K1 and K6
+    # share `_build_store_jobs`' assert; the log cannot tell them apart), then the simplest recipe.
+    candidates.sort(key=lambda c: (-c.score, bug_order(c.recipe.bug), len(c.recipe.steps), c.recipe.name))
     if not candidates:
         return MatchResult(why_none=f"no known bug matches {crash.exception} in {inner.function}")
     return MatchResult(candidates)

@@ -121,3 +121,10 @@ class Recipe:
 
     def issue_refs(self) -> tuple[str, ...]:
         return tuple(ref for ref in self.refs if "(issue" in ref)
+
+
+def bug_order(bug: str | None) -> tuple[int, str]:
+    """The catalogue's order (K1, K2, ..., K12), then recipes that name no known bug."""
+    bug = bug or ""
+    digits = "".join(ch for ch in bug if ch.isdigit())
+    return (int(digits) if digits else 10_000, bug)

@@ -103,10 +103,11 @@ def match_lines(report: Any) -> list[str]:
                    + (f"  (not confirmed: {'; '.join(c.gaps)})" if c.gaps else ""))
     bugs = m.best_bugs
     if len(m.best) > 1 and len(bugs) == 1:
-        out.append(f"the best matches are one bug ({bugs[0]}) reached by different paths; each is run below, "
-                   f"simplest first")
+        out.append(f"the best matches are one bug ({bugs[0]}) reached by different paths; the simplest is run "
+                   f"below")
     elif len(bugs) > 1:
-        out.append(f"the log cannot tell {', '.join(bugs)} apart (same signature); the runs below can")
+        out.append(f"the log cannot tell {', '.join(bugs)} apart (same signature); the simplest recipe of each "
+                   f"is run below")
     return out
 
 
