@@ -65,7 +65,9 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
             if t.dtype != torch.int8 or t.ndim != 2 or t.device.type != "cpu":
                 raise RuntimeError(f"kvdoctor's copy engine needs int8 (blocks, page) CPU views, got "
                                    f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        self.cpu_tensors = [torch.zeros((num_cpu_slots, int(t.page_size_bytes) * blocks_per_chunk),
+        # Uninitialised (lazily mapped: the tier costs only the pages stored into): a load of a slot
+        # never stored is judged from `self.stored`, never from the tier's initial bytes.
+        self.cpu_tensors = [torch.empty((num_cpu_slots, int(t.page_size_bytes) * blocks_per_chunk),
                                         dtype=torch.int8) for t in kv_caches.tensors]
         self.group_refs = kv_caches.group_data_refs
         self._sub_block_ptrs = compat.compute_sub_block_ptrs()
