@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -731,13 +732,13 @@ _WORKER_MODULES = {
     "connector_base": "vllm.distributed.kv_transfer.kv_connector.v1",
     "kv_transfer_state": "vllm.distributed.kv_transfer.kv_transfer_state",
     "forward_context": "vllm.forward_context",
-    "runner_mixin": "vllm.v1.worker.kv_connector_model_runner_mixin",
     "kv_offload_base": "vllm.v1.kv_offload.base",
     "cpu_gpu_worker": "vllm.v1.kv_offload.cpu.gpu_worker",
     "offload_factory": "vllm.v1.kv_offload.factory",
 }
 _OPTIONAL_WORKER_MODULES = {
     "v2_kv_connector": "vllm.v1.worker.gpu.kv_connector",  # Model Runner V2's connector glue
+    "runner_mixin": "vllm.v1.worker.kv_connector_model_runner_mixin",  # V1's glue (gone in 0.34)
     "worker_utils": "vllm.v1.worker.utils",
     "kv_cache_layout": "vllm.v1.kv_cache_layout",
 }
@@ -839,6 +840,8 @@ def gpu_default_model_runner(vllm_config: Any) -> str:
     """The runner a CUDA deployment of this release picks for this model: V2 where vLLM
     names the architecture a default-V2 model and reports no unsupported feature (Triton is
     assumed present, as on a GPU); V1 otherwise or where the release has no V2 runner."""
+    if importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is None:
+        return "v2"  # this release has no V1 runner glue: V2 is the only runner
     env_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if env_choice is not None:
         return "v2" if env_choice.strip().lower() in ("1", "true") else "v1"
@@ -886,7 +889,13 @@ def forward_context(api: VllmApi, vllm_config: Any) -> Any:
 
 def runner_mixin(api: VllmApi) -> Any:
     """V1 GPUModelRunner's connector lifecycle (`KVConnectorModelRunnerMixin`)."""
-    return _require(worker_mods(api)["runner_mixin"], "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
+    mod = worker_mods(api).get("runner_mixin")
+    if mod is None:
+        from kvdoctor.errors import UsageError
+
+        raise UsageError("--model-runner v1: this vLLM has no V1 model runner connector glue "
+                         "(KVConnectorModelRunnerMixin); use --model-runner v2")
+    return _require(mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
 
 
 def v2_connector(api: VllmApi, vllm_config: Any, kv_caches: dict[str, Any]) -> Any:

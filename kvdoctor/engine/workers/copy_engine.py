@@ -65,7 +65,9 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
             if t.dtype != torch.int8 or t.ndim != 2 or t.device.type != "cpu":
                 raise RuntimeError(f"kvdoctor's copy engine needs int8 (blocks, page) CPU views, got "
                                    f"{t.dtype} {tuple(t.shape)} on {t.device}")
-        self.cpu_tensors = [torch.zeros((num_cpu_slots, int(t.page_size_bytes) * blocks_per_chunk),
+        # Uninitialised (lazily mapped: the tier costs only the pages stored into): a load of a slot
+        # never stored is judged from `self.stored`, never from the tier's initial bytes.
+        self.cpu_tensors = [torch.empty((num_cpu_slots, int(t.page_size_bytes) * blocks_per_chunk),
                                         dtype=torch.int8) for t in kv_caches.tensors]
         self.group_refs = kv_caches.group_data_refs
         self._sub_block_ptrs = compat.compute_sub_block_ptrs()
@@ -127,8 +129,49 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
         return self._submit(job_id, "load", src_spec, dst_spec)
 
+    def _plan_from_pointers(self, kind: str, device_ptrs: Any, cpu_spec: Any) -> Transfer:
+        """0.34+: the connector resolved the GPU side to `DevicePointers` (canonical order: group,
+        data ref, block); the CPU side follows vLLM's direct layout as its CPU worker fills it."""
+        to_cpu = kind == "store"
+        bpc = self.blocks_per_chunk
+        cpu_ids = np.asarray(compat.VllmApi.block_ids_of(cpu_spec), dtype=np.int64)
+        copies: list[tuple[int, int, int, int, int]] = []
+        nbytes = dev_off = cpu_off = 0
+        gpu_blocks: list[int] = []
+        for group, (size, n_refs, first) in enumerate(zip(device_ptrs.group_block_counts,
+                                                          device_ptrs.group_data_ref_counts,
+                                                          device_ptrs.block_indices)):
+            size = int(size)
+            if size == 0:
+                continue
+            skip = int(first) % bpc
+            n_chunks = -(-(size + skip) // bpc)
+            chunk_ids = cpu_ids[cpu_off:cpu_off + n_chunks]
+            slots = [(int(chunk_ids[(skip + i) // bpc]), (skip + i) % bpc) for i in range(size)]
+            for d, ref in enumerate(self.group_refs[group][:int(n_refs)]):
+                gpu_t = self.gpu_tensors[ref.tensor_idx]
+                gp = [int(x) for x in device_ptrs.ptrs[dev_off + d * size: dev_off + (d + 1) * size]]
+                cp = np.empty(size, dtype=np.int64)
+                self._sub_block_ptrs(chunk_ids, bpc, cp, self.cpu_tensors[ref.tensor_idx], skip_count=skip)
+                page = int(ref.page_size_bytes)
+                for i, (g, c) in enumerate(zip(gp, cp.tolist())):
+                    block = (g - gpu_t.data_ptr()) // gpu_t.stride(0)
+                    if d == 0:
+                        gpu_blocks.append(block)
+                    slot, sub = slots[i]
+                    src, dst = (g, c) if to_cpu else (c, g)
+                    copies.append((src, dst, page, block, ref.tensor_idx * (1 << 40) + slot * bpc + sub))
+                nbytes += size * page
+            dev_off += size * int(n_refs)
+            cpu_off += n_chunks
+        return Transfer(0, kind, copies, nbytes, tuple(gpu_blocks), tuple(int(b) for b in cpu_ids))
+
     def _submit(self, job_id: int, kind: str, src_spec: Any, dst_spec: Any) -> bool:
-        transfer = self._plan(kind, src_spec, dst_spec)
+        pointers = src_spec if kind == "store" else dst_spec
+        if hasattr(pointers, "ptrs") and hasattr(pointers, "group_block_counts"):  # DevicePointers (0.34+)
+            transfer = self._plan_from_pointers(kind, pointers, dst_spec if kind == "store" else src_spec)
+        else:
+            transfer = self._plan(kind, src_spec, dst_spec)
         transfer.job_id = int(job_id)
         self._queue.append(transfer)
         self.submitted.append((kind, int(job_id)))
