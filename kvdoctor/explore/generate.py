@@ -74,7 +74,9 @@ class Geometry:
     @property
     def max_model_len(self) -> int:
         # Every group of a request takes blocks from the one pool: a whole-length request must fit.
-        return max(1, (self.gpu_blocks - 1) // self.groups) * self.block_size
+        # At least 2 tokens: a request is one prompt token and one to generate (1-token blocks, a
+        # two-group layout and a 3-block pool gave 1, and no request could be drawn).
+        return max(2, max(1, (self.gpu_blocks - 1) // self.groups) * self.block_size)
 
     @property
     def chunk_tokens(self) -> int:
