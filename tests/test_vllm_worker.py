@@ -23,6 +23,8 @@ pytestmark = pytest.mark.vllm
 VLLM_CPU = {"worker": "vllm", "device": "cpu"}
 REPRODUCED, NOT = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 # installed-logic outcome per built-in recipe with --worker vllm (measured)
+WORKER_RECIPES = ("queued-abort", "preemption", "prefetch", "final-token-slot-stored", "finished-after-finalize",
+                  "preempt-reload-same-step")
 MEASURED = {
     (0, 26): {"queued-abort": REPRODUCED, "preemption": REPRODUCED, "prefetch": REPRODUCED,
               "final-token-slot-stored": REPRODUCED, "finished-after-finalize": REPRODUCED,
@@ -30,6 +32,7 @@ MEASURED = {
     (0, 33): {name: NOT for name in ("queued-abort", "preemption", "prefetch", "final-token-slot-stored",
                                      "finished-after-finalize", "preempt-reload-same-step")},
 }
+MEASURED[(0, 34)] = MEASURED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-03, V2 runner glue): the same as 0.33.0
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +41,15 @@ def vllm_runs(api):
     worker's outcome beside it."""
     runs = {}
     for recipe in all_builtins():
+        if recipe.name not in WORKER_RECIPES:  # newer recipes: not yet measured with vLLM's worker
+            continue
         setup = app.resolve_setup(recipe, VLLM_CPU)
         simulated = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")
         runs[recipe.name] = (run_scenario(api, recipe, setup, "installed"), simulated)
     return runs
 
 
-@pytest.mark.parametrize("name", ["queued-abort", "preemption", "prefetch", "final-token-slot-stored",
-                                  "finished-after-finalize", "preempt-reload-same-step"])
+@pytest.mark.parametrize("name", WORKER_RECIPES)
 def test_builtin_recipe_outcome_with_vllm_worker(api, release, vllm_runs, name):
     expected = expected_for(api, release, MEASURED)[name]
     real, simulated = vllm_runs[name]
