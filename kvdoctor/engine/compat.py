@@ -904,8 +904,11 @@ def v2_connector(api: VllmApi, vllm_config: Any, kv_caches: dict[str, Any]) -> A
 
 
 def completed_job_ids(kv_connector_output: Any) -> list[int]:
+    """Jobs a worker reported as done and successful: 0.34's `mark_completed(success=False)` puts a
+    failed job in `completed_jobs` and `failed_jobs` both."""
     meta = getattr(kv_connector_output, "kv_connector_worker_meta", None) if kv_connector_output else None
-    return sorted(int(j) for j in (getattr(meta, "completed_jobs", None) or ()))
+    failed = set(failed_job_ids(kv_connector_output))
+    return sorted(int(j) for j in (getattr(meta, "completed_jobs", None) or ()) if int(j) not in failed)
 
 
 def failed_job_ids(kv_connector_output: Any) -> list[int]:
