@@ -88,3 +88,15 @@ def test_release_probes(api, release):
     assert api.storable_chunks_params == want["params"]
     assert api.storable_chunks_takes_group_state is ("group_state" in want["params"])
     assert api.aborted_store_counts_computed_tokens is want["aborted_basis"]
+
+
+def test_a_failed_job_is_not_also_a_completed_one(api):
+    """vLLM's own worker metadata: on a release with a failure path (0.34: mark_completed(success=False)
+    puts the job in completed_jobs and failed_jobs) kvdoctor reads it as failed only; before, the worker
+    cannot fail a job and kvdoctor reports it completed (its failed load goes to invalid_block_ids)."""
+    meta = api.worker_metadata(completed=[1], failed=[2])
+    output = api.kv_connector_output(meta, set(), set(), set())
+    if api.worker_reports_failed_jobs:
+        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1], [2])
+    else:
+        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1, 2], [])
