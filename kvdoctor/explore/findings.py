@@ -117,7 +117,11 @@ def known_bug(signature: Signature, haystack: str = "") -> tuple[str, tuple[str,
         recipes = all_builtins()
     except KvdoctorError:  # an installation without its recipes labels nothing
         return None
-    matches = [r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)]
+    from kvdoctor.recipes.model import bug_order
+
+    # The catalogue's first bug with this signature (K1 and K6 share `_build_store_jobs`' assert).
+    matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)),
+                     key=lambda r: bug_order(r.bug))
     if not matches:
         return None
     return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
