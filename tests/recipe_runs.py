@@ -44,3 +44,18 @@ def assert_outcome(reports, expected, name, mode, logic):
     assert run.outcome is want, (
         f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
         f"{run.failure and run.failure.message}), expected {want.value}")
+
+
+def load_described_builtins(names):
+    """Each name is a built-in recipe with a title, summary, refs and at least one `expect` step."""
+    from kvdoctor.recipes.builtins import builtin_names, load_builtin
+
+    known = builtin_names()
+    recipes = []
+    for name in names:
+        assert name in known
+        recipe = load_builtin(name)
+        assert recipe.name == name and recipe.title and recipe.summary and recipe.refs
+        assert any(step.action == "expect" for step in recipe.steps), name
+        recipes.append(recipe)
+    return recipes

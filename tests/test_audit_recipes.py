@@ -16,10 +16,10 @@ import pytest
 
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
-from kvdoctor.recipes.builtins import builtin_names, load_builtin
+from kvdoctor.recipes.builtins import load_builtin
 
 from .conftest import expected_for
-from .recipe_runs import LOGICS, assert_outcome, index_of, reproduced_runs, result, snap
+from .recipe_runs import LOGICS, assert_outcome, load_described_builtins, index_of, reproduced_runs, result, snap
 
 pytestmark = pytest.mark.vllm
 
@@ -113,12 +113,7 @@ def last_expect(run):
 # -- the recipes themselves --------------------------------------------------
 
 def test_recipes_are_builtins():
-    names = builtin_names()
-    for name in RECIPES:
-        assert name in names
-        recipe = load_builtin(name)
-        assert recipe.name == name and recipe.title and recipe.summary and recipe.refs
-        assert any(step.action == "expect" for step in recipe.steps), name
+    load_described_builtins(RECIPES)
     k8, k2, k4 = (load_builtin(name) for name in RECIPES)
     assert k8.bug == "K8" and any("57810" in ref for ref in k8.refs)
     assert (k8.signature.exception, k8.signature.function) == ("AssertionError", "build_connector_meta")

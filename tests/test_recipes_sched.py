@@ -17,10 +17,10 @@ from kvdoctor.engine.harness import StepEvents
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe.invariants import StepContext, check_all
 from kvdoctor.observe.verdict import Outcome
-from kvdoctor.recipes.builtins import builtin_names, load_builtin
+from kvdoctor.recipes.builtins import load_builtin
 
 from .conftest import expected_for
-from .recipe_runs import LOGICS, assert_outcome, index_of, reproduced_runs, result, snap
+from .recipe_runs import LOGICS, assert_outcome, load_described_builtins, index_of, reproduced_runs, result, snap
 
 K5 = "eagle-final-chunk-unstored"
 K6 = "offload-keys-lag-blocks"
@@ -70,12 +70,7 @@ def reports(api):
 # -- the recipes themselves ---------------------------------------------------
 
 def test_recipes_are_builtins():
-    names = builtin_names()
-    for name in RECIPES:
-        assert name in names
-        recipe = load_builtin(name)
-        assert recipe.name == name and recipe.title and recipe.summary and recipe.refs
-        assert any(step.action == "expect" for step in recipe.steps), name
+    load_described_builtins(RECIPES)
     k5, k6, k11 = (load_builtin(name) for name in (K5, K6, K11))
     assert k5.bug == "K5" and any("52735" in ref for ref in k5.refs) and any("52771" in ref for ref in k5.refs)
     assert k5.signature.invariant == "final-store-covers-computed-chunks"
