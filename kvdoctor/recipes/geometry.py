@@ -279,7 +279,7 @@ def is_known_setup_requirement(name: str) -> bool:
 
 # Running the pool out takes every usable block in prompt tokens, so the fill's cost grows with the pool; past
 # this many schedule() calls a run takes minutes, and the recipe says so instead of running.
-MAX_PREEMPT_FILL_STEPS = 512
+MAX_PREEMPT_FILL_STEPS = 2048
 # Freed blocks are counted free this many steps after their request finished: async scheduling applies the
 # output a step late and some releases defer the free a step more (a synchronous run frees them sooner).
 _FREE_LAG = 3
@@ -451,7 +451,7 @@ def plan_preempt(setup: Setup, max_tokens: int, victim_max_tokens: int) -> Preem
         raise NotApplicable(f"running the GPU pool out of blocks takes its {usable:,} usable blocks "
                             f"({usable * bs:,} tokens) in prompts, about {est_steps:,} steps at "
                             f"{budget:,} tokens a step; kvdoctor bounds this fill at "
-                            f"{MAX_PREEMPT_FILL_STEPS} steps")
+                            f"{MAX_PREEMPT_FILL_STEPS:,} steps")
     filler_max_tokens = max(max_tokens, est_steps + 8)
     cap_blocks = (setup.max_model_len - filler_max_tokens) // bs
     if cap_blocks < 1:
