@@ -136,8 +136,9 @@ ISSUE_OUTCOMES = {
               "preemption": "reproduced"},
     (0, 33): {"queued-abort": "not_reproduced", "prefetch": "not_reproduced",
               "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "not_applicable",
-              "finished-after-finalize": "not_applicable", "preemption": "not_applicable"},
+              "finished-after-finalize": "not_applicable", "preemption": "not_reproduced"},
 }
+# preemption restated at the user's geometry (2026-12-04): measured not_reproduced on 0.30.0, 0.33.0, 0.34.0
 ISSUE_OUTCOMES[(0, 34)] = ISSUE_OUTCOMES[(0, 33)]  # measured 2026-12-03: the same as 0.33.0
 ISSUE_OUTCOMES[(0, 30)] = {**ISSUE_OUTCOMES[(0, 33)], "preempt-reload-same-step": "reproduced"}  # measured 2026-12-03
 

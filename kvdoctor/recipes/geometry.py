@@ -441,6 +441,11 @@ def plan_preempt(setup: Setup, max_tokens: int, victim_max_tokens: int) -> Preem
     if setup.max_num_seqs < 2:
         raise NotApplicable("the trigger needs a filler request decoding beside the preempted one; "
                             "--max-num-seqs is 1")
+    if budget >= usable * bs:
+        # the others in the step that admits it hold at most the rest of the pool, so the budget left covers it
+        raise NotApplicable(f"the step budget ({budget:,} tokens) covers the whole GPU pool ({usable:,} blocks of "
+                            f"{bs} tokens): a prompt that fits the free blocks is scheduled whole in the step "
+                            f"that admits it, never left mid-prefill")
     max_chunks = min(setup.max_model_len - victim_max_tokens, (usable - 1) * bs) // chunk
     if max_chunks < 1:
         raise NotApplicable(f"the preempted request needs a prompt of at least one {chunk}-token chunk plus "
