@@ -20,6 +20,14 @@ The plan is simulated with vLLM's FCFS admission rules (running requests first,
 then waiting ones while budget and max_num_seqs allow; without chunked prefill
 a waiting prompt must fit the remaining budget whole). Block 0 is vLLM's null
 block.
+
+`fill_pool = "preempt_next"` (with the `prompt_rest_of_pool` request after it)
+is planned here too (`plan_preempt`): fillers take every usable block but the
+next request's, which is admitted mid-prefill in the step their prefills end
+and loses a block to the last filler's first decode in the next step, so it is
+preempted with whole chunks unstored. Its simulation also counts blocks step by
+step, with vLLM's rule that a waiting request is admitted only when its whole
+prompt fits the free blocks.
 """
 
 from __future__ import annotations
