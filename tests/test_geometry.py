@@ -163,3 +163,33 @@ def test_issue_geometry(api, release):
             # the right path: the aborted request B trips, not a filler
             tripping = [r.request for r in result.requests if r.would_trip]
             assert tripping == ["B"], tripping
+
+
+# The preemption recipe restated at geometries other than its own (measured 2026-12-04 by running this
+# test: reproduced on 0.26.0, not_reproduced on 0.34.0, where PR #49285 counts 0 computed tokens).
+RESTATED = [
+    dict(block_size=16, blocks_per_chunk=4, gpu_blocks=2000, max_num_batched_tokens=2048, max_num_seqs=64,
+         max_model_len=4096, async_scheduling=False),
+    dict(block_size=1, blocks_per_chunk=8, gpu_blocks=300, max_num_batched_tokens=64, max_num_seqs=16,
+         max_model_len=1024, async_scheduling=True),
+    dict(block_size=16, blocks_per_chunk=1, gpu_blocks=100_000, max_num_batched_tokens=8192, max_num_seqs=64,
+         max_model_len=131072, async_scheduling=True),
+]
+RESTATED_OUTCOMES = {(0, 26): "reproduced", (0, 34): "not_reproduced"}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("geometry", RESTATED, ids=["chunks-of-4", "block-size-1", "100k-blocks"])
+def test_preemption_holds_at_restated_geometries(api, release, geometry):
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.scenario import run_scenario
+
+    expected = expected_for(api, release, RESTATED_OUTCOMES)
+    recipe = resolve("preemption")
+    result = run_scenario(api, recipe, resolve_setup(recipe, geometry), "installed", record_timeline=True)
+    assert result.outcome.value == expected, (result.outcome.value, result.detail)
+    aborted = next(i for i, e in enumerate(result.timeline) if e.action == "abort")
+    assert any(e.events is not None and "B" in e.events.preempted for e in result.timeline[:aborted])
+    if expected == "reproduced":
+        assert [r.request for r in result.requests if r.would_trip] == ["B"]
