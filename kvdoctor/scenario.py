@@ -20,7 +20,8 @@ from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
 from kvdoctor.recipes.geometry import (
-    NotApplicable, check as check_geometry, plan_fill, prompt_length, shared_prefix_length,
+    PREEMPT_NEXT, NotApplicable, PreemptPlan, check as check_geometry, plan_fill, preempt_plan, prompt_length,
+    shared_prefix_length,
 )
 from kvdoctor.recipes.model import Recipe, Step
 
@@ -92,12 +93,22 @@ def involved_request(exc: BaseException, failing_calls: list[StorableCall], requ
     return None
 
 
-def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int]]) -> list[int]:
+def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int]],
+               preempt: PreemptPlan | None = None) -> list[int]:
     """Token ids for an `add` step: distinct per request unless a prefix is shared."""
     args = step.args
     if "prompt" in args:
         return list(args["prompt"])
-    return _tokens(order, prompt_length(args, setup), args, prompts, setup)
+    return _tokens(order, prompt_length(args, setup, preempt), args, prompts, setup)
+
+
+def preempt_fill_requests(plan: PreemptPlan, name: str) -> list[tuple[str, int, int]]:
+    """(request id, prompt length, max_tokens) of a preempting fill, in admission order: the spacers
+    (`A.s1`, `A.s2`, ...: one output token each), then the fillers (`A`, `A.2`, ...)."""
+    spacers = [(f"{name}.s{i + 1}", length, 1) for i, length in enumerate(plan.spacers)]
+    fillers = [(name if i == 0 else f"{name}.{i + 1}", length, plan.filler_max_tokens)
+               for i, length in enumerate(plan.fillers)]
+    return spacers + fillers
 
 
 def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, list[int]],
@@ -215,6 +226,7 @@ class ScenarioRun:
         self.all_calls: list[StorableCall] = []
         self.prompts: dict[str, list[int]] = {}
         self.fill_steps = 1  # a `schedule until = "filled"` repeats this often (set by its fill_pool add)
+        self.preempt: PreemptPlan | None = None  # the recipe's preempting fill, planned at this geometry
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
@@ -222,6 +234,8 @@ class ScenarioRun:
 
         try:
             reasons = check_geometry(self.recipe, self.setup) + missing(self.api, self.recipe.requires)
+            if not reasons:
+                self.preempt = preempt_plan(self.recipe.steps, self.setup)
         except NotApplicable as exc:
             reasons = [str(exc)]
         if reasons:
@@ -367,16 +381,24 @@ class ScenarioRun:
                 description = args.get("description", step.describe())
                 raise ExpectationFailed(f"expected {description}; observed {observed}")
             return None
-        if action == "add" and args.get("fill_pool"):
+        if action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
+            self.fill_steps = self.preempt.steps
+        elif action == "add" and args.get("fill_pool"):
             self.fill_steps = plan_fill(self.setup, args.get("max_tokens", 8)).steps
-        return apply_to_harness(step, harness, self.setup, self.prompts)
+        return apply_to_harness(step, harness, self.setup, self.prompts, self.preempt)
 
 
-def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[str, list[int]]) -> StepEvents | None:
+def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[str, list[int]],
+                     preempt: PreemptPlan | None = None) -> StepEvents | None:
     """Carry out one engine-facing step (every action but `expect`); `schedule` returns its events."""
     args = step.args
     action = step.action
-    if action == "add" and args.get("fill_pool"):
+    if action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
+        for req_id, length, max_tokens in preempt_fill_requests(preempt, args["request"]):
+            prompt = _tokens(len(prompts), length, {}, prompts)
+            prompts[req_id] = prompt
+            harness.add(req_id, prompt, max_tokens)
+    elif action == "add" and args.get("fill_pool"):
         # The named request is the first filler; the others are named after it (A.2, A.3, ...).
         plan = plan_fill(setup, args.get("max_tokens", 8))
         for i, length in enumerate(plan.prompts):
@@ -385,7 +407,7 @@ def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[s
             prompts[req_id] = prompt
             harness.add(req_id, prompt, args.get("max_tokens", 8))
     elif action == "add":
-        prompt = prompt_for(step, len(prompts), setup, prompts)
+        prompt = prompt_for(step, len(prompts), setup, prompts, preempt)
         prompts[args["request"]] = prompt
         harness.add(args["request"], prompt, args.get("max_tokens", 8))
     elif action == "schedule":

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 
 from kvdoctor.engine.setup import Setup, parse_kv_transfer_config
-from kvdoctor.recipes.geometry import NotApplicable, plan_fill
+from kvdoctor.recipes.geometry import NotApplicable, plan_fill, plan_preempt
 from tests.conftest import expected_for, run_cli
 
 ISSUE_FLAGS = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--max-num-batched-tokens", "2048",
@@ -44,6 +45,53 @@ def test_pool_fill_reserves_the_fillers_decode_blocks():
                   enable_chunked_prefill=True)
     plan = plan_fill(setup, 8)
     assert sum(plan.prompts) + len(plan.prompts) * (plan.steps + 1) <= 39
+
+
+# -- the preempting fill (preemption recipe) --------------------------------------------------------
+
+FOUNDING = dict(block_size=4, gpu_blocks=8, max_num_batched_tokens=8, max_num_seqs=4)
+ISSUE = dict(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64)
+
+
+def test_default_preempt_plan_is_the_founding_run():
+    # A 12 tokens, B 16 (4 chunks): B admitted in step 2 with 4 tokens of budget, preempted in step 4 at 11
+    for mode in (False, True):
+        plan = plan_preempt(Setup(**FOUNDING, async_scheduling=mode), 32, 8)
+        assert (plan.spacers, plan.fillers, plan.victim) == ((), (12,), 16)
+        assert (plan.admit_step, plan.leftover, plan.fail_step, plan.victim_computed) == (2, 4, 4, 11)
+        assert plan.steps == 3 and plan.filler_max_tokens == 32
+
+
+def test_issue_preempt_plan_uses_the_whole_pool_and_leaves_the_victim_mid_prefill():
+    setup = Setup(**ISSUE)
+    plan = plan_preempt(setup, 32, 8)
+    blocks = sum(-(-p // 16) for p in plan.fillers) + plan.victim // 16
+    assert blocks <= 511 and plan.victim % 16 == 0 and plan.victim + 8 <= 256
+    assert max(plan.fillers) + plan.filler_max_tokens <= 256 and max(plan.spacers, default=1) < 256
+    assert 0 < plan.leftover < plan.victim and plan.victim_computed // 16 < plan.victim // 16
+    assert plan.fillers[-1] % 16 == 0  # its first decode takes a new block
+    assert len(plan.fillers) + len(plan.spacers) + 1 <= 64 + len(plan.spacers)  # fillers and B run together
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=256), "without chunked prefill"),
+    (dict(max_num_seqs=1), "--max-num-seqs is 1"),
+    (dict(gpu_blocks=100_000, max_model_len=131072, max_num_batched_tokens=8), "2,048 steps"),
+    (dict(gpu_blocks=20_000, max_model_len=4096, max_num_batched_tokens=8192, max_num_seqs=4), "--max-num-seqs is 4"),
+    (dict(block_size=128, blocks_per_chunk=16, max_model_len=256), "at least one 2048-token chunk"),
+])
+def test_preempt_plan_refusals_name_the_geometry(change, reason):
+    with pytest.raises(NotApplicable, match=re.escape(reason)):
+        plan_preempt(Setup(**{**ISSUE, **change}), 32, 8)
+
+
+def test_preempt_plan_of_a_100k_block_pool_is_a_few_large_requests():
+    setup = Setup(block_size=16, gpu_blocks=100_000, max_model_len=131072, max_num_batched_tokens=8192,
+                  max_num_seqs=64)
+    start = time.perf_counter()
+    plan = plan_preempt(setup, 32, 8)
+    assert time.perf_counter() - start < 5
+    assert len(plan.fillers) + len(plan.spacers) <= 16 and plan.fail_step <= 256
 
 
 def test_no_fill_when_a_block_does_not_fit_max_model_len():
@@ -85,11 +133,12 @@ def test_kv_transfer_config_sets_the_cpu_tier():
 ISSUE_OUTCOMES = {
     (0, 26): {"queued-abort": "reproduced", "prefetch": "reproduced", "preempt-reload-same-step": "reproduced",
               "final-token-slot-stored": "not_applicable", "finished-after-finalize": "not_applicable",
-              "preemption": "not_applicable"},
+              "preemption": "reproduced"},
     (0, 33): {"queued-abort": "not_reproduced", "prefetch": "not_reproduced",
               "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "not_applicable",
-              "finished-after-finalize": "not_applicable", "preemption": "not_applicable"},
+              "finished-after-finalize": "not_applicable", "preemption": "not_reproduced"},
 }
+# preemption restated at the user's geometry (2026-12-04): measured not_reproduced on 0.30.0, 0.33.0, 0.34.0
 ISSUE_OUTCOMES[(0, 34)] = ISSUE_OUTCOMES[(0, 33)]  # measured 2026-12-03: the same as 0.33.0
 ISSUE_OUTCOMES[(0, 30)] = {**ISSUE_OUTCOMES[(0, 33)], "preempt-reload-same-step": "reproduced"}  # measured 2026-12-03
 
@@ -110,7 +159,37 @@ def test_issue_geometry(api, release):
         assert result.outcome.value == outcome, (name, result.outcome.value, result.detail)
         if outcome == "not_applicable":
             assert result.detail
-        if name == "queued-abort" and outcome == "reproduced":
+        if name in ("queued-abort", "preemption") and outcome == "reproduced":
             # the right path: the aborted request B trips, not a filler
             tripping = [r.request for r in result.requests if r.would_trip]
             assert tripping == ["B"], tripping
+
+
+# The preemption recipe restated at geometries other than its own (measured 2026-12-04 by running this
+# test: reproduced on 0.26.0, not_reproduced on 0.34.0, where PR #49285 counts 0 computed tokens).
+RESTATED = [
+    dict(block_size=16, blocks_per_chunk=4, gpu_blocks=2000, max_num_batched_tokens=2048, max_num_seqs=64,
+         max_model_len=4096, async_scheduling=False),
+    dict(block_size=1, blocks_per_chunk=8, gpu_blocks=300, max_num_batched_tokens=64, max_num_seqs=16,
+         max_model_len=1024, async_scheduling=True),
+    dict(block_size=16, blocks_per_chunk=1, gpu_blocks=100_000, max_num_batched_tokens=8192, max_num_seqs=64,
+         max_model_len=131072, async_scheduling=True),
+]
+RESTATED_OUTCOMES = {(0, 26): "reproduced", (0, 34): "not_reproduced"}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("geometry", RESTATED, ids=["chunks-of-4", "block-size-1", "100k-blocks"])
+def test_preemption_holds_at_restated_geometries(api, release, geometry):
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.scenario import run_scenario
+
+    expected = expected_for(api, release, RESTATED_OUTCOMES)
+    recipe = resolve("preemption")
+    result = run_scenario(api, recipe, resolve_setup(recipe, geometry), "installed", record_timeline=True)
+    assert result.outcome.value == expected, (result.outcome.value, result.detail)
+    aborted = next(i for i, e in enumerate(result.timeline) if e.action == "abort")
+    assert any(e.events is not None and "B" in e.events.preempted for e in result.timeline[:aborted])
+    if expected == "reproduced":
+        assert [r.request for r in result.requests if r.would_trip] == ["B"]

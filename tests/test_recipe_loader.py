@@ -258,7 +258,7 @@ def test_shared_prefix_needs_both_fields(tmp_path: Path) -> None:
     ("prompt_chunks = 4", 'prompt_tokens = "16"', "step 3 (add) prompt_tokens", "an integer, got '16'"),
     ("prompt_chunks = 4", "prompt_chunks = 4.0", "step 3 (add) prompt_chunks", "an integer, got 4.0"),
     ("prompt_chunks = 4", "prompt_chunks = true", "step 3 (add) prompt_chunks", "an integer, got True"),
-    ("fill_pool = true", 'fill_pool = "yes"', "step 1 (add) fill_pool", "true or false, got 'yes'"),
+    ("fill_pool = true", "fill_pool = 3", "step 1 (add) fill_pool", "true or false or a string, got 3"),
     ("max_tokens = 8", "max_tokens = [8]", "step 1 (add) max_tokens", "an integer, got [8]"),
     ('request = "A"', "request = 1", "step 1 (add) request", "a string, got 1"),
     ("prompt_chunks = 4", 'prompt = "1 2 3"', "step 3 (add) prompt", "an array, got '1 2 3'"),
@@ -315,7 +315,34 @@ def test_negative_or_zero_counts(tmp_path: Path, old: str, new: str, field: str,
 def test_add_needs_exactly_one_size(tmp_path: Path, sizes: str) -> None:
     text = replace(GOOD, "fill_pool = true\nmax_tokens = 8", sizes)
     assert_error(tmp_path, text, line_of(text, "[[step]]"),
-                 "step 1 (add) needs exactly one of 'prompt_tokens', 'prompt_chunks', 'prompt' or 'fill_pool = true'")
+                 "step 1 (add) needs exactly one of 'prompt_tokens', 'prompt_chunks', 'prompt', 'fill_pool = true', "
+                 "'fill_pool = \"preempt_next\"' or 'prompt_rest_of_pool = true'")
+
+
+def test_fill_pool_string_must_be_preempt_next(tmp_path: Path) -> None:
+    text = replace(GOOD, "fill_pool = true", 'fill_pool = "yes"')
+    assert_error(tmp_path, text, line_of(text, 'fill_pool = "yes"'), "step 1 (add) fill_pool",
+                 "must be true (queue the next request) or \"preempt_next\"", "got 'yes'")
+
+
+def test_preempt_fill_needs_a_rest_of_pool_add_after_it(tmp_path: Path) -> None:
+    text = replace(GOOD, "fill_pool = true", 'fill_pool = "preempt_next"')
+    assert_error(tmp_path, text, line_of(text, "[[step]]"), "step 1 (add) fill_pool = \"preempt_next\" needs a "
+                 "later add with prompt_rest_of_pool = true")
+
+
+def test_rest_of_pool_needs_a_preempt_fill_before_it(tmp_path: Path) -> None:
+    text = replace(GOOD, "prompt_chunks = 4", "prompt_rest_of_pool = true")
+    assert_error(tmp_path, text, line_of(text, "[[step]]", 3), "step 3 (add) prompt_rest_of_pool needs an earlier "
+                 "add with fill_pool = \"preempt_next\"")
+
+
+def test_preempt_fill_and_rest_of_pool_load(tmp_path: Path) -> None:
+    text = replace(replace(GOOD, "fill_pool = true", 'fill_pool = "preempt_next"'), "prompt_chunks = 4",
+                   "prompt_rest_of_pool = true")
+    recipe = load_recipe_file(write(tmp_path, text))
+    adds = [s.args for s in recipe.steps if s.action == "add"]
+    assert adds[0]["fill_pool"] == "preempt_next" and adds[1]["prompt_rest_of_pool"] is True
 
 
 @pytest.mark.parametrize("prompt", ["[]", "[1, 2, 5000]", "[1, -1]", '[1, "2"]', "[true]"])

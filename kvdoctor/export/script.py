@@ -24,14 +24,18 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
     import dataclasses
 
-    from kvdoctor.recipes.geometry import NotApplicable, plan_fill
-    from kvdoctor.scenario import ExpectationFailed, _tokens, prompt_for
+    from kvdoctor.recipes.geometry import PREEMPT_NEXT, NotApplicable, plan_fill, preempt_plan
+    from kvdoctor.scenario import ExpectationFailed, _tokens, preempt_fill_requests, prompt_for
 
     setup = dataclasses.replace(setup, worker="simulated", device=None)
 
     prompts: dict[str, list[int]] = {}
     steps = []
     fill_steps = 1
+    try:
+        preempt = preempt_plan(recipe.steps, setup)
+    except NotApplicable as exc:
+        raise UsageError(f"cannot export {recipe.name}: {exc}") from None
     for step in recipe.steps:
         args = dict(step.args)
         until = args.pop("until", None) if step.action == "schedule" else None
@@ -39,6 +43,13 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
             args["count"] = fill_steps
         elif until == "prefilled":
             args["count"] = max(1, -(-len(prompts[args.pop("request")]) // setup.max_num_batched_tokens))
+        if step.action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
+            fill_steps = preempt.steps
+            for rid, length, max_tokens in preempt_fill_requests(preempt, args["request"]):
+                prompts[rid] = _tokens(len(prompts), length, {}, prompts)
+                steps.append({"action": "add", "args": {"request": rid, "prompt": prompts[rid],
+                                                        "max_tokens": max_tokens}})
+            continue
         if step.action == "add" and args.get("fill_pool"):
             try:
                 plan = plan_fill(setup, args.get("max_tokens", 8))
@@ -53,12 +64,12 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
             continue
         if step.action == "add":
             try:
-                args["prompt"] = prompt_for(step, len(prompts), setup, prompts)
+                args["prompt"] = prompt_for(step, len(prompts), setup, prompts, preempt)
             except (ExpectationFailed, NotApplicable) as exc:
                 raise UsageError(f"cannot export {recipe.name}: {exc}") from None
             prompts[args["request"]] = args["prompt"]
             for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
-                        "trim_tokens", "shared_prefix_chunks"):
+                        "trim_tokens", "shared_prefix_chunks", "prompt_rest_of_pool"):
                 args.pop(key, None)
         args.pop("description", None)
         steps.append({"action": step.action, "args": args})

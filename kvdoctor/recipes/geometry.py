@@ -20,6 +20,14 @@ The plan is simulated with vLLM's FCFS admission rules (running requests first,
 then waiting ones while budget and max_num_seqs allow; without chunked prefill
 a waiting prompt must fit the remaining budget whole). Block 0 is vLLM's null
 block.
+
+`fill_pool = "preempt_next"` (with the `prompt_rest_of_pool` request after it)
+is planned here too (`plan_preempt`): fillers take every usable block but the
+next request's, which is admitted mid-prefill in the step their prefills end
+and loses a block to the last filler's first decode in the next step, so it is
+preempted with whole chunks unstored. Its simulation also counts blocks step by
+step, with vLLM's rule that a waiting request is admitted only when its whole
+prompt fits the free blocks.
 """
 
 from __future__ import annotations
@@ -131,12 +139,17 @@ def plan_fill(setup: Setup, max_tokens: int) -> FillPlan:
     raise NotApplicable("no stable filler plan at this geometry")
 
 
-def prompt_length(args: dict, setup: Setup) -> int:
-    """An `add` step's prompt length at this geometry (fill_pool: its first filler's)."""
+def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None) -> int:
+    """An `add` step's prompt length at this geometry (fill_pool: its first filler's; prompt_rest_of_pool:
+    the victim's of `preempt`, the recipe's preempting fill)."""
     if "prompt" in args:
         return len(args["prompt"])
+    if args.get("fill_pool") == PREEMPT_NEXT:
+        return (preempt or _no_plan()).fillers[0]
     if args.get("fill_pool"):
         return plan_fill(setup, args.get("max_tokens", 8)).prompts[0]
+    if args.get("prompt_rest_of_pool"):
+        return (preempt or _no_plan()).victim
     if "prompt_chunks" in args:
         length = args["prompt_chunks"] * setup.offloaded_block_size - args.get("trim_tokens", 0)
         if length < 1:
@@ -152,6 +165,23 @@ def shared_prefix_length(args: dict, setup: Setup) -> int:
     return args.get("shared_prefix_tokens", 0)
 
 
+PREEMPT_NEXT = "preempt_next"  # fill_pool = "preempt_next": fill so that the next request is preempted
+
+
+def _no_plan() -> PreemptPlan:
+    raise NotApplicable("no preempting fill was planned for this recipe")
+
+
+def preempt_plan(steps, setup: Setup) -> PreemptPlan | None:
+    """The plan of a recipe's `fill_pool = "preempt_next"` and the `prompt_rest_of_pool` add after it
+    (None where the recipe has none; NotApplicable where the geometry has none)."""
+    fill = next((s for s in steps if s.action == "add" and s.args.get("fill_pool") == PREEMPT_NEXT), None)
+    if fill is None:
+        return None
+    victim = next((s for s in steps if s.action == "add" and s.args.get("prompt_rest_of_pool")), None)
+    return plan_preempt(setup, fill.args.get("max_tokens", 8), victim.args.get("max_tokens", 8) if victim else 8)
+
+
 def check(recipe, setup: Setup) -> list[str]:
     """Refuse what vLLM would refuse; return why the trigger cannot exist here (empty: it can).
 
@@ -160,13 +190,17 @@ def check(recipe, setup: Setup) -> list[str]:
     user's geometry is not applicable, with the reason.
     """
     reasons: list[str] = []
+    try:
+        preempt = preempt_plan(recipe.steps, setup)
+    except NotApplicable as exc:
+        return [str(exc)]
     counter = 0
     for step in recipe.steps:
         counter += step.args.get("count", 1) if step.action == "schedule" else 1
         if step.action != "add":
             continue
         try:
-            length = prompt_length(step.args, setup)
+            length = prompt_length(step.args, setup, preempt)
         except NotApplicable as exc:
             reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: {exc}")
             continue
@@ -177,7 +211,8 @@ def check(recipe, setup: Setup) -> list[str]:
                              f"{step.args['request']}: a {length}-token prompt with max_tokens "
                              f"{step.args.get('max_tokens', 8)} does not fit max_model_len {setup.max_model_len} "
                              f"(vLLM rejects such a request); raise --max-model-len")
-        if not step.args.get("fill_pool") and _ceil(length + 1, setup.block_size) > usable:
+        if not step.args.get("fill_pool") and not step.args.get("prompt_rest_of_pool") and \
+                _ceil(length + 1, setup.block_size) > usable:
             # vLLM admits a request only when its whole prompt fits the free blocks
             reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
                            f"needs {_ceil(length + 1, setup.block_size)} blocks of {setup.block_size} tokens; the "
@@ -246,3 +281,253 @@ def _setup_requirement(name: str, setup: Setup, recipe) -> str | None:
 
 def is_known_setup_requirement(name: str) -> bool:
     return name in _SETUP_REQUIREMENTS
+
+
+# -- preempt the next request mid-prefill (`fill_pool = "preempt_next"`, then `prompt_rest_of_pool`) --------
+
+# Running the pool out takes every usable block in prompt tokens, so the fill's cost grows with the pool; past
+# this many schedule() calls a run takes minutes, and the recipe says so instead of running.
+MAX_PREEMPT_FILL_STEPS = 2048
+# Freed blocks are counted free this many steps after their request finished: async scheduling applies the
+# output a step late and some releases defer the free a step more (a synchronous run frees them sooner).
+_FREE_LAG = 3
+# Steps after the victim's preemption in which nothing else may be preempted and the victim, re-considered
+# for admission, must not fit: the recipe's re-consideration, its abort's step, and one of async lag.
+_AFTER_PREEMPTION = 3
+
+
+@dataclass(frozen=True)
+class PreemptPlan:
+    """Requests that get the next request (the victim) preempted mid-prefill, sized at the geometry.
+
+    Spacers (one output token each) are prefilled first and finish: they use step budget and give their
+    blocks back. Fillers (prompts of whole blocks) then take every usable block but the victim's. The
+    victim's prompt, `victim` tokens of whole chunks, is admitted in the step the last filler's prefill
+    ends (`admit_step`), with `leftover` tokens of budget, fewer than its prompt. In the next step the last
+    filler's first decode takes a new block (its prompt ends on a block boundary), so the victim cannot get
+    the blocks the rest of its prompt needs and is preempted (FCFS preempts the last running request) in
+    step `fail_step`, with `victim_computed` tokens computed: fewer than its whole chunks, so at least one
+    of its chunks has an offload key and no store job.
+    """
+    spacers: tuple[int, ...]
+    fillers: tuple[int, ...]
+    filler_max_tokens: int
+    victim: int
+    admit_step: int
+    leftover: int
+    fail_step: int
+    victim_computed: int
+
+    @property
+    def steps(self) -> int:
+        """A `schedule until = "filled"` after this fill: the steps before the preemption's."""
+        return self.fail_step - 1
+
+    def describe(self) -> str:
+        spacers = f"{len(self.spacers)} spacer(s) of {sum(self.spacers)} tokens, " if self.spacers else ""
+        return (f"{spacers}{len(self.fillers)} filler(s) of {max(self.fillers)} tokens or fewer; the "
+                f"{self.victim}-token request is admitted in step {self.admit_step} with {self.leftover} tokens "
+                f"of budget and preempted in step {self.fail_step}")
+
+
+@dataclass
+class _Req:
+    prompt: int
+    max_tokens: int
+    computed: int = 0
+    blocks: int = 0
+    outputs: int = 0
+
+
+def _simulate_preempt(setup: Setup, spacers: list[int], fillers: list[int], victim: int,
+                      filler_max_tokens: int, max_steps: int) -> dict | None:
+    """vLLM's FCFS chunked-prefill scheduling, counted in blocks and budget.
+
+    Running requests first, in admission order, while budget remains (a prefill takes what the budget
+    allows, a decode one token); then waiting ones while budget and max_num_seqs allow and their whole
+    prompt fits the free blocks. None where the plan would depend on when finished requests' blocks are
+    freed (a request waits for blocks) or a request other than the victim would be preempted.
+    """
+    bs, budget_per_step = setup.block_size, setup.max_num_batched_tokens
+    free = setup.gpu_blocks - 1
+    reqs = ([_Req(p, 1) for p in spacers] + [_Req(p, filler_max_tokens) for p in fillers]
+            + [_Req(victim, 1 << 30)])
+    victim_index = len(reqs) - 1
+    waiting = list(range(len(reqs)))
+    running: list[int] = []
+    releases: dict[int, int] = {}  # step -> blocks freed then
+    out = {"admit_step": None, "leftover": None, "free_at_admission": None, "fail_step": None,
+           "victim_computed": None, "last_release": 0, "reconsidered": None}
+    for step in range(1, max_steps + 1):
+        free += releases.pop(step, 0)
+        if out["fail_step"] is not None and step > out["fail_step"] + _AFTER_PREEMPTION:
+            return out
+        budget = budget_per_step
+        scheduled: list[int] = []
+        preempted_now = False
+        for i in list(running):
+            if budget <= 0 or i not in running:
+                break
+            r = reqs[i]
+            n = min(r.prompt - r.computed, budget) if r.computed < r.prompt else 1
+            need = _ceil(r.computed + n, bs) - r.blocks
+            if need > free:
+                if releases:
+                    return None
+                if running[-1] != victim_index or out["admit_step"] is None or out["fail_step"] is not None:
+                    return {**out, "short": need - free}  # a filler would be preempted
+                out["fail_step"], out["victim_computed"] = step, reqs[victim_index].computed
+                # the victim is preempted: its blocks come back, the filler retries
+                free += reqs[victim_index].blocks
+                reqs[victim_index] = _Req(victim, 1 << 30)
+                running.remove(victim_index)
+                waiting.insert(0, victim_index)
+                preempted_now = True
+                if i == victim_index:
+                    break
+                need = _ceil(r.computed + n, bs) - r.blocks
+                if need > free:
+                    return {**out, "short": need - free}
+            r.blocks += need
+            free -= need
+            budget -= n
+            r.computed += n
+            scheduled.append(i)
+        while not preempted_now and waiting and budget > 0 and len(running) < setup.max_num_seqs:
+            i = waiting[0]
+            r = reqs[i]
+            if i == victim_index and out["fail_step"] is not None:
+                if _ceil(r.prompt, bs) <= free:
+                    return None  # the preempted victim would be re-admitted
+                out["reconsidered"] = step
+                break
+            if _ceil(r.prompt, bs) > free:
+                if releases:
+                    return None  # it would wait for blocks: a guess at when the spacers' are freed
+                return {**out, "short": _ceil(r.prompt, bs) - free}
+            if i == victim_index:
+                if any(reqs[j].computed < reqs[j].prompt for j in running) or releases:
+                    return None
+                out["admit_step"], out["leftover"], out["free_at_admission"] = step, budget, free
+            n = min(r.prompt, budget)
+            r.blocks = _ceil(n, bs)
+            free -= r.blocks
+            r.computed = n
+            budget -= n
+            running.append(waiting.pop(0))
+            scheduled.append(i)
+        for i in scheduled:
+            r = reqs[i]
+            if r.computed >= r.prompt:
+                r.outputs += 1
+                if r.outputs >= r.max_tokens:
+                    running.remove(i)
+                    releases[step + _FREE_LAG] = releases.get(step + _FREE_LAG, 0) + r.blocks
+                    out["last_release"] = step + _FREE_LAG
+    return out
+
+
+def _spacer_prompts(tokens: int, setup: Setup) -> list[int]:
+    """`tokens` of budget in one-token-output requests within max_model_len."""
+    cap = min(setup.max_model_len - 1, setup.max_num_batched_tokens)
+    return [cap] * (tokens // cap) + ([tokens % cap] if tokens % cap else [])
+
+
+def plan_preempt(setup: Setup, max_tokens: int, victim_max_tokens: int) -> PreemptPlan:
+    """Spacers, fillers and a victim prompt that get the victim preempted mid-prefill at this geometry.
+
+    The victim's prompt is k whole chunks (k = 4, the founding case, where that works; else other sizes,
+    largest first) and takes every block the fillers leave free when it is admitted. The fillers' prompts
+    are whole blocks, as few requests as max_model_len allows (more where that helps); the spacers' tokens
+    leave the victim about half its prompt of budget in the step that admits it.
+    """
+    bs, chunk = setup.block_size, setup.offloaded_block_size
+    usable, budget = setup.gpu_blocks - 1, setup.max_num_batched_tokens
+    if not setup.enable_chunked_prefill:
+        raise NotApplicable("without chunked prefill vLLM schedules a prompt whole, in the step that admits it "
+                            "and only when all its blocks fit: a request is never preempted mid-prefill")
+    if setup.max_num_seqs < 2:
+        raise NotApplicable("the trigger needs a filler request decoding beside the preempted one; "
+                            "--max-num-seqs is 1")
+    if budget >= usable * bs:
+        # the others in the step that admits it hold at most the rest of the pool, so the budget left covers it
+        raise NotApplicable(f"the step budget ({budget:,} tokens) covers the whole GPU pool ({usable:,} blocks of "
+                            f"{bs} tokens): a prompt that fits the free blocks is scheduled whole in the step "
+                            f"that admits it, never left mid-prefill")
+    max_chunks = min(setup.max_model_len - victim_max_tokens, (usable - 1) * bs) // chunk
+    if max_chunks < 1:
+        raise NotApplicable(f"the preempted request needs a prompt of at least one {chunk}-token chunk plus "
+                            f"{victim_max_tokens} output tokens within max_model_len {setup.max_model_len}, "
+                            f"and a block left for a filler in the {usable}-block pool")
+    est_steps = _ceil(usable * bs + budget, max(1, budget - setup.max_num_seqs)) + 2
+    if est_steps > MAX_PREEMPT_FILL_STEPS:
+        raise NotApplicable(f"running the GPU pool out of blocks takes its {usable:,} usable blocks "
+                            f"({usable * bs:,} tokens) in prompts, about {est_steps:,} steps at "
+                            f"{budget:,} tokens a step; kvdoctor bounds this fill at "
+                            f"{MAX_PREEMPT_FILL_STEPS:,} steps")
+    filler_max_tokens = max(max_tokens, est_steps + 8)
+    cap_blocks = (setup.max_model_len - filler_max_tokens) // bs
+    if cap_blocks < 1:
+        raise NotApplicable(f"a filler request needs one {bs}-token block of prompt plus {filler_max_tokens} "
+                            f"output tokens (the fill's steps) within max_model_len {setup.max_model_len}")
+    m_min = _ceil(usable - 1, cap_blocks)
+    if m_min + 1 > setup.max_num_seqs:
+        raise NotApplicable(f"filling the {usable:,}-block pool takes {m_min} requests of at most "
+                            f"{cap_blocks * bs} prompt tokens (max_model_len {setup.max_model_len}) running "
+                            f"beside the preempted one; --max-num-seqs is {setup.max_num_seqs}")
+    sizes = ([4] if 4 <= max_chunks else []) + [k for k in range(max_chunks, 0, -1) if k != 4]
+    counts = sorted({m for m in (m_min, m_min + 1, 2 * m_min) if m < setup.max_num_seqs})
+    for k in sizes[:8]:
+        for m in counts:
+            plan = _fit_preempt(setup, k, m, cap_blocks, filler_max_tokens, est_steps + 8)
+            if plan is not None:
+                return plan
+    raise NotApplicable(f"no fill of this {usable:,}-block pool leaves a request of whole {chunk}-token chunks "
+                        f"admitted with less step budget than its prompt and then short of a block "
+                        f"(max_num_seqs {setup.max_num_seqs}, max_model_len {setup.max_model_len})")
+
+
+def _fit_preempt(setup: Setup, k: int, m: int, cap_blocks: int, filler_max_tokens: int,
+                 max_steps: int) -> PreemptPlan | None:
+    """Fixed point of spacer tokens and m fillers' blocks around a k-chunk victim: the fillers leave
+    exactly the victim's blocks free at its admission, the spacers leave it about half its prompt of budget."""
+    bs, chunk, budget = setup.block_size, setup.offloaded_block_size, setup.max_num_batched_tokens
+    usable = setup.gpu_blocks - 1
+    victim_blocks, victim = k * setup.blocks_per_chunk, k * chunk
+    total = usable - victim_blocks
+    spacer_tokens = 0
+    for _ in range(24):
+        if total < m or total > m * cap_blocks:
+            return None
+        blocks = [total // m + (1 if i < total % m else 0) for i in range(m)]
+        blocks.sort(reverse=True)
+        # All but the last filler end a token into their last block: their decodes need no new block for
+        # block_size - 1 steps. The last ends on a block boundary: its first decode takes a block.
+        fillers = [b * bs - (bs - 1 if i < m - 1 else 0) for i, b in enumerate(blocks)]
+        spacers = _spacer_prompts(spacer_tokens, setup)
+        sim = _simulate_preempt(setup, spacers, fillers, victim, filler_max_tokens, max_steps)
+        if sim is None:
+            return None
+        if sim["admit_step"] is None:
+            if "short" not in sim:
+                return None
+            total -= sim["short"]  # the fillers' own decodes need these blocks before the victim is admitted
+            continue
+        slack = sim["free_at_admission"] - victim_blocks
+        leftover = sim["leftover"]
+        if slack != 0:
+            total += slack
+            continue
+        target = max(1, victim - bs)  # the victim holds all but about a block: room for the fillers' decodes
+        if not 0 < leftover < victim:
+            spacer_tokens += (leftover - target) % budget
+            continue
+        if "short" in sim:
+            return None
+        if (sim["fail_step"] is not None and sim["victim_computed"] // chunk < k and sim["reconsidered"]
+                and sim["admit_step"] >= sim["last_release"]
+                and sim["fail_step"] + 4 <= filler_max_tokens):
+            return PreemptPlan(tuple(spacers), tuple(fillers), filler_max_tokens, victim, sim["admit_step"],
+                               leftover, sim["fail_step"], sim["victim_computed"])
+        return None
+    return None

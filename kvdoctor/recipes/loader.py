@@ -469,7 +469,25 @@ def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, A
                 raise r.fail(line, f"{where} ({action}) needs '{key}'")
         _check_values(r, action, entry, line, where)
         steps.append(Step(action=action, args=entry, line=line))
+    _check_preempt_fill(r, steps, table)
     return steps
+
+
+def _check_preempt_fill(r: _Reader, steps: list[Step], table: str) -> None:
+    """A `fill_pool = "preempt_next"` is planned around the one `prompt_rest_of_pool` add after it."""
+    fills = [(i, s) for i, s in enumerate(steps) if s.action == "add" and s.args.get("fill_pool") == "preempt_next"]
+    rests = [(i, s) for i, s in enumerate(steps) if s.action == "add" and s.args.get("prompt_rest_of_pool")]
+    for i, step in fills[1:] + rests[1:]:
+        raise r.fail(step.line, f"{table} {i + 1} (add): a recipe takes one fill_pool = \"preempt_next\" and one "
+                                f"prompt_rest_of_pool add after it")
+    if fills and not rests:
+        i, step = fills[0]
+        raise r.fail(step.line, f"{table} {i + 1} (add) fill_pool = \"preempt_next\" needs a later add with "
+                                f"prompt_rest_of_pool = true (the request it preempts)")
+    if rests and (not fills or fills[0][0] > rests[0][0]):
+        i, step = rests[0]
+        raise r.fail(step.line, f"{table} {i + 1} (add) prompt_rest_of_pool needs an earlier add with "
+                                f"fill_pool = \"preempt_next\" (the fill whose blocks it is sized by)")
 
 
 def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, where: str) -> None:
@@ -485,10 +503,15 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
         if key in args and args[key] < 0:
             raise r.fail(at(key), f"{where} ({action}) {key} must be >= 0, got {args[key]}")
     if action == "add":
-        sizes = [k for k in ("prompt_tokens", "prompt_chunks", "prompt", "fill_pool") if k in args]
-        if len(sizes) != 1 or args.get("fill_pool") is False:
+        sizes = [k for k in ("prompt_tokens", "prompt_chunks", "prompt", "fill_pool", "prompt_rest_of_pool")
+                 if k in args]
+        if len(sizes) != 1 or args.get("fill_pool") is False or args.get("prompt_rest_of_pool") is False:
             raise r.fail(line, f"{where} (add) needs exactly one of 'prompt_tokens', 'prompt_chunks', "
-                               f"'prompt' or 'fill_pool = true'")
+                               f"'prompt', 'fill_pool = true', 'fill_pool = \"preempt_next\"' or "
+                               f"'prompt_rest_of_pool = true'")
+        if isinstance(args.get("fill_pool"), str) and args["fill_pool"] != "preempt_next":
+            raise r.fail(at("fill_pool"), f"{where} (add) fill_pool must be true (queue the next request) or "
+                                          f"\"preempt_next\" (preempt it mid-prefill), got {_show(args['fill_pool'])}")
         if "prompt" in args:
             if not args["prompt"] or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1024
                                              for t in args["prompt"]):

@@ -21,7 +21,8 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         "prompt_tokens": ((int,), False),
         "prompt": ((list,), False),
         "prompt_chunks": ((int,), False),
-        "fill_pool": ((bool,), False),
+        "fill_pool": ((bool, str), False),  # true | "preempt_next"
+        "prompt_rest_of_pool": ((bool,), False),  # the blocks a fill_pool = "preempt_next" before it leaves
         "max_tokens": ((int,), False),
         "shared_prefix_with": ((str,), False),
         "shared_prefix_tokens": ((int,), False),
