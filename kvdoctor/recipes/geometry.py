@@ -270,6 +270,10 @@ _SETUP_REQUIREMENTS = {
         f"the trigger needs a CPU tier whose every block is held by an in-flight store; this one holds "
         f"{cpu_tier_chunks(s):,} chunks (cpu_bytes_to_use={s.cpu_bytes_to_use:,})"),
     "own_geometry": lambda s, r: _own_geometry(s, r),
+    "last_token_in_prompt_block": lambda s, r: None if s.block_size > 1 else (
+        "at block_size 1 the last sampled token's slot opens a block that was never allocated, so "
+        "the final store cannot cover it silently: vLLM pairs the chunk's offload keys with too few "
+        "blocks and _build_store_jobs asserts instead (an engine crash, the assertion of K1/K6)"),
     "two_running_requests": lambda s, r: None if s.max_num_seqs >= 2 else (
         "the trigger needs two requests running at once; --max-num-seqs is 1"),
 }
