@@ -146,3 +146,29 @@ def test_audit_measures_k10_against_a_baseline(audit_run):
     assert metric["shared_steps"] > metric["baseline_steps"] >= 1
     assert metric["extra_steps"] == metric["shared_steps"] - metric["baseline_steps"]
     assert "## Measured (performance bugs)" in markdown and "| K10 |" in markdown
+
+
+# The issue's typical deployment (issue 13): the serve flags reach every recipe of the audit.
+SERVE_FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "512", "--max-num-batched-tokens", "2048",
+               "--max-num-seqs", "64", "--enable-chunked-prefill", "--async-scheduling",
+               "--kv-offloading-size", "1")
+
+
+def test_audit_runs_every_recipe_at_the_users_serve_flags(k1_outcome):
+    proc = run_cli("audit", "--json", *SERVE_FLAGS)
+    doc = json.loads(proc.stdout)
+    rows = {row["recipe"]: row for row in doc["rows"]}
+    for name, row in rows.items():
+        setup = row["setup"]
+        assert (setup["block_size"], setup["gpu_blocks"], setup["max_num_batched_tokens"],
+                setup["async_scheduling"]) == (16, 512, 2048, True), (name, setup)
+        assert row["outcome"] in ("reproduced", "not_reproduced", "not_applicable"), (name, row)
+        if row["outcome"] == "not_applicable":
+            assert row["hint"], (name, "not_applicable without a reason")
+    # A recipe scripted for its own CPU tier says so rather than "not reproduced" at a 1 GiB tier.
+    assert rows["swa-unaligned-pending-bound"]["outcome"] == "not_applicable"
+    assert "cpu_bytes_to_use" in rows["swa-unaligned-pending-bound"]["hint"]
+    # The K1 recipes restated at any geometry give this release's K1 outcome at the user's flags too.
+    for name in K1_RECIPES:
+        assert rows[name]["outcome"] == k1_outcome, (name, rows[name]["hint"])
+    assert proc.returncode == (1 if any(r["outcome"] == "reproduced" for r in rows.values()) else 0)

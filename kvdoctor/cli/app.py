@@ -286,9 +286,22 @@ def inspect(
 
 @app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor audit",
-    "kvdoctor audit --report audit.md    # attach to an upstream issue"))
+    "kvdoctor audit --report audit.md    # attach to an upstream issue",
+    "kvdoctor audit --block-size 16 --async-scheduling    # your serve flags"))
 @_with_exit_codes(_AUDIT_EXIT_CODES)
 def audit(
+    block_size: opt.BlockSize = None,
+    blocks_per_chunk: opt.BlocksPerChunk = None,
+    gpu_blocks: opt.GpuBlocks = None,
+    async_scheduling: opt.AsyncScheduling = None,
+    max_num_batched_tokens: opt.MaxBatchedTokens = None,
+    max_num_seqs: opt.MaxNumSeqs = None,
+    max_model_len: opt.MaxModelLen = None,
+    enable_chunked_prefill: opt.ChunkedPrefill = None,
+    enable_prefix_caching: opt.PrefixCaching = None,
+    kv_transfer_config: opt.KvTransferConfig = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
     worker: opt.Worker = None,
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
@@ -299,7 +312,9 @@ def audit(
     """Run every built-in recipe against the installed vLLM: one row per known bug.
 
     The pip-audit idea, for KV-offload bugs: each row says what to do next (the fix, a workaround,
-    the release that stops reproducing it where measured)."""
+    the release that stops reproducing it where measured). Serve flags run every recipe at your
+    geometry: a recipe whose trigger cannot exist there is not_applicable, with the reason. Each
+    recipe keeps its own KV cache layout (--model is a repro/inspect flag)."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -309,7 +324,13 @@ def audit(
         opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
-        overrides = opt.worker_overrides(worker, model_runner, device)
+        overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
+                                           max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
+                                           kv_transfer_config, None, enable_prefix_caching=enable_prefix_caching,
+                                           kv_offloading_size=kv_offloading_size,
+                                           kv_offloading_backend=kv_offloading_backend,
+                                           max_model_len=max_model_len)
+        overrides.update(opt.worker_overrides(worker, model_runner, device))
         with working("importing vLLM and running every built-in recipe"):
             result = application.audit(command=_command_line(), overrides=overrides)
         from kvdoctor.report.json_doc import audit_document

@@ -248,8 +248,9 @@ def cpu_tier_chunks(setup: Setup) -> int:
     return setup.cpu_bytes_to_use // chunk
 
 
+# cpu_bytes_to_use: a recipe that sets its CPU tier's size scripts evictions by it (K3, K9, K11).
 _GEOMETRY_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
-                    "enable_chunked_prefill")
+                    "enable_chunked_prefill", "cpu_bytes_to_use")
 
 
 def _own_geometry(setup: Setup, recipe) -> str | None:
