@@ -162,6 +162,23 @@ class StepEvents:
                         self.reused_while_storing, self.content_findings))
 
 
+# The GPU default runner per setup, asked once per process: vLLM's probe scans every installed
+# package's entry points (~12 ms a call here), and the answer depends only on the VllmConfig that
+# the setup builds and on VLLM_USE_V2_MODEL_RUNNER (`repro --logic all` builds three per recipe).
+_GPU_DEFAULT_RUNNERS: dict[tuple[str, str | None], str] = {}
+
+
+def _gpu_default_model_runner(setup: Setup, scheduler: Any) -> str:
+    import os
+
+    from kvdoctor.engine import compat
+
+    key = (repr(setup), os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    if key not in _GPU_DEFAULT_RUNNERS:
+        _GPU_DEFAULT_RUNNERS[key] = compat.gpu_default_model_runner(compat.vllm_config_of(scheduler))
+    return _GPU_DEFAULT_RUNNERS[key]
+
+
 class Harness:
     """Drives one scheduler through add / step / abort / finish, like an engine core would."""
 
@@ -198,7 +215,7 @@ class Harness:
 
         runner = self.setup.model_runner
         if runner is None and self.setup.worker == "vllm":
-            runner = compat.gpu_default_model_runner(compat.vllm_config_of(self.scheduler))
+            runner = _gpu_default_model_runner(self.setup, self.scheduler)
         if runner is None:
             return compat.scheduler_model_runner(self.scheduler)
         compat.set_scheduler_model_runner(self.scheduler, runner)
