@@ -24,7 +24,12 @@ VLLM_CPU = {"worker": "vllm", "device": "cpu"}
 REPRODUCED, NOT = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 # installed-logic outcome per built-in recipe with --worker vllm (measured)
 WORKER_RECIPES = ("queued-abort", "preemption", "prefetch", "final-token-slot-stored", "finished-after-finalize",
-                  "preempt-reload-same-step")
+                  "preempt-reload-same-step", "swa-unaligned-pending-bound", "eagle-final-chunk-unstored",
+                  "offload-keys-lag-blocks")
+# Measured with vLLM's worker on 0.26.0 and 0.34.0 only (2026-12-04): the hybrid-layout and hash-delay
+# recipes (K3 on two block sizes, K5 with an EAGLE group, K6). K3 ran into kvdoctor's own content
+# check before (it judged a block against every group's layers); it reproduces with all checks held.
+NEWER = ("swa-unaligned-pending-bound", "eagle-final-chunk-unstored", "offload-keys-lag-blocks")
 MEASURED = {
     (0, 26): {"queued-abort": REPRODUCED, "preemption": REPRODUCED, "prefetch": REPRODUCED,
               "final-token-slot-stored": REPRODUCED, "finished-after-finalize": REPRODUCED,
@@ -32,7 +37,9 @@ MEASURED = {
     (0, 33): {name: NOT for name in ("queued-abort", "preemption", "prefetch", "final-token-slot-stored",
                                      "finished-after-finalize", "preempt-reload-same-step")},
 }
-MEASURED[(0, 34)] = MEASURED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-03, V2 runner glue): the same as 0.33.0
+MEASURED[(0, 34)] = dict(MEASURED[(0, 33)])  # measured on vLLM 0.34.0 (2026-12-03, V2 runner glue): as 0.33.0
+MEASURED[(0, 26)].update({name: REPRODUCED for name in NEWER})
+MEASURED[(0, 34)].update({name: NOT for name in NEWER})
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +58,14 @@ def vllm_runs(api):
 
 @pytest.mark.parametrize("name", WORKER_RECIPES)
 def test_builtin_recipe_outcome_with_vllm_worker(api, release, vllm_runs, name):
-    expected = expected_for(api, release, MEASURED)[name]
+    expected = expected_for(api, release, MEASURED).get(name)
+    if expected is None:
+        pytest.skip(f"{name} with vLLM's worker was measured on 0.26.0 and 0.34.0 only")
     real, simulated = vllm_runs[name]
     assert real.outcome is expected, real.detail or real.failure
     assert "vLLM worker-role OffloadingConnector" in real.worker and real.model_runner in ("v1", "v2")
-    if name in ("queued-abort", "preemption", "prefetch"):
+    if name in ("queued-abort", "preemption", "prefetch", *NEWER):
+        assert not [v for v in real.violations if v.invariant in CONTENT_INVARIANTS], real.violations
         assert real.outcome is simulated.outcome  # the K1 paths reproduce as with the simulated worker
         if real.failure is not None:
             assert (real.failure.exception, real.failure.function) == (

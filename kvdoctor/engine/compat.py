@@ -927,6 +927,13 @@ def kv_layer_specs(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
     return out
 
 
+def attention_window(spec: Any) -> int | None:
+    """The tokens a sliding-window layer attends to (its own and the window - 1 before it);
+    None for full attention."""
+    window = getattr(spec, "sliding_window", None)
+    return int(window) if window else None
+
+
 def is_attention_spec(api: VllmApi, spec: Any) -> bool:
     return isinstance(spec, api.cls("kv_cache_interface", "AttentionSpec"))
 

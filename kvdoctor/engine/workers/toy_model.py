@@ -66,6 +66,7 @@ class _Layer:
     group: int
     block_size: int
     slots: Any  # int64 view (num_blocks, block_size, words)
+    window: int | None = None  # sliding window: a forward reads only its last `window` positions
 
 
 @dataclass
@@ -73,6 +74,9 @@ class _StoreExpectation:
     request: str
     # gpu block -> [(position, key or None when past the request's tokens)]
     slots: dict[int, list[tuple[int, int | None]]]
+    # gpu block -> its KV cache group: only that group's layers hold this block's KV (block ids
+    # come from one pool, and another group's layers may have written the same id's pages)
+    groups: dict[int, int]
 
 
 class ToyModel:
@@ -107,7 +111,7 @@ class ToyModel:
                                  f"token slot, too few for the toy model's content pattern")
             pages = compat.kv_pages(kv_caches[name], n, page)
             slots = pages.view(cls_int64()).view(n, bs, page // bs // 8)
-            layers.append(_Layer(name, idx + 1, group, bs, slots))
+            layers.append(_Layer(name, idx + 1, group, bs, slots, compat.attention_window(spec)))
         return cls(layers)
 
     # -- request state, from the scheduler's output (as GPUModelRunner._update_states) ----------
@@ -170,8 +174,10 @@ class ToyModel:
             keys = self._keys(state, end)
             for layer in self.layers:
                 table = state.block_ids[layer.group]
-                if start:
-                    self._check(layer, rid, table, range(0, start), keys[:start], "reads-see-their-tokens", None)
+                first = max(0, start - layer.window + 1) if layer.window else 0
+                if start > first:
+                    self._check(layer, rid, table, range(first, start), keys[first:start], "reads-see-their-tokens",
+                                None)
                 self._write(layer, rid, table, range(start, end), keys[start:end])
             state.num_computed = start + int(count)
             state.tokens.extend(sampled.get(rid) or ())
@@ -245,6 +251,7 @@ class ToyModel:
         if state is None:
             return
         slots: dict[int, list[tuple[int, int | None]]] = {}
+        groups: dict[int, int] = {}
         start = 0
         for group, size in enumerate(group_sizes):
             table = state.block_ids[group] if group < len(state.block_ids) else []
@@ -252,12 +259,13 @@ class ToyModel:
             for block in gpu_blocks[start:start + size]:
                 if bs is None or block not in table:
                     continue
-                first = table.index(block) * bs
+                first = _live_index(table, block) * bs
                 keys = self._keys(state, first + bs)
                 slots[block] = [(p, keys[p] if p < len(state.tokens) and p < len(keys) else None)
                                 for p in range(first, first + bs)]
+                groups[block] = group
             start += size
-        self.expectations[job] = _StoreExpectation(rid, slots)
+        self.expectations[job] = _StoreExpectation(rid, slots, groups)
         self.check_store(job)
 
     def check_store(self, job: int) -> None:
@@ -269,6 +277,8 @@ class ToyModel:
             if sum(f.job == job for f in self.findings) >= MAX_FINDINGS_PER_CHECK:
                 return
             for layer in self.layers:
+                if layer.group != expectation.groups[block]:
+                    continue
                 positions = range(slots[0][0], slots[-1][0] + 1)
                 self._check(layer, expectation.request, [block] * (positions.stop // layer.block_size + 1),
                             positions, [k for _, k in slots], "store-copies-computed-kv", job)
@@ -278,8 +288,15 @@ class ToyModel:
         for layer in self.layers:
             table = state.block_ids[layer.group] if state else []
             if block in table:
-                return table.index(block) * layer.block_size
+                return _live_index(table, block) * layer.block_size
         return -1
+
+
+def _live_index(table: list[int], block: int) -> int:
+    """Where a block sits in a request's table now: its last occurrence. A sliding-window group
+    frees the blocks that leave the window while the worker's table keeps their ids, so a freed
+    block the request gets back for a later position appears twice; only the last is live."""
+    return len(table) - 1 - table[::-1].index(block)
 
 
 def cls_int64() -> Any:
