@@ -175,3 +175,16 @@ def test_device_cuda_without_a_gpu_is_a_usage_error():
     proc = run_cli("repro", "queued-abort", "--worker", "vllm", "--device", "cuda")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "--device cuda" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["finished-after-finalize", "preempt-reload-same-step"])
+def test_async_recipes_end_as_with_the_simulated_worker(api, name):
+    """vLLM's worker reports a copy a step after it submits it; under async scheduling that is one
+    more step than the simulated worker takes. These recipes wait for it (before, their expect
+    step or final check saw the store still in flight: setup_error / other_failure)."""
+    recipe = resolve(name)
+    real = run_scenario(api, recipe, app.resolve_setup(recipe, {**VLLM_CPU, "async_scheduling": True}), "installed")
+    simulated = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed")
+    assert real.outcome is simulated.outcome, (real.detail, simulated.detail)
+    assert real.outcome in (REPRODUCED, NOT), real.detail
+    assert not [v for v in real.violations if v.invariant in CONTENT_INVARIANTS], real.violations
