@@ -1,4 +1,4 @@
-"""The sliding-window recipes (K3) on vLLM's real scheduler, under every logic variant.
+"""The sliding-window recipes (K3, K12) on vLLM's real scheduler, under every logic variant.
 
 One vLLM import and one run per recipe for the module (sync scheduling: the recipe's steps are
 counted for it). Outcomes per release are measurements (kvdoctor repro on each release's
@@ -18,6 +18,7 @@ from .conftest import expected_for
 pytestmark = pytest.mark.vllm
 
 K3 = "swa-unaligned-pending-bound"
+K12 = "swa-unaligned-hit-missing-chunk"
 LOGICS = ("installed", "fixed", "unpatched")
 R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 
@@ -36,7 +37,14 @@ EXPECTED = {
 # not_reproduced, but there the unaligned hit is not reached (its LRU ranks a finished request's
 # chunks tail first, so G evicts chunk 7 and B hits 224 aligned tokens): see the recipe's summary.
 for minor in range(28, 35):
-    EXPECTED[(0, minor)] = EXPECTED[(0, 27)]
+    EXPECTED[(0, minor)] = dict(EXPECTED[(0, 27)])
+# K12, measured 2026-12-04 (kvdoctor matrix swa-unaligned-hit-missing-chunk over every release, and
+# --logic all on 0.26.0, 0.30.0 and 0.34.0): reproduced on 0.26.0 ... 0.29.0, 'Block ... not found in
+# cache' in prepare_load; not_reproduced from 0.30.0, where the sliding-window lookup requires the
+# chunk a partial rightmost window straddles (PR #55712, initial_window_size). The store cap of
+# `fixed` does not touch the lookup.
+for minor in range(26, 35):
+    EXPECTED[(0, minor)][K12] = same(R if minor < 30 else N)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,7 @@ def expected(api, release):
 
 @pytest.fixture(scope="module")
 def reports(api):
-    return {name: app.repro(name, {}, "all", record_timeline=True) for name in (K3,)}
+    return {name: app.repro(name, {}, "all", record_timeline=True) for name in (K3, K12)}
 
 
 def result(reports, name, logic):
@@ -73,3 +81,20 @@ def test_k3_outcome(reports, expected, logic):
     assert run.outcome is want, f"{K3} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
     if want is R:
         assert "num_pending_gpu_blocks" in ((run.failure.code or "") + run.failure.message)
+
+
+def test_k12_recipe_states_its_trigger():
+    recipe = load_builtin(K12)
+    assert recipe.bug == "K12" and any("54914" in ref for ref in recipe.refs)
+    assert any("55712" in ref for ref in recipe.refs)
+    assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "prepare_load")
+
+
+@pytest.mark.parametrize("logic", LOGICS)
+def test_k12_outcome(reports, expected, logic):
+    run = result(reports, K12, logic)
+    want = expected[K12][logic]
+    assert run.outcome is want, f"{K12} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
+    if want is R:
+        assert "not found in cache" in run.failure.message
+        assert "update_state_after_alloc" in " ".join(frame.function for frame in run.failure.vllm_frames)

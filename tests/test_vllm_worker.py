@@ -25,11 +25,14 @@ REPRODUCED, NOT = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 # installed-logic outcome per built-in recipe with --worker vllm (measured)
 WORKER_RECIPES = ("queued-abort", "preemption", "prefetch", "final-token-slot-stored", "finished-after-finalize",
                   "preempt-reload-same-step", "swa-unaligned-pending-bound", "eagle-final-chunk-unstored",
-                  "offload-keys-lag-blocks")
+                  "offload-keys-lag-blocks", "swa-unaligned-hit-missing-chunk")
 # Measured with vLLM's worker on 0.26.0 and 0.34.0 only (2026-12-04): the hybrid-layout and hash-delay
 # recipes (K3 on two block sizes, K5 with an EAGLE group, K6). K3 ran into kvdoctor's own content
 # check before (it judged a block against every group's layers); it reproduces with all checks held.
-NEWER = ("swa-unaligned-pending-bound", "eagle-final-chunk-unstored", "offload-keys-lag-blocks")
+# K12 (2026-12-04): its A stores a chunk every other step, so each store completes before the next
+# store pass with either worker, and the LRU evictions it scripts are the same.
+NEWER = ("swa-unaligned-pending-bound", "eagle-final-chunk-unstored", "offload-keys-lag-blocks",
+         "swa-unaligned-hit-missing-chunk")
 MEASURED = {
     (0, 26): {"queued-abort": REPRODUCED, "preemption": REPRODUCED, "prefetch": REPRODUCED,
               "final-token-slot-stored": REPRODUCED, "finished-after-finalize": REPRODUCED,
