@@ -144,3 +144,11 @@ def test_k7_outcome(reports, expected, mode, logic):
     if want is R:
         assert run.failure.function == "update_state_after_alloc"
         assert "num_locally_computed_tokens" in ((run.failure.code or "") + run.failure.message)
+
+
+@pytest.mark.vllm
+def test_k7_with_vllms_worker_is_refused_in_one_line(api):
+    """The toy model writes attention KV only: a Mamba layer is refused before vLLM's worker connector
+    registers the caches (on 0.26.0 its register_kv_caches asserted first: other_failure)."""
+    with pytest.raises(UsageError, match="layer model.layers.0.mixer is MambaSpec; the toy model writes attention KV"):
+        app.repro(K7, {"worker": "vllm", "device": "cpu"}, "installed")
