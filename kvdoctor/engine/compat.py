@@ -451,6 +451,27 @@ class VllmApi:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
         return name in {f.name for f in dataclasses.fields(cls)}
 
+    def cache_config_has_field(self, name: str) -> bool:
+        """Whether vLLM's `CacheConfig` takes this field (`prefix_match_unit`: the block-hash granularity
+        of hybrid groups, `cache_config.prefix_match_unit`; a feature probe, not a version check)."""
+        cls = self.cls("config", "CacheConfig")
+        return name in {f.name for f in dataclasses.fields(cls)}
+
+    def cache_config_kwargs(self, setup_fields: dict[str, Any]) -> dict[str, Any]:
+        """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
+        A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
+        `cache_config_field:<field>` so that such a release reads not_applicable instead)."""
+        from kvdoctor.errors import UsageError
+
+        kwargs: dict[str, Any] = {}
+        for name, value in setup_fields.items():
+            if value is None:
+                continue
+            if not self.cache_config_has_field(name):
+                raise UsageError(f"{name}: this vLLM's CacheConfig has no field {name!r}")
+            kwargs[name] = value
+        return kwargs
+
     @staticmethod
     def job_is_store(job_status: Any) -> bool:
         return bool(getattr(job_status, "is_store", False))

@@ -98,6 +98,7 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
     cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
     if setup.mamba_cache_mode is not None:
         cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
+    cache_kwargs.update(api.cache_config_kwargs({"prefix_match_unit": setup.prefix_match_unit}))
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,

@@ -53,6 +53,9 @@ class Setup:
     layout: str | None = None  # a layout kvdoctor ships (kvdoctor/models/<name>); recipes name these
     sliding_window: int | None = None  # overrides the config's sliding_window (tokens)
     mamba_cache_mode: str | None = None  # CacheConfig.mamba_cache_mode for Mamba layouts (None: vLLM's default)
+    # CacheConfig.prefix_match_unit: the block-hash granularity (tokens) of a hybrid layout's groups,
+    # finer than their block size (None: vLLM's default, the GCD of the groups' block sizes)
+    prefix_match_unit: int | None = None
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
     # passed to vLLM's KVTransferConfig as given.
@@ -111,6 +114,10 @@ class Setup:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise UsageError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.prefix_match_unit is not None and (not isinstance(self.prefix_match_unit, int)
+                                                   or isinstance(self.prefix_match_unit, bool)
+                                                   or self.prefix_match_unit < 1):
+            raise UsageError(f"prefix_match_unit must be a positive integer, got {self.prefix_match_unit!r}")
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
                              f"got {self.mamba_cache_mode!r}")

@@ -100,10 +100,8 @@ class ToyModel:
 
         layers = []
         n = kv_cache_config.num_blocks
+        check_attention_only(api, kv_cache_config)
         for idx, (name, (group, spec)) in enumerate(sorted(compat.kv_layer_specs(kv_cache_config).items())):
-            if not compat.is_attention_spec(api, spec):
-                raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "
-                                 f"attention KV only")
             page = int(spec.page_size_bytes)
             bs = int(spec.block_size)
             if page % (bs * 16):
@@ -303,3 +301,15 @@ def cls_int64() -> Any:
     import torch
 
     return torch.int64
+
+
+def check_attention_only(api: Any, kv_cache_config: Any) -> None:
+    """Refuse a layout with a layer the toy model cannot write (Mamba state), before vLLM's worker
+    connector registers the KV caches (0.26.0's register_kv_caches asserts on such a layer first)."""
+    from kvdoctor.engine import compat
+    from kvdoctor.errors import UsageError
+
+    for name, (_group, spec) in sorted(compat.kv_layer_specs(kv_cache_config).items()):
+        if not compat.is_attention_spec(api, spec):
+            raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "
+                             f"attention KV only")

@@ -19,7 +19,7 @@ from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
 from kvdoctor.engine.workers.copy_engine import TransferControl
-from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel
+from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel, check_attention_only
 from kvdoctor.errors import UsageError
 
 _IDS = itertools.count(1)
@@ -42,6 +42,7 @@ class VllmWorker:
         # The worker's spec reads its extra config when the worker connector is created.
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         extra[CONTROL_KEY] = self.control_id
+        check_attention_only(api, self.kv_cache_config)  # before vLLM's connector sees the caches
         self.kv_caches = compat.allocate_kv_caches(api, self.kv_cache_config, device, POISON_BYTE,
                                                    compat.required_kv_cache_layout(scheduler))
         self.connector = compat.create_worker_connector(api, self.vllm_config, self.kv_cache_config)

@@ -1,0 +1,154 @@
+"""The Mamba "align" recipe (K7) on vLLM's real scheduler, under every logic variant and both
+scheduling modes, and the `prefix_match_unit` setup key it needs.
+
+One vLLM import and one `repro --logic all` per scheduling mode for the module. Outcomes per
+release are measurements (kvdoctor repro on each release's environment, 2026-12-04); a release
+not measured here skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdoctor import app
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import RecipeError, UsageError
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes import requirements
+from kvdoctor.recipes.builtins import load_builtin
+from kvdoctor.recipes.loader import load_recipe_text
+
+from .conftest import expected_for
+
+K7 = "mamba-align-midblock-hit-load"
+LOGICS = ("installed", "fixed", "unpatched")
+MODES = (False, True)
+R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
+
+
+def same(outcome):
+    return {logic: outcome for logic in LOGICS}
+
+
+def both(outcome):
+    return {False: same(outcome), True: same(outcome)}
+
+
+# (major, minor) -> recipe -> async_scheduling -> logic -> outcome. Measured 2026-12-04.
+# `fixed` (the PR #49146 store cap) does not touch the load path: the three logics agree.
+EXPECTED = {
+    # B hits 80 tokens locally: the attention group's block 1 is the unhashed copy-on-write block,
+    # so update_state_after_alloc asserts 80 <= 1 * 64
+    (0, 26): {K7: both(R)},
+    # the connector is asked from the 64-token block boundary and the load-boundary scan starts at the
+    # computed boundary; on 0.30.0 B also finds no CPU hit (no load is built), on 0.34.0 it loads 176 tokens
+    (0, 30): {K7: both(N)},
+    (0, 34): {K7: both(N)},
+}
+# Not measured (no environment here): 0.27.0, 0.27.1, 0.28.0, 0.29.0, 0.31.0, 0.32.0, 0.33.0.
+
+
+# -- without vLLM: the setup key and the requirement form ---------------------------------------
+
+def test_k7_recipe_states_its_trigger():
+    recipe = load_builtin(K7)
+    assert recipe.bug == "K7" and any("52807" in ref for ref in recipe.refs)
+    assert any("43884" in ref for ref in recipe.refs)
+    assert recipe.setup["layout"] == "mamba-hybrid" and recipe.setup["mamba_cache_mode"] == "align"
+    assert (recipe.setup["block_size"], recipe.setup["prefix_match_unit"]) == (64, 16)
+    assert set(recipe.requires) == {"setup:own_geometry", "cache_config_field:prefix_match_unit"}
+    assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "update_state_after_alloc")
+    assert recipe.signature.callers == ("schedule",)
+
+
+_BASE = """[recipe]
+name = "x"
+summary = "x"
+[setup]
+layout = "mamba-hybrid"
+prefix_match_unit = {value}
+[signature]
+exception = "AssertionError"
+function = "f"
+[[step]]
+action = "schedule"
+"""
+
+
+def test_prefix_match_unit_loads_as_a_setup_key():
+    recipe = load_recipe_text(_BASE.format(value=16), "x.toml")
+    assert recipe.setup["prefix_match_unit"] == 16
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "x.toml:6: [setup] prefix_match_unit must be a positive integer, got 0"),
+    ('"16"', "x.toml:6: [setup] prefix_match_unit must be an integer"),
+    ("true", "x.toml:6: [setup] prefix_match_unit must be an integer"),
+])
+def test_prefix_match_unit_is_checked_with_its_line(value, message):
+    with pytest.raises(RecipeError) as info:
+        load_recipe_text(_BASE.format(value=value), "x.toml")
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, -16, True, "16"])
+def test_setup_refuses_a_bad_prefix_match_unit(value):
+    with pytest.raises(UsageError, match="prefix_match_unit must be a positive integer"):
+        Setup(prefix_match_unit=value).validate()
+
+
+def test_cache_config_field_requirement_is_judged_by_the_adapter():
+    assert requirements.is_known_requirement("cache_config_field:prefix_match_unit")
+    assert not requirements.is_known_requirement("cache_config_field:")
+
+    class NoField:
+        def cache_config_has_field(self, name):
+            return False
+
+    assert requirements.missing(NoField(), ("cache_config_field:prefix_match_unit",)) == [
+        "this vLLM's CacheConfig has no field 'prefix_match_unit'"]
+
+
+# -- on the installed vLLM ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def expected(api, release):
+    return expected_for(api, release, EXPECTED)
+
+
+@pytest.fixture(scope="module")
+def reports(api):
+    return {mode: app.repro(K7, {"async_scheduling": mode}, "all", record_timeline=True) for mode in MODES}
+
+
+def result(reports, mode, logic):
+    return next(r for r in reports[mode].results if r.logic == logic)
+
+
+@pytest.mark.vllm
+def test_k7_layout_hashes_finer_than_its_blocks(reports):
+    """vLLM's planner made a Mamba align group and an attention group of 64-token blocks, hashed every 16."""
+    plan = result(reports, False, "installed").kv_plan
+    assert sorted((g.kind, g.block_size) for g in plan.groups) == [("full_attention", 64), ("mamba", 64)]
+    assert [g.mamba_cache_mode for g in plan.groups if g.kind == "mamba"] == ["align"]
+    assert plan.hash_block_size == 16
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", MODES, ids=("sync", "async"))
+@pytest.mark.parametrize("logic", LOGICS)
+def test_k7_outcome(reports, expected, mode, logic):
+    run = result(reports, mode, logic)
+    want = expected[K7][mode][logic]
+    assert run.outcome is want, f"{K7} {logic} async={mode}: {run.outcome.value} ({run.detail}), expected {want.value}"
+    if want is R:
+        assert run.failure.function == "update_state_after_alloc"
+        assert "num_locally_computed_tokens" in ((run.failure.code or "") + run.failure.message)
+
+
+@pytest.mark.vllm
+def test_k7_with_vllms_worker_is_refused_in_one_line(api):
+    """The toy model writes attention KV only: a Mamba layer is refused before vLLM's worker connector
+    registers the caches (on 0.26.0 its register_kv_caches asserted first: other_failure)."""
+    with pytest.raises(UsageError, match="layer model.layers.0.mixer is MambaSpec; the toy model writes attention KV"):
+        app.repro(K7, {"worker": "vllm", "device": "cpu"}, "installed")
