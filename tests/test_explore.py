@@ -77,10 +77,21 @@ def test_k1_is_found_shrunk_and_replays(searches, release):
     assert outcomes["fixed"] is Outcome.NOT_REPRODUCED
 
 
-def test_nothing_k1_like_under_the_fixed_logic(searches):
-    findings = by_signature(searches["fixed"])
-    assert K1 not in findings
-    assert not any("_build_store_jobs" in s for s in findings), sorted(findings)
+def test_nothing_k1_like_under_the_fixed_logic_but_k6s_late_keys(api, searches):
+    """K1's fix caps stores by allocated chunks; K6 (the same assert) is late offload keys, which that
+    cap does not bound: under the fixed logic a `_build_store_jobs` finding is K6's, made of drawn hash
+    delays, and the same steps without the delays run through."""
+    import dataclasses
+
+    from kvdoctor.explore.runner import observe
+
+    for signature, finding in by_signature(searches["fixed"]).items():
+        if "_build_store_jobs" not in signature:
+            continue
+        actions = [step.action for step in finding.recipe.steps]
+        assert "delay_block_hashes" in actions, (signature, actions)
+        on_time = tuple(s for s in finding.recipe.steps if not s.action.endswith("_block_hashes"))
+        assert observe(api, dataclasses.replace(finding.recipe, steps=on_time), "fixed").signature != signature
 
 
 def test_every_finding_replays_with_its_signature(searches):
@@ -111,12 +122,12 @@ def test_cli_json(api, release, tmp_path):
     cli = typer.Typer()
     cli.command()(explore)
     cli.command("noop")(lambda: None)  # two commands: Typer keeps `explore` as a subcommand
-    # 100: K1 comes after ~60 examples at seed 0 (the tiering spec and the layouts share the draws)
-    result = CliRunner().invoke(cli, ["explore", "--seed", "0", "--max-examples", "100", "--json",
+    # seed 1, 100: K1 comes after 86 examples there (measured on 0.26.0 with the hash-delay draws)
+    result = CliRunner().invoke(cli, ["explore", "--seed", "1", "--max-examples", "100", "--json",
                                       "--out", str(tmp_path)])
     document = json.loads(result.stdout)
     assert document["schema_version"] == 1
-    assert document["logic"] == "installed" and document["seed"] == 0
+    assert document["logic"] == "installed" and document["seed"] == 1
     assert document["examples"] == 100
     for finding in document["findings"]:
         assert set(finding) >= {"signature", "file", "steps", "seed"}
