@@ -224,3 +224,17 @@ def test_every_finding_kind_writes_a_loadable_recipe():
             assert len(loaded.steps) <= len(recipe.steps)
         if obs.kind == "invariant":
             assert loaded.signature.invariant == "no-orphan-transfer-jobs"
+
+
+def test_a_shared_assert_is_labelled_by_the_findings_trigger():
+    """K1 and K6 fire the same assert in `_build_store_jobs`; a finding that withholds block hashes
+    is K6's (its offload keys lag its blocks), one that does not is K1's."""
+    from kvdoctor.explore.findings import known_bug
+    from kvdoctor.recipes.model import Signature
+
+    signature = Signature(exception="AssertionError", function="_build_store_jobs",
+                          contains="len(offload_keys) == len(offload_block_ids)")
+    assert known_bug(signature)[0] == "K1"
+    assert known_bug(signature, actions=frozenset({"add", "schedule", "abort"}))[0] == "K1"
+    bug, recipes = known_bug(signature, actions=frozenset({"add", "delay_block_hashes", "schedule"}))
+    assert (bug, recipes) == ("K6", ("offload-keys-lag-blocks",))
