@@ -77,10 +77,21 @@ def test_k1_is_found_shrunk_and_replays(searches, release):
     assert outcomes["fixed"] is Outcome.NOT_REPRODUCED
 
 
-def test_nothing_k1_like_under_the_fixed_logic(searches):
-    findings = by_signature(searches["fixed"])
-    assert K1 not in findings
-    assert not any("_build_store_jobs" in s for s in findings), sorted(findings)
+def test_nothing_k1_like_under_the_fixed_logic_but_k6s_late_keys(api, searches):
+    """K1's fix caps stores by allocated chunks; K6 (the same assert) is late offload keys, which that
+    cap does not bound: under the fixed logic a `_build_store_jobs` finding is K6's, made of drawn hash
+    delays, and the same steps without the delays run through."""
+    import dataclasses
+
+    from kvdoctor.explore.runner import observe
+
+    for signature, finding in by_signature(searches["fixed"]).items():
+        if "_build_store_jobs" not in signature:
+            continue
+        actions = [step.action for step in finding.recipe.steps]
+        assert "delay_block_hashes" in actions, (signature, actions)
+        on_time = tuple(s for s in finding.recipe.steps if not s.action.endswith("_block_hashes"))
+        assert observe(api, dataclasses.replace(finding.recipe, steps=on_time), "fixed").signature != signature
 
 
 def test_every_finding_replays_with_its_signature(searches):
@@ -89,8 +100,14 @@ def test_every_finding_replays_with_its_signature(searches):
         for finding in report.findings:
             if finding.kind not in ("exception", "invariant"):
                 continue
-            replay = application.repro(finding.file, {}, logic)
-            assert replay.results[0].outcome is Outcome.REPRODUCED, (finding.signature, replay.results[0].detail)
+            replay = application.repro(finding.file, {}, logic).results[0]
+            if replay.failure is not None and replay.failure_step == 0:
+                # A start-up refusal (triaged as such: no step sequence): repro reports vLLM's failure
+                # to build the scheduler, the same exception, as other_failure.
+                assert replay.outcome is Outcome.OTHER_FAILURE and finding.signature in replay.detail, (
+                    finding.signature, replay.detail)
+                continue
+            assert replay.outcome is Outcome.REPRODUCED, (finding.signature, replay.detail)
 
 
 def test_same_seed_same_findings(api, tmp_path):
@@ -111,12 +128,12 @@ def test_cli_json(api, release, tmp_path):
     cli = typer.Typer()
     cli.command()(explore)
     cli.command("noop")(lambda: None)  # two commands: Typer keeps `explore` as a subcommand
-    # 100: K1 comes after ~60 examples at seed 0 (the tiering spec and the layouts share the draws)
-    result = CliRunner().invoke(cli, ["explore", "--seed", "0", "--max-examples", "100", "--json",
+    # seed 1, 100: K1 comes after 86 examples there (measured on 0.26.0 with the hash-delay draws)
+    result = CliRunner().invoke(cli, ["explore", "--seed", "1", "--max-examples", "100", "--json",
                                       "--out", str(tmp_path)])
     document = json.loads(result.stdout)
     assert document["schema_version"] == 1
-    assert document["logic"] == "installed" and document["seed"] == 0
+    assert document["logic"] == "installed" and document["seed"] == 1
     assert document["examples"] == 100
     for finding in document["findings"]:
         assert set(finding) >= {"signature", "file", "steps", "seed"}
@@ -213,3 +230,17 @@ def test_every_finding_kind_writes_a_loadable_recipe():
             assert len(loaded.steps) <= len(recipe.steps)
         if obs.kind == "invariant":
             assert loaded.signature.invariant == "no-orphan-transfer-jobs"
+
+
+def test_a_shared_assert_is_labelled_by_the_findings_trigger():
+    """K1 and K6 fire the same assert in `_build_store_jobs`; a finding that withholds block hashes
+    is K6's (its offload keys lag its blocks), one that does not is K1's."""
+    from kvdoctor.explore.findings import known_bug
+    from kvdoctor.recipes.model import Signature
+
+    signature = Signature(exception="AssertionError", function="_build_store_jobs",
+                          contains="len(offload_keys) == len(offload_block_ids)")
+    assert known_bug(signature)[0] == "K1"
+    assert known_bug(signature, actions=frozenset({"add", "schedule", "abort"}))[0] == "K1"
+    bug, recipes = known_bug(signature, actions=frozenset({"add", "delay_block_hashes", "schedule"}))
+    assert (bug, recipes) == ("K6", ("offload-keys-lag-blocks",))

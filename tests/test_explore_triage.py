@@ -154,3 +154,55 @@ def test_hybrid_geometries_fit_a_whole_length_request_in_both_groups():
     swa = Geometry(4, 1, 13, 16, 256, False, layout="swa-full", sliding_window=16)
     assert single.max_model_len == 48 and swa.max_model_len == 24
     assert "fill_pool" not in str(to_recipe(Example(swa, (("add", ("fill",), 2, None),))).steps)
+
+
+# Measured: the generated K6 sequence below fails in _build_store_jobs on 0.26.0; on 0.34.0 (PR #52923
+# caps storable chunks by the offload keys there) it runs through, as K6's own recipe does.
+LATE_HASHES_FAIL = {(0, 26): True, (0, 34): False}
+
+
+def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_caveat(api, release, tmp_path):
+    """K6's state from explore's own events (a one-chunk prompt, decode offloaded, its hashes delayed
+    while it decodes a second chunk): the store pass pairs more blocks than keys. The recipe written
+    for it replays with `repro FILE`; triage reads the delay as reachable (P/D, hybrid) with a caveat,
+    and the example runs without GPU prefix caching."""
+    from kvdoctor.explore.findings import Finding, finding_recipe, write_findings
+    from kvdoctor.explore.runner import observe
+    from kvdoctor.explore.triage import triage
+
+    if tuple(release) not in LATE_HASHES_FAIL:
+        pytest.skip(f"measured on vLLM 0.26 and 0.34 only, not {release}")
+    # 4-token blocks, one per chunk, 8 GPU blocks, decoded tokens offloaded; as `Example.decode` sets it
+    geometry = Geometry(4, 1, 8, 16, 256, False, offload_prompt_only=False, enable_prefix_caching=False)
+    events = (("add", ("chunks", 1), 16, None), ("schedule", 1), ("delay", 0), ("schedule", 8))
+    example = Example(geometry, events)
+    recipe = to_recipe(example)
+    actions = [step.action for step in recipe.steps]
+    assert "delay_block_hashes" in actions and "release_block_hashes" in actions  # released before the tail
+    assert recipe.setup["enable_prefix_caching"] is False
+    obs = observe(api, recipe, "installed")
+    fails = LATE_HASHES_FAIL[tuple(release)]
+    assert (obs.signature == "AssertionError in _build_store_jobs") == fails, obs.detail
+    if not fails:
+        return
+    undelayed = to_recipe(Example(geometry, tuple(e for e in events if e[0] != "delay")))
+    assert observe(api, undelayed, "installed").signature is None  # the late hashes are what fails
+    finding = Finding(obs.signature, obs.kind, obs.detail, finding_recipe(recipe, obs, "late"), 0, 0, 0, 1,
+                      "installed", api.version_text, 0, 0.0)
+    write_findings([finding], tmp_path)
+    replay = application.repro(finding.file, {}, "installed")
+    assert replay.results[0].outcome is Outcome.REPRODUCED
+    result = triage(api, finding)
+    assert result.without_connector == "does not reproduce"
+    assert not result.harness_caused
+    assert any("late block hashes" in note for note in result.reachable_notes), result.reachable_notes
+    assert any("withholding" in note for note in result.caveats), result.caveats
+
+
+def test_an_example_with_a_hash_delay_runs_without_gpu_prefix_caching():
+    geometry = (0,) * 11
+    delayed = Example.decode((geometry, [(0, 0, 0, 0), (1, 0, 0, 0), (16, 0, 0, 0)]))  # schedule, add, delay
+    plain = Example.decode((geometry, [(0, 0, 0, 0), (1, 0, 0, 0)]))
+    assert not delayed.geometry.enable_prefix_caching and plain.geometry.enable_prefix_caching
+    assert [s.action for s in to_recipe(delayed).steps].count("release_block_hashes") == 1
+    assert "enable_prefix_caching" not in to_recipe(plain).setup

@@ -59,9 +59,9 @@ def explore(
 
     Hypothesis draws a serving geometry (block and chunk sizes, pool, batch budget, the offloading spec,
     the model's KV layout) and a sequence of events (add, with shared prefixes; schedule;
-    abort; finish by EOS; hold, complete or fail transfers; reset the prefix cache; drain) and runs it,
-    sync and async, under every kvdoctor invariant; then every transfer completes and every finished
-    request's connector state must be released.
+    abort; finish by EOS; hold, complete or fail transfers; reset the prefix cache; drain; delay or
+    release a request's block hashes) and runs it, sync and async, under every kvdoctor invariant; then
+    every transfer completes and every finished request's connector state must be released.
 
     Each distinct failure (exception + innermost vLLM function, or invariant) is shrunk by hypothesis
     and written to --out as a recipe that `kvdoctor repro FILE` replays; a finding whose signature is

@@ -65,7 +65,7 @@ class Finding:
     @property
     def known(self) -> tuple[str, tuple[str, ...]] | None:
         """(bug, built-in recipe names) when a built-in recipe has this finding's signature."""
-        return known_bug(self.recipe.signature)
+        return known_bug(self.recipe.signature, actions=step_actions(self.recipe.steps))
 
     @property
     def label(self) -> str:
@@ -107,9 +107,21 @@ def _signature_matches(known: Signature, found: Signature, haystack: str = "") -
     return not known.contains or known.contains in " ".join((found.contains or "", haystack))
 
 
-def known_bug(signature: Signature, haystack: str = "") -> tuple[str, tuple[str, ...]] | None:
+# Step actions that shape which bug a shared signature is: K1 and K6 fire the same assert, and
+# only K6's recipe withholds block hashes (its offload keys lag its blocks).
+TRIGGER_ACTIONS = frozenset({"delay_block_hashes"})
+
+
+def step_actions(steps: tuple[Step, ...]) -> frozenset[str]:
+    return frozenset(step.action for step in steps)
+
+
+def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] = frozenset()
+              ) -> tuple[str, tuple[str, ...]] | None:
     """The known bug (and its built-in recipes) whose failure signature this one is (`haystack`: more
-    text of the failure, its source line and message, for a built-in's `contains`)."""
+    text of the failure, its source line and message, for a built-in's `contains`). Where several
+    bugs share the signature, the one whose recipes use the finding's trigger-shaping actions
+    (`actions`: the finding's step actions) comes first, then the catalogue's order."""
     from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
 
@@ -119,9 +131,10 @@ def known_bug(signature: Signature, haystack: str = "") -> tuple[str, tuple[str,
         return None
     from kvdoctor.recipes.model import bug_order
 
-    # The catalogue's first bug with this signature (K1 and K6 share `_build_store_jobs`' assert).
+    # K1 and K6 share `_build_store_jobs`' assert: a finding that withholds hashes is K6's.
+    shaping = actions & TRIGGER_ACTIONS
     matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)),
-                     key=lambda r: bug_order(r.bug))
+                     key=lambda r: (shaping != step_actions(r.steps) & TRIGGER_ACTIONS, bug_order(r.bug)))
     if not matches:
         return None
     return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
@@ -166,7 +179,7 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
 
 
 def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, round_: int, logic: str,
-                 vllm_version: str) -> str:
+                 vllm_version: str, actions: frozenset[str] = frozenset()) -> str:
     lines = [
         f"Found by `kvdoctor explore --seed {seed} --logic {logic}` on vLLM {vllm_version} "
         f"(worker {worker}, round {round_}, hypothesis seed {example_seed}) and shrunk by hypothesis.",
@@ -175,7 +188,7 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
     ]
     if obs.kind == "exception" and obs.exception and obs.function:
         known = known_bug(Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs)),
-                          " ".join(filter(None, (obs.code, obs.message))))
+                          " ".join(filter(None, (obs.code, obs.message))), actions)
     elif obs.kind == "invariant":
         known = known_bug(Signature(invariant=obs.invariant))
     else:

@@ -17,7 +17,10 @@ fill_pool; max_tokens; a prefix shared with an earlier request), schedule (1-8
 engine steps; most events are also followed by a few), abort, finish by EOS,
 hold / complete / fail transfers (per request or all, per kind), reset the
 prefix cache (optionally preempting running requests and resetting the
-connector), drain (apply the async output in flight). Geometry: block size,
+connector), drain (apply the async output in flight), delay / release a request's
+block hashes (its offload keys lag its blocks, as in P/D and hybrid deployments;
+an example that delays any runs without GPU prefix caching, and its still-withheld
+hashes are released before the settle tail). Geometry: block size,
 blocks per chunk, GPU blocks (4-24: small pools force queueing and preemption),
 max_num_seqs, max_num_batched_tokens, sync or async scheduling, a small CPU
 tier (evictions) or a roomy one, prompt-only or prompt-and-decode offloading,
@@ -65,6 +68,10 @@ class Geometry:
     sliding_window: int | None = None  # swa-full's window, in tokens
     mamba_cache_mode: str | None = None  # mamba-hybrid's CacheConfig.mamba_cache_mode
     worker: str = "simulated"  # not drawn: `explore --worker`
+    # Off where the example withholds block hashes: vLLM's GPU block pool caches a full block by
+    # its hash and indexes hashes that have not arrived (cache_full_blocks), so an engine whose
+    # hashes arrive late runs without GPU prefix caching (as K6's recipe does).
+    enable_prefix_caching: bool = True
 
     @property
     def groups(self) -> int:
@@ -92,6 +99,7 @@ class Geometry:
             "max_model_len": self.max_model_len,
             **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
+            **({} if self.enable_prefix_caching else {"enable_prefix_caching": False}),
             **({} if self.worker == "simulated" else {"worker": self.worker}),
         }
 
@@ -102,7 +110,7 @@ class Geometry:
 # flat draws per example keep hypothesis' share of the time small next to the scheduler's
 # (see benchmarks/bench_explore.py).
 EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule", "finish",
-               "hold", "complete", "fail", "reset", "schedule", "add", "abort", "drain")
+               "hold", "complete", "fail", "reset", "schedule", "add", "abort", "drain", "delay", "release")
 BLOCK_SIZES = (4, 2, 8, 16, 1)
 MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
@@ -165,6 +173,9 @@ def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...
       request a % 6 - 1); b = the kind (any, store, load); c = the gap
     - reset_prefix_cache: a & 1 reset_running_requests, b & 1 reset_connector; c = the gap
     - drain (apply the async output in flight, as an engine going idle does): a = the gap
+    - delay / release block hashes (a request's block hashes, so its offload keys, arrive
+      later than its blocks, as in P/D, hybrid models, lookahead hashes): a = the request
+      (a % 16); b = the gap
     A request number k names the k-th latest request added so far (0: the latest), modulo
     how many there are.
     """
@@ -177,7 +188,7 @@ def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...
         size = ("fill",) if kind == "fill" else (kind, 1 + (a % 64 if kind == "tokens" else a % 8))
         prefix = None if c < 128 else ((c // 8) % 16, None if c % 8 == 7 else c % 8 + 1)
         event, gap = ("add", size, 1 + b % 16, prefix), GAPS[b // 32]
-    elif action in ("abort", "finish"):
+    elif action in ("abort", "finish", "delay", "release"):
         event, gap = (action, a % 16), GAPS[b % 8]
     elif action in ("hold", "complete", "fail"):
         target = a % 6
@@ -213,7 +224,10 @@ class Example:
         geometry = decode_geometry(fields, specs)
         if worker != "simulated":
             geometry = dataclasses.replace(geometry, worker=worker)
-        return cls(geometry, tuple(event for fields in events for event in decode_event(*fields)))
+        decoded = tuple(event for fields in events for event in decode_event(*fields))
+        if any(event[0] == "delay" for event in decoded):
+            geometry = dataclasses.replace(geometry, enable_prefix_caching=False)
+        return cls(geometry, decoded)
 
 
 def examples(max_events: int) -> st.SearchStrategy[Any]:
@@ -242,6 +256,7 @@ def event_steps(example: Example) -> list[Step]:
     names: list[str] = []
     lengths: dict[str, int] = {}
     steps: list[Step] = []
+    withheld: set[str] = set()  # requests whose block hashes are delayed now
 
     def pick(k: int) -> str:
         """Counted back from the latest request (0: the latest), so that deleting an earlier
@@ -289,6 +304,12 @@ def event_steps(example: Example) -> list[Step]:
         elif action in ("abort", "finish"):
             if names:
                 steps.append(Step(action, {"request": pick(event[1])}, 0))
+        elif action in ("delay", "release"):
+            if names:
+                rid = pick(event[1])
+                if (rid in withheld) == (action == "release"):  # only a change: delay once, release once
+                    (withheld.add if action == "delay" else withheld.discard)(rid)
+                    steps.append(Step(f"{action}_block_hashes", {"request": rid}, 0))
         elif action in ("hold", "complete", "fail"):
             _, target, kind = event
             args = {}
@@ -311,6 +332,8 @@ def event_steps(example: Example) -> list[Step]:
             steps.append(Step("drain", {}, 0))
         else:  # pragma: no cover - the strategy draws only the events above
             raise ValueError(f"unknown event {event!r}")
+    # Late hashes arrive in the end: the settle tail then judges a request whose keys all exist.
+    steps.extend(Step("release_block_hashes", {"request": rid}, 0) for rid in names if rid in withheld)
     return steps
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
-from kvdoctor.explore.findings import Finding, finding_recipe, merge, summary_text
+from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import Example, examples, mode_variants, to_recipe
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
@@ -200,7 +200,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         if outcome is not None:
             recipe, obs = outcome
             assert obs.signature is not None
-            summary = summary_text(obs, config.seed, seed_here, worker, round_, config.logic, api.version_text)
+            summary = summary_text(obs, config.seed, seed_here, worker, round_, config.logic, api.version_text,
+                                   step_actions(recipe.steps))
             finding = Finding(signature=obs.signature, kind=obs.kind, detail=obs.detail,
                               recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
                               example_seed=seed_here, worker=worker, round=round_, logic=config.logic,

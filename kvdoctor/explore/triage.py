@@ -22,7 +22,12 @@ Two questions, each answered by running or by reading vLLM, never assumed:
       is one no server runs;
     - an exception raised in kvdoctor itself is the harness's by definition;
     - a failure while building the scheduler is a configuration a server refuses
-      to start with, not a sequence of steps.
+      to start with, not a sequence of steps;
+    - `delay_block_hashes` (a request's block hashes, so its offload keys, arrive
+      after its blocks) is what a P/D decode instance, a hybrid model or
+      lookahead block hashes (EAGLE/MTP) do; kvdoctor withholds them from vLLM's
+      own hasher, so the finding is reachable but carries a caveat saying how the
+      lag was made, for the reader to weigh against their deployment.
     Adds, schedules, aborts, EOS, held or completed transfers and drains are
     what an engine does between and during its steps.
 
@@ -165,6 +170,11 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
         else:
             reasons.append("a transfer failed, but this vLLM's offloading worker has no failure path "
                            "(it asserts every transfer succeeds)")
+    if any(step.action == "delay_block_hashes" for step in recipe.steps):
+        reachable.append("late block hashes: a request's offload keys lag its blocks as in P/D decode "
+                         "instances, hybrid models and lookahead block hashes (EAGLE/MTP)")
+        caveats.append("kvdoctor made the hashes late by withholding them from vLLM's request block "
+                       "hasher (computed in full on release); GPU prefix caching is off in such a recipe")
     if any(step.action == "drain" for step in recipe.steps) and setup.async_scheduling:
         reachable.append("drain: an engine core with nothing to schedule applies the batch in flight "
                          "without scheduling (step_with_batch_queue), as pause_generation waits for")
