@@ -43,8 +43,12 @@ class ReproReport:
         return self.results[0]
 
 
-def resolve_setup(recipe: Recipe, overrides: dict[str, Any]) -> Setup:
-    """Recipe defaults, then the user's flags; validated before vLLM is imported."""
+def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bool = False) -> Setup:
+    """Recipe defaults, then the user's flags; validated before vLLM is imported.
+
+    worker_fallback: where the flags ask for vLLM's worker but the recipe's setup is one it cannot run
+    (a MultiConnector), run the simulated worker and say why in `Setup.worker_fallback` (audit does this
+    per recipe); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
     from kvdoctor.engine.setup import resolve_blocks_per_chunk
 
     base = dict(recipe.setup)
@@ -54,6 +58,15 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any]) -> Setup:
     except TypeError as exc:
         raise UsageError(f"{recipe.source}: bad [setup]: {exc}") from None
     overrides = dict(overrides)
+    if worker_fallback and (overrides.get("worker") or setup.worker) == "vllm":
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(setup)}
+        refusal = dataclasses.replace(setup, **{k: v for k, v in overrides.items()
+                                                if k in names and v is not None}).vllm_worker_refusal()
+        if refusal:
+            overrides.update(worker=None, device=None)
+            setup = dataclasses.replace(setup, worker="simulated", device=None, worker_fallback=refusal)
     offloaded = overrides.pop("_offloaded_block_size", None)
     if "extra_connector_config" in overrides and overrides["extra_connector_config"] is not None:
         overrides["extra_connector_config"] = {**setup.extra_connector_config, **overrides["extra_connector_config"]}
@@ -225,7 +238,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditRe
     from kvdoctor.scenario import run_scenario
 
     recipes = all_builtins()
-    setups = [resolve_setup(recipe, dict(overrides or {})) for recipe in recipes]
+    setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True) for recipe in recipes]
     api = load_vllm()
     report = AuditReport(vllm_version=api.version_text, command=command)
     for recipe, setup in zip(recipes, setups):

@@ -43,3 +43,56 @@ def test_extra_connector_keys_pass_through():
     overrides = parse_kv_transfer_config('{"kv_connector_extra_config": {"eviction_policy": "arc"}}')
     setup = resolve_setup(load_builtin("queued-abort"), overrides)
     assert setup.kv_connector_extra_config()["eviction_policy"] == "arc"
+
+
+K9 = "reused-block-unfenced-multiconnector"
+
+
+def test_vllm_worker_on_a_multiconnector_recipe_is_one_usage_error():
+    """repro/inspect --worker vllm of the MultiConnector recipe: exit 2, one line that says why and what to run."""
+    with pytest.raises(UsageError) as info:
+        resolve_setup(load_builtin(K9), {"worker": "vllm", "device": "cpu"})
+    message = str(info.value)
+    assert "\n" not in message and "does not drive MultiConnector" in message and "--worker simulated" in message
+
+
+def test_audit_falls_back_to_the_simulated_worker_per_recipe_and_says_why():
+    setup = resolve_setup(load_builtin(K9), {"worker": "vllm", "device": "cpu"}, worker_fallback=True)
+    assert (setup.worker, setup.device) == ("simulated", None)
+    assert "does not drive MultiConnector" in setup.worker_fallback
+    assert setup.as_dict()["worker_fallback"] == setup.worker_fallback
+    assert setup.worker_described().startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
+    # a recipe vLLM's worker can run keeps it; without the flag nothing falls back
+    other = resolve_setup(load_builtin("queued-abort"), {"worker": "vllm", "device": "cpu"}, worker_fallback=True)
+    assert (other.worker, other.worker_fallback) == ("vllm", None)
+    plain = resolve_setup(load_builtin(K9), {}, worker_fallback=True)
+    assert (plain.worker, plain.worker_fallback) == ("simulated", None)
+
+
+def test_worker_fallback_is_not_a_recipe_key():
+    from kvdoctor.recipes.loader import load_recipe_text
+
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "repros" / f"{K9}.toml").read_text()
+    text = text.replace("[setup]\n", '[setup]\nworker_fallback = "x"\n', 1)
+    from kvdoctor.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="unknown key 'worker_fallback'"):
+        load_recipe_text(text, "test")
+
+
+def test_audit_row_says_which_worker_ran_a_fallback_recipe():
+    from types import SimpleNamespace
+
+    from kvdoctor.observe.verdict import Outcome
+    from kvdoctor.report.tables import row_next_steps
+
+    recipe = load_builtin(K9)
+    setup = resolve_setup(recipe, {"worker": "vllm", "device": "cpu"}, worker_fallback=True)
+    result = SimpleNamespace(outcome=Outcome.REPRODUCED, detail="")
+    row = SimpleNamespace(recipe=recipe, setup=setup, installed=result, fixed=result, release_hint=None, hint="")
+    label, text = row_next_steps(row)[-1]
+    assert label == "worker" and text.startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
+    row.setup = resolve_setup(recipe, {})
+    assert all(label != "worker" for label, _ in row_next_steps(row))

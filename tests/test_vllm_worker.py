@@ -25,7 +25,7 @@ REPRODUCED, NOT = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 # installed-logic outcome per built-in recipe with --worker vllm (measured)
 WORKER_RECIPES = ("queued-abort", "preemption", "prefetch", "final-token-slot-stored", "finished-after-finalize",
                   "preempt-reload-same-step", "swa-unaligned-pending-bound", "eagle-final-chunk-unstored",
-                  "offload-keys-lag-blocks", "swa-unaligned-hit-missing-chunk")
+                  "offload-keys-lag-blocks", "swa-unaligned-hit-missing-chunk", "readmitted-stale-store-cursor")
 # Measured with vLLM's worker on 0.26.0 and 0.34.0 only (2026-12-04): the hybrid-layout and hash-delay
 # recipes (K3 on two block sizes, K5 with an EAGLE group, K6). K3 ran into kvdoctor's own content
 # check before (it judged a block against every group's layers); it reproduces with all checks held.
@@ -43,6 +43,12 @@ MEASURED = {
 MEASURED[(0, 34)] = dict(MEASURED[(0, 33)])  # measured on vLLM 0.34.0 (2026-12-03, V2 runner glue): as 0.33.0
 MEASURED[(0, 26)].update({name: REPRODUCED for name in NEWER})
 MEASURED[(0, 34)].update({name: NOT for name in NEWER})
+# K11, restated so that A's stores are complete before B's need their CPU slots (vLLM's worker
+# reports a store a step late): measured 2026-12-04, sync scheduling, with both workers alike:
+# reproduced on 0.26.0 (and 0.30.0, not in this table), not reproduced on 0.34.0.
+K11 = "readmitted-stale-store-cursor"
+MEASURED[(0, 26)][K11] = REPRODUCED
+MEASURED[(0, 34)][K11] = NOT
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,7 @@ def test_builtin_recipe_outcome_with_vllm_worker(api, release, vllm_runs, name):
     real, simulated = vllm_runs[name]
     assert real.outcome is expected, real.detail or real.failure
     assert "vLLM worker-role OffloadingConnector" in real.worker and real.model_runner in ("v1", "v2")
-    if name in ("queued-abort", "preemption", "prefetch", *NEWER):
+    if name in ("queued-abort", "preemption", "prefetch", *NEWER, K11):
         assert not [v for v in real.violations if v.invariant in CONTENT_INVARIANTS], real.violations
         assert real.outcome is simulated.outcome  # the K1 paths reproduce as with the simulated worker
         if real.failure is not None:

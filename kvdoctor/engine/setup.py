@@ -73,6 +73,9 @@ class Setup:
     offloading: bool = True
     device: str | None = None  # "cpu" | "cuda" (vllm worker only)
     model_runner: str | None = None  # "v1" | "v2"
+    # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (`kvdoctor audit --worker vllm`)
+    # but this recipe's setup ran with the simulated worker instead (see `vllm_worker_refusal`).
+    worker_fallback: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -105,6 +108,21 @@ class Setup:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def vllm_worker_refusal(self) -> str | None:
+        """Why vLLM's worker-role connector cannot run this setup; None where it can."""
+        if self.multi_connector:
+            return ("vLLM's worker does not drive MultiConnector here: kvdoctor's second sub-connector is a "
+                    "companion whose jobs complete as they are issued, with no worker-role connector of its own")
+        if not self.offloading:
+            return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        return None
+
+    def worker_described(self) -> str:
+        """`worker` as reports show it: the fallback and its reason where there was one."""
+        if self.worker_fallback:
+            return f"{self.worker} ({self.worker_fallback})"
+        return self.worker
+
     def validate(self) -> "Setup":
         for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use", "second_cpu_bytes_to_use"):
@@ -126,13 +144,12 @@ class Setup:
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
                 raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.multi_connector and self.worker != "simulated":
-            raise UsageError("multi_connector runs with the simulated worker only (--worker simulated)")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
-        if not self.offloading and self.worker == "vllm":
-            raise UsageError("offloading = false runs no KV connector: the vllm worker has nothing to drive "
-                             "(use the simulated worker)")
+        refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
+        if refusal:
+            raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
+                             f"(kvdoctor audit --worker vllm falls back to it for such a recipe)")
         if self.gpu_blocks > MAX_GPU_BLOCKS:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "

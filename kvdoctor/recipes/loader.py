@@ -31,7 +31,8 @@ _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
                    "request": (str,), "callers": (list,)}
-_SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.name not in ("model", "extra_connector_config")}
+_SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup)
+               if f.name not in ("model", "extra_connector_config", "worker_fallback")}
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
 

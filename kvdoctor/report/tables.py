@@ -245,7 +245,7 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
     fields += [("offload_prompt_only", setup.offload_prompt_only), ("cpu_bytes_to_use", setup.cpu_bytes_to_use),
                ("spec_name", setup.spec_name or "CPUOffloadingSpec"),
                ("model", setup.model or "tiny-llama"),  # kvdoctor's own config.json (2 layers, 2 KV heads)
-               ("worker", setup.worker)]
+               ("worker", setup.worker_described() if hasattr(setup, "worker_described") else setup.worker)]
     fields += [(name, getattr(setup, name)) for name in ("device", "model_runner") if getattr(setup, name, None)]
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
@@ -394,4 +394,9 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
     steps = next_steps(row.recipe, outcome, getattr(row, "release_hint", None), cap, row.installed.detail)
     if outcome == "reproduced":  # one "report one" line under the table instead of one per row
         steps = [(label, text) for label, text in steps if label != "report it"]
+    fallback = getattr(getattr(row, "setup", None), "worker_fallback", None)
+    if fallback:  # vLLM's worker was asked for, this recipe ran with the simulated one: say so in the row
+        if not steps and row.hint:
+            steps = [("note", row.hint)]
+        steps = [*steps, ("worker", f"{row.setup.worker} ({fallback})")]
     return steps
