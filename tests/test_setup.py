@@ -67,6 +67,10 @@ def test_audit_falls_back_to_the_simulated_worker_per_recipe_and_says_why():
     assert (other.worker, other.worker_fallback) == ("vllm", None)
     plain = resolve_setup(load_builtin(K9), {}, worker_fallback=True)
     assert (plain.worker, plain.worker_fallback) == ("simulated", None)
+    # a Mamba layout (K7's): the toy model writes attention KV only
+    mamba = resolve_setup(load_builtin("mamba-align-midblock-hit-load"), {"worker": "vllm", "device": "cpu"},
+                          worker_fallback=True)
+    assert mamba.worker == "simulated" and "Mamba layer" in mamba.worker_fallback
 
 
 def test_worker_fallback_is_not_a_recipe_key():

@@ -115,6 +115,12 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.layout:  # a shipped layout's config.json is read here, before vLLM is imported
+            from kvdoctor.engine.kv_layout import MAMBA, read_layout, shipped_layout_dir
+
+            if any(layer.kind == MAMBA for layer in read_layout(shipped_layout_dir(self.layout)).layers):
+                return (f"layout {self.layout} has a Mamba layer, and kvdoctor's toy model writes attention "
+                        f"KV only")
         return None
 
     def worker_described(self) -> str:
