@@ -148,7 +148,8 @@ def test_k7_outcome(reports, expected, mode, logic):
 
 @pytest.mark.vllm
 def test_k7_with_vllms_worker_is_refused_in_one_line(api):
-    """The toy model writes attention KV only: a Mamba layer is refused before vLLM's worker connector
-    registers the caches (on 0.26.0 its register_kv_caches asserted first: other_failure)."""
-    with pytest.raises(UsageError, match="layer model.layers.0.mixer is MambaSpec; the toy model writes attention KV"):
+    """The toy model writes attention KV only: a shipped Mamba layout is refused from its config.json,
+    before vLLM is imported (on 0.26.0 vLLM's register_kv_caches asserted first: other_failure)."""
+    with pytest.raises(UsageError, match="layout mamba-hybrid has a Mamba layer, and kvdoctor's toy model writes "
+                                         "attention KV only"):
         app.repro(K7, {"worker": "vllm", "device": "cpu"}, "installed")
