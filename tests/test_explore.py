@@ -244,3 +244,19 @@ def test_a_shared_assert_is_labelled_by_the_findings_trigger():
     assert known_bug(signature, actions=frozenset({"add", "schedule", "abort"}))[0] == "K1"
     bug, recipes = known_bug(signature, actions=frozenset({"add", "delay_block_hashes", "schedule"}))
     assert (bug, recipes) == ("K6", ("offload-keys-lag-blocks",))
+
+
+def test_the_seed_alone_names_the_draws():
+    """Inside the search Hypothesis draws from no constants mined from loaded modules (they made one seed
+    find K2 alone and not inside the test suite); the swap is scoped and undone even when the search
+    raises."""
+    from hypothesis.internal.conjecture import providers
+
+    from kvdoctor.explore.search import draws_named_by_seed
+
+    original = providers._get_local_constants
+    with pytest.raises(RuntimeError, match="stop"):
+        with draws_named_by_seed():
+            assert len(providers._get_local_constants()) == 0
+            raise RuntimeError("stop")
+    assert providers._get_local_constants is original

@@ -16,8 +16,11 @@ from kvdoctor.observe.verdict import Outcome
 
 K2 = "KeyError in prepare_store"
 RESET = "RuntimeError in reset_prefix_cache"
-# Measured with `kvdoctor explore --seed 1 --time-budget 120`: on 0.26.0 K1, K2, K4, K8 and the reset
-# failure; on 0.34.0 the reset failure (and a start-up refusal), no K2 in 5,589 examples.
+# Measured 2026-12-04 with the seed naming its draws (no constants mined from loaded modules):
+# `kvdoctor explore --seed 1 --time-budget 120` on 0.26.0 finds _build_store_jobs' assert (K1's and
+# K6's), K2, K4, K5, K8, K11, the reset failure and a start-up refusal; at 150 examples (this module's
+# search, about 3 s) K1's assert and K2. On 0.34.0 seed 1 at 150 examples finds nothing. The time budget
+# is not what bounds this search (150 examples are): a loaded machine must not change its findings.
 FINDS = {(0, 26): {K2: True, RESET: True}, (0, 34): {K2: False, RESET: True}}
 
 
@@ -33,7 +36,7 @@ def search(api, release, tmp_path_factory):
 
     wanted = expected(release)
     out = tmp_path_factory.mktemp("findings")
-    config = ExploreConfig(seed=1, max_examples=150, time_budget=60)
+    config = ExploreConfig(seed=1, max_examples=150, time_budget=600)
     report = explore(config, out, api=api)
     return wanted, {f.signature: f for f in report.findings}
 
