@@ -47,8 +47,9 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     """Recipe defaults, then the user's flags; validated before vLLM is imported.
 
     worker_fallback: where the flags ask for vLLM's worker but the recipe's setup is one it cannot run
-    (a MultiConnector), run the simulated worker and say why in `Setup.worker_fallback` (audit does this
-    per recipe); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
+    (a MultiConnector, a Mamba layout), run the simulated worker and say why in `Setup.worker_fallback`
+    (audit does this per recipe, and so does the CLI's default worker: `_default_worker` in the
+    overrides); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
     from kvdoctor.engine.setup import resolve_blocks_per_chunk
 
     base = dict(recipe.setup)
@@ -58,6 +59,10 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     except TypeError as exc:
         raise UsageError(f"{recipe.source}: bad [setup]: {exc}") from None
     overrides = dict(overrides)
+    default_worker = overrides.pop("_default_worker", None)  # the CLI's default, not the user's choice
+    if default_worker is not None and overrides.get("worker") is None and "worker" not in recipe.setup:
+        overrides["worker"] = default_worker
+        worker_fallback = True
     if worker_fallback and (overrides.get("worker") or setup.worker) == "vllm":
         import dataclasses
 

@@ -56,8 +56,10 @@ Model = Annotated[Optional[Path], typer.Option(
     "--model", help="A local model directory (config.json only is read; nothing is downloaded).",
     rich_help_panel=GEOMETRY)]
 Worker = Annotated[Optional[str], typer.Option(
-    "--worker", help="simulated: bookkeeping only (default, fastest) | vllm: vLLM's worker-role connector on real "
-                     "KV tensors with KV content checks.", rich_help_panel=WORKER, show_default=False)]
+    "--worker", help="vllm (default): vLLM's worker-role connector on real KV tensors with KV content checks | "
+                     "simulated: bookkeeping only, fastest. A recipe vLLM's worker cannot drive (MultiConnector, a "
+                     "Mamba layout) runs simulated unless --worker vllm is given, and says so.",
+    rich_help_panel=WORKER, show_default=False)]
 ModelRunner = Annotated[Optional[str], typer.Option(
     "--model-runner", help="v1 | v2: the model runner whose connector calls --worker vllm follows and whose "
                            "output the scheduler shapes (default: what a GPU deployment of this vLLM runs).",
@@ -194,12 +196,22 @@ def _writable(target: Path) -> bool:
     return True
 
 
+# repro, inspect and audit run vLLM's worker side unless told otherwise (explore keeps its own default).
+DEFAULT_WORKER = "vllm"
+
+
 def worker_overrides(worker: str | None, model_runner: str | None, device: str | None) -> dict[str, Any]:
-    """--worker / --model-runner / --device as `Setup` overrides, checked before vLLM is imported."""
+    """--worker / --model-runner / --device as `Setup` overrides, checked before vLLM is imported.
+
+    Without --worker the default rides along as `_default_worker`: a recipe's own `worker` key wins
+    over it, and a recipe vLLM's worker cannot drive falls back to the simulated one, visibly."""
     for flag, value, allowed in (("--worker", worker, ("simulated", "vllm")), ("--model-runner", model_runner,
                                  ("v1", "v2")), ("--device", device, ("cpu", "cuda"))):
         if value is not None and value not in allowed:
             raise UsageError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")
-    if device is not None and (worker or "simulated") != "vllm":
-        raise UsageError("--device places the KV tensors of --worker vllm; add --worker vllm")
-    return {"worker": worker, "model_runner": model_runner, "device": device}
+    if device is not None and (worker or DEFAULT_WORKER) != "vllm":
+        raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
+    overrides: dict[str, Any] = {"worker": worker, "model_runner": model_runner, "device": device}
+    if worker is None:
+        overrides["_default_worker"] = DEFAULT_WORKER
+    return overrides
