@@ -34,10 +34,17 @@ def _render(renderables) -> str:
     return "\n".join(line.rstrip() for line in console.export_text().splitlines())
 
 
+def _cli_defaults() -> dict:
+    """The overrides a command line without flags gives (the default worker: vLLM's)."""
+    from kvdoctor.cli.options import worker_overrides
+
+    return worker_overrides(None, None, None)
+
+
 def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
 
-    return app.repro(name, {}, logic, record_timeline=True, command=f"kvdoctor repro {name}")
+    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}")
 
 
 def example_repro_queued_abort() -> str:
@@ -58,7 +65,7 @@ def example_audit() -> str:
     from kvdoctor import app
     from kvdoctor.report.tables import audit_renderables
 
-    return "$ kvdoctor audit\n" + _render(audit_renderables(app.audit(command="kvdoctor audit")))
+    return "$ kvdoctor audit\n" + _render(audit_renderables(app.audit(command="kvdoctor audit", overrides=_cli_defaults())))
 
 
 def example_usage_error() -> str:
