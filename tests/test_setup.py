@@ -100,3 +100,19 @@ def test_audit_row_says_which_worker_ran_a_fallback_recipe():
     assert label == "worker" and text.startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
     row.setup = resolve_setup(recipe, {})
     assert all(label != "worker" for label, _ in row_next_steps(row))
+
+
+def test_the_command_lines_default_worker_is_vllms_and_falls_back_visibly():
+    """Without --worker, repro/inspect/audit run vLLM's worker; a recipe it cannot drive runs simulated and
+    says why (no exit 2: the user asked for nothing), and --worker simulated still wins."""
+    from kvdoctor.cli.options import worker_overrides
+
+    default = worker_overrides(None, None, None)
+    plain = resolve_setup(load_builtin("queued-abort"), default)
+    assert (plain.worker, plain.worker_fallback) == ("vllm", None)
+    k9 = resolve_setup(load_builtin(K9), default)
+    assert k9.worker == "simulated" and "does not drive MultiConnector" in k9.worker_fallback
+    chosen = resolve_setup(load_builtin("queued-abort"), worker_overrides("simulated", None, None))
+    assert (chosen.worker, chosen.worker_fallback) == ("simulated", None)
+    with pytest.raises(UsageError, match="drop --worker simulated"):
+        worker_overrides("simulated", None, "cpu")
