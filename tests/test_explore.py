@@ -257,6 +257,7 @@ def test_the_seed_alone_names_the_draws():
     original = providers._get_local_constants
     with pytest.raises(RuntimeError, match="stop"):
         with draws_named_by_seed():
+            assert providers._get_local_constants is not original
             assert len(providers._get_local_constants()) == 0
             raise RuntimeError("stop")
     assert providers._get_local_constants is original

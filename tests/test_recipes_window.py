@@ -74,15 +74,6 @@ def test_k3_layout_has_mixed_granularity(reports):
     assert sorted((g.kind, g.block_size) for g in plan.groups) == [("full_attention", 16), ("sliding_window", 64)]
 
 
-@pytest.mark.parametrize("logic", LOGICS)
-def test_k3_outcome(reports, expected, logic):
-    run = result(reports, K3, logic)
-    want = expected[K3][logic]
-    assert run.outcome is want, f"{K3} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
-    if want is R:
-        assert "num_pending_gpu_blocks" in ((run.failure.code or "") + run.failure.message)
-
-
 def test_k12_recipe_states_its_trigger():
     recipe = load_builtin(K12)
     assert recipe.bug == "K12" and any("54914" in ref for ref in recipe.refs)
@@ -90,11 +81,25 @@ def test_k12_recipe_states_its_trigger():
     assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "prepare_load")
 
 
+
+def _k3_failure(failure):
+    assert "num_pending_gpu_blocks" in ((failure.code or "") + failure.message)
+
+
+def _k12_failure(failure):
+    assert "not found in cache" in failure.message
+    assert "update_state_after_alloc" in " ".join(frame.function for frame in failure.vllm_frames)
+
+
+# What a reproduced run's failure must show, per recipe.
+FAILURE_CHECKS = {K3: _k3_failure, K12: _k12_failure}
+
+
 @pytest.mark.parametrize("logic", LOGICS)
-def test_k12_outcome(reports, expected, logic):
-    run = result(reports, K12, logic)
-    want = expected[K12][logic]
-    assert run.outcome is want, f"{K12} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
+@pytest.mark.parametrize("name", (K3, K12))
+def test_outcome(reports, expected, name, logic):
+    run = result(reports, name, logic)
+    want = expected[name][logic]
+    assert run.outcome is want, f"{name} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
     if want is R:
-        assert "not found in cache" in run.failure.message
-        assert "update_state_after_alloc" in " ".join(frame.function for frame in run.failure.vllm_frames)
+        FAILURE_CHECKS[name](run.failure)

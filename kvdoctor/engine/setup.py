@@ -73,8 +73,9 @@ class Setup:
     offloading: bool = True
     device: str | None = None  # "cpu" | "cuda" (vllm worker only)
     model_runner: str | None = None  # "v1" | "v2"
-    # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (`kvdoctor audit --worker vllm`)
-    # but this recipe's setup ran with the simulated worker instead (see `vllm_worker_refusal`).
+    # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (the command line's default, or
+    # `kvdoctor audit --worker vllm`) but this recipe's setup ran with the simulated worker instead (see
+    # `vllm_worker_refusal`).
     worker_fallback: str | None = None
 
     @property
