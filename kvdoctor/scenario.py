@@ -210,8 +210,10 @@ class ScenarioRun:
     """One recipe, one variant, one fresh scheduler."""
 
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
-                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset()) -> None:
+                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
+                 build_cache: Any = None) -> None:
         self.api = api
+        self.build_cache = build_cache  # harness.BuildCache: per-setup build pieces reused (explore)
         from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 
         content = CONTENT_INVARIANTS if setup.worker == "vllm" else ()
@@ -243,7 +245,7 @@ class ScenarioRun:
             self.result.detail = "; ".join(reasons)
             return self.result
         try:
-            harness = Harness(self.api, self.setup)
+            harness = Harness(self.api, self.setup, self.build_cache)
         except KvdoctorError:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
@@ -434,7 +436,9 @@ def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[s
 
 
 def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
-                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset()) -> RunResult:
+                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
+                 build_cache: Any = None) -> RunResult:
     """`timeline_at`: step counters (1-based, schedule repeats counted) whose entry is recorded even
-    when `record_timeline` is off."""
-    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at).run()
+    when `record_timeline` is off. `build_cache`: a `harness.BuildCache` (explore's)."""
+    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at,
+                       build_cache).run()

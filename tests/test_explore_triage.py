@@ -16,11 +16,13 @@ from kvdoctor.observe.verdict import Outcome
 
 K2 = "KeyError in prepare_store"
 RESET = "RuntimeError in reset_prefix_cache"
-# Measured 2026-12-04 with the seed naming its draws (no constants mined from loaded modules):
-# `kvdoctor explore --seed 1 --time-budget 120` on 0.26.0 finds _build_store_jobs' assert (K1's and
-# K6's), K2, K4, K5, K8, K11, the reset failure and a start-up refusal; at 150 examples (this module's
-# search, about 3 s) K1's assert and K2. On 0.34.0 seed 1 at 150 examples finds nothing. The time budget
-# is not what bounds this search (150 examples are): a loaded machine must not change its findings.
+# Measured 2026-12-04 with bytes draws (one per event and one for the geometry) and the seed naming its
+# draws (no constants mined from loaded modules): `kvdoctor explore --seed 1 --time-budget 120` on 0.26.0
+# finds the reset failure, _build_store_jobs' assert (K1's and K6's), K4 and K2 within 5 s, then K5, a
+# start-up refusal, K8, K11 and a `_lookup` assert; at 300 examples (this module's search, about 6 s) the
+# reset failure, K1's assert, K4 and K2 (K2 after 252 examples). On 0.34.0 seed 1 at 300 examples finds
+# the reset failure alone. The time budget is not what bounds this search (300 examples are): a loaded
+# machine must not change its findings.
 FINDS = {(0, 26): {K2: True, RESET: True}, (0, 34): {K2: False, RESET: True}}
 
 
@@ -36,7 +38,7 @@ def search(api, release, tmp_path_factory):
 
     wanted = expected(release)
     out = tmp_path_factory.mktemp("findings")
-    config = ExploreConfig(seed=1, max_examples=150, time_budget=600)
+    config = ExploreConfig(seed=1, max_examples=300, time_budget=600)
     report = explore(config, out, api=api)
     return wanted, {f.signature: f for f in report.findings}
 
@@ -204,8 +206,8 @@ def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_ca
 
 def test_an_example_with_a_hash_delay_runs_without_gpu_prefix_caching():
     geometry = (0,) * 11
-    delayed = Example.decode((geometry, [(0, 0, 0, 0), (1, 0, 0, 0), (16, 0, 0, 0)]))  # schedule, add, delay
-    plain = Example.decode((geometry, [(0, 0, 0, 0), (1, 0, 0, 0)]))
+    delayed = Example.from_fields(geometry, [(0, 0, 0, 0), (1, 0, 0, 0), (16, 0, 0, 0)])  # schedule, add, delay
+    plain = Example.from_fields(geometry, [(0, 0, 0, 0), (1, 0, 0, 0)])
     assert not delayed.geometry.enable_prefix_caching and plain.geometry.enable_prefix_caching
     assert [s.action for s in to_recipe(delayed).steps].count("release_block_hashes") == 1
     assert "enable_prefix_caching" not in to_recipe(plain).setup

@@ -498,10 +498,20 @@ def test_setup_model_is_not_a_recipe_key(tmp_path: Path) -> None:
     ('gpu_blocks = 8\nasync_scheduling = "true"', "[setup] async_scheduling must be true or false, got 'true'"),
     ("gpu_blocks = 8\nspec_name = 3", "[setup] spec_name must be a string, got 3"),
     ("gpu_blocks = 8\nkv_connector_extra_config = 3", "[setup] kv_connector_extra_config must be a table, got 3"),
+    ("gpu_blocks = 8\nworker = 1", "[setup] worker must be a string, got 1"),
+    ('gpu_blocks = 8\nworker = "gpu"', '[setup] worker must be "simulated" or "vllm", got \'gpu\''),
 ])
 def test_setup_value_types(tmp_path: Path, new: str, expected: str) -> None:
     text = replace(GOOD, "gpu_blocks = 8", new)
     assert_error(tmp_path, text, line_of(text, new.split("\n")[-1]), expected)
+
+
+@pytest.mark.parametrize("worker", ["simulated", "vllm"])
+def test_setup_names_its_worker(tmp_path: Path, worker: str) -> None:
+    """A recipe may name the worker it runs with (explore's findings name the one they were found with);
+    it was read as an integer, so no such recipe loaded."""
+    text = replace(GOOD, "gpu_blocks = 8", f'gpu_blocks = 8\nworker = "{worker}"')
+    assert load_recipe_file(write(tmp_path, text)).setup["worker"] == worker
 
 
 def test_setup_extra_connector_config_table(tmp_path: Path) -> None:

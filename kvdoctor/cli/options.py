@@ -205,7 +205,9 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
 
     Without --worker the default rides along as `_default_worker`: a recipe's own `worker` key wins
     over it, and a recipe vLLM's worker cannot drive falls back to the simulated one, visibly."""
-    for flag, value, allowed in (("--worker", worker, ("simulated", "vllm")), ("--model-runner", model_runner,
+    from kvdoctor.engine.setup import WORKERS
+
+    for flag, value, allowed in (("--worker", worker, WORKERS), ("--model-runner", model_runner,
                                  ("v1", "v2")), ("--device", device, ("cpu", "cuda"))):
         if value is not None and value not in allowed:
             raise UsageError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")

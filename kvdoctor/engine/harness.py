@@ -10,6 +10,7 @@ local model directory or a shipped config), so nothing is downloaded.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -78,10 +79,54 @@ def validation_message(exc: BaseException) -> str:
     return " · ".join(lines) if lines else type(exc).__name__
 
 
-def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
+class BuildCache:
+    """The per-setup pieces of a build (VllmConfig, vLLM's KV cache plan), kept across the builds of
+    one process that runs many short scenarios on few setups (`kvdoctor explore`). Each build still
+    gets a fresh Scheduler, connector and worker; they share these objects, which no scheduler
+    mutates (measured on 0.26.0: the VllmConfig's and KVCacheConfig's repr is unchanged after 150
+    explored runs). Only the simulated worker's setups are cached; oldest entries are dropped."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._entries: dict[str, tuple[Any, ...]] = {}
+        self.hits = self.misses = 0
+
+    def pieces(self, api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
+        if setup.worker != "simulated":
+            return _build_pieces(api, setup)
+        key = repr(setup)
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            entry = _build_pieces(api, setup)
+            if len(self._entries) >= self.size:
+                del self._entries[next(iter(self._entries))]
+            self._entries[key] = entry
+        else:
+            self.hits += 1
+        vllm_config, kv_plan, *rest = entry
+        return (vllm_config, dataclasses.replace(kv_plan, notes=list(kv_plan.notes)), *rest)
+
+
+def build_scheduler(api: VllmApi, setup: Setup, cache: BuildCache | None = None) -> tuple[Any, kv_layout.KvPlan]:
     """The real scheduler with the real connector, its KV cache groups planned by vLLM, and a CPU tier
     of real capacity. The ModelConfig is kvdoctor's tiny Llama: the scheduler reads no weights or
     architecture; the model's layer layout comes from its config.json (`kv_layout`)."""
+    vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size = (
+        cache.pieces(api, setup) if cache is not None else _build_pieces(api, setup))
+    scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
+                     else api.cls("scheduler", "Scheduler"))
+    structured = api.cls("structured_output", "StructuredOutputManager")(vllm_config)
+    # An exception here is vLLM's (its connector failed to initialise): the scenario reports it as
+    # other_failure, never as the user's fault.
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+                              structured_output_manager=structured, block_size=block_size,
+                              hash_block_size=hash_block_size)
+    return scheduler, kv_plan
+
+
+def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
+    """(VllmConfig, plan, scheduler KVCacheConfig, block size, hash block size) for a setup."""
     config_mod = api.mods["config"]
     model_config = _model_config(api, setup.max_model_len)
     scheduler_kwargs: dict[str, Any] = dict(
@@ -112,16 +157,7 @@ def build_scheduler(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan]:
 
     kv_plan, kv_cache_config, block_size, hash_block_size = kv_layout.plan(api, vllm_config, setup)
     _chunk_in_blocks_for_mixed_groups(vllm_config, kv_plan, setup)
-
-    scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
-                     else api.cls("scheduler", "Scheduler"))
-    structured = api.cls("structured_output", "StructuredOutputManager")(vllm_config)
-    # An exception here is vLLM's (its connector failed to initialise): the scenario reports it as
-    # other_failure, never as the user's fault.
-    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
-                              structured_output_manager=structured, block_size=block_size,
-                              hash_block_size=hash_block_size)
-    return scheduler, kv_plan
+    return vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size
 
 
 def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
@@ -183,10 +219,10 @@ def _gpu_default_model_runner(setup: Setup, scheduler: Any) -> str:
 class Harness:
     """Drives one scheduler through add / step / abort / finish, like an engine core would."""
 
-    def __init__(self, api: VllmApi, setup: Setup) -> None:
+    def __init__(self, api: VllmApi, setup: Setup, build_cache: BuildCache | None = None) -> None:
         self.api = api
         self.setup = setup
-        self.scheduler, self.kv_plan = build_scheduler(api, setup)
+        self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
         self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
         self.model_runner = self._choose_model_runner()

@@ -16,6 +16,7 @@ from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
+WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
 
 # vLLM's block pool is one Python object per GPU block: measured here ~22 us and ~130 bytes a block
 # to build (100,000 blocks: 2.3 s). Above this the build alone takes minutes: refuse, in one line.
@@ -146,7 +147,7 @@ class Setup:
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
                              f"got {self.mamba_cache_mode!r}")
-        for name, allowed in (("worker", ("simulated", "vllm")), ("device", (None, "cpu", "cuda")),
+        for name, allowed in (("worker", WORKERS), ("device", (None, "cpu", "cuda")),
                               ("model_runner", (None, "v1", "v2"))):
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)

@@ -100,15 +100,20 @@ class Geometry:
             **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
             **({} if self.enable_prefix_caching else {"enable_prefix_caching": False}),
-            **({} if self.worker == "simulated" else {"worker": self.worker}),
+            # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
+            # differs, and a finding must replay as it was found.
+            "worker": self.worker,
         }
 
 
-# What hypothesis draws is plain small integers, each in 0..255 or less, where its
-# distribution is uniform and shrinking moves every field towards 0 independently; 0 always
-# decodes to the simplest choice (a `schedule`, the smallest sizes, no prefix, no gap). Few,
-# flat draws per example keep hypothesis' share of the time small next to the scheduler's
-# (see benchmarks/bench_explore.py).
+# What hypothesis draws is bytes: one uniform byte per field, read as the field's value scaled to
+# its range (`byte * n >> 8`, so 0 reads as 0 and the mapping keeps order); 0 always decodes to the
+# simplest choice (a `schedule`, the smallest sizes, no prefix, no gap), and shrinking lowers each
+# byte towards 0 on its own. One bytes draw per event and one for the geometry, not one integer per
+# field: every draw is a choice node in hypothesis' generation and shrinking bookkeeping, and four
+# per event made that bookkeeping a larger share of explore's time than vLLM's scheduler (see
+# benchmarks/bench_explore.py). Hypothesis' integers would also not do: they favour small values,
+# where bytes are uniform.
 EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule", "finish",
                "hold", "complete", "fail", "reset", "schedule", "add", "abort", "drain", "delay", "release")
 BLOCK_SIZES = (4, 2, 8, 16, 1)
@@ -200,17 +205,31 @@ def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...
     return (event, ("schedule", gap)) if gap else (event,)
 
 
+# How many values each geometry field takes, in `decode_geometry`'s order.
+GEOMETRY_RANGES = (len(BLOCK_SIZES), 4, MAX_GPU_BLOCKS - MIN_GPU_BLOCKS + 1, len(MAX_NUM_SEQS),
+                   len(BATCHED_TOKENS), 2, len(CPU_TIERS), 2, len(SPECS), len(LAYOUTS), 8)
+EVENT_BYTES = 4  # the row of EVENT_TABLE, then a, b, c
+
+
+def scaled(byte: int, n: int) -> int:
+    """A uniform byte as one of n values, order kept (0 stays 0)."""
+    return byte * n >> 8
+
+
+def geometry_fields(raw: bytes) -> tuple[int, ...]:
+    return tuple(scaled(byte, n) for byte, n in zip(raw, GEOMETRY_RANGES))
+
+
+def event_fields(raw: bytes) -> tuple[int, int, int, int]:
+    return scaled(raw[0], len(EVENT_TABLE)), raw[1], raw[2], raw[3]
+
+
 @lru_cache(maxsize=None)
 def raw_examples(max_events: int) -> st.SearchStrategy[Any]:
-    """(geometry fields, [(event table row, a, b, c), ...]): decoded by `Example.decode`."""
-    geometry = st.tuples(st.integers(0, len(BLOCK_SIZES) - 1), st.integers(0, 3),
-                         st.integers(0, MAX_GPU_BLOCKS - MIN_GPU_BLOCKS), st.integers(0, len(MAX_NUM_SEQS) - 1),
-                         st.integers(0, len(BATCHED_TOKENS) - 1), st.integers(0, 1),
-                         st.integers(0, len(CPU_TIERS) - 1), st.integers(0, 1),
-                         st.integers(0, len(SPECS) - 1), st.integers(0, len(LAYOUTS) - 1), st.integers(0, 7))
-    byte = st.integers(0, 255)
-    event = st.tuples(st.integers(0, len(EVENT_TABLE) - 1), byte, byte, byte)
-    return st.tuples(geometry, st.lists(event, min_size=1, max_size=max_events))
+    """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`."""
+    return st.tuples(st.binary(min_size=len(GEOMETRY_RANGES), max_size=len(GEOMETRY_RANGES)),
+                     st.lists(st.binary(min_size=EVENT_BYTES, max_size=EVENT_BYTES),
+                              min_size=1, max_size=max_events))
 
 
 @dataclass(frozen=True)
@@ -220,19 +239,26 @@ class Example:
 
     @classmethod
     def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated") -> "Example":
-        fields, events = raw
-        geometry = decode_geometry(fields, specs)
+        """The example hypothesis drew (`raw_examples`)."""
+        geometry, events = raw
+        return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker)
+
+    @classmethod
+    def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, int, int, int]],
+                    specs: frozenset[str] | None = None, worker: str = "simulated") -> "Example":
+        """The example of these field values (`decode_geometry`'s and `decode_event`'s)."""
+        decoded_geometry = decode_geometry(geometry, specs)
         if worker != "simulated":
-            geometry = dataclasses.replace(geometry, worker=worker)
+            decoded_geometry = dataclasses.replace(decoded_geometry, worker=worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
-            geometry = dataclasses.replace(geometry, enable_prefix_caching=False)
-        return cls(geometry, decoded)
+            decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
+        return cls(decoded_geometry, decoded)
 
 
 def examples(max_events: int) -> st.SearchStrategy[Any]:
-    """What hypothesis draws: raw integers, cheap to draw and to shrink (no `.map`/`builds`
-    layers, each of which costs a Python call per draw); `Example.decode` reads them."""
+    """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
+    each of which costs a Python call per draw); `Example.decode` reads them."""
     return raw_examples(max_events)
 
 

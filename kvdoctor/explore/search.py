@@ -137,11 +137,14 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     from hypothesis import HealthCheck, Phase, Verbosity, find, settings
     from hypothesis.errors import HypothesisException, NoSuchExample
 
+    from kvdoctor.engine.harness import BuildCache
+
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
     strategy = examples(config.max_events)
     specs = available_specs(api)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
+    builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
     deadline = start + config.time_budget
     last_report = 0.0
@@ -179,7 +182,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                 try:
                     if example.geometry not in setups:
                         setups[example.geometry] = setup_of(recipe)
-                    obs = observe(api, recipe, config.logic, invariants, setups[example.geometry])
+                    obs = observe(api, recipe, config.logic, invariants, setups[example.geometry], builds)
                 except InvalidExample:
                     stats.invalid += 1
                     continue

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.setup import WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
@@ -33,6 +33,7 @@ _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), 
                    "request": (str,), "callers": (list,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup)
                if f.name not in ("model", "extra_connector_config", "worker_fallback")}
+_WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
 
@@ -385,10 +386,13 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
             setup[key] = dict(value)
             continue
         field = _SETUP_KEYS[key]
-        types: tuple[type, ...] = {"int": (int,), "bool": (bool,), "str | None": (str,)}.get(str(field.type), (int,))
+        types: tuple[type, ...] = {"int": (int,), "bool": (bool,), "str": (str,), "str | None": (str,)}.get(
+            str(field.type), (int,))
         r.check_type(value, types, key_line, f"[setup] {key}")
         if types == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
+        if key == "worker" and value not in WORKERS:
+            raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout":
             from kvdoctor.engine.kv_layout import shipped_layouts
 
