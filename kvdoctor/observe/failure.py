@@ -10,9 +10,13 @@ above it.
 
 from __future__ import annotations
 
+import ast
+import linecache
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 _VLLM_MARKER = "/vllm/"
 _KVDOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace("\\", "/") + "/"
@@ -67,8 +71,13 @@ def describe_exception(exc: BaseException) -> Failure:
     # Line numbers only: `extract_tb` also works out each frame's column span, which cost explore
     # (thousands of failing runs while shrinking) more than the rest of the description.
     frames = traceback.StackSummary.extract(traceback.walk_tb(exc.__traceback__))
-    vllm_frames = [Frame(_relative(f.filename), f.lineno or 0, f.name, (f.line or "").strip())
-                   for f in frames if is_vllm_file(f.filename)]
+    vllm_summaries = [f for f in frames if is_vllm_file(f.filename)]
+    # The outer frames keep Python's line (a call site: often one argument of a long call); the frame
+    # that raised shows its whole statement, which is what a recipe's `contains` is matched against.
+    vllm_frames = [Frame(_relative(f.filename), f.lineno or 0, f.name,
+                         statement_source(f.filename, f.lineno, f.line) if f is vllm_summaries[-1]
+                         else (f.line or "").strip())
+                   for f in vllm_summaries]
     owned = next((f for f in reversed(frames) if is_vllm_file(f.filename) or is_kvdoctor_file(f.filename)),
                  frames[-1] if frames else None)
     in_vllm = owned is not None and is_vllm_file(owned.filename)
@@ -81,7 +90,7 @@ def describe_exception(exc: BaseException) -> Failure:
                                       innermost_vllm.code)
     elif owned is not None:
         file, line, function, code = (_kvdoctor_relative(owned.filename), owned.lineno, owned.name,
-                                      (owned.line or "").strip())
+                                      statement_source(owned.filename, owned.lineno, owned.line))
     else:
         file = line = function = code = None
     return Failure(
@@ -91,6 +100,47 @@ def describe_exception(exc: BaseException) -> Failure:
         vllm_frames=vllm_frames,
         in_vllm=in_vllm,
     )
+
+
+def statement_source(filename: str, lineno: int | None, line: str | None) -> str:
+    """The whole statement a traceback line belongs to, on one line. A frame names one line of a
+    statement that spans several, and which one differs by Python version (a multi-line `assert (`:
+    the condition's line on 3.11 and 3.13, the `assert (` line on 3.12), so a recipe's `contains`
+    matched on 3.11 and not on 3.12. A compound statement (`if`, `for`, ...) contributes its header."""
+    text = (line or "").strip()
+    if not lineno:
+        return text
+    span = _statement_span(filename, lineno)
+    if span is None or span[0] == span[1]:
+        return text
+    joined = " ".join(linecache.getline(filename, n).strip() for n in range(span[0], span[1] + 1))
+    return re.sub(r"\s+\)", ")", re.sub(r"\(\s+", "(", joined)).strip() or text
+
+
+@lru_cache(maxsize=4096)
+def _statement_span(filename: str, lineno: int) -> tuple[int, int] | None:
+    """(first, last) line of the innermost statement holding `lineno` (a compound one: its header)."""
+    spans = _statement_spans(filename)
+    holding = [span for span in spans if span[0] <= lineno <= span[1]]
+    return min(holding, key=lambda span: span[1] - span[0]) if holding else None
+
+
+@lru_cache(maxsize=64)
+def _statement_spans(filename: str) -> tuple[tuple[int, int], ...]:
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return ()
+    spans = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or node.end_lineno is None:
+            continue
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):  # compound: the header
+            spans.append((node.lineno, max(node.lineno, body[0].lineno - 1)))
+        else:
+            spans.append((node.lineno, node.end_lineno))
+    return tuple(spans)
 
 
 def _kvdoctor_relative(path: str) -> str:
