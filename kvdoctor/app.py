@@ -52,6 +52,7 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     overrides); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
     from kvdoctor.engine.setup import resolve_blocks_per_chunk
 
+    device_fallback = worker_fallback  # audit's: an explicit --device cuda falls back per recipe too
     base = dict(recipe.setup)
     extra = dict(base.pop("extra_connector_config", {}))
     try:
@@ -82,18 +83,34 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
             if bpc != setup.blocks_per_chunk:
                 raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
         setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
-    return resolve_device(setup)
+    return resolve_device(setup, recipe, device_fallback)
 
 
-def resolve_device(setup: Setup) -> Setup:
-    """Where vLLM's worker keeps the KV tensors: the GPU when torch sees one, unless told."""
+# Steps that stop or fail a transfer at a chosen moment: only kvdoctor's copy engine (CPU tensors) can;
+# vLLM's own CUDA worker completes each transfer when the GPU does.
+COPY_ENGINE_STEPS = ("hold_transfers", "fail_transfers")
+
+
+def resolve_device(setup: Setup, recipe: Recipe | None = None, fallback: bool = False) -> Setup:
+    """Where vLLM's worker keeps the KV tensors: the GPU when torch sees one, unless told, or unless the
+    recipe controls transfers (`COPY_ENGINE_STEPS`): then the CPU, and `Setup.device_fallback` says why.
+    An explicit --device cuda on such a recipe is a usage error, except where `fallback` (audit)."""
     if setup.worker != "vllm":
         return setup
+    import dataclasses
+
     import torch
 
     has_cuda = bool(torch.cuda.is_available())
     if setup.device == "cuda" and not has_cuda:
         raise UsageError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
+    controls = sorted({step.action for step in recipe.steps if step.action in COPY_ENGINE_STEPS}) if recipe else []
+    if controls and setup.device != "cpu" and (has_cuda or setup.device == "cuda"):
+        why = (f"{' and '.join(controls)} need kvdoctor's copy engine on CPU tensors; vLLM's own CUDA worker "
+               f"completes transfers when the GPU does")
+        if setup.device == "cuda" and not fallback:
+            raise UsageError(f"--device cuda: recipe {recipe.name}'s {why} (use --device cpu)")
+        return dataclasses.replace(setup, device="cpu", device_fallback=why)
     if setup.device is None:
         return setup.with_overrides(device="cuda" if has_cuda else "cpu")
     return setup

@@ -116,3 +116,43 @@ def test_the_command_lines_default_worker_is_vllms_and_falls_back_visibly():
     assert (chosen.worker, chosen.worker_fallback) == ("simulated", None)
     with pytest.raises(UsageError, match="drop --worker simulated"):
         worker_overrides("simulated", None, "cpu")
+
+
+def test_a_recipe_that_holds_transfers_keeps_vllms_worker_on_the_cpu_where_a_gpu_is_seen(monkeypatch):
+    """Measured on an H200 (2026-12-04): vLLM's own CUDA worker completes each transfer when the GPU does,
+    so `hold_transfers`/`fail_transfers` recipes (K1 preemption/prefetch, K2, K11) exited 2 there with the
+    default device, and `kvdoctor audit` on a GPU machine exited 2 as a whole. Now: no --device on a GPU
+    machine -> the CPU copy engine, saying why; audit --device cuda -> the same per recipe; an explicit
+    repro --device cuda on such a recipe -> one usage error before vLLM is imported."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution only: nothing runs on it
+    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.report.tables import setup_line
+
+    held = load_builtin("preemption")
+    assert any(step.action == "hold_transfers" for step in held.steps)
+    default = resolve_setup(held, worker_overrides(None, None, None))
+    assert (default.worker, default.device) == ("vllm", "cpu")
+    assert "hold_transfers need kvdoctor's copy engine" in default.device_fallback
+    assert "device=cpu (hold_transfers need kvdoctor's copy engine" in setup_line(default)
+    plain = resolve_setup(load_builtin("queued-abort"), worker_overrides(None, None, None))
+    assert (plain.device, plain.device_fallback) == ("cuda", None)  # nothing held: the GPU it is
+    audit = resolve_setup(held, worker_overrides("vllm", None, "cuda"), worker_fallback=True)
+    assert audit.device == "cpu" and audit.device_fallback == default.device_fallback
+    with pytest.raises(UsageError) as info:
+        resolve_setup(held, worker_overrides("vllm", None, "cuda"))
+    assert "\n" not in str(info.value) and "preemption" in str(info.value) and "--device cpu" in str(info.value)
+    asked_cpu = resolve_setup(held, worker_overrides("vllm", None, "cpu"))
+    assert (asked_cpu.device, asked_cpu.device_fallback) == ("cpu", None)
+
+
+def test_device_fallback_is_not_a_recipe_key():
+    from pathlib import Path
+
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_text
+
+    text = (Path(__file__).parent.parent / "repros" / "preemption.toml").read_text()
+    text = text.replace("[setup]\n", '[setup]\ndevice_fallback = "x"\n', 1)
+    with pytest.raises(RecipeError, match="unknown key 'device_fallback'"):
+        load_recipe_text(text, "test")

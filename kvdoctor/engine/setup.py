@@ -78,6 +78,9 @@ class Setup:
     # `kvdoctor audit --worker vllm`) but this recipe's setup ran with the simulated worker instead (see
     # `vllm_worker_refusal`).
     worker_fallback: str | None = None
+    # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
+    # was there or asked for (`kvdoctor.app.resolve_device`).
+    device_fallback: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -124,6 +127,12 @@ class Setup:
                 return (f"layout {self.layout} has a Mamba layer, and kvdoctor's toy model writes attention "
                         f"KV only")
         return None
+
+    def device_described(self) -> str | None:
+        """`device` as reports show it: the fallback and its reason where there was one."""
+        if self.device and self.device_fallback:
+            return f"{self.device} ({self.device_fallback})"
+        return self.device
 
     def worker_described(self) -> str:
         """`worker` as reports show it: the fallback and its reason where there was one."""

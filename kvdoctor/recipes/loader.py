@@ -32,7 +32,7 @@ _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
                    "request": (str,), "callers": (list,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup)
-               if f.name not in ("model", "extra_connector_config", "worker_fallback")}
+               if f.name not in ("model", "extra_connector_config", "worker_fallback", "device_fallback")}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported

@@ -246,7 +246,9 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
                ("spec_name", setup.spec_name or "CPUOffloadingSpec"),
                ("model", setup.model or "tiny-llama"),  # kvdoctor's own config.json (2 layers, 2 KV heads)
                ("worker", setup.worker_described() if hasattr(setup, "worker_described") else setup.worker)]
-    fields += [(name, getattr(setup, name)) for name in ("device", "model_runner") if getattr(setup, name, None)]
+    device = setup.device_described() if hasattr(setup, "device_described") else getattr(setup, "device", None)
+    fields += [(name, value) for name, value in (("device", device), ("model_runner", getattr(setup, "model_runner", None)))
+               if value]
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
     groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups
@@ -399,4 +401,7 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
         if not steps and row.hint:
             steps = [("note", row.hint)]
         steps = [*steps, ("worker", f"{row.setup.worker} ({fallback})")]
+    device_fallback = getattr(getattr(row, "setup", None), "device_fallback", None)
+    if device_fallback:  # a GPU was there or asked for, this recipe kept its KV on the CPU: say so too
+        steps = [*steps, ("device", row.setup.device_described())]
     return steps
