@@ -52,7 +52,6 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     overrides); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
     from kvdoctor.engine.setup import resolve_blocks_per_chunk
 
-    device_fallback = worker_fallback  # audit's: an explicit --device cuda falls back per recipe too
     base = dict(recipe.setup)
     extra = dict(base.pop("extra_connector_config", {}))
     try:
@@ -61,10 +60,11 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
         raise UsageError(f"{recipe.source}: bad [setup]: {exc}") from None
     overrides = dict(overrides)
     default_worker = overrides.pop("_default_worker", None)  # the CLI's default, not the user's choice
-    if default_worker is not None and overrides.get("worker") is None and "worker" not in recipe.setup:
+    worker_defaulted = (default_worker is not None and overrides.get("worker") is None
+                        and "worker" not in recipe.setup)
+    if worker_defaulted:
         overrides["worker"] = default_worker
-        worker_fallback = True
-    if worker_fallback and (overrides.get("worker") or setup.worker) == "vllm":
+    if (worker_fallback or worker_defaulted) and (overrides.get("worker") or setup.worker) == "vllm":
         import dataclasses
 
         names = {f.name for f in dataclasses.fields(setup)}
@@ -83,7 +83,7 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
             if bpc != setup.blocks_per_chunk:
                 raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
         setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
-    return resolve_device(setup, recipe, device_fallback)
+    return resolve_device(setup, recipe, fallback=worker_fallback)  # audit: --device cuda falls back too
 
 
 # Steps that stop or fail a transfer at a chosen moment: only kvdoctor's copy engine (CPU tensors) can;
@@ -91,7 +91,7 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
 COPY_ENGINE_STEPS = ("hold_transfers", "fail_transfers")
 
 
-def resolve_device(setup: Setup, recipe: Recipe | None = None, fallback: bool = False) -> Setup:
+def resolve_device(setup: Setup, recipe: Recipe, fallback: bool = False) -> Setup:
     """Where vLLM's worker keeps the KV tensors: the GPU when torch sees one, unless told, or unless the
     recipe controls transfers (`COPY_ENGINE_STEPS`): then the CPU, and `Setup.device_fallback` says why.
     An explicit --device cuda on such a recipe is a usage error, except where `fallback` (audit)."""
@@ -104,7 +104,7 @@ def resolve_device(setup: Setup, recipe: Recipe | None = None, fallback: bool = 
     has_cuda = bool(torch.cuda.is_available())
     if setup.device == "cuda" and not has_cuda:
         raise UsageError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
-    controls = sorted({step.action for step in recipe.steps if step.action in COPY_ENGINE_STEPS}) if recipe else []
+    controls = sorted({step.action for step in recipe.steps if step.action in COPY_ENGINE_STEPS})
     if controls and setup.device != "cpu" and (has_cuda or setup.device == "cuda"):
         why = (f"{' and '.join(controls)} need kvdoctor's copy engine on CPU tensors; vLLM's own CUDA worker "
                f"completes transfers when the GPU does")

@@ -73,16 +73,17 @@ def test_audit_falls_back_to_the_simulated_worker_per_recipe_and_says_why():
     assert mamba.worker == "simulated" and "Mamba layer" in mamba.worker_fallback
 
 
-def test_worker_fallback_is_not_a_recipe_key():
-    from kvdoctor.recipes.loader import load_recipe_text
-
+@pytest.mark.parametrize("key", ["worker_fallback", "device_fallback"])
+def test_fallback_reasons_are_not_recipe_keys(key):
+    """kvdoctor sets them when it resolves a setup; a recipe naming one is refused by the loader."""
     from pathlib import Path
 
-    text = (Path(__file__).parent.parent / "repros" / f"{K9}.toml").read_text()
-    text = text.replace("[setup]\n", '[setup]\nworker_fallback = "x"\n', 1)
     from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_text
 
-    with pytest.raises(RecipeError, match="unknown key 'worker_fallback'"):
+    text = (Path(__file__).parent.parent / "repros" / f"{K9}.toml").read_text()
+    text = text.replace("[setup]\n", f'[setup]\n{key} = "x"\n', 1)
+    with pytest.raises(RecipeError, match=f"unknown key '{key}'"):
         load_recipe_text(text, "test")
 
 
@@ -145,14 +146,3 @@ def test_a_recipe_that_holds_transfers_keeps_vllms_worker_on_the_cpu_where_a_gpu
     asked_cpu = resolve_setup(held, worker_overrides("vllm", None, "cpu"))
     assert (asked_cpu.device, asked_cpu.device_fallback) == ("cpu", None)
 
-
-def test_device_fallback_is_not_a_recipe_key():
-    from pathlib import Path
-
-    from kvdoctor.errors import RecipeError
-    from kvdoctor.recipes.loader import load_recipe_text
-
-    text = (Path(__file__).parent.parent / "repros" / "preemption.toml").read_text()
-    text = text.replace("[setup]\n", '[setup]\ndevice_fallback = "x"\n', 1)
-    with pytest.raises(RecipeError, match="unknown key 'device_fallback'"):
-        load_recipe_text(text, "test")

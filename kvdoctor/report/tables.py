@@ -247,8 +247,8 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
                ("model", setup.model or "tiny-llama"),  # kvdoctor's own config.json (2 layers, 2 KV heads)
                ("worker", setup.worker_described() if hasattr(setup, "worker_described") else setup.worker)]
     device = setup.device_described() if hasattr(setup, "device_described") else getattr(setup, "device", None)
-    fields += [(name, value) for name, value in (("device", device), ("model_runner", getattr(setup, "model_runner", None)))
-               if value]
+    runner = getattr(setup, "model_runner", None)
+    fields += [(name, value) for name, value in (("device", device), ("model_runner", runner)) if value]
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
     groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups
