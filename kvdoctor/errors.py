@@ -23,6 +23,8 @@ class ExitStatus(IntEnum):
     VLLM_UNAVAILABLE = 3
     SETUP_OR_OTHER_FAILURE = 4
     INTERNAL_ERROR = 5
+    INCONCLUSIVE = 6
+    UNNAMED_CRASH = 7
     INTERRUPTED = 130
 
     @property
@@ -39,6 +41,9 @@ _MEANINGS = {
     ExitStatus.SETUP_OR_OTHER_FAILURE: "a recipe precondition did not hold (setup_error) or something else "
                                        "failed in vLLM (other_failure)",
     ExitStatus.INTERNAL_ERROR: "kvdoctor itself failed (a bug in kvdoctor, not a vLLM finding: please report it)",
+    ExitStatus.INCONCLUSIVE: "inconclusive: the run did not test the bug (its crash site was not reached, "
+                             "or the flags given make its trigger impossible: untested at this geometry)",
+    ExitStatus.UNNAMED_CRASH: "diagnose: the log holds a crash that matches no known bug",
     ExitStatus.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

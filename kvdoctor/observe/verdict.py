@@ -14,6 +14,9 @@ class Outcome(str, Enum):
     OTHER_FAILURE = "other_failure"    # something else broke: reported, never hidden
     NOT_APPLICABLE = "not_applicable"  # the installed vLLM lacks what the trigger needs
     SETUP_ERROR = "setup_error"        # a precondition (`expect`) of the recipe did not hold
+    # The run did not test the bug; never exit 0 (ExitStatus.INCONCLUSIVE):
+    NOT_REACHED = "not_reached"        # the run never executed the recipe's crash site
+    UNTESTED = "untested"              # the user's own flags make the trigger impossible at this geometry
 
 
 def matches_exception(signature: Signature, failure: Failure) -> bool:
