@@ -30,9 +30,9 @@ def diagnose(
     known bug it matches (and why) and run that recipe on the installed vLLM under the installed and
     fixed logic, with the log's geometry (scaled down when production-sized).
 
-    A log with no engine crash is not an error (exit 0).
+    A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7.
 
-    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or nothing to run · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure."""  # noqa: E501
+    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or no crash · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure · 7 a crash no known bug matches."""  # noqa: E501
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:
@@ -44,7 +44,12 @@ def diagnose(
                 raise UsageError(f"{path}: is a directory")
             if path is not None and not path.parent.is_dir():
                 raise UsageError(f"{path}: no such directory {path.parent}")
-        result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line())
+        progress = _Progress()
+        try:
+            result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line(),
+                                           progress=progress if progress.live else None)
+        finally:
+            progress.done()
         from kvdoctor.report import diagnose as render
 
         if json_out:
@@ -59,12 +64,33 @@ def diagnose(
             _write(report, render.render_diagnose_markdown(result), "report")
         if write_recipe is not None:
             if not result.starting_recipe:
-                raise UsageError("--write-recipe: a known bug matches (or no complete crash was found); "
-                                 "no starting recipe to write")
+                raise UsageError("--write-recipe: a known bug matches (or the log names no function and "
+                                 "exception to start from); no starting recipe to write")
             _write(write_recipe, result.starting_recipe, "starting recipe")
         return int(result.exit_status)
 
     _run(action)
+
+
+class _Progress:
+    """Which recipe and variant is running, on one stderr line that is rewritten; only on a terminal."""
+
+    def __init__(self) -> None:
+        import sys
+
+        self.stream = sys.stderr
+        self.live = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, text: str) -> None:
+        self.stream.write(f"\r\x1b[Kdiagnose: running {text} …")
+        self.stream.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 def _write(path: Path, text: str, what: str) -> None:

@@ -8,9 +8,9 @@ recipe is run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Callable
 
-from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_crash
+from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log
 from kvdoctor.diagnose.reader import LogSummary, read_log
 from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
@@ -48,7 +48,7 @@ class DiagnoseReport:
     runs: list[RecipeRun] = field(default_factory=list)
     installed_vllm: str | None = None
     vllm_error: str = ""
-    first_release_not_reproducing: dict[str, str | None] = field(default_factory=dict)
+    first_release_not_reproducing: dict[str, Any] = field(default_factory=dict)  # recipe -> KnownFix | None
     matrix_note: str = ""
     starting_recipe: str = ""  # TOML, when no known bug matches a complete crash
     script: str = ""  # the exported standalone script of the best match
@@ -60,7 +60,14 @@ class DiagnoseReport:
                     and self.summary.version.split("+")[0] != self.installed_vllm.split("+")[0])
 
     @property
+    def unnamed_crash(self) -> bool:
+        """The log holds a crash and no known bug fits it."""
+        return not self.match.candidates and self.summary.holds_crash
+
+    @property
     def exit_status(self) -> ExitStatus:
+        if self.unnamed_crash:
+            return ExitStatus.UNNAMED_CRASH
         if self.vllm_error:
             return ExitStatus.VLLM_UNAVAILABLE
         if not self.runs:
@@ -95,26 +102,29 @@ def _installed_version() -> str | None:
         return None
 
 
-def _first_release_not_reproducing(report: DiagnoseReport) -> None:
-    """Integration point with `kvdoctor matrix` (issue 9): measured release outcomes per recipe."""
-    try:
-        from kvdoctor.matrix.known import first_release_not_reproducing  # type: ignore[import-not-found]
-    except ImportError:
-        report.matrix_note = ("release outcomes are not known to this kvdoctor (no `kvdoctor matrix` data): "
-                              "the first release without the bug is not named")
-        return
-    for run in report.runs:
-        try:
-            report.first_release_not_reproducing[run.recipe.name] = first_release_not_reproducing(run.recipe)
-        except Exception as exc:  # noqa: BLE001 - matrix data must not break a diagnosis
-            report.matrix_note = f"release outcomes could not be read: {exc}"
+def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
+    """Per recipe: the first measured release where it stops reproducing and the last where it does
+    (`kvdoctor matrix` measurements, `kvdoctor/data/release_outcomes.toml`); None when unknown."""
+    from kvdoctor.matrix.known import first_release_not_reproducing
+
+    return {recipe.name: first_release_not_reproducing(recipe.name) for recipe in recipes}
 
 
-def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str]) -> RecipeRun:
+def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str],
+                   progress: Callable[[str], None] | None = None) -> RecipeRun:
     from kvdoctor.app import resolve_setup
     from kvdoctor.scenario import run_scenario
 
     recipe = candidate.recipe
+
+    def run_all(setup: Any, geometry: str) -> list[Any]:
+        results = []
+        for logic in logics:
+            if progress is not None:
+                progress(f"{recipe.name} ({recipe.bug or '-'}): {logic} logic, {geometry}")
+            results.append(run_scenario(api, recipe, setup, logic))
+        return results
+
     problem = ""
     setup = None
     try:
@@ -123,37 +133,66 @@ def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], lo
         problem = f"the log's geometry does not fit this recipe: {exc}"
     attempt: list[Any] = []
     if setup is not None and not overrides:  # the log names no geometry: the recipe's own it is
-        return RecipeRun(recipe, setup, "recipe", [run_scenario(api, recipe, setup, logic) for logic in logics])
+        return RecipeRun(recipe, setup, "recipe", run_all(setup, "the recipe's geometry"))
     if setup is not None:
-        attempt = [run_scenario(api, recipe, setup, logic) for logic in logics]
+        attempt = run_all(setup, "the log's geometry")
         if attempt[0].outcome.value in _FINE:
             return RecipeRun(recipe, setup, "log", attempt)
         problem = f"under the log's geometry the run ended {attempt[0].outcome.value}: {attempt[0].detail}"
     own = resolve_setup(recipe, {})
-    results = [run_scenario(api, recipe, own, logic) for logic in logics]
+    results = run_all(own, "the recipe's geometry")
     return RecipeRun(recipe, own, "recipe", results, log_geometry_attempt=attempt, log_geometry_problem=problem)
+
+
+def _code_for_contains(code: str) -> str | None:
+    """The failing statement's most telling line (a multi-line assert's `assert (` names nothing)."""
+    lines = [line.strip() for line in code.split("\n") if line.strip()]
+    named = [line for line in lines if any(ch.isalpha() for ch in line.replace("assert", ""))]
+    best = lines[0] if len(lines) == 1 else max(named, key=len) if named else None
+    return best if best and len(best) <= 200 else None
+
+
+def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
+    """A starting recipe from a fragment (no whole traceback): a frame's function and its exception or
+    statement; "" when the fragment names no function."""
+    loose = summary.loose
+    if loose is None or not loose.frames:
+        return ""
+    frame = loose.frames[-1]
+    statement = frame.code or (loose.statements[-1].text if loose.statements else "")
+    exceptions = [e for e in loose.exceptions if not e[0].endswith(("DeadError", "GenerateError"))]
+    exception = exceptions[-1][0] if exceptions else ("AssertionError" if statement.startswith("assert") else None)
+    if exception is None:
+        return ""
+    return _recipe_toml(exception, frame.function, display_path(frame.file), frame.line,
+                        _code_for_contains(statement) if statement else None, (), overrides)
 
 
 def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
     """The crash's signature as a recipe file to edit: steps are a placeholder the user replaces."""
-    from kvdoctor.recipes.model import Recipe, Signature, Step
-    from kvdoctor.recipes.writer import recipe_to_toml
-
     crash = summary.crash
     inner = innermost_vllm(crash)
     callers = tuple(dict.fromkeys(f.function for f in crash.vllm_frames[:-1]))[-3:]
-    contains = inner.code if inner.code and len(inner.code) <= 200 else None
+    contains = _code_for_contains(inner.code) if inner.code else None
+    return _recipe_toml(crash.exception, inner.function, display_path(inner.file), inner.line, contains, callers,
+                        overrides)
+
+
+def _recipe_toml(exception: str, function: str, file: str, line: int, contains: str | None,
+                 callers: tuple[str, ...], overrides: dict[str, Any]) -> str:
+    from kvdoctor.recipes.model import Recipe, Signature, Step
+    from kvdoctor.recipes.writer import recipe_to_toml
+
     setup = {k: v for k, v in overrides.items() if k in (
         "block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "enable_chunked_prefill", "offload_prompt_only", "cpu_bytes_to_use", "spec_name")}
     recipe = Recipe(
         name="from-log",
-        summary=(f"{crash.exception} in {inner.function} ({display_path(inner.file)}:{inner.line}), read from "
+        summary=(f"{exception} in {function} ({file}:{line}), read from "
                  f"a vLLM log by kvdoctor diagnose. No known bug matches it. Replace the placeholder steps "
                  f"with the events that lead there, then run: kvdoctor repro this-file.toml"),
-        title=f"{crash.exception} in {inner.function}",
-        signature=Signature(exception=crash.exception, function=inner.function, contains=contains,
-                            callers=callers),
+        title=f"{exception} in {function}",
+        signature=Signature(exception=exception, function=function, contains=contains, callers=callers),
         steps=(Step("add", {"request": "A", "prompt_chunks": 2, "max_tokens": 4}, 0), Step("schedule", {}, 0)),
         setup=setup,
     )
@@ -163,24 +202,28 @@ def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
 
 
 def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
-             stdin: IO[bytes] | None = None) -> DiagnoseReport:
+             stdin: IO[bytes] | None = None, progress: Callable[[str], None] | None = None) -> DiagnoseReport:
     if logic not in ("installed", "fixed", "both"):
         raise UsageError(f"--logic must be installed, fixed or both, got {logic!r}")
     summary = read_log(log, stdin=stdin)
     from kvdoctor.recipes.builtins import all_builtins
 
     recipes = all_builtins()
-    match = match_crash(summary.crash, recipes)
-    if summary.crash is None and summary.fatal_line is not None:
+    match = match_log(summary, recipes)
+    if not match.candidates and summary.crash is None and summary.fatal_line is not None:
         match = MatchResult(why_none=f"the engine's fatal error is at line {summary.fatal_line}, but no frame of "
-                                     f"its traceback follows it in this log: nothing to match a signature against")
+                                     f"its traceback follows it in this log: nothing to match a signature against",
+                            ruled_out=match.ruled_out)
     geometry = setup_overrides_from_serve_args(summary.serve_args)
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
                             installed_vllm=_installed_version())
+    report.first_release_not_reproducing = fixing_releases([c.recipe for c in match.candidates])
     if not match.candidates:
         if summary.crash is not None and not summary.crash.cut_short and innermost_vllm(summary.crash):
             report.starting_recipe = starting_recipe_toml(summary, overrides)
+        elif report.unnamed_crash:
+            report.starting_recipe = _fragment_recipe(summary, overrides)
         return report
     if not run:
         return report
@@ -197,8 +240,7 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
     # paths of the first.
     per_bug = list({(c.recipe.bug or c.recipe.name): c for c in reversed(match.best)}.values())[::-1]
     for candidate in per_bug[:MAX_RUNS]:
-        report.runs.append(_run_candidate(api, candidate, overrides, logics))
-    _first_release_not_reproducing(report)
+        report.runs.append(_run_candidate(api, candidate, overrides, logics, progress))
     best = report.runs[0]
     if not best.recipe.signature.invariant:
         from kvdoctor.export.script import export_script

@@ -1,49 +1,210 @@
-"""Rank the built-in recipes against a crash read from a log, with the reasons.
+"""Which known bugs a log's evidence fits, how strongly, and why the others do not.
 
-A recipe is a candidate when its signature's exception and function are the
-crash's exception and innermost vLLM frame. It ranks higher for the same
-assertion text (`contains` in the failing source line or the message) and
-for the same caller chain (`callers`, outermost first, in the vLLM frames
-above). A `contains` the log's source line contradicts rules the recipe out:
-that is another assertion in the same function. A traceback shows one line of
-a statement that spans several (`assert (` ... `)`): such a fragment confirms a
-`contains` it overlaps and contradicts none. Silent bugs (invariants) never
-match a crash.
+Evidence, not a format: each body of evidence in the log (a traceback, a worker's
+WARNING traceback, the loose lines of a fragment) is weighed against each known
+bug's crash site on its own: the exception, the statement (as any release in
+range writes it, compared structurally so renamed variables still match: see
+`statement`), the assert's message, the function and file of any frame, the
+callers above it. Strength says what agreed:
+
+- exact: the exception, the statement and the function;
+- strong: the statement (alone, or with one of the others), or one line of it with
+  the exception and the function;
+- moderate: the exception and the function, or one line of the statement and the function;
+- weak: the function alone, or one line of the statement alone.
+
+A statement matched only in a release's renamed wording, or only in a release's
+wording no kvdoctor run ever reached, counts one level lower. What a whole
+traceback shows can rule a bug out: another statement in the same function, another
+exception raised there, the function only as a caller of where the crash was
+raised, or a function of that name in another file. Silent bugs (invariants)
+never match a crash.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvdoctor.diagnose.traceback import LogTraceback
+from kvdoctor.diagnose.evidence import Unit, balanced, traceback_unit
+from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
+from kvdoctor.diagnose.traceback import LogTraceback, display_path
 from kvdoctor.recipes.model import Recipe, bug_order
+
+STRENGTHS = ("exact", "strong", "moderate", "weak")
+_KIND_ORDER = {"exact": 0, "renamed": 1, "partial": 2, "partial-renamed": 3}
 
 
 @dataclass
 class Candidate:
     recipe: Recipe
-    score: int
+    score: int  # evidence items that agreed (ranks within a strength)
     reasons: list[str] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)  # what the log could not confirm
+    strength: str = "weak"
+    why: str = ""  # "exact: AssertionError, the statement and `_build_store_jobs`"
+    wording: str = ""  # the releases whose wording the statement is, e.g. "0.26.0–0.34.0"
+    unit: str = ""  # which part of the log it was found in
+
+    @property
+    def rank(self) -> tuple[Any, ...]:
+        return (STRENGTHS.index(self.strength), -self.score, bug_order(self.recipe.bug), len(self.recipe.steps),
+                self.recipe.name)
+
+
+@dataclass
+class RuledOut:
+    bug: str
+    reason: str
+    closeness: int  # how much of it did agree (ranks the nearest first)
 
 
 @dataclass
 class MatchResult:
     candidates: list[Candidate] = field(default_factory=list)
     why_none: str = ""
+    ruled_out: list[RuledOut] = field(default_factory=list)  # nearest first
 
     @property
     def best(self) -> list[Candidate]:
-        """The candidates of the best score, in the catalogue's bug order, simplest recipe first."""
+        """The candidates of the best strength and score, in the catalogue's bug order, simplest recipe first."""
         if not self.candidates:
             return []
-        top = self.candidates[0].score
-        return [c for c in self.candidates if c.score == top]
+        top = self.candidates[0].rank[:2]
+        return [c for c in self.candidates if c.rank[:2] == top]
 
     @property
     def best_bugs(self) -> list[str]:
         return list(dict.fromkeys(c.recipe.bug or c.recipe.name for c in self.best))
+
+    @property
+    def nearest(self) -> list[RuledOut]:
+        return self.ruled_out[:3]
+
+
+def innermost_vllm(crash: LogTraceback):
+    frames = crash.vllm_frames
+    return frames[-1] if frames else None
+
+
+def _tail(path: str) -> str:
+    parts = [p for p in display_path(path).replace("\\", "/").split("/") if p and p not in ("...", "..", ".")]
+    return "/".join(parts[-2:])
+
+
+def _releases_text(releases: list[str]) -> str:
+    """Contiguous runs of KNOWN_RELEASES: `0.26.0–0.29.0, 0.34.0`."""
+    from kvdoctor.releases import KNOWN_RELEASES
+
+    index = sorted({KNOWN_RELEASES.index(r) for r in releases if r in KNOWN_RELEASES})
+    others = sorted(r for r in releases if r not in KNOWN_RELEASES)
+    runs: list[str] = []
+    start = prev = None
+    for i in index + [None]:  # type: ignore[list-item]
+        if start is not None and (i is None or i != prev + 1):
+            runs.append(KNOWN_RELEASES[start] if start == prev else f"{KNOWN_RELEASES[start]}–{KNOWN_RELEASES[prev]}")
+            start = None
+        if i is not None and start is None:
+            start = i
+        prev = i
+    return ", ".join(runs + others)
+
+
+@dataclass
+class Wording:
+    """One way a release writes a bug's crash statement."""
+
+    statement: str
+    releases: list[str]
+    reached: bool  # a kvdoctor run failed there on one of these releases
+    message: str | None = None
+
+
+@dataclass
+class Known:
+    """A known bug's crash site over every release: what the recipes of one signature are matched against."""
+
+    bug: str
+    recipes: list[Recipe]
+    exception: str
+    functions: set[str]
+    files: set[str]  # file tails: `offloading/scheduler.py`
+    wordings: list[Wording]
+    contains: str | None
+    callers: tuple[str, ...]
+
+    @property
+    def function(self) -> str:
+        return self.recipes[0].signature.function or ""
+
+
+def known_bugs(recipes: list[Recipe], sites: list[Any] | None = None) -> list[Known]:
+    """Group recipes by signature and attach each release's measured statements (`sites.load()`)."""
+    if sites is None:
+        from kvdoctor.diagnose.sites import load
+
+        sites = load()
+    groups: dict[tuple[Any, ...], list[Recipe]] = {}
+    for recipe in recipes:
+        sig = recipe.signature
+        if sig.invariant or not sig.exception or not sig.function:
+            continue
+        groups.setdefault((recipe.bug or recipe.name, sig.exception, sig.function, sig.contains or ""), []).append(
+            recipe)
+    out = []
+    for (bug, exception, function, contains), members in groups.items():
+        names = {r.name for r in members}
+        mine = [s for s in sites if s.bug == bug and set(s.recipes) & names and s.exception == exception
+                and s.absent is None and s.statement]
+        wordings: dict[str, Wording] = {}
+        for site in mine:
+            key = tokenize(site.statement).text
+            wording = wordings.setdefault(key, Wording(site.statement, [], False, site.message))
+            wording.releases.append(site.release)
+            wording.reached = wording.reached or site.reached
+        callers = max((r.signature.callers for r in members), key=len)
+        out.append(Known(bug, members, exception, {function} | {s.function for s in mine},
+                         {_tail(s.file) for s in mine if s.file}, list(wordings.values()), contains or None, callers))
+    return out
+
+
+@dataclass
+class _Found:
+    likeness: Likeness
+    wording: Wording | None
+    shown: str
+
+
+def _best_statement(shown: str, known: Known) -> _Found | None:
+    best: _Found | None = None
+    order = _KIND_ORDER
+    for wording in known.wordings:
+        likeness = compare(shown, wording.statement)
+        if likeness is None:
+            continue
+        found = _Found(likeness, wording, shown)
+        if best is None or (order[likeness.kind], -likeness.similarity, not wording.reached) < (
+                order[best.likeness.kind], -best.likeness.similarity, not best.wording.reached):  # type: ignore
+            best = found
+    if best is None and known.contains and not known.wordings:
+        # no measured wording (a recipe of the user's): the signature's text itself
+        squashed = " ".join(shown.split())
+        if known.contains in squashed:
+            best = _Found(Likeness("exact", 1.0), None, shown)
+        else:
+            likeness = compare(shown, known.contains)
+            if likeness is not None and likeness.kind.startswith("partial"):
+                best = _Found(likeness, None, shown)
+    return best
+
+
+def _names_foreign(shown: str, known: Known) -> bool:
+    """A line of a statement that names only what none of the bug's wordings does: another statement."""
+    names = set(tokenize(shown).names)
+    if not names:
+        return False
+    texts = [w.statement for w in known.wordings] + ([known.contains] if known.contains else [])
+    return not any(name in text for name in names for text in texts)
 
 
 def _in_order(wanted: tuple[str, ...], functions: list[str]) -> bool:
@@ -56,78 +217,200 @@ def _in_order(wanted: tuple[str, ...], functions: list[str]) -> bool:
     return True
 
 
-def _squash(text: str) -> str:
-    return " ".join(text.replace("(", " ( ").replace(")", " ) ").split())
+def _short(text: str, limit: int = 90) -> str:
+    one = " ".join(text.split()).replace("( ", "(").replace(" )", ")")
+    return one if len(one) <= limit else one[: limit - 1] + "…"
 
 
-def is_fragment(code: str, exception: str | None) -> bool:
-    """One line of a multi-line statement: brackets left open or closed from an earlier line, or an
-    AssertionError's line that is not the `assert` itself."""
-    text = code.strip()
-    if exception == "AssertionError" and not text.startswith("assert"):
-        return True
-    return any(text.count(o) != text.count(c) for o, c in ("()", "[]", "{}"))
+def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]:
+    """One body of evidence against one known bug: a candidate, a reason it is ruled out, or neither."""
+    frames = unit.frames
+    at_function = [f for f in frames if f.function in known.functions]
+    # A function of that name in another file is another function (prepare_load: cpu/ or tiering/).
+    elsewhere = [f for f in at_function if known.files and "/" in _tail(f.file) and _tail(f.file) not in known.files]
+    at_function = [f for f in at_function if f not in elsewhere]
+    inner = unit.innermost if unit.complete else None
+    closeness = 0
+    if elsewhere and not at_function:
+        f = elsewhere[-1]
+        return None, RuledOut(known.bug, f"{f.function} here is in {_tail(f.file)}; {known.bug}'s is in "
+                                         f"{', '.join(sorted(known.files))}", 1)
+    raising = inner is not None and inner.function in known.functions and inner in at_function
+    if unit.complete and at_function and not raising and inner is not None:
+        return None, RuledOut(known.bug, f"{known.function} is only a caller here; the crash is raised in "
+                                         f"{inner.function} ({_tail(inner.file)})", 1)
+    same_exception = unit.exception == known.exception
+    if raising and unit.exception and not same_exception:
+        return None, RuledOut(known.bug, f"{inner.function} raises {unit.exception} here, {known.bug} is "  # type: ignore
+                                         f"{known.exception}", 2)
+    # statements: the code of the bug's frames first, then every other line of code the unit shows
+    shown: list[tuple[str, bool]] = [(f.code, True) for f in at_function if f.code]
+    shown += [(f.code, False) for f in frames if f.code and f not in at_function]
+    shown += [(s.text, False) for s in unit.statements]
+    found: _Found | None = None
+    for text, at_site in shown:
+        candidate = _best_statement(text, known)
+        if candidate is None:
+            for piece in text.split("\n") if "\n" in text and not balanced(text) else ():
+                candidate = _best_statement(piece, known)
+                if candidate is not None:
+                    break
+        if candidate is not None and (found is None or _KIND_ORDER[candidate.likeness.kind]
+                                      < _KIND_ORDER[found.likeness.kind]):
+            found = candidate
+        if candidate is None and at_site:
+            whole = not is_fragment(text) and text.lstrip().startswith("assert") or (
+                known.exception != "AssertionError" and not is_fragment(text))
+            if whole or _names_foreign(text, known):
+                closeness = 3 if same_exception else 2
+                what = "another statement" if whole else "a line of another statement"
+                return None, RuledOut(known.bug, f"its frame {at_function[0].function} shows {what}: "
+                                                 f"`{_short(text)}`, not {known.bug}'s "
+                                                 f"`{_short(known.wordings[0].statement if known.wordings else known.contains or '')}`",
+                                      closeness)
+    message_found = bool(unit.message) and any(message_matches(w.message or "", unit.message) for w in known.wordings)
+    kind = found.likeness.kind if found else ""
+    whole_statement = kind in ("exact", "renamed") or message_found
+    partial = kind.startswith("partial")
+    has_function = bool(at_function)
+    has_exception = same_exception
+    if not (whole_statement or partial or has_function):
+        if same_exception and unit.exception and known.files & {_tail(f.file) for f in frames}:
+            return None, RuledOut(known.bug, f"the same exception in the same file, but not in {known.function}",
+                                  1)
+        return None, None
+    if whole_statement and has_function and has_exception:
+        level = 0
+    elif whole_statement or (partial and has_function and has_exception):
+        level = 1
+    elif (has_function and has_exception) or (partial and has_function):
+        level = 2
+    else:
+        level = 3
+    lower = []
+    if found is not None and found.wording is not None and kind in ("renamed", "partial-renamed"):
+        lower.append("renamed")
+    if found is not None and found.wording is not None and not found.wording.reached and not message_found:
+        if not any(w.reached for w in known.wordings if tokenize(w.statement).text == tokenize(found.shown).text):
+            lower.append("unreached")
+    if lower and level < 3:
+        level += 1
+    parts = []
+    if has_exception:
+        parts.append(known.exception)
+    if whole_statement:
+        parts.append("the statement" if not message_found or found else "the assert's message")
+    elif partial:
+        parts.append("one line of the statement")
+    if has_function:
+        parts.append(f"`{at_function[-1].function}`")
+    what = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    alone = " alone" if len(parts) == 1 and level >= 1 else ""
+    reasons = []
+    wording_text = ""
+    if found is not None:
+        if found.wording is not None:
+            wording_text = _releases_text(found.wording.releases)
+            label = {"exact": "as vLLM {r} writes it", "renamed": "renamed: vLLM {r} writes it `{s}`",
+                     "partial": "one line of it as vLLM {r} writes it",
+                     "partial-renamed": "one line of it, renamed from vLLM {r}'s `{s}`"}[kind]
+            reasons.append(f"statement `{_short(found.shown)}`: "
+                           + label.format(r=wording_text, s=_short(found.wording.statement))
+                           + (f" (likeness {found.likeness.similarity})" if "renamed" in kind else "")
+                           + ("" if found.wording.reached else "; no kvdoctor run reached that release's statement"))
+        elif partial:
+            reasons.append(f"statement `{_short(found.shown)}`: one line of it (the signature's `{known.contains}`)")
+        else:
+            reasons.append(f"statement `{_short(found.shown)}` holds the signature's text ({known.contains})")
+    if message_found:
+        reasons.append(f"the exception's message `{_short(unit.message)}` is the assert's message")
+    if has_function:
+        f = at_function[-1]
+        reasons.append(f"frame {f.function}" + (f" in {_tail(f.file)}" if "/" in _tail(f.file) else "")
+                       + (" (where the crash is raised)" if raising else ""))
+    if has_exception:
+        reasons.append(f"exception {known.exception}")
+    gaps = []
+    score = int(whole_statement) * 2 + int(partial) + int(has_function) + int(has_exception) + int(message_found)
+    vllm_above = [f.function for f in frames if f.in_vllm]
+    if known.callers and has_function:
+        above = vllm_above[:vllm_above.index(at_function[-1].function)] if at_function[-1].function in vllm_above \
+            else []
+        if _in_order(known.callers, above):
+            score += 1
+            reasons.append("same caller chain (" + " → ".join((*known.callers, known.function)) + ")")
+        elif not above:
+            gaps.append("the frames above it are not in the log")
+        else:
+            gaps.append("called through another path (" + " → ".join(above[-3:]) + ")")
+    if not has_exception:
+        gaps.append(f"no {known.exception} line" if unit.exception is None else
+                    f"the exception line says {unit.exception}")
+    if not whole_statement and not partial:
+        gaps.append("the log does not show the failing statement")
+    strength = STRENGTHS[level]
+    why = f"{strength}: {what}{alone}" + (f" ({', '.join(lower)} wording)" if lower else "")
+    candidate = Candidate(known.recipes[0], score, reasons, gaps, strength, why, wording_text, unit.label)
+    return candidate, None
 
 
-def innermost_vllm(crash: LogTraceback):
-    frames = crash.vllm_frames
-    return frames[-1] if frames else None
+def match_units(units: list[Unit], recipes: list[Recipe], sites: list[Any] | None = None) -> MatchResult:
+    """Every known bug the evidence fits (best first, one candidate per recipe), and the nearest ruled out."""
+    knowns = known_bugs(recipes, sites)
+    candidates: list[Candidate] = []
+    ruled: dict[str, RuledOut] = {}
+    for known in knowns:
+        best: Candidate | None = None
+        for unit in units:
+            candidate, out = _weigh(unit, known)
+            if candidate is not None and (best is None or candidate.rank[:2] < best.rank[:2]):
+                best = candidate
+            if out is not None and (known.bug not in ruled or out.closeness > ruled[known.bug].closeness):
+                ruled[known.bug] = out
+        if best is None:
+            continue
+        ruled.pop(known.bug, None)
+        for recipe in known.recipes:
+            candidates.append(Candidate(recipe, best.score, list(best.reasons), list(best.gaps), best.strength,
+                                        best.why, best.wording, best.unit))
+    candidates.sort(key=lambda c: c.rank)
+    nearest = sorted(ruled.values(), key=lambda r: (-r.closeness, bug_order(r.bug)))
+    if candidates:
+        return MatchResult(candidates, ruled_out=nearest)
+    return MatchResult(why_none=_why_none(units), ruled_out=nearest)
 
 
-def match_crash(crash: LogTraceback | None, recipes: list[Recipe]) -> MatchResult:
+def _why_none(units: list[Unit]) -> str:
+    if not units:
+        return "no engine crash found in this log"
+    first = units[0]
+    inner = first.innermost
+    if first.complete and inner is not None:
+        return f"no known bug matches {first.exception} in {inner.function}"
+    if first.traceback is not None and first.traceback.cut_short:
+        deepest = first.frames[-1] if first.frames else None
+        where = f" (the last frame in the log is {deepest.function})" if deepest else ""
+        return "no known bug matches: the traceback is cut short before its exception line" + where
+    return "no known bug matches what the log shows"
+
+
+def match_crash(crash: LogTraceback | None, recipes: list[Recipe], sites: list[Any] | None = None) -> MatchResult:
+    """One traceback alone (the reader's crash) against the known bugs."""
     if crash is None:
         return MatchResult(why_none="no engine crash found in this log")
-    if crash.cut_short:
-        deepest = crash.frames[-1] if crash.frames else None
-        where = f" (the last frame in the log is {deepest.function})" if deepest else ""
-        return MatchResult(why_none="the traceback is cut short before its exception line" + where
-                                    + ": nothing to match a signature against")
-    inner = innermost_vllm(crash)
-    if inner is None:
-        return MatchResult(why_none=f"{crash.exception} was not raised inside vLLM (no vLLM frame in its "
-                                    f"traceback)")
-    above = [f.function for f in crash.vllm_frames[:-1]]
-    candidates: list[Candidate] = []
-    for recipe in recipes:
-        sig = recipe.signature
-        if sig.invariant or sig.exception != crash.exception or sig.function != inner.function:
-            continue
-        candidate = Candidate(recipe, 1, [f"same exception and function ({sig.exception} in {sig.function})"])
-        if sig.contains:
-            haystack = " ".join(filter(None, (inner.code, crash.message)))
-            partial = bool(inner.code) and is_fragment(inner.code, crash.exception)
-            if sig.contains in haystack:
-                candidate.score += 1
-                candidate.reasons.append(f"same assertion text ({sig.contains})")
-            elif partial:  # the log shows one line of the statement: it can confirm, never contradict
-                shown, wanted = _squash(inner.code.strip().rstrip("(").strip()), _squash(sig.contains)
-                names = set(re.findall(r"[A-Za-z_]\w{2,}", shown)) - {"assert", "and", "not"}
-                if re.search(r"\w{3,}", shown) and (shown in wanted or wanted in shown):
-                    candidate.score += 1
-                    candidate.reasons.append(f"same assertion text, partly shown ({inner.code.strip()} "
-                                             f"in {sig.contains})")
-                elif names and not any(name in wanted for name in names):
-                    # The shown line names only what the recipe's assertion does not: the traceback
-                    # line of a multi-line assert is its first operand, so this is another assertion.
-                    continue
-                else:
-                    candidate.gaps.append(f"the log shows one line of the failing statement ({inner.code.strip()})")
-            elif inner.code or crash.message:
-                continue  # another assertion in the same function
-            else:
-                candidate.gaps.append("the log does not show the failing source line")
-        if sig.callers:
-            if _in_order(sig.callers, above):
-                candidate.score += 1
-                candidate.reasons.append("same caller chain (" + " → ".join((*sig.callers, sig.function)) + ")")
-            elif crash.elided or not above:
-                candidate.gaps.append("the frames above it are not in the log")
-            else:
-                candidate.gaps.append("called through another path (" + " → ".join(above[-3:]) + ")")
-        candidates.append(candidate)
-    # Equal evidence: the catalogue's order first (one signature can be several bugs, e.g. K1 and K6
-    # share `_build_store_jobs`' assert; the log cannot tell them apart), then the simplest recipe.
-    candidates.sort(key=lambda c: (-c.score, bug_order(c.recipe.bug), len(c.recipe.steps), c.recipe.name))
-    if not candidates:
-        return MatchResult(why_none=f"no known bug matches {crash.exception} in {inner.function}")
-    return MatchResult(candidates)
+    return match_units([traceback_unit(crash)], recipes, sites)
+
+
+def summary_units(summary: Any) -> list[Unit]:
+    from kvdoctor.diagnose.evidence import units
+
+    return units(summary)
+
+
+def match_log(summary: Any, recipes: list[Recipe], sites: list[Any] | None = None) -> MatchResult:
+    """Everything the log holds against the known bugs."""
+    found = summary_units(summary)
+    if not found:
+        return MatchResult(why_none="no engine crash found in this log")
+    return match_units(found, recipes, sites)
+

@@ -10,12 +10,14 @@ tracebacks kept and their frame cap, not by the log's size.
 from __future__ import annotations
 
 import io
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterator
 
 from kvdoctor.diagnose import serveline
+from kvdoctor.diagnose.evidence import LooseCollector, LooseEvidence
 from kvdoctor.diagnose.logline import clean
 from kvdoctor.diagnose.traceback import LogTraceback, TracebackAssembler, crash_rank
 from kvdoctor.errors import UsageError
@@ -27,7 +29,10 @@ CHUNK = 4 << 20
 # over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
 # lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
 _MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
-            b"serve", b"vllm", b"LLM engine (v")
+            b"serve", b"vllm", b"LLM engine (v", b"assert", b", in ", b"Error", b"Exception", b"Dumping ")
+# Loose frames written `scheduler.py:975 in f` / `f() at scheduler.py:975` (a bare `.py:` marker would
+# be every vLLM log line's `[core.py:1332]`).
+_LOOSE_MARKER = re.compile(rb"\.py:\d+,? in \w|\w(?:\(\))? (?:at |\()[\w./\\-]*\.py:\d")
 
 
 @dataclass
@@ -43,6 +48,16 @@ class LogSummary:
     crash: LogTraceback | None = None
     reraise_seen: bool = False  # an EngineDeadError re-raised in the API server
     fatal_line: int | None = None  # where the engine said it hit a fatal error (its traceback may be cut)
+    loose: LooseEvidence | None = None  # frames, statements and exception lines outside whole tracebacks
+
+    @property
+    def holds_crash(self) -> bool:
+        """Anything that says the engine crashed: a traceback, the fatal-error line, the API server's
+        re-raise, vLLM's crash dump, or a pasted frame, statement or exception line."""
+        loose = self.loose
+        return bool(self.crash is not None or self.fatal_line is not None or self.reraise_seen
+                    or (loose is not None and (loose.dump_line is not None or loose.frames or loose.statements
+                                               or loose.exceptions)))
 
     @property
     def crash_found(self) -> bool:
@@ -98,6 +113,8 @@ def _interesting_starts(chunk: bytes) -> list[int]:
             if line_end < 0:
                 break
             at = chunk.find(marker, line_end + (0 if marker[:1] == b"\n" else 1))
+    for match in _LOOSE_MARKER.finditer(chunk):
+        starts.add(chunk.rfind(b"\n", 0, match.start()) + 1)
     if chunk[:1] in (b" ", b"\t"):
         starts.add(0)
     return sorted(starts)
@@ -106,6 +123,7 @@ def _interesting_starts(chunk: bytes) -> list[int]:
 def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     summary = LogSummary(source=source)
     assembler = TracebackAssembler()
+    collector = LooseCollector()
     found: dict[str, Any] = {"image_version": None, "command_args": None}
 
     def look_at(raw: bytes, number: int) -> None:
@@ -126,7 +144,8 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
                 summary.serve_args, summary.args_source = args, "non-default args"
         if found["command_args"] is None and ("serve" in body or "api_server" in body):
             found["command_args"] = serveline.command_line_args(body)
-        assembler.feed(line, number)
+        if not assembler.feed(line, number):
+            collector.feed(line, number)
 
     number = 0  # lines before the current chunk
     for chunk in _chunks(stream):
@@ -134,7 +153,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
         index, position, counted, lines_before = 0, 0, 0, number
         size = len(chunk)
         while position < size:
-            if not assembler.open:
+            if not assembler.open and not collector.open:
                 while index < len(starts) and starts[index] < position:
                     index += 1
                 if index == len(starts):
@@ -150,6 +169,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     image_version, command_args = found["image_version"], found["command_args"]
     summary.lines = number
     summary.tracebacks = assembler.close()
+    summary.loose = collector.close()
     summary.tracebacks_dropped = assembler.dropped
     summary.fatal_line = assembler.fatal_line
     if summary.version is None and image_version is not None:
@@ -161,11 +181,21 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     return summary
 
 
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).exists()
+    except (OSError, ValueError):  # a name too long, or a NUL: text, not a path
+        return False
+
+
 def read_log(path_text: str, stdin: IO[bytes] | None = None) -> LogSummary:
-    """`-` reads stdin; anything else is a file path (a bad one is a usage error, one line)."""
+    """`-` reads stdin; text of several lines that is not a file is a pasted log; anything else is a file
+    path (a bad one is a usage error, one line)."""
     if path_text == "-":
         stream = stdin if stdin is not None else sys.stdin.buffer
         return read_stream(stream, "-")
+    if "\n" in path_text.strip("\r\n") and not _is_file(path_text):
+        return read_stream(io.BytesIO(path_text.encode("utf-8", errors="replace")), "pasted text")
     path = Path(path_text)
     try:
         handle = path.open("rb")

@@ -25,6 +25,7 @@ _CARET = re.compile(r"^\s*[\^~]+\s*$")
 _ELISION = re.compile(r"^\s*(?:\.\.\.|…|\[Previous line repeated \d+ more times?\])\s*$")
 _EXCEPTION = re.compile(r"^(?P<name>[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)(?::\s?(?P<msg>.*))?$")
 _FATAL = re.compile(r"EngineCore encountered a fatal error|^Process EngineCore")
+_PY313_ELISION = re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")
 _RERAISE_NAMES = ("EngineDeadError", "AsyncEngineDeadError", "EngineGenerateError")
 
 
@@ -64,6 +65,14 @@ class LogTraceback:
     @property
     def vllm_frames(self) -> list[LogFrame]:
         return [f for f in self.frames if f.in_vllm]
+
+
+def _balanced(code: str) -> bool:
+    depth = 0
+    for ch in re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "", code):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+    return depth <= 0
 
 
 def crash_rank(tb: LogTraceback) -> tuple[int, ...]:
@@ -123,7 +132,8 @@ class TracebackAssembler:
             self.done.remove(max(self.done, key=lambda t: (crash_rank(t), t.start_line)))
             self.dropped += 1
 
-    def feed(self, line: LogLine, number: int) -> None:
+    def feed(self, line: LogLine, number: int) -> bool:
+        """One line; True when a traceback took it (else it is loose evidence, or nothing)."""
         if self.open:
             self.idle += 1
             if self.idle > STALE_LINES:
@@ -131,6 +141,8 @@ class TracebackAssembler:
                     self._finish(key)
         if self._feed(line, number):
             self.idle = 0
+            return True
+        return False
 
     def _feed(self, line: LogLine, number: int) -> bool:
         """One line; True when it added to a traceback."""
@@ -170,6 +182,11 @@ class TracebackAssembler:
         if body[:1] in " \t":
             if tb.frames and not tb.frames[-1].code:
                 tb.frames[-1].code = body.strip()[:MAX_CODE]
+                return True
+            if tb.frames and not _balanced(tb.frames[-1].code) and len(tb.frames[-1].code) < MAX_CODE:
+                # the rest of a multi-line statement (Python 3.13 shows every line of it)
+                if not _PY313_ELISION.match(body):
+                    tb.frames[-1].code = (tb.frames[-1].code + "\n" + body.strip())[:MAX_CODE]
                 return True
             return False
         match = _exception_line(body)

@@ -50,7 +50,21 @@ def log_lines(report: Any) -> list[str]:
 def crash_lines(report: Any) -> list[str]:
     s = report.summary
     crash = s.crash
+    loose = s.loose
+    if crash is None and loose is not None and (loose.frames or loose.statements or loose.exceptions):
+        out = ["no whole traceback; the log shows:"]
+        out += [f"  frame: {display_path(f.file)}" + (f":{f.line}" if f.line else "") + f" in {f.function}"
+                for f in loose.frames[-6:]]
+        out += [f"  statement (line {st.line}): {' '.join(st.text.split())[:200]}" for st in loose.statements[-4:]]
+        out += [f"  exception (line {number}): {name}" + (f": {message[:200]}" if message else "")
+                for name, message, number in loose.exceptions[-3:]]
+        if s.fatal_line is not None:
+            out.append(f"  the engine's fatal-error line (line {s.fatal_line})")
+        return out
     if crash is None:
+        if loose is not None and loose.dump_line is not None:
+            return [f"vLLM's crash dump starts at line {loose.dump_line}, but the engine's traceback is not in "
+                    f"this log"]
         if s.fatal_line is not None:
             return [f"the engine's fatal error is at line {s.fatal_line} of the log, but its traceback is cut short "
                     f"before its first frame"]
@@ -83,30 +97,81 @@ def crash_lines(report: Any) -> list[str]:
     return out
 
 
+def fix_text(known_fix: Any) -> str:
+    """`fixed in vLLM 0.27.0; last reproducing 0.26.0`, from kvdoctor's own matrix measurements."""
+    if known_fix is None:
+        return "fixing release: none in kvdoctor's release measurements (not measured, or still reproducing)"
+    return (f"fixed in vLLM {known_fix.release}; last reproducing {known_fix.last_reproducing} "
+            f"(kvdoctor matrix, measured {known_fix.measured_on})")
+
+
+def _per_bug(candidates: list[Any]) -> list[tuple[str, list[Any]]]:
+    out: dict[str, list[Any]] = {}
+    for c in candidates:
+        out.setdefault(c.recipe.bug or c.recipe.name, []).append(c)
+    return list(out.items())
+
+
+def _what_was_seen(report: Any) -> str:
+    s = report.summary
+    crash = s.crash
+    if crash is not None and not crash.cut_short:
+        inner = innermost_vllm(crash) or (crash.frames[-1] if crash.frames else None)
+        where = f" in {inner.function} ({display_path(inner.file)})" if inner is not None else ""
+        return f"{crash.exception}{where}"
+    if crash is not None:
+        deepest = crash.frames[-1] if crash.frames else None
+        return "a traceback cut short before its exception line" + (f" (last frame {deepest.function})"
+                                                                    if deepest else "")
+    loose = s.loose
+    if loose is not None and (loose.frames or loose.statements or loose.exceptions):
+        bits = []
+        if loose.exceptions:
+            bits.append(loose.exceptions[-1][0])
+        if loose.statements:
+            bits.append(f"`{' '.join(loose.statements[-1].text.split())[:100]}`")
+        if loose.frames:
+            bits.append(f"in {loose.frames[-1].function}")
+        return " ".join(bits)
+    if s.fatal_line is not None:
+        return f"the engine's fatal-error line (line {s.fatal_line}) without its traceback"
+    if loose is not None and loose.dump_line is not None:
+        return f"vLLM's crash dump (line {loose.dump_line}) without the engine's traceback"
+    return "only the API server's EngineDeadError (the engine died; its traceback is not in this log)"
+
+
 def match_lines(report: Any) -> list[str]:
     m = report.match
-    crash = report.summary.crash
-    if crash is not None and crash.cut_short:
-        return [f"cannot name a bug: {m.why_none}"]
     if not m.candidates:
-        out = [m.why_none if m.why_none.startswith("no known bug") else f"no known bug matches: {m.why_none}"]
-        if report.summary.crash is None:
-            out = [f"cannot name a bug: {m.why_none}" if report.summary.fatal_line is not None
-                   else "no engine crash found in this log"]
+        if not report.summary.holds_crash:
+            return ["no engine crash found in this log"]
+        out = [f"a crash no known bug matches: {_what_was_seen(report)}"]
+        if m.why_none and m.why_none != "no engine crash found in this log":
+            out.append(f"  {m.why_none}" if not m.why_none.startswith("the engine's fatal error") else
+                       f"  cannot name a bug: {m.why_none}")
+        if m.nearest:
+            out.append("nearest known bugs, and why they are ruled out:")
+            out += [f"  {r.bug}: {r.reason}" for r in m.nearest]
         if report.starting_recipe:
-            out.append("starting recipe with the crash's signature (edit its steps, then `kvdoctor repro FILE`):")
+            out.append("starting recipe with the crash's signature (write it with --write-recipe FILE, edit its "
+                       "steps, then `kvdoctor repro FILE`):")
         return out
     out = []
-    for c in m.candidates:
-        bug = c.recipe.bug or "-"
-        out.append(f"{bug}  {c.recipe.name}: " + "; ".join(c.reasons)
-                   + (f"  (not confirmed: {'; '.join(c.gaps)})" if c.gaps else ""))
+    for bug, cands in _per_bug(m.candidates):
+        first = cands[0]
+        names = ", ".join(c.recipe.name for c in cands)
+        out.append(f"{bug} ({names}): {first.why}")
+        for reason in first.reasons:
+            out.append(f"  - {reason}")
+        if first.gaps:
+            out.append(f"  not confirmed: {'; '.join(first.gaps)}")
+        out.append(f"  {fix_text(report.first_release_not_reproducing.get(first.recipe.name))}")
     bugs = m.best_bugs
     if len(m.best) > 1 and len(bugs) == 1:
         out.append(f"the best matches are one bug ({bugs[0]}) reached by different paths; the simplest is run "
                    f"below")
     elif len(bugs) > 1:
-        out.append(f"the log cannot tell {', '.join(bugs)} apart (same signature); the simplest recipe of each "
+        out.append(f"the log cannot tell {', '.join(bugs)} apart (the same evidence); the simplest recipe of each "
                    f"is run below")
     return out
 
@@ -138,11 +203,7 @@ def run_lines(report: Any) -> list[str]:
             out.append(f"  {run.log_geometry_problem}")
         for result in run.results:
             out.append(f"  {result.logic:<10} {result.outcome.value:<15} {_why(result)}")
-        release = report.first_release_not_reproducing.get(run.recipe.name)
-        if release:
-            out.append(f"  first release where it stops reproducing (kvdoctor matrix): {release}")
-    if report.matrix_note:
-        out.append(report.matrix_note)
+        out.append(f"  {fix_text(report.first_release_not_reproducing.get(run.recipe.name))}")
     return out
 
 
@@ -160,18 +221,23 @@ def _why(result: Any) -> str:
 
 def next_lines(report: Any) -> list[str]:
     if not report.match.candidates:
-        if report.summary.crash is None:
-            if report.summary.fatal_line is not None:
-                return ["find the engine's traceback under its fatal-error line in the full log and run kvdoctor "
-                        "diagnose on that"]
+        if not report.summary.holds_crash:
             return []
-        if report.summary.crash.cut_short:
-            return ["find the rest of the engine's traceback in the full log (from its `Traceback` line to the "
-                    "exception line under it) and run kvdoctor diagnose on that"]
-        return ["file an upstream issue with the traceback above (and `kvdoctor diagnose LOG --report FILE`)"]
+        out = []
+        crash = report.summary.crash
+        if crash is None and report.summary.fatal_line is not None:
+            out.append("find the engine's traceback under its fatal-error line in the full log and run kvdoctor "
+                       "diagnose on that")
+        elif crash is not None and crash.cut_short:
+            out.append("find the rest of the engine's traceback in the full log (from its `Traceback` line to the "
+                       "exception line under it) and run kvdoctor diagnose on that")
+        if report.starting_recipe:
+            out.append("write a starting recipe: kvdoctor diagnose LOG --write-recipe FILE")
+        out.append("file an upstream issue with the traceback (and `kvdoctor diagnose LOG --report FILE`)")
+        return out
     recipe = report.runs[0].recipe if report.runs else report.match.best[0].recipe
     issues, fixes = _refs(recipe)
-    out = []
+    out = [f"{recipe.bug or recipe.name}: {fix_text(report.first_release_not_reproducing.get(recipe.name))}"]
     for ref in issues:
         out.append(f"upstream issue: {ref} {_ref_link(ref)}".rstrip())
     for ref in fixes:
@@ -228,6 +294,12 @@ def render_diagnose_markdown(report: Any) -> str:
     return _scrub("\n".join(lines)) + "\n"
 
 
+def _fix_doc(known_fix: Any) -> dict[str, Any]:
+    if known_fix is None:
+        return {"fixed_in": None, "last_reproducing": None}
+    return {"fixed_in": known_fix.release, "last_reproducing": known_fix.last_reproducing}
+
+
 def diagnose_document(report: Any) -> dict[str, Any]:
     s = report.summary
     crash = s.crash
@@ -245,9 +317,14 @@ def diagnose_document(report: Any) -> dict[str, Any]:
             "vllm_frames": [{"file": display_path(f.file), "line": f.line, "function": f.function, "code": f.code}
                             for f in crash.vllm_frames],
         },
-        "matches": [{"recipe": c.recipe.name, "bug": c.recipe.bug, "score": c.score, "reasons": c.reasons,
-                     "not_confirmed": c.gaps} for c in report.match.candidates],
+        "matches": [{"recipe": c.recipe.name, "bug": c.recipe.bug, "strength": c.strength, "why": c.why,
+                     "score": c.score, "reasons": c.reasons, "not_confirmed": c.gaps, "wording": c.wording or None,
+                     "found_in": c.unit, **_fix_doc(report.first_release_not_reproducing.get(c.recipe.name))}
+                    for c in report.match.candidates],
         "no_match_reason": report.match.why_none or None,
+        "holds_crash": report.summary.holds_crash,
+        "unnamed_crash": report.unnamed_crash,
+        "ruled_out": [{"bug": r.bug, "reason": r.reason} for r in report.match.ruled_out],
         "starting_recipe": report.starting_recipe or None,
         "installed_vllm": report.installed_vllm,
         "versions_differ": report.versions_differ,
@@ -256,7 +333,7 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         "runs": [{"recipe": r.recipe.name, "bug": r.recipe.bug, "geometry": r.geometry, "setup": r.setup.as_dict(),
                   "log_geometry_problem": r.log_geometry_problem or None,
                   "results": [{"logic": x.logic, "outcome": x.outcome.value, "why": _why(x)} for x in r.results],
-                  "first_release_not_reproducing": report.first_release_not_reproducing.get(r.recipe.name)}
+                  **_fix_doc(report.first_release_not_reproducing.get(r.recipe.name))}
                  for r in report.runs],
         "vllm_error": report.vllm_error or None,
         "next": next_lines(report),
