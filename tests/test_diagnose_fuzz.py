@@ -63,5 +63,5 @@ def test_cli_on_random_bytes(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("fuzz") / "log"
     path.write_bytes(data)
     result = RUNNER.invoke(app, ["diagnose", str(path), "--no-run"])
-    assert result.exit_code in (0, 2), result.output
+    assert result.exit_code in (0, 2, 7), result.output  # 7: what it read looks like a crash no bug matches
     assert "Traceback" not in result.output

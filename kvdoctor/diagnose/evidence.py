@@ -29,6 +29,9 @@ _ASSERT_START = re.compile(r"^\s*(?:[>$#|]\s*)?(?P<stmt>assert\b(?:\s|\().*)$")
 _QUOTED_ASSERT = re.compile(r"`(?P<stmt>assert\b[^`]{3,300})`")
 _PY313_ELISION = re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")
 _DUMP = re.compile(r"Dumping input data for V1 LLM engine|Dumping scheduler output for model execution")
+# An exception line outside a traceback names a class: `AssertionError`, `torch.AcceleratorError`; not a
+# bare `Error:` of prose, nor a warning.
+_LOOSE_EXCEPTION = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*?[a-z]\w*?(?:Error|Exception|Failure|Interrupt)")
 _LOGGER_TAG = re.compile(r"\[[\w.\-]+\.py:\d+\]")
 
 
@@ -82,12 +85,16 @@ class LooseCollector:
     def feed(self, line: LogLine, number: int) -> None:
         body = line.body
         if self._statement:
-            if _PY313_ELISION.match(body):
-                return
-            self._statement.append(body.strip())
-            if balanced("\n".join(self._statement)) or len(self._statement) >= MAX_STATEMENT_LINES:
+            ends = not body.strip() or body[:1] not in " \t)]}" and (
+                _exception_line(body.strip()) is not None or body.startswith("Traceback"))
+            if ends:  # the paste left the statement unclosed: what follows is not part of it
                 self._close_statement()
-            return
+            else:
+                if not _PY313_ELISION.match(body):
+                    self._statement.append(body.strip())
+                if balanced("\n".join(self._statement)) or len(self._statement) >= MAX_STATEMENT_LINES:
+                    self._close_statement()
+                return
         if self.found.dump_line is None and _DUMP.search(body):
             self.found.dump_line = number
         match = _ASSERT_START.match(body)
@@ -115,7 +122,7 @@ class LooseCollector:
             self._pending_frame = None
             return
         exception = _exception_line(body.strip()) if body.strip() else None
-        if exception and not exception.group("name").endswith("Warning"):
+        if exception and _LOOSE_EXCEPTION.fullmatch(exception.group("name")):
             name = exception.group("name").rsplit(".", 1)[-1]
             self._add(self.found.exceptions, (name, (exception.group("msg") or "").strip()[:500], number))
 

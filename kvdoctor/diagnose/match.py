@@ -10,7 +10,7 @@ callers above it. Strength says what agreed:
 - exact: the exception, the statement and the function;
 - strong: the statement (alone, or with one of the others), or one line of it with
   the exception and the function;
-- moderate: the exception and the function, or one line of the statement and the function;
+- moderate: two of the exception, the function and one line of the statement;
 - weak: the function alone, or one line of the statement alone.
 
 A statement matched only in a release's renamed wording, or only in a release's
@@ -283,7 +283,7 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
         level = 0
     elif whole_statement or (partial and has_function and has_exception):
         level = 1
-    elif (has_function and has_exception) or (partial and has_function):
+    elif int(has_function) + int(has_exception) + int(partial) >= 2:
         level = 2
     else:
         level = 3

@@ -81,11 +81,16 @@ def load(path: Path = DATA_FILE) -> list[Site]:
         data = tomllib.loads(path.read_text())
         return [Site(bug=r["bug"], recipes=tuple(r["recipes"]), release=r["release"], exception=r["exception"],
                      function=r["function"], file=r.get("file"), line=r.get("line"),
-                     statement=r.get("statement"), message=r.get("message"), absent=r.get("absent"),
+                     statement=_unwrap(r.get("statement")), message=r.get("message"), absent=r.get("absent"),
                      reached=bool(r.get("reached", False)))
                 for r in data.get("site", [])]
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
         return []
+
+
+def _unwrap(text: str | None) -> str | None:
+    """A multi-line TOML string keeps the newline before its closing quotes; the statement has none."""
+    return text[:-1] if text and text.endswith("\n") else text
 
 
 def render(sites: Iterable[Site]) -> str:
