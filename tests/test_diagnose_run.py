@@ -28,7 +28,11 @@ K6_OUTCOMES = {(0, 26): {"installed": "reproduced", "fixed": "reproduced"},
                (0, 30): {"installed": "not_reproduced", "fixed": "not_reproduced"},
                (0, 33): {"installed": "not_reproduced", "fixed": "not_reproduced"},
                (0, 34): {"installed": "not_reproduced", "fixed": "not_reproduced"}}
-BUG_OUTCOMES = {"K1": OUTCOMES, "K6": K6_OUTCOMES}
+# K7 (mamba-align-midblock-hit-load), the 1Cat #567 log's match: measured by `kvdoctor diagnose` on vLLM 0.26.0
+# and 0.34.0 (2026-12-04); the PR #49146 cap is a store-side change, so the fixed logic reproduces it too.
+K7_OUTCOMES = {(0, 26): {"installed": "reproduced", "fixed": "reproduced", "exit": 1},
+               (0, 34): {"installed": "not_reproduced", "fixed": "not_reproduced", "exit": 0}}
+BUG_OUTCOMES = {"K1": OUTCOMES, "K6": K6_OUTCOMES, "K7": K7_OUTCOMES}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,9 @@ def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api, release):
     assert int(report.exit_status) == expected["exit"]
     assert report.installed_vllm == api.version_text
     assert "RECIPE = json.loads" in report.script  # the exported standalone reproducer
+    # the fixing release, from kvdoctor's matrix measurements (release_outcomes.toml), on every run
+    fixes = {name: (fix.release, fix.last_reproducing) for name, fix in report.first_release_not_reproducing.items()}
+    assert fixes["queued-abort"] == ("0.27.0", "0.26.0") and fixes["offload-keys-lag-blocks"] == ("0.30.0", "0.29.0")
 
 
 def test_markdown_attachment_of_the_real_log(real_51013):
@@ -67,6 +74,7 @@ def test_markdown_attachment_of_the_real_log(real_51013):
     assert "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:975 in _build_store_jobs()" in text
     assert "https://github.com/vllm-project/vllm/issues/49118" in text
     assert "workaround:" in text and "```python" in text
+    assert "fixed in vLLM 0.27.0; last reproducing 0.26.0" in text
     assert "/usr/local" not in text and "dist-packages" not in text
 
 
@@ -85,6 +93,8 @@ def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api, release)
                                                                     "fixed": expected["fixed"]}
     assert doc["versions_differ"] is (api.version_text != "0.26.0")
     assert "sk-" not in proc.stdout and "10.1.2.3" not in proc.stdout
+    assert best["fixed_in"] == "0.27.0" and best["last_reproducing"] == "0.26.0"
+    assert "diagnose: running" not in proc.stderr  # progress is for a terminal; piped, it stays quiet
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -96,7 +106,9 @@ def test_every_real_log_runs_what_it_matches(name, api, release):
     report = diagnose(str(LOGS / name))
     assert {run.recipe.bug for run in report.runs} == MATCHES[name]
     if not MATCHES[name]:
-        assert int(report.exit_status) == 0 and not report.vllm_error
+        # a crash no known bug matches exits 7 (ExitStatus.UNNAMED_CRASH); only the log without one exits 0
+        assert int(report.exit_status) == (7 if report.summary.holds_crash else 0) and not report.vllm_error
+        assert report.summary.holds_crash is (name != "vllm-24162-banner-args-no-crash.log")
         assert bool(report.starting_recipe) is bool(REAL[name].complete)
         return
     for run in report.runs:
