@@ -100,6 +100,9 @@ CASES = {
                                               "exact: AssertionError, the statement and `prepare_load`"),
     "K12 exception line alone": Case("AssertionError: Block OffloadKey(hash=0x12) not found in cache\n", {"K12"},
                                      "strong", "strong: AssertionError and the assert's message"),
+    "an issue title in prose": Case("The scheduler crashes with an `AssertionError` in `_build_store_jobs()` "
+                                    "under a MultiConnector.\n", {"K1", "K6"}, "weak",
+                                    "weak: AssertionError and `_build_store_jobs` (function named, no frame)"),
     "condensed frame form": Case(f"{SCHED}:975 in _build_store_jobs\n    assert len(offload_keys) == "
                                  f"len(offload_block_ids)\nAssertionError\n", {"K1", "K6"}, "exact",
                                  "exact: AssertionError, the statement and `_build_store_jobs`"),
@@ -115,6 +118,14 @@ def test_fragments_name_the_bug_with_the_stated_strength(name):
     assert best.strength == case.strength
     assert best.why.startswith(case.why), best.why
     assert best.reasons  # the why, item by item
+
+
+def test_prose_naming_a_function_alone_is_no_crash_and_a_quoted_unknown_assert_is_one():
+    summary, result = _match("We call `update_state_after_alloc()` here; everything is fine.\n")
+    assert not summary.holds_crash and not result.candidates
+    summary, result = _match("OffloadingConnector crashes with `assert not req_status.transfer_jobs` when a "
+                             "preempted request is re-admitted\n")
+    assert summary.holds_crash and not result.candidates
 
 
 def test_k7_line_rules_out_k3_with_a_reason():

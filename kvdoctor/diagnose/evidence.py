@@ -27,6 +27,9 @@ _LOOSE_FRAME_AFTER = re.compile(
     r"""\b(?P<func>[A-Za-z_]\w{0,199})(?:\(\))?\s+(?:at\s+|\()(?P<file>[\w.\-/\\]*\w\.py):(?P<line>\d{1,7})""")
 _ASSERT_START = re.compile(r"^\s*(?:[>$#|]\s*)?(?P<stmt>assert\b(?:\s|\().*)$")
 _QUOTED_ASSERT = re.compile(r"`(?P<stmt>assert\b[^`]{3,300})`")
+# A function named in prose: `_build_store_jobs`, _build_store_jobs(), `update_state_after_alloc()`.
+_MENTION = re.compile(r"`(?P<a>[A-Za-z_]\w*_\w*)(?:\(\))?`|\b(?P<b>[A-Za-z_]\w*_\w*)\(\)")
+MENTIONED = "(named in the text)"  # the file of a function only named, not a frame
 _PY313_ELISION = re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")
 _DUMP = re.compile(r"Dumping input data for V1 LLM engine|Dumping scheduler output for model execution")
 # An exception line outside a traceback names a class: `AssertionError`, `torch.AcceleratorError`; not a
@@ -47,6 +50,7 @@ class LooseEvidence:
     statements: list[Statement] = field(default_factory=list)
     exceptions: list[tuple[str, str, int]] = field(default_factory=list)  # (name, message, line)
     dump_line: int | None = None  # vLLM's crash dump ("Dumping input data ...") is there
+    mentions: list[LogFrame] = field(default_factory=list)  # functions named in prose (weaker than a frame)
 
 
 def balanced(text: str) -> bool:
@@ -105,6 +109,13 @@ class LooseCollector:
             return
         for quoted in _QUOTED_ASSERT.finditer(body):
             self._add(self.found.statements, Statement(quoted.group("stmt").strip(), number))
+        for named in re.finditer(r"`((?:\w+\.)*\w+)`", body):  # an exception class quoted in prose
+            if _LOOSE_EXCEPTION.fullmatch(named.group(1)):
+                self._add(self.found.exceptions, (named.group(1).rsplit(".", 1)[-1], "", number))
+        for mention in _MENTION.finditer(_QUOTED_ASSERT.sub("", body)):
+            name = mention.group("a") or mention.group("b")
+            if all(f.function != name for f in self.found.mentions):
+                self._add(self.found.mentions, LogFrame(MENTIONED, 0, name))
         searched = _LOGGER_TAG.sub("", body)
         frame = _LOOSE_FRAME.search(searched)
         after = None if frame else _LOOSE_FRAME_AFTER.search(searched)
@@ -165,10 +176,10 @@ def units(summary) -> list[Unit]:  # noqa: ANN001 - LogSummary (reader imports t
         tracebacks.insert(0, summary.crash)
     out += [traceback_unit(tb) for tb in tracebacks]
     loose = summary.loose
-    if loose is not None and (loose.frames or loose.statements or loose.exceptions):
+    if loose is not None and (loose.frames or loose.statements or loose.exceptions or loose.mentions):
         reraise = ("EngineDeadError", "AsyncEngineDeadError", "EngineGenerateError")
         exceptions = [e for e in loose.exceptions if e[0] not in reraise]
         exception, message = (exceptions[-1][0], exceptions[-1][1]) if exceptions else (None, "")
-        out.append(Unit("the lines outside any whole traceback", list(loose.frames), exception, message, False,
-                        statements=list(loose.statements)))
+        out.append(Unit("the lines outside any whole traceback", list(loose.mentions) + list(loose.frames),
+                        exception, message, False, statements=list(loose.statements)))
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.diagnose.evidence import Unit, balanced, traceback_unit
+from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit
 from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
 from kvdoctor.diagnose.traceback import LogTraceback, display_path
 from kvdoctor.recipes.model import Recipe, bug_order
@@ -274,6 +274,9 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     partial = kind.startswith("partial")
     has_function = bool(at_function)
     has_exception = same_exception
+    if has_function and all(f.file == MENTIONED for f in at_function) and not (
+            whole_statement or partial or has_exception):
+        return None, None  # a function named in prose, and nothing of a crash with it
     if not (whole_statement or partial or has_function):
         if same_exception and unit.exception and known.files & {_tail(f.file) for f in frames}:
             return None, RuledOut(known.bug, f"the same exception in the same file, but not in {known.function}",
@@ -293,6 +296,8 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     if found is not None and found.wording is not None and not found.wording.reached and not message_found:
         if not any(w.reached for w in known.wordings if tokenize(w.statement).text == tokenize(found.shown).text):
             lower.append("unreached")
+    if has_function and all(f.file == MENTIONED for f in at_function) and not whole_statement:
+        lower.append("function named, no frame")
     if lower and level < 3:
         level += 1
     parts = []
@@ -326,8 +331,11 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
         reasons.append(f"the exception's message `{_short(unit.message)}` is the assert's message")
     if has_function:
         f = at_function[-1]
-        reasons.append(f"frame {f.function}" + (f" in {_tail(f.file)}" if "/" in _tail(f.file) else "")
-                       + (" (where the crash is raised)" if raising else ""))
+        if f.file == MENTIONED:
+            reasons.append(f"`{f.function}` named in the text (no frame of it)")
+        else:
+            reasons.append(f"frame {f.function}" + (f" in {_tail(f.file)}" if "/" in _tail(f.file) else "")
+                           + (" (where the crash is raised)" if raising else ""))
     if has_exception:
         reasons.append(f"exception {known.exception}")
     gaps = []
@@ -349,7 +357,8 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     if not whole_statement and not partial:
         gaps.append("the log does not show the failing statement")
     strength = STRENGTHS[level]
-    why = f"{strength}: {what}{alone}" + (f" ({', '.join(lower)} wording)" if lower else "")
+    notes = [f"{n} wording" if n in ("renamed", "unreached") else n for n in lower]
+    why = f"{strength}: {what}{alone}" + (f" ({', '.join(notes)})" if notes else "")
     candidate = Candidate(known.recipes[0], score, reasons, gaps, strength, why, wording_text, unit.label)
     return candidate, None
 

@@ -29,7 +29,7 @@ CHUNK = 4 << 20
 # over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
 # lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
 _MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
-            b"serve", b"vllm", b"LLM engine (v", b"assert", b", in ", b"Error", b"Exception", b"Dumping ")
+            b"serve", b"vllm", b"LLM engine (v", b"assert", b", in ", b"Error", b"Exception", b"Dumping ", b"`", b"()")
 # Loose frames written `scheduler.py:975 in f` / `f() at scheduler.py:975` (a bare `.py:` marker would
 # be every vLLM log line's `[core.py:1332]`).
 _LOOSE_MARKER = re.compile(rb"\.py:\d+,? in \w|\w(?:\(\))? (?:at |\()[\w./\\-]*\.py:\d")
