@@ -10,7 +10,6 @@ tracebacks kept and their frame cap, not by the log's size.
 from __future__ import annotations
 
 import io
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,14 +24,14 @@ from kvdoctor.errors import UsageError
 MAX_LINE = 64 * 1024
 CHUNK = 4 << 20
 # A line that can start what diagnosis reads contains one of these: a traceback's header or a frame (a
-# paste may lack the header), the fatal-error markers, the version and args lines. Each is searched for
-# over a whole chunk (C-level `bytes.find`), so the bulk of a log (request lines) is never split into
-# lines in Python. While a traceback is open, every line is looked at (its code, elisions, exception).
+# paste may lack the header), the fatal-error markers, the version and args lines, and what a fragment
+# holds (an assert, `x.py, in f` / `f() at x.py:9`, an exception line, a crash dump, prose quoting code).
+# Each is searched for over a whole chunk (C-level `bytes.find`; a regex over the chunk costs 3x the
+# whole read), so the bulk of a log (request lines) is never split into lines in Python. While a
+# traceback or a multi-line assert is open, every line is looked at.
 _MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
-            b"serve", b"vllm", b"LLM engine (v", b"assert", b", in ", b"Error", b"Exception", b"Dumping ", b"`", b"()")
-# Loose frames written `scheduler.py:975 in f` / `f() at scheduler.py:975` (a bare `.py:` marker would
-# be every vLLM log line's `[core.py:1332]`).
-_LOOSE_MARKER = re.compile(rb"\.py:\d+,? in \w|\w(?:\(\))? (?:at |\()[\w./\\-]*\.py:\d")
+            b"serve", b"vllm", b"LLM engine (v", b"assert", b" in ", b" at ", b"Error", b"Exception", b"Dumping ",
+            b"`", b"()")
 
 
 @dataclass
@@ -113,8 +112,6 @@ def _interesting_starts(chunk: bytes) -> list[int]:
             if line_end < 0:
                 break
             at = chunk.find(marker, line_end + (0 if marker[:1] == b"\n" else 1))
-    for match in _LOOSE_MARKER.finditer(chunk):
-        starts.add(chunk.rfind(b"\n", 0, match.start()) + 1)
     if chunk[:1] in (b" ", b"\t"):
         starts.add(0)
     return sorted(starts)
