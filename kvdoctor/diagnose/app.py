@@ -49,7 +49,6 @@ class DiagnoseReport:
     installed_vllm: str | None = None
     vllm_error: str = ""
     first_release_not_reproducing: dict[str, Any] = field(default_factory=dict)  # recipe -> KnownFix | None
-    matrix_note: str = ""
     starting_recipe: str = ""  # TOML, when no known bug matches a complete crash
     script: str = ""  # the exported standalone script of the best match
     command: str = ""

@@ -230,7 +230,6 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     elsewhere = [f for f in at_function if known.files and "/" in _tail(f.file) and _tail(f.file) not in known.files]
     at_function = [f for f in at_function if f not in elsewhere]
     inner = unit.innermost if unit.complete else None
-    closeness = 0
     if elsewhere and not at_function:
         f = elsewhere[-1]
         return None, RuledOut(known.bug, f"{f.function} here is in {_tail(f.file)}; {known.bug}'s is in "
@@ -241,7 +240,8 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
                                          f"{inner.function} ({_tail(inner.file)})", 1)
     same_exception = unit.exception == known.exception
     if raising and unit.exception and not same_exception:
-        return None, RuledOut(known.bug, f"{inner.function} raises {unit.exception} here, {known.bug} is "  # type: ignore
+        assert inner is not None
+        return None, RuledOut(known.bug, f"{inner.function} raises {unit.exception} here, {known.bug} is "
                                          f"{known.exception}", 2)
     # statements: the code of the bug's frames first, then every other line of code the unit shows
     shown: list[tuple[str, bool]] = [(f.code, True) for f in at_function if f.code]
@@ -264,10 +264,9 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
             if whole or _names_foreign(text, known):
                 closeness = 3 if same_exception else 2
                 what = "another statement" if whole else "a line of another statement"
+                theirs = known.wordings[0].statement if known.wordings else known.contains or ""
                 return None, RuledOut(known.bug, f"its frame {at_function[0].function} shows {what}: "
-                                                 f"`{_short(text)}`, not {known.bug}'s "
-                                                 f"`{_short(known.wordings[0].statement if known.wordings else known.contains or '')}`",
-                                      closeness)
+                                                 f"`{_short(text)}`, not {known.bug}'s `{_short(theirs)}`", closeness)
     message_found = bool(unit.message) and any(message_matches(w.message or "", unit.message) for w in known.wordings)
     kind = found.likeness.kind if found else ""
     whole_statement = kind in ("exact", "renamed") or message_found
