@@ -103,6 +103,18 @@ CASES = {
     "an issue title in prose": Case("The scheduler crashes with an `AssertionError` in `_build_store_jobs()` "
                                     "under a MultiConnector.\n", {"K1", "K6"}, "weak",
                                     "weak: AssertionError and `_build_store_jobs` (function named, no frame)"),
+    # vllm-project/vllm#48959 as its reporter condensed it: a file line, a bare `AssertionError:`, then the
+    # statement (an older release's names) without its `assert (`
+    "48959 condensed": Case(f"{SCHED}\nAssertionError:\n    num_pending_gpu_blocks\n"
+                            "    <= sliding_window_size_in_blocks * block_size_factor\n", {"K3"}, "moderate",
+                            "moderate: AssertionError and the statement (renamed wording)"),
+    "the statement as the exception's message": Case(
+        "AssertionError: num_pending_gpu_blocks <= sliding_window_size_in_blocks * block_size_factor\n", {"K3"},
+        "moderate", "moderate: AssertionError and the statement (renamed wording)"),
+    # vllm-project/vllm#55503's title: the assert in parentheses in prose
+    "55503 title": Case("[Bug]: OffloadingConnector multi-tier + MTP crashes EngineCore in _build_store_jobs "
+                        "(assert len(offload_keys) == len(offload_block_ids))\n", {"K1", "K6"}, "strong",
+                        "strong: the statement and `_build_store_jobs`"),
     "condensed frame form": Case(f"{SCHED}:975 in _build_store_jobs\n    assert len(offload_keys) == "
                                  f"len(offload_block_ids)\nAssertionError\n", {"K1", "K6"}, "exact",
                                  "exact: AssertionError, the statement and `_build_store_jobs`"),

@@ -28,7 +28,11 @@ _LOOSE_FRAME_AFTER = re.compile(
 _ASSERT_START = re.compile(r"^\s*(?:[>$#|]\s*)?(?P<stmt>assert\b(?:\s|\().*)$")
 _QUOTED_ASSERT = re.compile(r"`(?P<stmt>assert\b[^`]{3,300})`")
 # A function named in prose: `_build_store_jobs`, _build_store_jobs(), `update_state_after_alloc()`.
-_MENTION = re.compile(r"`(?P<a>[A-Za-z_]\w*_\w*)(?:\(\))?`|\b(?P<b>[A-Za-z_]\w*_\w*)\(\)")
+_MENTION = re.compile(r"`(?P<a>[A-Za-z_]\w*_\w*)(?:\(\))?`|\b(?P<b>[A-Za-z_]\w*_\w*)\(\)"
+                      r"|\bin\s+(?P<c>_?[A-Za-z]\w*_\w*)\b(?!\.py)")
+# `assert` inside prose: "crashes in f (assert len(a) == len(b))"; what follows it up to where its
+# brackets would close below zero.
+_INLINE_ASSERT = re.compile(r"(?:^|[\s(\[\"'])(?P<stmt>assert\s+\S.*)")
 MENTIONED = "(named in the text)"  # the file of a function only named, not a frame
 _PY313_ELISION = re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")
 _DUMP = re.compile(r"Dumping input data for V1 LLM engine|Dumping scheduler output for model execution")
@@ -53,6 +57,16 @@ class LooseEvidence:
     mentions: list[LogFrame] = field(default_factory=list)  # functions named in prose (weaker than a frame)
 
 
+def _up_to_close(text: str) -> str:
+    depth = 0
+    for index, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if depth < 0:
+            return text[:index].strip()
+    return text.strip().rstrip(".,;")
+
+
 def balanced(text: str) -> bool:
     depth = 0
     for ch in re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "", text):
@@ -69,6 +83,12 @@ class LooseCollector:
         self._statement: list[str] = []
         self._start = 0
         self._pending_frame: LogFrame | None = None
+        self._message: list[str] | None = None  # lines under an exception line that had no message
+
+    @property
+    def waiting(self) -> bool:
+        """A multi-line statement, or the lines under a bare exception line, may continue on the next line."""
+        return bool(self._statement) or self._message is not None
 
     @property
     def open(self) -> bool:
@@ -88,6 +108,11 @@ class LooseCollector:
 
     def feed(self, line: LogLine, number: int) -> None:
         body = line.body
+        if self._message is not None:  # `AssertionError:` then the statement, indented, under it
+            if body[:1] in " \t" and body.strip() and len(self._message) < MAX_STATEMENT_LINES:
+                self._message.append(body.strip())
+                return
+            self._close_message()
         if self._statement:
             ends = not body.strip() or body[:1] not in " \t)]}" and (
                 _exception_line(body.strip()) is not None or body.startswith("Traceback"))
@@ -109,11 +134,14 @@ class LooseCollector:
             return
         for quoted in _QUOTED_ASSERT.finditer(body):
             self._add(self.found.statements, Statement(quoted.group("stmt").strip(), number))
+        inline = None if _QUOTED_ASSERT.search(body) else _INLINE_ASSERT.search(body)
+        if inline:
+            self._add(self.found.statements, Statement(_up_to_close(inline.group("stmt")), number))
         for named in re.finditer(r"`((?:\w+\.)*\w+)`", body):  # an exception class quoted in prose
             if _LOOSE_EXCEPTION.fullmatch(named.group(1)):
                 self._add(self.found.exceptions, (named.group(1).rsplit(".", 1)[-1], "", number))
         for mention in _MENTION.finditer(_QUOTED_ASSERT.sub("", body)):
-            name = mention.group("a") or mention.group("b")
+            name = mention.group("a") or mention.group("b") or mention.group("c")
             if all(f.function != name for f in self.found.mentions):
                 self._add(self.found.mentions, LogFrame(MENTIONED, 0, name))
         searched = _LOGGER_TAG.sub("", body)
@@ -136,10 +164,18 @@ class LooseCollector:
         if exception and _LOOSE_EXCEPTION.fullmatch(exception.group("name")):
             name = exception.group("name").rsplit(".", 1)[-1]
             self._add(self.found.exceptions, (name, (exception.group("msg") or "").strip()[:500], number))
+            if not (exception.group("msg") or "").strip():
+                self._message, self._start = [], number + 1
+
+    def _close_message(self) -> None:
+        if self._message:
+            self._add(self.found.statements, Statement("\n".join(self._message), self._start))
+        self._message = None
 
     def close(self) -> LooseEvidence:
         if self._statement:
             self._close_statement()
+        self._close_message()
         return self.found
 
 

@@ -247,6 +247,8 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     shown: list[tuple[str, bool]] = [(f.code, True) for f in at_function if f.code]
     shown += [(f.code, False) for f in frames if f.code and f not in at_function]
     shown += [(s.text, False) for s in unit.statements]
+    if unit.message and known.exception == "AssertionError":  # a condensed paste: `AssertionError: x <= y`
+        shown.append((unit.message, False))
     found: _Found | None = None
     for text, at_site in shown:
         candidate = _best_statement(text, known)

@@ -150,7 +150,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
         index, position, counted, lines_before = 0, 0, 0, number
         size = len(chunk)
         while position < size:
-            if not assembler.open and not collector.open:
+            if not assembler.open and not collector.waiting:
                 while index < len(starts) and starts[index] < position:
                     index += 1
                 if index == len(starts):

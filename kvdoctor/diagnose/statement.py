@@ -130,12 +130,14 @@ def compare(shown: str, known: str) -> Likeness | None:
         return None  # `assert (` alone names nothing
     if a.tokens == b.tokens:
         return Likeness("exact", 1.0)
-    if a.balanced and shown.lstrip().startswith("assert"):
+    whole = shown.lstrip().startswith("assert")
+    if a.balanced and (whole or len(set(a.names)) >= 2):  # a whole condition, with or without its `assert`
         ratio = SequenceMatcher(None, a.shape, b.shape, autojunk=False).ratio()
         overlap = _jaccard(a.words, b.words)
         if ratio >= SHAPE_RATIO and overlap >= WORD_OVERLAP:
             return Likeness("renamed", round((ratio + overlap) / 2, 2))
-        return None
+        if whole:
+            return None
     # one line of a multi-line statement: a contiguous run of the known tokens, or of their shape
     n = len(a.tokens)
     if n > len(b.tokens):
