@@ -146,12 +146,13 @@ def match_lines(report: Any) -> list[str]:
         if not report.summary.holds_crash:
             return ["no engine crash found in this log"]
         out = [f"a crash no known bug matches: {_what_was_seen(report)}"]
-        if m.why_none and m.why_none != "no engine crash found in this log":
-            out.append(f"  {m.why_none}" if not m.why_none.startswith("the engine's fatal error") else
-                       f"  cannot name a bug: {m.why_none}")
+        if m.why_none.startswith("the engine's fatal error"):
+            out.append(f"  cannot name a bug: {m.why_none}")
         if m.nearest:
             out.append("nearest known bugs, and why they are ruled out:")
             out += [f"  {r.bug}: {r.reason}" for r in m.nearest]
+        else:
+            out.append("no known bug's crash site shares its function, file or statement")
         if report.starting_recipe:
             out.append("starting recipe with the crash's signature (write it with --write-recipe FILE, edit its "
                        "steps, then `kvdoctor repro FILE`):")
