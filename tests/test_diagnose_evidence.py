@@ -115,6 +115,13 @@ CASES = {
     "55503 title": Case("[Bug]: OffloadingConnector multi-tier + MTP crashes EngineCore in _build_store_jobs "
                         "(assert len(offload_keys) == len(offload_block_ids))\n", {"K1", "K6"}, "strong",
                         "strong: the statement and `_build_store_jobs`"),
+    # Python 3.13 prints every line of a multi-line statement, with `...<N lines>...` for a gap: the lines it
+    # shows are pieces of the statement, never a whole other statement
+    "a Python 3.13 traceback with a gap": Case(
+        f'Traceback (most recent call last):\n  File "/x/{SCHED}", line 822, in update_state_after_alloc\n'
+        "    assert (\n           ^\n        num_pending_gpu_blocks\n        ^^^^^^^^^^^^^^^^^^^^^^\n"
+        "    ...<2 lines>...\n    )\n    ^\nAssertionError\n", {"K3"}, "strong",
+        "strong: AssertionError, one line of the statement and `update_state_after_alloc`"),
     "condensed frame form": Case(f"{SCHED}:975 in _build_store_jobs\n    assert len(offload_keys) == "
                                  f"len(offload_block_ids)\nAssertionError\n", {"K1", "K6"}, "exact",
                                  "exact: AssertionError, the statement and `_build_store_jobs`"),

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdoctor.diagnose.logline import LogLine
-from kvdoctor.diagnose.traceback import LogFrame, LogTraceback, _exception_line
+from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, _exception_line
 
 MAX_ITEMS = 64
 MAX_STATEMENT_LINES = 12
@@ -119,8 +119,7 @@ class LooseCollector:
             if ends:  # the paste left the statement unclosed: what follows is not part of it
                 self._close_statement()
             else:
-                if not _PY313_ELISION.match(body):
-                    self._statement.append(body.strip())
+                self._statement.append(ELIDED if _PY313_ELISION.match(body) else body.strip())
                 if balanced("\n".join(self._statement)) or len(self._statement) >= MAX_STATEMENT_LINES:
                     self._close_statement()
                 return

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit
 from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
-from kvdoctor.diagnose.traceback import LogTraceback, display_path
+from kvdoctor.diagnose.traceback import ELIDED, LogTraceback, display_path
 from kvdoctor.recipes.model import Recipe, bug_order
 
 STRENGTHS = ("exact", "strong", "moderate", "weak")
@@ -183,8 +183,13 @@ def _best_statement(shown: str, known: Known) -> _Found | None:
         if likeness is None:
             continue
         found = _Found(likeness, wording, shown)
-        if best is None or (order[likeness.kind], -likeness.similarity, not wording.reached) < (
-                order[best.likeness.kind], -best.likeness.similarity, not best.wording.reached):  # type: ignore
+        if best is not None and (likeness.kind, likeness.similarity) == (best.likeness.kind,
+                                                                          best.likeness.similarity):
+            assert best.wording is not None  # as alike to several releases' wordings: all of them
+            best = _Found(likeness, Wording(best.wording.statement, best.wording.releases + wording.releases,
+                                            best.wording.reached or wording.reached, best.wording.message), shown)
+        elif best is None or (order[likeness.kind], -likeness.similarity) < (order[best.likeness.kind],
+                                                                             -best.likeness.similarity):
             best = found
     if best is None and known.contains and not known.wordings:
         # no measured wording (a recipe of the user's): the signature's text itself
@@ -250,10 +255,13 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     if unit.message and known.exception == "AssertionError":  # a condensed paste: `AssertionError: x <= y`
         shown.append((unit.message, False))
     found: _Found | None = None
-    for text, at_site in shown:
-        candidate = _best_statement(text, known)
+    for original, at_site in shown:
+        lines = original.split("\n")
+        gaps = ELIDED in lines  # the traceback left lines of it out: its lines are pieces, never a whole
+        text = "\n".join(line for line in lines if line != ELIDED)
+        candidate = None if gaps else _best_statement(text, known)
         if candidate is None:
-            for piece in text.split("\n") if "\n" in text and not balanced(text) else ():
+            for piece in text.split("\n") if "\n" in text and (gaps or not balanced(text)) else ():
                 candidate = _best_statement(piece, known)
                 if candidate is not None:
                     break
@@ -261,14 +269,15 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
                                       < _KIND_ORDER[found.likeness.kind]):
             found = candidate
         if candidate is None and at_site:
-            whole = not is_fragment(text) and text.lstrip().startswith("assert") or (
-                known.exception != "AssertionError" and not is_fragment(text))
+            whole = not gaps and (not is_fragment(text) and text.lstrip().startswith("assert") or (
+                known.exception != "AssertionError" and not is_fragment(text)))
             if whole or _names_foreign(text, known):
                 closeness = 3 if same_exception else 2
                 what = "another statement" if whole else "a line of another statement"
                 theirs = known.wordings[0].statement if known.wordings else known.contains or ""
                 return None, RuledOut(known.bug, f"its frame {at_function[0].function} shows {what}: "
-                                                 f"`{_short(text)}`, not {known.bug}'s `{_short(theirs)}`", closeness)
+                                                 f"`{_short(original)}`, not {known.bug}'s `{_short(theirs)}`",
+                                      closeness)
     message_found = bool(unit.message) and any(message_matches(w.message or "", unit.message) for w in known.wordings)
     kind = found.likeness.kind if found else ""
     whole_statement = kind in ("exact", "renamed") or message_found

@@ -25,6 +25,7 @@ _CARET = re.compile(r"^\s*[\^~]+\s*$")
 _ELISION = re.compile(r"^\s*(?:\.\.\.|…|\[Previous line repeated \d+ more times?\])\s*$")
 _EXCEPTION = re.compile(r"^(?P<name>[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*)(?::\s?(?P<msg>.*))?$")
 _FATAL = re.compile(r"EngineCore encountered a fatal error|^Process EngineCore")
+ELIDED = "…"  # a line of a statement's code that the traceback left out (Python 3.13's `...<N lines>...`)
 _PY313_ELISION = re.compile(r"^\s*\.\.\.<\d+ lines?>\.\.\.\s*$")
 _RERAISE_NAMES = ("EngineDeadError", "AsyncEngineDeadError", "EngineGenerateError")
 
@@ -185,8 +186,8 @@ class TracebackAssembler:
                 return True
             if tb.frames and not _balanced(tb.frames[-1].code) and len(tb.frames[-1].code) < MAX_CODE:
                 # the rest of a multi-line statement (Python 3.13 shows every line of it)
-                if not _PY313_ELISION.match(body):
-                    tb.frames[-1].code = (tb.frames[-1].code + "\n" + body.strip())[:MAX_CODE]
+                line = ELIDED if _PY313_ELISION.match(body) else body.strip()  # `...<2 lines>...`: a gap
+                tb.frames[-1].code = (tb.frames[-1].code + "\n" + line)[:MAX_CODE]
                 return True
             return False
         match = _exception_line(body)
