@@ -236,6 +236,19 @@ def test_cli_unknown_assert_exits_7_and_a_log_without_a_crash_0(tmp_path):
     assert "no engine crash found in this log" in proc.stdout
 
 
+def test_a_warning_traceback_the_process_survived_is_no_crash_unless_it_is_a_known_bug():
+    from kvdoctor.diagnose.app import diagnose
+
+    warning = ("(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] Traceback (most recent call last):\n"
+               '(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116]   File "/x/vllm/v1/kv_offload/worker/'
+               'worker.py", line 114, in transfer_async\n'
+               "(EngineCore_DP0 pid=7) WARNING 08-04 09:41:00 [worker.py:116] ConnectionResetError: peer\n")
+    report = diagnose(warning + "(APIServer pid=1) INFO 08-04 09:41:01 [loggers.py:271] Engine 000: ok\n", run=False)
+    assert not report.summary.holds_crash and int(report.exit_status) == 0
+    report = diagnose(K12_WARNING + "(APIServer pid=1) INFO 08-04 09:41:01 [loggers.py:271] ok\n", run=False)
+    assert report.match.best_bugs == ["K12"]  # a known bug's crash site, even where the worker went on
+
+
 def test_a_fragment_without_a_whole_traceback_gets_a_starting_recipe():
     from kvdoctor.diagnose.app import diagnose
     from kvdoctor.recipes.loader import load_recipe_text

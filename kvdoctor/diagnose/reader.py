@@ -51,12 +51,15 @@ class LogSummary:
 
     @property
     def holds_crash(self) -> bool:
-        """Anything that says the engine crashed: a traceback, the fatal-error line, the API server's
-        re-raise, vLLM's crash dump, or a pasted frame, statement or exception line."""
+        """Anything that says the engine crashed: a traceback (not one logged as a WARNING, which the
+        process survived), the fatal-error line, the API server's re-raise, vLLM's crash dump, or a pasted
+        vLLM frame, statement or exception line."""
         loose = self.loose
-        return bool(self.crash is not None or self.fatal_line is not None or self.reraise_seen
-                    or (loose is not None and (loose.dump_line is not None or loose.frames or loose.statements
-                                               or loose.exceptions)))
+        loose_crash = loose is not None and (
+            loose.dump_line is not None or loose.statements or loose.exceptions
+            or any("/" in f.file or f.in_vllm for f in loose.frames))
+        return bool(self.crash is not None and not self.crash.survived or self.fatal_line is not None
+                    or self.reraise_seen or loose_crash)
 
     @property
     def crash_found(self) -> bool:

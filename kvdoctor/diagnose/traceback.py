@@ -53,6 +53,12 @@ class LogTraceback:
     message: str = ""
     elided: bool = False  # the traceback has `...` elisions or dropped frames
     after_fatal_marker: bool = False  # "EngineCore encountered a fatal error" came first
+    level: str | None = None  # the log level its first line was written at (WARNING: the process went on)
+
+    @property
+    def survived(self) -> bool:
+        """Logged as a warning: the process caught it and went on (a worker's failed transfer, say)."""
+        return self.level in ("WARNING", "WARN", "INFO", "DEBUG") and not self.after_fatal_marker
 
     @property
     def cut_short(self) -> bool:
@@ -157,7 +163,7 @@ class TracebackAssembler:
                 self.fatal_line = number
         if _START.match(body):
             self._finish(key)
-            self.open[key] = LogTraceback(key, number, after_fatal_marker=key in self.fatal)
+            self.open[key] = LogTraceback(key, number, after_fatal_marker=key in self.fatal, level=line.level)
             self.last_key = key
             return True
         tb = self.open.get(key)
@@ -166,7 +172,8 @@ class TracebackAssembler:
             if frame is None:
                 return False
             # a traceback whose start was cut off (or pasted without its header)
-            tb = self.open[key] = LogTraceback(key, number, elided=True, after_fatal_marker=key in self.fatal)
+            tb = self.open[key] = LogTraceback(key, number, elided=True, after_fatal_marker=key in self.fatal,
+                                               level=line.level)
         self.last_key = key
         frame = _FRAME.match(body)
         if frame:
