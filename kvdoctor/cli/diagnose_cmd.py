@@ -32,7 +32,7 @@ def diagnose(
 
     A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7.
 
-    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or no crash · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure · 7 a crash no known bug matches."""  # noqa: E501
+    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or no crash · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure · 6 the run did not test the bug · 7 a crash no known bug matches."""  # noqa: E501
     from kvdoctor.cli.app import _command_line, _console, _run
 
     def action() -> int:

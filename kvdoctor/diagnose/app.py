@@ -71,13 +71,10 @@ class DiagnoseReport:
             return ExitStatus.VLLM_UNAVAILABLE
         if not self.runs:
             return ExitStatus.NOT_REPRODUCED
+        from kvdoctor.outcome_codes import exit_code_for
+
         installed = self.runs[0].installed
-        outcome = installed.outcome.value if installed is not None else "not_reproduced"
-        if outcome == "reproduced":
-            return ExitStatus.REPRODUCED
-        if outcome in ("not_reproduced", "not_applicable"):
-            return ExitStatus.NOT_REPRODUCED
-        return ExitStatus.SETUP_OR_OTHER_FAILURE
+        return exit_code_for(installed.outcome.value if installed is not None else "not_reproduced")
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:
