@@ -97,6 +97,6 @@ def test_a_failed_job_is_not_also_a_completed_one(api):
     meta = api.worker_metadata(completed=[1], failed=[2])
     output = api.kv_connector_output(meta, set(), set(), set())
     if api.worker_reports_failed_jobs:
-        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1], [2])
+        assert (api.completed_job_ids(output), api.failed_job_ids(output)) == ([1], [2])
     else:
-        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1, 2], [])
+        assert (api.completed_job_ids(output), api.failed_job_ids(output)) == ([1, 2], [])
