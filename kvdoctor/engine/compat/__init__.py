@@ -22,7 +22,7 @@ from kvdoctor.engine.compat import portable
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
-from kvdoctor.releases import SUPPORTED_MAX_EXCLUSIVE, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT  # noqa: F401 - one definition
+from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
 OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 OFFLOADING_COMMON_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
@@ -41,15 +41,29 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 
 
 def check_supported(version_text: str) -> tuple[int, int, int]:
-    """Accept only releases kvdoctor's adapter was built and tested against."""
+    """Refuse only what the version alone decides: an unreadable version, or one older than the oldest
+    release the adapter knows (its earlier forms are gone from compat). A newer release is not refused
+    here: whether it works is for the feature probes (`probes.require`) to say."""
     version = parse_version(version_text)
     if version is None:
         raise VllmUnavailableError(f"cannot read the installed vLLM version {version_text!r}")
-    if not (SUPPORTED_MIN <= version < SUPPORTED_MAX_EXCLUSIVE):
+    if version < SUPPORTED_MIN:
         raise VllmUnavailableError(
-            f"vLLM {version_text} is outside kvdoctor's supported range {SUPPORTED_RANGE_TEXT}"
+            f"vLLM {version_text} is outside kvdoctor's supported range {SUPPORTED_RANGE_TEXT} "
+            f"(older than {'.'.join(map(str, SUPPORTED_MIN))})"
         )
     return version
+
+
+NOTED_ENV = "KVDOCTOR_NEWER_VLLM_NOTED"  # set once noted: spawned workers (explore) say nothing again
+
+
+def newer_release_note(version_text: str, version: tuple[int, int, int]) -> str | None:
+    """The one-line note for a release newer than the newest one kvdoctor was measured on, else None."""
+    if version <= release_tuple(NEWEST_MEASURED):
+        return None
+    return (f"vLLM {version_text} is newer than the newest release kvdoctor was measured on ({NEWEST_MEASURED}); "
+            f"results are from probes that hold")
 
 
 @dataclass(frozen=True)
@@ -627,6 +641,14 @@ class VllmApi(WorkerGlue):
                                and hasattr(proc, "run_busy_loop"))
 
     @cached_property
+    def worker_side_checked(self) -> bool:
+        """The worker-side probes, asked once before vLLM's worker is built (exit 3 naming a failing one)."""
+        from kvdoctor.engine.compat import probes
+
+        probes.require(self, worker_side=True)
+        return True
+
+    @cached_property
     def offloading_package_dir(self) -> str:
         return os.path.dirname(os.path.dirname(self.mods["vllm"].__file__))
 
@@ -695,11 +717,9 @@ def installed_vllm_version() -> str | None:
         return None
 
 
-def load() -> VllmApi:
-    """Import vLLM once per process (the ~6 s floor) and check the release."""
-    global _API
-    if _API is not None:
-        return _API
+def import_vllm() -> VllmApi:
+    """Import vLLM once per process (the ~6 s floor) and build the adapter over it, its probes not yet
+    asked (`load` asks them; `kvdoctor version` lists every probe's answer, a failing one included)."""
     declared = installed_vllm_version()
     if declared is None:
         raise VllmUnavailableError(
@@ -719,8 +739,23 @@ def load() -> VllmApi:
         for handler in vllm_logger.handlers:  # keep stdout for kvdoctor's own output (--json)
             if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stdout:
                 handler.setStream(sys.stderr)
-    api = VllmApi(version_text=version_text, version=version, mods=mods)
-    api.storable_chunks_takes_group_state  # fail early on an unknown signature
+    return VllmApi(version_text=version_text, version=version, mods=mods)
+
+
+def load() -> VllmApi:
+    """The adapter over the installed vLLM, once per process: refused (exit 3) only by its version
+    being older than kvdoctor's oldest or by a scheduler-side probe that fails, never for being new."""
+    global _API
+    if _API is not None:
+        return _API
+    api = import_vllm()
+    from kvdoctor.engine.compat import probes
+
+    probes.require(api, worker_side=False)  # exit 3 naming the first probe that fails
+    note = newer_release_note(api.version_text, api.version)
+    if note is not None and not os.environ.get(NOTED_ENV):
+        print(f"kvdoctor: note: {note}", file=sys.stderr, flush=True)
+        os.environ[NOTED_ENV] = "1"
     _API = api
     return api
 
