@@ -1,8 +1,17 @@
-"""The one place that knows vLLM's private names and per-release signatures.
+"""The adapter: the one place that knows vLLM's private names and per-release signatures.
 
-Everything else in kvdoctor talks to vLLM through `VllmApi`. When a release
-moves something, this module fails with one clear line (exit 3) instead of an
-AttributeError deep inside a scenario.
+Everything else in kvdoctor talks to vLLM through `VllmApi`, in one calling style:
+`api.<method>(...)` on the object `load()` returns (code that vLLM itself instantiates, or a
+pure function handed vLLM's objects, takes the same cached object from `load()`). Module-level
+names here are the loader only (`load`, `import_vllm`, the version helpers).
+
+- `imports`: importing vLLM's modules quietly, failing in one line (exit 3);
+- `probes`: the feature probes that decide whether this vLLM is supported (exit 3 naming the
+  one that fails; a release newer than the newest measured one runs with a one-line note);
+- `worker`: the worker side (`--worker vllm`): worker-role connector, runner glue, KV tensors;
+- `portable`: reads that need only vLLM's objects, shared verbatim with exported scripts.
+
+`tests/test_vllm_private_names.py` fails on a vLLM private name read anywhere else.
 """
 
 from __future__ import annotations
