@@ -1,16 +1,17 @@
-"""The vLLM releases kvdoctor supports: the one definition of its range.
+"""The vLLM releases kvdoctor supports and was measured on: the one definition of both.
 
-`compat` (the version check), `--help`, `kvdoctor matrix` and the release-outcomes
-data read it from here; README and pyproject (which cannot import it) are checked
-against it by tests/test_release_groups.py. Importing this module is free (no vLLM).
+Supported is everything from `SUPPORTED_MIN` on: a release newer than the newest measured one
+runs with a one-line note, and the adapter's feature probes (not this number) decide whether it
+works (`kvdoctor.engine.compat.probes`). `compat`, `--help`, `kvdoctor matrix` and the
+release-outcomes data read these from here; README and pyproject (which cannot import it) are
+checked against it by tests/test_release_groups.py. Importing this module is free (no vLLM).
 """
 
 from __future__ import annotations
 
 SUPPORTED_MIN = (0, 26, 0)
-SUPPORTED_MAX_EXCLUSIVE = (0, 35, 0)
 
-# Every vLLM release inside the range, oldest first. `kvdoctor matrix` and CI run these;
+# Every vLLM release kvdoctor was measured on, oldest first. `kvdoctor matrix` and CI run these;
 # pyproject has one dependency group per entry.
 KNOWN_RELEASES = (
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
@@ -22,7 +23,8 @@ def _text(version: tuple[int, int, int], drop_zero_patch: bool) -> str:
     return f"{major}.{minor}" if drop_zero_patch and patch == 0 else f"{major}.{minor}.{patch}"
 
 
-SUPPORTED_RANGE_TEXT = f">={_text(SUPPORTED_MIN, False)},<{_text(SUPPORTED_MAX_EXCLUSIVE, True)}"
+NEWEST_MEASURED = KNOWN_RELEASES[-1]
+SUPPORTED_RANGE_TEXT = f">={_text(SUPPORTED_MIN, False)}"
 
 
 def release_tuple(release: str) -> tuple[int, int, int]:
@@ -32,7 +34,7 @@ def release_tuple(release: str) -> tuple[int, int, int]:
 
 
 def in_supported_range(version: tuple[int, int, int]) -> bool:
-    return SUPPORTED_MIN <= tuple(version) < SUPPORTED_MAX_EXCLUSIVE
+    return SUPPORTED_MIN <= tuple(version)
 
 
 def short_name(release: str) -> str:

@@ -1,4 +1,4 @@
-"""The compatibility checks: supported range, missing or broken vLLM, per-release probes."""
+"""The compatibility checks: the lower bound, missing or broken vLLM, support decided by feature probes."""
 
 from __future__ import annotations
 
@@ -16,12 +16,25 @@ def test_parse_version(text, expected):
     assert compat.parse_version(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0.26.0", "0.29.3", "0.33.0", "0.33.9", "0.34.0"])
+@pytest.mark.parametrize("text", ["0.26.0", "0.29.3", "0.33.0", "0.33.9", "0.34.0", "0.35.0", "0.35.0.dev3+gabc",
+                                  "1.0.0"])
 def test_supported_releases_pass(text):
+    """Newer than the newest measured release is not refused by its number: the probes decide."""
     assert compat.check_supported(text)[:2] >= (0, 26)
 
 
-@pytest.mark.parametrize("text", ["0.25.1", "0.35.0", "1.0.0", "nonsense"])
+@pytest.mark.parametrize("text, note", [
+    ("0.34.0", None), ("0.34.0rc1", None), ("0.26.0", None),
+    ("0.34.1", "vLLM 0.34.1 is newer than the newest release kvdoctor was measured on (0.34.0); "
+               "results are from probes that hold"),
+    ("0.35.0.dev3+gabc", "vLLM 0.35.0.dev3+gabc is newer than the newest release kvdoctor was measured on "
+                         "(0.34.0); results are from probes that hold"),
+])
+def test_newer_release_note(text, note):
+    assert compat.newer_release_note(text, compat.parse_version(text)) == note
+
+
+@pytest.mark.parametrize("text", ["0.25.1", "0.20.0", "nonsense"])
 def test_unsupported_releases_are_exit_3(text):
     with pytest.raises(VllmUnavailableError) as info:
         compat.check_supported(text)
@@ -41,7 +54,7 @@ def test_missing_vllm_is_one_line_exit_3(fresh_loader):
         compat.load()
 
 
-def test_out_of_range_vllm_is_refused_before_import(fresh_loader):
+def test_older_vllm_is_refused_before_import(fresh_loader):
     fresh_loader.setattr(compat, "installed_vllm_version", lambda: "0.20.0")
     with pytest.raises(VllmUnavailableError, match="outside kvdoctor's supported range"):
         compat.load()
@@ -97,6 +110,118 @@ def test_a_failed_job_is_not_also_a_completed_one(api):
     meta = api.worker_metadata(completed=[1], failed=[2])
     output = api.kv_connector_output(meta, set(), set(), set())
     if api.worker_reports_failed_jobs:
-        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1], [2])
+        assert (api.completed_job_ids(output), api.failed_job_ids(output)) == ([1], [2])
     else:
-        assert (compat.completed_job_ids(output), compat.failed_job_ids(output)) == ([1, 2], [])
+        assert (api.completed_job_ids(output), api.failed_job_ids(output)) == ([1, 2], [])
+
+
+# -- support by probes: a newer release runs with a note; a failed probe is exit 3, named ----------
+
+def _fake_version(monkeypatch, api, text):
+    """A scoped patch: the installed vLLM reports `text` (its metadata and `vllm.__version__`)."""
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: text)
+    monkeypatch.setattr(api.mods["vllm"], "__version__", text)
+    monkeypatch.setenv(compat.NOTED_ENV, "")  # this process has not noted it yet
+
+
+def test_a_newer_release_loads_with_a_one_line_note(api, fresh_loader, capsys):
+    _fake_version(fresh_loader, api, "0.35.0")
+    loaded = compat.load()
+    assert loaded.version == (0, 35, 0)
+    assert capsys.readouterr().err == ("kvdoctor: note: vLLM 0.35.0 is newer than the newest release kvdoctor was "
+                                       "measured on (0.34.0); results are from probes that hold\n")
+    compat._API = None  # a second load in the same process does not repeat it (nor do spawned workers)
+    compat.load()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_measured_release_loads_without_a_note(api, fresh_loader, capsys):
+    fresh_loader.setenv(compat.NOTED_ENV, "")
+    compat.load()
+    assert capsys.readouterr().err == ""
+
+
+def _break_storable_chunks(monkeypatch, api):
+    """A scoped patch: vLLM's storable_chunks takes arguments the adapter does not know."""
+    monkeypatch.setattr(api.RequestOffloadState, "storable_chunks", lambda self, chunk_spec: 0)
+
+
+def test_a_failed_probe_is_exit_3_naming_it(api, fresh_loader):
+    from kvdoctor.errors import IncompatibleVllmError
+
+    _break_storable_chunks(fresh_loader, api)
+    with pytest.raises(IncompatibleVllmError) as info:
+        compat.load()
+    message = str(info.value)
+    assert info.value.exit_code == EXIT_VLLM_UNAVAILABLE and "\n" not in message
+    assert "probe storable_chunks-signature failed" in message
+    assert "['self', 'chunk_spec']" in message  # what changed
+
+
+def test_every_probe_holds_on_a_measured_release(api):
+    from kvdoctor.engine.compat import probes
+
+    results = probes.run(api, worker_side=True)
+    assert [r.name for r in results] == [p.name for p in probes.PROBES]
+    assert [r for r in results if not r.holds] == []
+
+
+def test_each_probe_can_fail(api, monkeypatch):
+    """Not vacuous: each of these probes fails when what it checks is gone (scoped patches)."""
+    from kvdoctor.engine.compat import probes
+
+    scheduler = api.OffloadingConnectorScheduler
+    breakers = {
+        "storable_chunks-signature": lambda scope: _break_storable_chunks(scope, api),
+        "store-pass": lambda scope: scope.delattr(scheduler, "_build_store_jobs"),
+        "connector-state": lambda scope: scope.delattr(scheduler, "_calc_num_offloadable_tokens"),
+        "worker-metadata": lambda scope: scope.delattr(api.cls("offload_common", "OffloadingWorkerMetadata"),
+                                                       "mark_completed"),
+    }
+    for name, breaker in breakers.items():
+        with monkeypatch.context() as scope:
+            breaker(scope)
+            (result,) = [r for r in probes.run(compat.import_vllm(), worker_side=False) if r.name == name]
+            assert not result.holds, name
+    assert all(r.holds for r in probes.run(compat.import_vllm(), worker_side=False))  # all restored
+
+
+def _cli(code: str):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, compat.NOTED_ENV: ""}, timeout=600)
+
+
+def test_cli_runs_a_newer_release_with_the_note():
+    """`kvdoctor repro queued-abort` with vLLM's reported version faked to 0.35.0 (in that process)."""
+    proc = _cli("import sys; import kvdoctor.engine.compat as c\n"
+                "with c._silenced_stderr():\n    import vllm\n"
+                "vllm.__version__ = '0.35.0'; c.installed_vllm_version = lambda: '0.35.0'\n"
+                "from kvdoctor.cli.app import main; sys.argv = ['kvdoctor', 'repro', 'queued-abort']; main()")
+    assert proc.returncode in (0, 1), proc.stderr  # the verdict of the run, not a refusal
+    assert "queued-abort" in proc.stdout
+    notes = [line for line in proc.stderr.splitlines() if "newer than the newest release" in line]
+    assert notes == ["kvdoctor: note: vLLM 0.35.0 is newer than the newest release kvdoctor was measured on "
+                     "(0.34.0); results are from probes that hold"], proc.stderr
+
+
+def test_cli_exits_3_naming_a_broken_probe():
+    """The same command with vLLM's storable_chunks given an unknown signature (in that process)."""
+    proc = _cli("import sys; import kvdoctor.engine.compat as c\n"
+                "real = c._import\n"
+                "def patched(name):\n"
+                "    module = real(name)\n"
+                "    if name == c.OFFLOADING_SCHEDULER_MODULE:\n"
+                "        module.RequestOffloadState.storable_chunks = lambda self, chunk_spec: 0\n"
+                "    return module\n"
+                "c._import = patched\n"
+                "from kvdoctor.cli.app import main; sys.argv = ['kvdoctor', 'repro', 'queued-abort']; main()")
+    assert proc.returncode == EXIT_VLLM_UNAVAILABLE, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "probe storable_chunks-signature failed" in proc.stderr and "chunk_spec" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -122,7 +122,7 @@ def test_no_connector_setup_builds_no_connector_and_k1_needs_it(api):
 def test_engine_core_facts_read_off_the_installed_vllm(api):
     from kvdoctor.engine import compat
 
-    facts = compat.engine_core_facts()
+    facts = compat.load().engine_core_facts()
     assert {"reset_running_requests", "reset_connector"} <= facts.reset_params
     assert facts.batch_queue and facts.utilities_between_steps
 

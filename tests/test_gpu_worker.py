@@ -32,7 +32,7 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
         assert all(t.is_cuda for t in worker.kv_caches.values())
         from kvdoctor.engine import compat
 
-        real = compat.offloading_worker_of(worker.connector)
+        real = compat.load().offloading_worker_of(worker.connector)
         assert type(real).__module__ == "vllm.v1.kv_offload.cpu.gpu_worker", type(real)
         prompt = list(range(100, 124))
         harness.add("A", prompt, 2)

@@ -29,11 +29,12 @@ def test_known_releases_are_ordered_and_in_range():
     assert versions == sorted(set(versions))
     assert all(releases.in_supported_range(v) for v in versions)
     assert versions[0] == releases.SUPPORTED_MIN
+    assert releases.NEWEST_MEASURED == releases.KNOWN_RELEASES[-1]
 
 
 def test_readme_and_help_state_the_same_range():
     readme = (ROOT / "README.md").read_text()
-    stated = set(re.findall(r">=\d+\.\d+\.\d+,<\d+\.\d+(?:\.\d+)?", readme))
+    stated = set(re.findall(r">=\d+\.\d+\.\d+(?:,<\d+\.\d+(?:\.\d+)?)?", readme))
     assert stated == {releases.SUPPORTED_RANGE_TEXT}
     from kvdoctor.cli.app import EXIT_CODES_HELP
 

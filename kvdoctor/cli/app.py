@@ -357,6 +357,12 @@ app.command(cls=KvCommand, epilog=_examples(
 from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
 
 app.command()(diagnose)
+from kvdoctor.cli.version_cmd import version  # noqa: E402 - cheap (Typer only); logic in kvdoctor.version_report
+
+app.command(cls=KvCommand, epilog=_examples("kvdoctor version", "kvdoctor version --json"))(_with_exit_codes(
+    exit_codes_text(meanings={ExitStatus.NOT_REPRODUCED: "vLLM imports and every probe holds",
+                              ExitStatus.VLLM_UNAVAILABLE: "vLLM missing, broken on import or too old, or a probe "
+                                                           "fails (named, with what changed)"}))(version))
 
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],

@@ -205,14 +205,12 @@ class StepEvents:
 _GPU_DEFAULT_RUNNERS: dict[tuple[str, str | None], str] = {}
 
 
-def _gpu_default_model_runner(setup: Setup, scheduler: Any) -> str:
+def _gpu_default_model_runner(api: VllmApi, setup: Setup, scheduler: Any) -> str:
     import os
-
-    from kvdoctor.engine import compat
 
     key = (repr(setup), os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
     if key not in _GPU_DEFAULT_RUNNERS:
-        _GPU_DEFAULT_RUNNERS[key] = compat.gpu_default_model_runner(compat.vllm_config_of(scheduler))
+        _GPU_DEFAULT_RUNNERS[key] = api.gpu_default_model_runner(api.vllm_config_of(scheduler))
     return _GPU_DEFAULT_RUNNERS[key]
 
 
@@ -248,14 +246,12 @@ class Harness:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
         vLLM worker follows what a GPU deployment of this release would run; the simulated worker
         keeps the scheduler's own pick on this machine."""
-        from kvdoctor.engine import compat
-
         runner = self.setup.model_runner
         if runner is None and self.setup.worker == "vllm":
-            runner = _gpu_default_model_runner(self.setup, self.scheduler)
+            runner = _gpu_default_model_runner(self.api, self.setup, self.scheduler)
         if runner is None:
-            return compat.scheduler_model_runner(self.scheduler)
-        compat.set_scheduler_model_runner(self.scheduler, runner)
+            return self.api.scheduler_model_runner(self.scheduler)
+        self.api.set_scheduler_model_runner(self.scheduler, runner)
         return runner
 
     def _make_worker(self) -> Any:
@@ -345,11 +341,11 @@ class Harness:
         events = StepEvents()
         output = self.scheduler.schedule()
         events.scheduled_tokens = dict(output.num_scheduled_tokens)
-        events.preempted = sorted(getattr(output, "preempted_req_ids", None) or ())
+        events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
         store_jobs, load_jobs = self.api.store_and_load_jobs(output)
         metas = self.api.connector_metadatas(output)
-        flush = set(getattr(metas[0], "jobs_to_flush", None) or ()) if metas else set()
+        flush = self.api.jobs_to_flush(metas[0]) if metas else set()
         events.jobs_to_flush = sorted(flush)
         # Groups share one block pool: a block any group was handed again is reused.
         allocated = set().union(*self.api.allocated_block_ids(
@@ -407,7 +403,7 @@ class Harness:
             dst_spec = getattr(job, "dst_spec", None)
             jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
                             dst_groups=self.api.block_ids_by_group(dst_spec)))
-        flush = set(getattr(metas[1], "jobs_to_flush", None) or ()) if len(metas) > 1 else set()
+        flush = self.api.jobs_to_flush(metas[1]) if len(metas) > 1 else set()
         return jobs, flush
 
     def _sample(self, output: Any) -> dict[str, list[int]]:

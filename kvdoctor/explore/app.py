@@ -117,7 +117,7 @@ def triage_findings(result: Any) -> None:
     from kvdoctor.explore.triage import triage
 
     api = result.api or compat.load()  # several workers: the parent imports vLLM for this only
-    facts = compat.engine_core_facts()
+    facts = api.engine_core_facts()
     for finding in result.findings:
         finding.triage = triage(api, finding, facts)
 

@@ -185,7 +185,7 @@ def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
     """Both checks, the verdict, and (for a candidate) the report attachment next to the recipe."""
     from kvdoctor.engine import compat
 
-    facts = facts or compat.engine_core_facts()
+    facts = facts or compat.load().engine_core_facts()
     word, detail = without_connector(api, finding)
     reasons, reachable, caveats = harness_check(api, finding, facts)
     result = Triage(without_connector=word, without_connector_detail=detail, harness_caused=bool(reasons),

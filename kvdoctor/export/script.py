@@ -97,7 +97,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if late or setup.multi_connector:
         what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
-    template = _TEMPLATE.read_text()
+    from kvdoctor.engine.compat import inline_portable
+
+    template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its RECIPE line")
     payload = json.dumps(recipe_data(recipe, setup), indent=1)

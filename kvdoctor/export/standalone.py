@@ -10,7 +10,6 @@ precondition of the scenario does not hold, 0 when it runs through.
 """
 
 import atexit
-import dataclasses
 import json
 import os
 import shutil
@@ -19,6 +18,11 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+# The adapter's vLLM-only reads and feature probes; an export copies their one definition in here.
+from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
+                                             request_states, runner_output_takes_req_id_to_index,
+                                             worker_reports_failed_jobs)
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
 
@@ -61,12 +65,7 @@ def build_scheduler(setup):
     )
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
     page = spec.page_size_bytes
-    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    if "shared_by" in fields:  # vLLM <= 0.32
-        tensor = KVCacheTensor(size=page * num_blocks, shared_by=[LAYER])
-    else:  # vLLM 0.33: layout fields
-        tensor = KVCacheTensor(size=page * num_blocks, layers=[LAYER], layer_stride=page * num_blocks,
-                               block_stride=page)
+    tensor = kv_cache_tensor(KVCacheTensor, page * num_blocks, LAYER, page, num_blocks)
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[tensor],
                                     kv_cache_groups=[KVCacheGroupSpec([LAYER], spec)])
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -110,14 +109,11 @@ def main():
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
-    import dataclasses
-    import inspect
-
     import vllm
 
     # Feature probes, not version checks: the fields and signatures moved between releases.
-    runner_output_fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
-    reports_failed_jobs = "success" in inspect.signature(OffloadingWorkerMetadata.mark_completed).parameters
+    takes_req_id_to_index = runner_output_takes_req_id_to_index(ModelRunnerOutput)
+    reports_failed_jobs = worker_reports_failed_jobs(OffloadingWorkerMetadata)
 
     setup = RECIPE["setup"]
     print(f"vLLM {vllm.__version__}: scenario {RECIPE['name']!r}")
@@ -164,7 +160,7 @@ def main():
             kv_output["invalid_block_ids"] = {b for j in failed_loads for b in j["dst"]}
         runner_kwargs = {"req_ids": req_ids, "sampled_token_ids": sampled,
                          "kv_connector_output": KVConnectorOutput(**kv_output)}
-        if "req_id_to_index" in runner_output_fields:  # gone in 0.34
+        if takes_req_id_to_index:  # gone in 0.34
             runner_kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         runner_output = ModelRunnerOutput(**runner_kwargs)
         if setup["async_scheduling"]:  # the engine applies the previous step's output
@@ -176,8 +172,8 @@ def main():
 
     def expect(args):
         req = requests[args["request"]]
-        state = connector._req_status.get(args["request"])
-        blocks = sum(len(g.block_ids) for g in state.group_states) if state else 0
+        state = request_states(connector).get(args["request"])
+        blocks = sum(allocated_block_count(g) for g in state.group_states) if state else 0
         in_flight = len(state.transfer_jobs) if state else 0
         statuses = args.get("status")
         statuses = [statuses] if isinstance(statuses, str) else statuses

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from kvdoctor.engine import compat
 from kvdoctor.errors import InternalError
 from kvdoctor.logic.variants import UncappedGroupState, evaluate
 
@@ -82,7 +83,7 @@ def record_call(api: Any, original: Any, req_state: Any, group_config: Any, args
     allocated = group.block_ids // bpc
     try:
         keys_uncapped: int | None = int(call(req_state, group_config,
-                                             UncappedGroupState(group_state, ("offload_keys",)), n))
+                                             UncappedGroupState(group_state, (compat.GROUP_STATE_OFFLOAD_KEYS,)), n))
     except Exception:  # noqa: BLE001 - a release whose method needs the real key list: unknown
         keys_uncapped = None
     return StorableCall(

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from kvdoctor.engine import compat
+
 LOGIC_VARIANTS = ("installed", "fixed", "unpatched")
 LOGIC_CHOICES = LOGIC_VARIANTS + ("all",)
 
@@ -34,7 +36,8 @@ def expand_logic(choice: str) -> list[str]:
 
 
 def allocated_chunks(group_state: Any, blocks_per_chunk: int) -> int:
-    return len(group_state.block_ids) // blocks_per_chunk  # the PR #49146 cap, as upstream wrote it
+    """The PR #49146 cap, as upstream wrote it: `len(group_state.block_ids) // blocks_per_chunk`."""
+    return compat.load().allocated_block_count(group_state) // blocks_per_chunk
 
 
 class _Unbounded:
@@ -49,7 +52,7 @@ class UncappedGroupState:
 
     __slots__ = ("_inner", "_fields")
 
-    def __init__(self, inner: Any, fields: tuple[str, ...] = ("block_ids",)) -> None:
+    def __init__(self, inner: Any, fields: tuple[str, ...] = (compat.GROUP_STATE_BLOCK_IDS,)) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_fields", fields)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdoctor.engine import compat
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.logic.variants import evaluate
 
@@ -120,7 +119,7 @@ class Observer:
                     for jid in sorted(api.transfer_job_ids(state)) if jid in jobs
                 ]
                 visited_next = awaiting or view.status == "RUNNING"
-                n = compat.offloadable_tokens(self.cs, state, self._basis_tokens(request))
+                n = api.offloadable_tokens(self.cs, state, self._basis_tokens(request))
                 call_next = api.storable_caller(original, api.next_store_extra_args(self.cs))
                 for group_config, group_state in zip(configs, api.group_states(state)):
                     group = api.group_view(group_config, group_state)

@@ -53,11 +53,12 @@ class TransferControl:
         self.engine: Any = None  # the CopyEngineWorker vLLM's spec built, once registered
 
 
-class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
+class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[misc]
     def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_cpu_slots: int,
                  control: TransferControl) -> None:
         import torch
 
+        self.api = compat.load()
         self.control = control
         self.blocks_per_chunk = blocks_per_chunk
         self.gpu_tensors = [t.tensor for t in kv_caches.tensors]
@@ -70,7 +71,7 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
         self.cpu_tensors = [torch.empty((num_cpu_slots, int(t.page_size_bytes) * blocks_per_chunk),
                                         dtype=torch.int8) for t in kv_caches.tensors]
         self.group_refs = kv_caches.group_data_refs
-        self._sub_block_ptrs = compat.compute_sub_block_ptrs()
+        self._sub_block_ptrs = self.api.compute_sub_block_ptrs()
         self._queue: list[Transfer] = []  # in submission order, like chained stream events
         self._due: dict[int, int] = {}
         self._calls = 0
@@ -82,9 +83,9 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
     def _plan(self, kind: str, src_spec: Any, dst_spec: Any) -> Transfer:
         to_cpu = kind == "store"
         gpu_spec = src_spec if to_cpu else dst_spec
-        src_ids = np.asarray(compat.VllmApi.block_ids_of(src_spec), dtype=np.int64)
-        dst_ids = np.asarray(compat.VllmApi.block_ids_of(dst_spec), dtype=np.int64)
-        sizes, indices = compat.gpu_spec_groups(gpu_spec, len(self.group_refs))
+        src_ids = np.asarray(self.api.block_ids_of(src_spec), dtype=np.int64)
+        dst_ids = np.asarray(self.api.block_ids_of(dst_spec), dtype=np.int64)
+        sizes, indices = self.api.gpu_spec_groups(gpu_spec, len(self.group_refs))
         bpc = self.blocks_per_chunk
         src_per, dst_per = (1, bpc) if to_cpu else (bpc, 1)
         src_tensors = self.gpu_tensors if to_cpu else self.cpu_tensors
@@ -134,7 +135,7 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
         data ref, block); the CPU side follows vLLM's direct layout as its CPU worker fills it."""
         to_cpu = kind == "store"
         bpc = self.blocks_per_chunk
-        cpu_ids = np.asarray(compat.VllmApi.block_ids_of(cpu_spec), dtype=np.int64)
+        cpu_ids = np.asarray(self.api.block_ids_of(cpu_spec), dtype=np.int64)
         copies: list[tuple[int, int, int, int, int]] = []
         nbytes = dev_off = cpu_off = 0
         gpu_blocks: list[int] = []
@@ -168,7 +169,7 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
 
     def _submit(self, job_id: int, kind: str, src_spec: Any, dst_spec: Any) -> bool:
         pointers = src_spec if kind == "store" else dst_spec
-        if hasattr(pointers, "ptrs") and hasattr(pointers, "group_block_counts"):  # DevicePointers (0.34+)
+        if self.api.is_device_pointers(pointers):
             transfer = self._plan_from_pointers(kind, pointers, dst_spec if kind == "store" else src_spec)
         else:
             transfer = self._plan(kind, src_spec, dst_spec)
@@ -215,8 +216,8 @@ class CopyEngineWorker(compat.offloading_worker_base()):  # type: ignore[misc]
             control.release_now.discard(jid)
             control.failed.discard(jid)
             self._due.pop(jid, None)
-            results.append(compat.transfer_result(jid, success, transfer.num_bytes,
-                                                  time.monotonic() - transfer.submitted_at))
+            results.append(self.api.transfer_result(jid, success, transfer.num_bytes,
+                                                    time.monotonic() - transfer.submitted_at))
         self._queue = remaining
         return results
 

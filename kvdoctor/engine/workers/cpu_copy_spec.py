@@ -24,16 +24,17 @@ def spec_name_for(base_name: str) -> str:
 
 
 def _make(base_name: str) -> type:
-    base = compat.offloading_spec_class(base_name)
+    base = compat.load().offloading_spec_class(base_name)
 
     def get_worker(self: Any, kv_caches: Any) -> Any:
         if getattr(self, "_kvdoctor_worker", None) is None:
             from kvdoctor.engine.workers.copy_engine import CopyEngineWorker
 
-            extra = compat.spec_extra_config(self)
+            api = compat.load()
+            extra = api.spec_extra_config(self)
             control = CONTROLS[str(extra[CONTROL_KEY])]
-            self._kvdoctor_worker = CopyEngineWorker(kv_caches, compat.spec_blocks_per_chunk(self),
-                                                     compat.spec_cpu_blocks(self), control)
+            self._kvdoctor_worker = CopyEngineWorker(kv_caches, api.spec_blocks_per_chunk(self),
+                                                     api.spec_cpu_blocks(self), control)
             control.engine = self._kvdoctor_worker
         return self._kvdoctor_worker
 

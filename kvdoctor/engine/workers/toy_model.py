@@ -80,9 +80,10 @@ class _StoreExpectation:
 
 
 class ToyModel:
-    def __init__(self, layers: list[_Layer]) -> None:
+    def __init__(self, api: Any, layers: list[_Layer]) -> None:
         import torch
 
+        self.api = api  # vLLM's fields that some releases lack are read through the adapter
         self.torch = torch
         self.layers = layers
         self.reqs: dict[str, RequestKv] = {}
@@ -95,42 +96,40 @@ class ToyModel:
 
     @classmethod
     def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> "ToyModel":
-        from kvdoctor.engine import compat
         from kvdoctor.errors import UsageError
 
         layers = []
         n = kv_cache_config.num_blocks
         check_attention_only(api, kv_cache_config)
-        for idx, (name, (group, spec)) in enumerate(sorted(compat.kv_layer_specs(kv_cache_config).items())):
+        for idx, (name, (group, spec)) in enumerate(sorted(api.kv_layer_specs(kv_cache_config).items())):
             page = int(spec.page_size_bytes)
             bs = int(spec.block_size)
             if page % (bs * 16):
                 raise UsageError(f"--worker vllm: a {page}-byte page of {bs} tokens leaves under 16 bytes per "
                                  f"token slot, too few for the toy model's content pattern")
-            pages = compat.kv_pages(kv_caches[name], n, page)
+            pages = api.kv_pages(kv_caches[name], n, page)
             slots = pages.view(cls_int64()).view(n, bs, page // bs // 8)
-            layers.append(_Layer(name, idx + 1, group, bs, slots, compat.attention_window(spec)))
-        return cls(layers)
+            layers.append(_Layer(name, idx + 1, group, bs, slots, api.attention_window(spec)))
+        return cls(api, layers)
 
     # -- request state, from the scheduler's output (as GPUModelRunner._update_states) ----------
     def update_states(self, output: Any) -> None:
-        from kvdoctor.engine import compat
-
+        api = self.api
         for rid in output.finished_req_ids or ():
             if rid in self.reqs:
                 self.retired[rid] = self.reqs.pop(rid)
-        for rid in getattr(output, "preempted_req_ids", None) or ():
+        for rid in api.preempted_req_ids(output):
             self.reqs.pop(rid, None)
         for new in output.scheduled_new_reqs:
             old = self.reqs.get(new.req_id) or self.retired.get(new.req_id)
-            tokens = compat.scheduled_new_tokens(new)
+            tokens = api.scheduled_new_tokens(new)
             if old is not None and len(old.tokens) > len(tokens) and old.tokens[:len(tokens)] == tokens:
                 tokens = old.tokens  # a resumed request keeps the tokens it sampled
             self.reqs[new.req_id] = RequestKv(list(tokens), [list(g) for g in new.block_ids],
                                               int(new.num_computed_tokens))
         cached = output.scheduled_cached_reqs
-        resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        resumed = api.resumed_req_ids(cached)
+        all_tokens = api.all_token_ids(cached)
         for i, rid in enumerate(cached.req_ids):
             state = self.reqs.get(rid) or self.retired.get(rid)
             if state is None:
@@ -145,11 +144,10 @@ class ToyModel:
                 for g, ids in enumerate(new_ids):
                     state.block_ids[g].extend(ids)
             state.num_computed = int(cached.num_computed_tokens[i])
-        for block in getattr(output, "new_block_ids_to_zero", None) or ():
+        for block in api.block_ids_to_zero(output):
             for layer in self.layers:
-                layer.slots[int(block)].zero_()
-        for copy in getattr(output, "kv_cache_block_copies", None) or ():
-            src, dst = int(copy[0]), int(copy[1])
+                layer.slots[block].zero_()
+        for src, dst in api.block_copies(output):
             for layer in self.layers:
                 layer.slots[dst].copy_(layer.slots[src])
 
@@ -306,10 +304,9 @@ def cls_int64() -> Any:
 def check_attention_only(api: Any, kv_cache_config: Any) -> None:
     """Refuse a layout with a layer the toy model cannot write (Mamba state), before vLLM's worker
     connector registers the KV caches (0.26.0's register_kv_caches asserts on such a layer first)."""
-    from kvdoctor.engine import compat
     from kvdoctor.errors import UsageError
 
-    for name, (_group, spec) in sorted(compat.kv_layer_specs(kv_cache_config).items()):
-        if not compat.is_attention_spec(api, spec):
+    for name, (_group, spec) in sorted(api.kv_layer_specs(kv_cache_config).items()):
+        if not api.is_attention_spec(spec):
             raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "
                              f"attention KV only")

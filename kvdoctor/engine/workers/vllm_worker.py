@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from kvdoctor.engine import compat
 from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
@@ -29,11 +28,12 @@ class VllmWorker:
     name = "vllm"
 
     def __init__(self, api: Any, scheduler: Any, device: str, model_runner: str) -> None:
+        api.worker_side_checked  # noqa: B018 - exit 3 naming a worker-side probe that fails
         self.api = api
         self.device = device
         self.model_runner = model_runner
-        self.vllm_config = compat.vllm_config_of(scheduler)
-        self.kv_cache_config = compat.kv_cache_config_of(scheduler)
+        self.vllm_config = api.vllm_config_of(scheduler)
+        self.kv_cache_config = api.kv_cache_config_of(scheduler)
         self.in_flight: dict[int, Job] = {}
         self._holds: list[Rule] = []
         self.control = TransferControl()
@@ -43,15 +43,15 @@ class VllmWorker:
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         extra[CONTROL_KEY] = self.control_id
         check_attention_only(api, self.kv_cache_config)  # before vLLM's connector sees the caches
-        self.kv_caches = compat.allocate_kv_caches(api, self.kv_cache_config, device, POISON_BYTE,
-                                                   compat.required_kv_cache_layout(scheduler))
-        self.connector = compat.create_worker_connector(api, self.vllm_config, self.kv_cache_config)
+        self.kv_caches = api.allocate_kv_caches(self.kv_cache_config, device, POISON_BYTE,
+                                                api.required_kv_cache_layout(scheduler))
+        self.connector = api.create_worker_connector(self.vllm_config, self.kv_cache_config)
         self._v2 = None
-        with compat.active_worker_connector(api, self.connector):
+        with api.active_worker_connector(self.connector):
             if model_runner == "v2":
-                if not compat.has_v2_kv_connector(api):
+                if not api.has_v2_kv_connector():
                     raise UsageError("--model-runner v2: this vLLM has no Model Runner V2 connector glue")
-                self._v2 = compat.v2_connector(api, self.vllm_config, self.kv_caches)
+                self._v2 = api.v2_connector(self.vllm_config, self.kv_caches)
             else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
                 self.connector.register_kv_caches(self.kv_caches)
         self.model = ToyModel.over(api, self.kv_cache_config, self.kv_caches)
@@ -101,15 +101,15 @@ class VllmWorker:
             self.in_flight[job.job_id] = job
             if any(rule.matches(job) for rule in self._holds):
                 self.control.held.add(job.job_id)
-        with compat.active_worker_connector(self.api, self.connector):
+        with self.api.active_worker_connector(self.connector):
             kv_output = self._step_v2(output, sampled) if self._v2 is not None else self._step_v1(output, sampled)
         num_groups = len(self.kv_cache_config.kv_cache_groups)
         for jid, job in store_jobs.items():
             spec = getattr(job, "src_spec", None)
-            sizes, _ = compat.gpu_spec_groups(spec, num_groups)
+            sizes, _ = self.api.gpu_spec_groups(spec, num_groups)
             self.model.expect_store(int(jid), job.req_id, self.api.block_ids_of(spec), sizes)
-        completed = compat.completed_job_ids(kv_output)
-        failed = compat.failed_job_ids(kv_output)
+        completed = self.api.completed_job_ids(kv_output)
+        failed = self.api.failed_job_ids(kv_output)
         for jid in completed + failed:
             self.in_flight.pop(jid, None)
         findings, self.model.findings = self.model.findings, []
@@ -117,12 +117,12 @@ class VllmWorker:
 
     def _step_v1(self, output: Any, sampled: dict[str, list[int]]) -> Any:
         """vllm/v1/worker/gpu_model_runner.py: the connector calls of execute_model."""
-        mixin = compat.runner_mixin(self.api)
+        mixin = self.api.runner_mixin()
         self.connector.handle_preemptions(output.kv_connector_metadata)
         self.model.update_states(output)
         if not output.total_num_scheduled_tokens:
-            return mixin.kv_connector_no_forward(output, self.vllm_config).kv_connector_output
-        with compat.forward_context(self.api, self.vllm_config), mixin._get_kv_connector_output(output) as kvo:
+            return self.api.v1_no_forward_output(mixin, output, self.vllm_config)
+        with self.api.forward_context(self.vllm_config), self.api.v1_forward_output(mixin, output) as kvo:
             self.model.forward(output, sampled)
         return kvo
 
@@ -132,10 +132,9 @@ class VllmWorker:
         if not output.total_num_scheduled_tokens:
             return self._v2.no_forward(output).kv_connector_output
         self._v2.pre_forward(output)
-        with compat.forward_context(self.api, self.vllm_config):
+        with self.api.forward_context(self.vllm_config):
             self.model.forward(output, sampled)
-        if hasattr(self._v2, "finish_forward"):
-            self._v2.finish_forward()
+        self.api.v2_finish_forward(self._v2)
         return self._v2.post_forward(output.finished_req_ids)
 
     def _load_mismatch(self, job: int, gpu_block: int, cpu_slot: int, found: str) -> None:

@@ -1,8 +1,17 @@
-"""The one place that knows vLLM's private names and per-release signatures.
+"""The adapter: the one place that knows vLLM's private names and per-release signatures.
 
-Everything else in kvdoctor talks to vLLM through `VllmApi`. When a release
-moves something, this module fails with one clear line (exit 3) instead of an
-AttributeError deep inside a scenario.
+Everything else in kvdoctor talks to vLLM through `VllmApi`, in one calling style:
+`api.<method>(...)` on the object `load()` returns (code that vLLM itself instantiates, or a
+pure function handed vLLM's objects, takes the same cached object from `load()`). Module-level
+names here are the loader only (`load`, `import_vllm`, the version helpers).
+
+- `imports`: importing vLLM's modules quietly, failing in one line (exit 3);
+- `probes`: the feature probes that decide whether this vLLM is supported (exit 3 naming the
+  one that fails; a release newer than the newest measured one runs with a one-line note);
+- `worker`: the worker side (`--worker vllm`): worker-role connector, runner glue, KV tensors;
+- `portable`: reads that need only vLLM's objects, shared verbatim with exported scripts.
+
+`tests/test_vllm_private_names.py` fails on a vLLM private name read anywhere else.
 """
 
 from __future__ import annotations
@@ -14,17 +23,22 @@ import inspect
 import os
 import re
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
+from kvdoctor.engine.compat import portable
+from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
+from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
-
-from kvdoctor.releases import SUPPORTED_MAX_EXCLUSIVE, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT  # noqa: F401 - one definition
+from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
 OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
 OFFLOADING_COMMON_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
+# RequestGroupState's lists whose len() a storable_chunks guard compares: the allocated GPU blocks (the
+# PR #49146 cap) and the offload keys (0.30's key cap). The logic variants hide their length.
+GROUP_STATE_BLOCK_IDS = "block_ids"
+GROUP_STATE_OFFLOAD_KEYS = "offload_keys"
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -36,79 +50,29 @@ def parse_version(text: str) -> tuple[int, int, int] | None:
 
 
 def check_supported(version_text: str) -> tuple[int, int, int]:
-    """Accept only releases kvdoctor's adapter was built and tested against."""
+    """Refuse only what the version alone decides: an unreadable version, or one older than the oldest
+    release the adapter knows (its earlier forms are gone from compat). A newer release is not refused
+    here: whether it works is for the feature probes (`probes.require`) to say."""
     version = parse_version(version_text)
     if version is None:
         raise VllmUnavailableError(f"cannot read the installed vLLM version {version_text!r}")
-    if not (SUPPORTED_MIN <= version < SUPPORTED_MAX_EXCLUSIVE):
+    if version < SUPPORTED_MIN:
         raise VllmUnavailableError(
-            f"vLLM {version_text} is outside kvdoctor's supported range {SUPPORTED_RANGE_TEXT}"
+            f"vLLM {version_text} is outside kvdoctor's supported range {SUPPORTED_RANGE_TEXT} "
+            f"(older than {'.'.join(map(str, SUPPORTED_MIN))})"
         )
     return version
 
 
-def _quiet_environment() -> None:
-    """Keep vLLM offline and quiet: no hub look-ups, no usage stats, no INFO spam."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+NOTED_ENV = "KVDOCTOR_NEWER_VLLM_NOTED"  # set once noted: spawned workers (explore) say nothing again
 
 
-@contextmanager
-def _silenced_stderr() -> Iterator[None]:
-    """vLLM and torch print import-time chatter (no CUDA, no Triton, no vllm._C) on fd 2.
-
-    On a CPU-only machine all of it is expected; kvdoctor reports real import
-    failures itself, in one line.
-    """
-    if os.environ.get("KVDOCTOR_VERBOSE_IMPORT"):
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-def _import(module: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == "vllm" or module.startswith(exc.name + ".") and exc.name == "vllm"):
-            raise VllmUnavailableError(
-                f"vLLM is not installed in this Python environment (kvdoctor needs vllm{SUPPORTED_RANGE_TEXT})"
-            ) from None
-        raise VllmUnavailableError(
-            f"importing {module} failed: {type(exc).__name__}: {_one_line(exc)}"
-        ) from None
-    except Exception as exc:  # a broken environment: torchvision ops, CUDA libs, ...
-        raise VllmUnavailableError(
-            f"importing {module} failed: {type(exc).__name__}: {_one_line(exc)}"
-        ) from None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else ""
-
-
-def _require(obj: Any, name: str, where: str) -> Any:
-    try:
-        return getattr(obj, name)
-    except AttributeError:
-        raise IncompatibleVllmError(
-            f"this vLLM has no {where}.{name}; kvdoctor's adapter needs an update"
-        ) from None
+def newer_release_note(version_text: str, version: tuple[int, int, int]) -> str | None:
+    """The one-line note for a release newer than the newest one kvdoctor was measured on, else None."""
+    if version <= release_tuple(NEWEST_MEASURED):
+        return None
+    return (f"vLLM {version_text} is newer than the newest release kvdoctor was measured on ({NEWEST_MEASURED}); "
+            f"results are from probes that hold")
 
 
 @dataclass(frozen=True)
@@ -130,7 +94,7 @@ class RequestView:
 
 
 @dataclass
-class VllmApi:
+class VllmApi(WorkerGlue):
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
 
     version_text: str
@@ -216,8 +180,7 @@ class VllmApi:
         the only way a failed load reaches the scheduler is the base scheduler's
         generic `invalid_block_ids`.
         """
-        cls = self.cls("offload_common", "OffloadingWorkerMetadata")
-        return "success" in inspect.signature(cls.mark_completed).parameters
+        return portable.worker_reports_failed_jobs(self.cls("offload_common", "OffloadingWorkerMetadata"))
 
     @property
     def transfer_failure_model(self) -> str:
@@ -256,7 +219,7 @@ class VllmApi:
         cls = self.cls("outputs", "ModelRunnerOutput")
         kwargs: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled,
                                   "kv_connector_output": kv_output}
-        if "req_id_to_index" in {f.name for f in dataclasses.fields(cls)}:
+        if portable.runner_output_takes_req_id_to_index(cls):
             kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
         return cls(**kwargs)
 
@@ -304,13 +267,10 @@ class VllmApi:
     def kv_cache_tensor(self, size: int, layer: str, page_bytes: int, num_blocks: int) -> Any:
         """`KVCacheTensor` changed shape in 0.33 (layout fields replace shared_by)."""
         cls = self.cls("kv_cache_interface", "KVCacheTensor")
-        names = {f.name for f in dataclasses.fields(cls)}
-        if "shared_by" in names:
-            return cls(size=size, shared_by=[layer])
-        if {"layers", "layer_stride", "block_stride"} <= names:
-            return cls(size=size, layers=[layer], layer_stride=page_bytes * num_blocks,
-                       block_stride=page_bytes)
-        raise IncompatibleVllmError(f"KVCacheTensor has unknown fields {sorted(names)}")
+        try:
+            return portable.kv_cache_tensor(cls, size, layer, page_bytes, num_blocks)
+        except TypeError as exc:
+            raise IncompatibleVllmError(str(exc)) from None
 
     # -- private state the connector keeps ------------------------------
     @staticmethod
@@ -353,8 +313,23 @@ class VllmApi:
                     setattr(first, name, set(getattr(first, name, None) or ()) | set(extra))
         return first
 
-    def request_states(self, connector_scheduler: Any) -> dict[str, Any]:
-        return _require(connector_scheduler, "_req_status", "OffloadingConnectorScheduler")
+    @staticmethod
+    def request_states(connector_scheduler: Any) -> dict[str, Any]:
+        """The connector's per-request offload state (`_req_status`), by request id."""
+        try:
+            return portable.request_states(connector_scheduler)
+        except AttributeError:
+            raise IncompatibleVllmError("this vLLM has no OffloadingConnectorScheduler._req_status; "
+                                        "kvdoctor's adapter needs an update") from None
+
+    @staticmethod
+    def allocated_block_count(group_state: Any) -> int:
+        """GPU blocks one KV group of a request holds (`RequestGroupState.block_ids`)."""
+        try:
+            return int(portable.allocated_block_count(group_state))
+        except AttributeError:
+            raise IncompatibleVllmError("this vLLM has no RequestGroupState.block_ids; "
+                                        "kvdoctor's adapter needs an update") from None
 
     def jobs(self, connector_scheduler: Any) -> dict[int, Any]:
         return _require(connector_scheduler, "_jobs", "OffloadingConnectorScheduler")
@@ -475,6 +450,37 @@ class VllmApi:
     @staticmethod
     def job_is_store(job_status: Any) -> bool:
         return bool(getattr(job_status, "is_store", False))
+
+    # -- fields of the scheduler's output that some releases lack (feature probes) ---------
+    @staticmethod
+    def preempted_req_ids(scheduler_output: Any) -> tuple[str, ...]:
+        """Requests this step preempted (`SchedulerOutput.preempted_req_ids`; none where the field is absent)."""
+        return tuple(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+    @staticmethod
+    def jobs_to_flush(connector_metadata: Any) -> set[int]:
+        """Jobs the connector asks its worker to finish now (`jobs_to_flush`; none where absent)."""
+        return set(getattr(connector_metadata, "jobs_to_flush", None) or ())
+
+    @staticmethod
+    def resumed_req_ids(cached_requests: Any) -> set[str]:
+        """Cached requests resumed after a preemption (`CachedRequestData.resumed_req_ids`)."""
+        return set(getattr(cached_requests, "resumed_req_ids", ()) or ())
+
+    @staticmethod
+    def all_token_ids(cached_requests: Any) -> dict[str, list[int]]:
+        """A resumed request's whole token list where the release sends it (`all_token_ids`), else {}."""
+        return getattr(cached_requests, "all_token_ids", None) or {}
+
+    @staticmethod
+    def block_ids_to_zero(scheduler_output: Any) -> tuple[int, ...]:
+        """GPU blocks the runner must zero before use (`new_block_ids_to_zero`; none where absent)."""
+        return tuple(int(b) for b in getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+
+    @staticmethod
+    def block_copies(scheduler_output: Any) -> tuple[tuple[int, int], ...]:
+        """(src, dst) GPU block copies the runner makes before the forward (`kv_cache_block_copies`)."""
+        return tuple((int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
 
     @staticmethod
     def store_and_load_jobs(scheduler_output: Any, index: int = 0) -> tuple[dict[int, Any], dict[int, Any]]:
@@ -627,6 +633,30 @@ class VllmApi:
                 "mamba_cache_mode": getattr(spec, "mamba_cache_mode", None) if kind == "mamba" else None,
                 "eagle": bool(getattr(group, "is_eagle_group", False))}
 
+    def offloadable_tokens(self, connector_scheduler: Any, req_state: Any, num_tokens: int) -> int:
+        """The connector's own clamp (prompt-only, max_offload_tokens) of a token count."""
+        method = _require(connector_scheduler, "_calc_num_offloadable_tokens", "OffloadingConnectorScheduler")
+        return int(method(req_state, num_tokens))
+
+    def engine_core_facts(self) -> EngineCoreFacts:
+        """Feature probes of `vllm.v1.engine.core` (imported here only: the scheduler never needs it)."""
+        module = _import("vllm.v1.engine.core")
+        core = _require(module, "EngineCore", "vllm.v1.engine.core")
+        proc = getattr(module, "EngineCoreProc", None)
+        reset = getattr(core, "reset_prefix_cache", None)
+        params = frozenset(inspect.signature(reset).parameters) - {"self"} if reset is not None else frozenset()
+        return EngineCoreFacts(reset_params=params, batch_queue=hasattr(core, "step_with_batch_queue"),
+                               utilities_between_steps=proc is not None and hasattr(proc, "_process_input_queue")
+                               and hasattr(proc, "run_busy_loop"))
+
+    @cached_property
+    def worker_side_checked(self) -> bool:
+        """The worker-side probes, asked once before vLLM's worker is built (exit 3 naming a failing one)."""
+        from kvdoctor.engine.compat import probes
+
+        probes.require(self, worker_side=True)
+        return True
+
     @cached_property
     def offloading_package_dir(self) -> str:
         return os.path.dirname(os.path.dirname(self.mods["vllm"].__file__))
@@ -686,18 +716,6 @@ class EngineCoreFacts:
     utilities_between_steps: bool  # EngineCoreProc's busy loop handles client calls between steps
 
 
-def engine_core_facts() -> EngineCoreFacts:
-    """Feature probes of `vllm.v1.engine.core` (imported here only: the scheduler never needs it)."""
-    module = _import("vllm.v1.engine.core")
-    core = _require(module, "EngineCore", "vllm.v1.engine.core")
-    proc = getattr(module, "EngineCoreProc", None)
-    reset = getattr(core, "reset_prefix_cache", None)
-    params = frozenset(inspect.signature(reset).parameters) - {"self"} if reset is not None else frozenset()
-    return EngineCoreFacts(reset_params=params, batch_queue=hasattr(core, "step_with_batch_queue"),
-                           utilities_between_steps=proc is not None and hasattr(proc, "_process_input_queue")
-                           and hasattr(proc, "run_busy_loop"))
-
-
 def installed_vllm_version() -> str | None:
     """The installed vLLM's version from its metadata, without importing it."""
     from importlib import metadata
@@ -708,11 +726,9 @@ def installed_vllm_version() -> str | None:
         return None
 
 
-def load() -> VllmApi:
-    """Import vLLM once per process (the ~6 s floor) and check the release."""
-    global _API
-    if _API is not None:
-        return _API
+def import_vllm() -> VllmApi:
+    """Import vLLM once per process (the ~6 s floor) and build the adapter over it, its probes not yet
+    asked (`load` asks them; `kvdoctor version` lists every probe's answer, a failing one included)."""
     declared = installed_vllm_version()
     if declared is None:
         raise VllmUnavailableError(
@@ -732,312 +748,41 @@ def load() -> VllmApi:
         for handler in vllm_logger.handlers:  # keep stdout for kvdoctor's own output (--json)
             if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stdout:
                 handler.setStream(sys.stderr)
-    api = VllmApi(version_text=version_text, version=version, mods=mods)
-    api.storable_chunks_takes_group_state  # fail early on an unknown signature
+    return VllmApi(version_text=version_text, version=version, mods=mods)
+
+
+def load() -> VllmApi:
+    """The adapter over the installed vLLM, once per process: refused (exit 3) only by its version
+    being older than kvdoctor's oldest or by a scheduler-side probe that fails, never for being new."""
+    global _API
+    if _API is not None:
+        return _API
+    api = import_vllm()
+    from kvdoctor.engine.compat import probes
+
+    probes.require(api, worker_side=False)  # exit 3 naming the first probe that fails
+    note = newer_release_note(api.version_text, api.version)
+    if note is not None and not os.environ.get(NOTED_ENV):
+        print(f"kvdoctor: note: {note}", file=sys.stderr, flush=True)
+        os.environ[NOTED_ENV] = "1"
     _API = api
     return api
 
 
-def offloadable_tokens(connector_scheduler: Any, req_state: Any, num_tokens: int) -> int:
-    """The connector's own clamp (prompt-only, max_offload_tokens) of a token count."""
-    method = _require(connector_scheduler, "_calc_num_offloadable_tokens", "OffloadingConnectorScheduler")
-    return int(method(req_state, num_tokens))
-
-
-
-# -- the worker side (--worker vllm): vLLM's worker-role connector and its glue --------------
-# Imported only when a run asks for vLLM's worker, so the simulated path costs nothing more.
-
-_WORKER_MODULES = {
-    "connector_factory": "vllm.distributed.kv_transfer.kv_connector.factory",
-    "connector_base": "vllm.distributed.kv_transfer.kv_connector.v1",
-    "kv_transfer_state": "vllm.distributed.kv_transfer.kv_transfer_state",
-    "forward_context": "vllm.forward_context",
-    "kv_offload_base": "vllm.v1.kv_offload.base",
-    "cpu_gpu_worker": "vllm.v1.kv_offload.cpu.gpu_worker",
-    "offload_factory": "vllm.v1.kv_offload.factory",
-}
-_OPTIONAL_WORKER_MODULES = {
-    "v2_kv_connector": "vllm.v1.worker.gpu.kv_connector",  # Model Runner V2's connector glue
-    "runner_mixin": "vllm.v1.worker.kv_connector_model_runner_mixin",  # V1's glue (gone in 0.34)
-    "worker_utils": "vllm.v1.worker.utils",
-    "kv_cache_layout": "vllm.v1.kv_cache_layout",
-}
-
-
-def worker_mods(api: VllmApi) -> dict[str, Any]:
-    """The worker-side modules, imported once (added to `api.mods`)."""
-    if "connector_factory" not in api.mods:
-        with _silenced_stderr():
-            for key, name in _WORKER_MODULES.items():
-                api.mods[key] = _import(name)
-            for key, name in _OPTIONAL_WORKER_MODULES.items():
-                try:
-                    api.mods[key] = importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - absent in this release: probed where used
-                    api.mods[key] = None
-    return api.mods
-
-
-def offloading_worker_base() -> Any:
-    """vLLM's `OffloadingWorker` ABC (what a spec's `get_worker` must return)."""
-    return _require(_import("vllm.v1.kv_offload.base"), "OffloadingWorker", "vllm.v1.kv_offload.base")
-
-
-def offloading_spec_class(name: str) -> Any:
-    """A registered spec class by its `spec_name` (e.g. CPUOffloadingSpec, TieringOffloadingSpec)."""
-    factory = _require(_import("vllm.v1.kv_offload.factory"), "OffloadingSpecFactory", "vllm.v1.kv_offload.factory")
-    registry = getattr(factory, "_registry", {}) or {}
-    if name not in registry:
-        raise IncompatibleVllmError(f"this vLLM registers no offloading spec named {name!r}")
-    return registry[name]()
-
-
-def transfer_result(job_id: int, success: bool, size: int, seconds: float) -> Any:
-    cls = _require(_import("vllm.v1.kv_offload.base"), "TransferResult", "vllm.v1.kv_offload.base")
-    return cls(job_id=job_id, success=success, transfer_size=size, transfer_time=seconds)
-
-
-def compute_sub_block_ptrs() -> Any:
-    """vLLM's own pointer arithmetic for the direct-layout copy plan."""
-    return _require(_import("vllm.v1.kv_offload.cpu.gpu_worker"), "compute_sub_block_ptrs",
-                    "vllm.v1.kv_offload.cpu.gpu_worker")
-
-
-def spec_cpu_blocks(spec: Any) -> int:
-    """CPU-tier slots of one chunk each: `num_chunks` (0.33) or `num_blocks` (0.26)."""
-    for name in ("num_chunks", "num_blocks"):
-        value = getattr(spec, name, None)
-        if value is not None:
-            return int(value)
-    raise IncompatibleVllmError(f"{type(spec).__name__} has neither num_chunks nor num_blocks")
-
-
-def spec_extra_config(spec: Any) -> dict[str, Any]:
-    return dict(_require(spec, "extra_config", type(spec).__name__) or {})
-
-
-def spec_blocks_per_chunk(spec: Any) -> int:
-    return int(_require(spec, "blocks_per_chunk", type(spec).__name__))
-
-
-def gpu_spec_groups(spec: Any, num_groups: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(group_sizes, block_indices) of a GPULoadStoreSpec (one group when the field is absent)."""
-    ids = VllmApi.block_ids_of(spec)
-    sizes = tuple(int(s) for s in getattr(spec, "group_sizes", None) or (len(ids),) + (0,) * (num_groups - 1))
-    indices = tuple(int(i) for i in getattr(spec, "block_indices", None) or (0,) * len(sizes))
-    return sizes, indices
-
-
-def vllm_config_of(scheduler: Any) -> Any:
-    return _require(scheduler, "vllm_config", type(scheduler).__name__)
-
-
-def kv_cache_config_of(scheduler: Any) -> Any:
-    """The KVCacheConfig the scheduler was built with (the worker's KV tensors follow it)."""
-    return _require(scheduler, "kv_cache_config", type(scheduler).__name__)
-
-
-SCHEDULER_RUNNER_AGNOSTIC = "any (this release's scheduler output does not depend on the runner)"
-
-
-def scheduler_model_runner(scheduler: Any) -> str:
-    """Which runner the scheduler shapes its output for; 0.34 has no such switch (feature probe)."""
-    if not hasattr(scheduler, "use_v2_model_runner"):
-        return SCHEDULER_RUNNER_AGNOSTIC
-    return "v2" if scheduler.use_v2_model_runner else "v1"
-
-
-def set_scheduler_model_runner(scheduler: Any, runner: str) -> None:
-    """The scheduler shapes its output for the model runner it serves (V2: resumed = new).
-
-    A release whose scheduler has no `use_v2_model_runner` shapes one output for both runners:
-    nothing to set there."""
-    if hasattr(scheduler, "use_v2_model_runner"):
-        scheduler.use_v2_model_runner = runner == "v2"
-
-
-def gpu_default_model_runner(vllm_config: Any) -> str:
-    """The runner a CUDA deployment of this release picks for this model: V2 where vLLM
-    names the architecture a default-V2 model and reports no unsupported feature (Triton is
-    assumed present, as on a GPU); V1 otherwise or where the release has no V2 runner."""
-    if importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is None:
-        return "v2"  # this release has no V1 runner glue: V2 is the only runner
-    env_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if env_choice is not None:
-        return "v2" if env_choice.strip().lower() in ("1", "true") else "v1"
-    is_default = getattr(vllm_config, "_is_default_v2_model_runner_model", None)  # 0.26: per architecture
-    unsupported = getattr(vllm_config, "_get_v2_model_runner_unsupported_features", None)
-    if unsupported is None:
-        return "v1"
-    try:
-        default_model = is_default() if is_default is not None else True  # 0.33: V2 for every model
-        return "v2" if default_model and not unsupported() else "v1"
-    except Exception:  # noqa: BLE001 - a probe that cannot answer means the release's plain default
-        return "v1"
-
-
-def has_v2_kv_connector(api: VllmApi) -> bool:
-    mod = worker_mods(api).get("v2_kv_connector")
-    return mod is not None and hasattr(mod, "get_kv_connector")
-
-
-def create_worker_connector(api: VllmApi, vllm_config: Any, kv_cache_config: Any) -> Any:
-    """The WORKER-role connector, as `ensure_kv_transfer_initialized` creates it in one process."""
-    mods = worker_mods(api)
-    factory = _require(mods["connector_factory"], "KVConnectorFactory", "kv_connector.factory")
-    role = _require(mods["connector_base"], "KVConnectorRole", "kv_connector.v1").WORKER
-    return factory.create_connector(config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-
-
-@contextmanager
-def active_worker_connector(api: VllmApi, connector: Any) -> Iterator[None]:
-    """What `get_kv_transfer_group()` returns inside vLLM's runner glue, restored afterwards."""
-    state = worker_mods(api)["kv_transfer_state"]
-    _require(state, "_KV_CONNECTOR_AGENT", "kv_transfer_state")
-    saved = state._KV_CONNECTOR_AGENT
-    state._KV_CONNECTOR_AGENT = connector
-    try:
-        yield
-    finally:
-        state._KV_CONNECTOR_AGENT = saved
-
-
-def forward_context(api: VllmApi, vllm_config: Any) -> Any:
-    return _require(worker_mods(api)["forward_context"], "set_forward_context", "vllm.forward_context")(
-        None, vllm_config)
-
-
-def runner_mixin(api: VllmApi) -> Any:
-    """V1 GPUModelRunner's connector lifecycle (`KVConnectorModelRunnerMixin`)."""
-    mod = worker_mods(api).get("runner_mixin")
-    if mod is None:
-        from kvdoctor.errors import UsageError
-
-        raise UsageError("--model-runner v1: this vLLM has no V1 model runner connector glue "
-                         "(KVConnectorModelRunnerMixin); use --model-runner v2")
-    return _require(mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
-
-
-def v2_connector(api: VllmApi, vllm_config: Any, kv_caches: dict[str, Any]) -> Any:
-    """Model Runner V2's `ActiveKVConnector` (registers the KV caches itself)."""
-    return worker_mods(api)["v2_kv_connector"].get_kv_connector(vllm_config, kv_caches)
-
-
-def completed_job_ids(kv_connector_output: Any) -> list[int]:
-    """Jobs a worker reported as done and successful: 0.34's `mark_completed(success=False)` puts a
-    failed job in `completed_jobs` and `failed_jobs` both."""
-    meta = getattr(kv_connector_output, "kv_connector_worker_meta", None) if kv_connector_output else None
-    failed = set(failed_job_ids(kv_connector_output))
-    return sorted(int(j) for j in (getattr(meta, "completed_jobs", None) or ()) if int(j) not in failed)
-
-
-def failed_job_ids(kv_connector_output: Any) -> list[int]:
-    """Jobs a worker reported as failed (0.34: `failed_jobs`; absent before)."""
-    meta = getattr(kv_connector_output, "kv_connector_worker_meta", None) if kv_connector_output else None
-    return sorted(int(j) for j in (getattr(meta, "failed_jobs", None) or ()))
-
-
-def kv_layer_specs(kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
-    """layer name -> (group index, its KV spec), across every KV cache group."""
-    out: dict[str, tuple[int, Any]] = {}
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
-        for layer in group.layer_names:
-            out[layer] = (gid, per_layer.get(layer, group.kv_cache_spec))
-    return out
-
-
-def attention_window(spec: Any) -> int | None:
-    """The tokens a sliding-window layer attends to (its own and the window - 1 before it);
-    None for full attention."""
-    window = getattr(spec, "sliding_window", None)
-    return int(window) if window else None
-
-
-def is_attention_spec(api: VllmApi, spec: Any) -> bool:
-    return isinstance(spec, api.cls("kv_cache_interface", "AttentionSpec"))
-
-
-def kv_tensor_layers(kv_tensor: Any) -> list[str]:
-    """The layers one KVCacheTensor backs (0.26 `shared_by`, 0.33 `layers`)."""
-    for name in ("shared_by", "layers"):
-        value = getattr(kv_tensor, name, None)
-        if value is not None:
-            return list(value)
-    raise IncompatibleVllmError("KVCacheTensor has neither shared_by nor layers")
-
-
-def required_kv_cache_layout(scheduler: Any) -> str | None:
-    """The KV cache layout the scheduler's connector asks for (0.33+), None where it asks none."""
-    connector = getattr(scheduler, "connector", None)
-    probe = getattr(type(connector), "get_required_kvcache_layout", None)
-    if probe is None:
-        return None
-    try:
-        return probe(vllm_config_of(scheduler))
-    except Exception:  # noqa: BLE001 - a connector that cannot say asks for nothing in particular
-        return None
-
-
-def allocate_kv_caches(api: VllmApi, kv_cache_config: Any, device: Any, fill: int,
-                       layout_name: str | None = None) -> dict[str, Any]:
-    """Per-layer KV cache tensors as the release's GPU model runner would hand them to the
-    connector, filled with `fill` bytes. Where the release has `allocate_kv_cache` (0.33) it is
-    vLLM's own; otherwise one buffer per KVCacheTensor viewed (num_blocks, page) per layer,
-    which is what 0.26's `register_kv_caches` rebuilds from storage."""
-    import torch
-
-    mods = worker_mods(api)
-    utils = mods.get("worker_utils")
-    allocate = getattr(utils, "allocate_kv_cache", None) if utils else None
-    layout_mod = mods.get("kv_cache_layout")
-    if allocate is not None and layout_mod is not None and hasattr(layout_mod, "KVCacheLayout"):
-        layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or layout_name
-        members = layout_mod.KVCacheLayout.__members__
-        layout = members[layout_name] if layout_name in members else next(iter(members.values()))
-        kv = allocate(kv_cache_config, torch.device(device), layout)
-        for tensor in kv.values():
-            first = tensor[0] if isinstance(tensor, list) else tensor
-            torch.tensor([], dtype=torch.int8, device=first.device).set_(first.untyped_storage()).fill_(fill)
-        return kv
-    n = kv_cache_config.num_blocks
-    specs = kv_layer_specs(kv_cache_config)
-    kv: dict[str, Any] = {}
-    for kv_tensor in kv_cache_config.kv_cache_tensors:
-        raw = torch.full((int(kv_tensor.size),), fill, dtype=torch.int8, device=device)
-        for layer in kv_tensor_layers(kv_tensor):
-            page = int(specs[layer][1].page_size_bytes)
-            kv[layer] = raw[: n * page].view(n, page)
-    return kv
-
-
-def kv_pages(kv_tensor: Any, num_blocks: int, page_bytes: int) -> Any:
-    """An int8 (num_blocks, page) view of one layer's KV: block b's page is row b.
-
-    The same reading of storage, offset and block stride that the connector's
-    `register_kv_caches` makes (dim 0 of the layer tensor, or of its (2, blocks, ...) halves,
-    is the block index and a page is stride(0) bytes)."""
-    import torch
-
-    t = kv_tensor[0] if isinstance(kv_tensor, list) else kv_tensor
-    elem = t.element_size()
-    offset = t.storage_offset() * elem
-    stride = page_bytes
-    if t.ndim >= 1 and t.shape[0] == num_blocks and t.stride(0) * elem >= page_bytes:
-        stride = t.stride(0) * elem
-    raw = torch.tensor([], dtype=torch.int8, device=t.device).set_(t.untyped_storage())
-    return torch.as_strided(raw, (num_blocks, page_bytes), (stride, 1), offset)
-
-
-def scheduled_new_tokens(new_request: Any) -> list[int]:
-    """Tokens of a newly scheduled request (V2 sends a resumed request as new, all tokens in
-    `prefill_token_ids`)."""
-    tokens = getattr(new_request, "prefill_token_ids", None) or new_request.prompt_token_ids
-    return list(tokens or ())
-
-
-def offloading_worker_of(connector: Any) -> Any:
-    """The `OffloadingWorker` a worker-role connector's spec built (None before registration)."""
-    worker_side = _require(connector, "connector_worker", type(connector).__name__)
-    return getattr(worker_side, "worker", None) if worker_side is not None else None
+def inline_portable(script: str) -> str:
+    """A standalone script's text with its import of `portable` replaced by that module's code.
+
+    The exported script imports only vLLM; it gets the adapter's own definition of the reads and
+    probes it shares with kvdoctor (not a copy that could drift)."""
+    import ast
+
+    lines = script.splitlines(keepends=True)
+    for node in ast.parse(script).body:
+        if isinstance(node, ast.ImportFrom) and node.module == portable.__name__:
+            source = inspect.getsource(portable)
+            body = ast.parse(source).body
+            start = body[1].lineno - 1 if isinstance(body[0], ast.Expr) else 0  # after the docstring
+            code = "".join(source.splitlines(keepends=True)[start:]).strip("\n")
+            copied = f"# copied from {portable.__name__} on export\n{code}\n\n"
+            return "".join(lines[:node.lineno - 1]) + copied + "".join(lines[node.end_lineno:])
+    raise RuntimeError(f"the standalone template lost its import of {portable.__name__}")

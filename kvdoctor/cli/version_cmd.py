@@ -1,0 +1,32 @@
+"""`kvdoctor version`: versions and adapter probes for a bug report (the logic: `kvdoctor.version_report`)."""
+
+from __future__ import annotations
+
+import typer
+
+from kvdoctor.cli import options as opt
+
+
+def version(json_out: opt.Json = False) -> None:
+    """Show kvdoctor's, vLLM's, torch's and Python's versions and which of kvdoctor's vLLM probes hold.
+
+    Paste it into a bug report, as `vllm collect-env`'s output. `--version` stays instant (kvdoctor's
+    version only); this command imports vLLM."""
+
+    def action() -> int:
+        from kvdoctor.version_report import version_report
+
+        report = version_report()
+        if json_out:
+            from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps
+
+            typer.echo(dumps({"schema_version": SCHEMA_VERSION, **report.as_dict()}))
+        else:
+            from kvdoctor.report.version import version_text
+
+            typer.echo(version_text(report))
+        return report.exit_code
+
+    from kvdoctor.cli.failures import run_guarded
+
+    raise typer.Exit(run_guarded(action, json_out))

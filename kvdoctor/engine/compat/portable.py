@@ -1,0 +1,41 @@
+"""Adapter reads that need nothing but vLLM's own objects (no kvdoctor import, no vLLM import).
+
+The one definition of these reads and probes: `VllmApi` calls them, and an exported
+standalone script (which imports only vLLM) gets this module's functions copied in
+verbatim by `inline_portable`, so the two can never drift apart.
+"""
+
+import dataclasses
+import inspect
+
+
+def request_states(connector_scheduler):
+    """The OffloadingConnector scheduler's per-request offload state, by request id (a private dict)."""
+    return connector_scheduler._req_status
+
+
+def allocated_block_count(group_state):
+    """GPU blocks a request's KV group holds (`RequestGroupState.block_ids`): what PR #49146 caps by."""
+    return len(group_state.block_ids)
+
+
+def worker_reports_failed_jobs(worker_metadata_cls):
+    """Feature probe: `OffloadingWorkerMetadata.mark_completed(job_id, success)` (0.34+) lets a
+    worker report a failed transfer; before, the offloading worker asserts every transfer succeeds."""
+    return "success" in inspect.signature(worker_metadata_cls.mark_completed).parameters
+
+
+def runner_output_takes_req_id_to_index(model_runner_output_cls):
+    """Feature probe: `ModelRunnerOutput.req_id_to_index` (a field until 0.33, gone in 0.34)."""
+    return "req_id_to_index" in {f.name for f in dataclasses.fields(model_runner_output_cls)}
+
+
+def kv_cache_tensor(kv_cache_tensor_cls, size, layer, page_bytes, num_blocks):
+    """One layer's `KVCacheTensor`: `shared_by` until 0.32, layout fields (`layers`, strides) from 0.33."""
+    names = {f.name for f in dataclasses.fields(kv_cache_tensor_cls)}
+    if "shared_by" in names:
+        return kv_cache_tensor_cls(size=size, shared_by=[layer])
+    if {"layers", "layer_stride", "block_stride"} <= names:
+        return kv_cache_tensor_cls(size=size, layers=[layer], layer_stride=page_bytes * num_blocks,
+                                   block_stride=page_bytes)
+    raise TypeError(f"KVCacheTensor has unknown fields {sorted(names)}")
