@@ -71,7 +71,10 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if setup.model is not None or setup.layout is not None:
         raise UsageError("--export-script builds one full-attention KV cache group; it cannot reproduce a "
                          "multi-group layout yet (drop --model / [setup] layout, or attach `kvdoctor repro --report`)")
-    late = sorted({s.action for s in recipe.steps if s.action in ("delay_block_hashes", "release_block_hashes")})
+    from kvdoctor.steps import REGISTRY, Need
+
+    # the script plays requests, engine steps and transfers; scheduler-side interventions it cannot
+    late = sorted({s.action for s in recipe.steps if Need.SCHEDULER_CONTROL in REGISTRY[s.action].needs})
     if late or setup.multi_connector:
         what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
