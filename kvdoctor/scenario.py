@@ -20,7 +20,7 @@ from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
 from kvdoctor.recipes.compile import CompiledRecipe, ConcreteStep, compile_recipe
-from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry, preempt_plan
+from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry
 from kvdoctor.recipes.model import Recipe, Step
 from kvdoctor.steps import ExpectationFailed, StepTarget, check_expectation, play
 
@@ -172,8 +172,7 @@ class ScenarioRun:
         try:
             reasons = check_geometry(self.recipe, self.setup) + missing(self.api, self.recipe.requires)
             if not reasons:
-                self.compiled = compile_recipe(self.recipe.steps, self.setup,
-                                               preempt_plan(self.recipe.steps, self.setup))
+                self.compiled = compile_recipe(self.recipe.steps, self.setup)
         except NotApplicable as exc:
             reasons = [str(exc)]
         if reasons:

@@ -21,9 +21,6 @@ from kvdoctor.recipes.geometry import (
 )
 from kvdoctor.recipes.model import Step
 
-_UNPLANNED: Any = object()  # compile_recipe plans the preempting fill itself unless given one
-
-
 @dataclass(frozen=True)
 class NewRequest:
     """One request an `add` step admits."""
@@ -124,12 +121,10 @@ def _repeats(step: Step, fill_steps: int, prompts: dict[str, tuple[int, ...]], s
     raise InternalError(f"schedule until = {until!r} (line {step.line}) has no expansion")
 
 
-def compile_recipe(steps: tuple[Step, ...] | list[Step], setup: Setup,
-                   preempt: PreemptPlan | None = _UNPLANNED) -> CompiledRecipe:
+def compile_recipe(steps: tuple[Step, ...] | list[Step], setup: Setup) -> CompiledRecipe:
     """The recipe's steps at `setup`. Raises geometry's `NotApplicable` where a trigger cannot exist
     here (the scenario checks the geometry first; the exporter turns it into a usage error)."""
-    if preempt is _UNPLANNED:
-        preempt = preempt_plan(steps, setup)
+    preempt = preempt_plan(steps, setup)
     prompts: dict[str, tuple[int, ...]] = {}
     fill_steps = 1  # a `schedule until = "filled"` repeats as often as the fill before it needs
     plays: list[ConcreteStep] = []
