@@ -37,26 +37,33 @@ def bare_replay(api, traffic, cached_builds: bool = False) -> tuple[int, float]:
     """Replay (recipe, observation) pairs on a bare Harness: (engine steps, seconds). With
     `cached_builds` the replay keeps one BuildCache across its runs, as explore's search does."""
     from kvdoctor.engine.harness import BuildCache, Harness
-    from kvdoctor.explore.runner import expanded_actions, setup_of
+    from kvdoctor.explore.runner import setup_of
+    from kvdoctor.recipes.compile import compile_recipe
+    from kvdoctor.recipes.geometry import NotApplicable
     from kvdoctor.scenario import apply_to_harness
+    from kvdoctor.steps import StepTarget
 
     prepared = []
     for recipe, obs, _ in traffic:
-        actions = expanded_actions(recipe.steps)
-        stop = obs.failure_index if obs.failure_index is not None else len(actions)
-        prepared.append((setup_of(recipe), recipe, actions[:stop]))
+        setup = setup_of(recipe)
+        try:
+            plays = compile_recipe(recipe.steps, setup).steps
+        except NotApplicable:  # the scenario ran none of it either
+            plays = ()
+        stop = obs.failure_index if obs.failure_index is not None else len(plays)
+        prepared.append((setup, plays[:stop]))
     cache = BuildCache() if cached_builds else None
     steps = 0
     start = time.perf_counter()
-    for setup, recipe, actions in prepared:
-        prompts: dict[str, list[int]] = {}
+    for setup, plays in prepared:
         harness = None
         try:  # vLLM may fail while building (a start-up failure explore found): that run ends there too
             harness = Harness(api, setup, cache)
-            for index, action in actions:
-                if action == "schedule":
+            target = StepTarget(harness)
+            for play in plays:
+                if play.action == "schedule":
                     steps += 1
-                apply_to_harness(recipe.steps[index], harness, setup, prompts)
+                apply_to_harness(play, target)
         except Exception:  # noqa: BLE001 - the failure explore found: the run ends here too
             pass
         finally:

@@ -43,13 +43,20 @@ class ReproReport:
         return self.results[0]
 
 
-def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bool = False) -> Setup:
-    """Recipe defaults, then the user's flags; validated before vLLM is imported.
+def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bool = False,
+                  default_worker: str | None = None) -> Setup:
+    """The one resolution of a run's setup, validated before vLLM is imported, in this order:
 
-    worker_fallback: where the flags ask for vLLM's worker but the recipe's setup is one it cannot run
-    (a MultiConnector, a Mamba layout), run the simulated worker and say why in `Setup.worker_fallback`
-    (audit does this per recipe, and so does the CLI's default worker: `_default_worker` in the
-    overrides); without it that request is a usage error (exit 2), as for `repro --worker vllm`."""
+    1. the recipe's [setup] over `Setup`'s defaults;
+    2. the user's flags over it (`overrides`: `Setup` fields, None = not given), and where neither a flag
+       nor the recipe names a worker, the command's `default_worker` (repro, inspect and audit: vLLM's);
+    3. the fallbacks, each recorded with its reason: `Setup.worker_fallback` where vLLM's worker was asked
+       for but cannot run this setup (a MultiConnector, a Mamba layout) and the simulated worker runs
+       instead, and `Setup.device_fallback` (`resolve_device`).
+
+    The worker falls back where it was only the command's default, or where `worker_fallback` allows it
+    (audit, per recipe); otherwise asking vLLM's worker for such a setup is a usage error (exit 2), as for
+    `repro --worker vllm`."""
     from kvdoctor.engine.setup import resolve_blocks_per_chunk
 
     base = dict(recipe.setup)
@@ -59,7 +66,6 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     except TypeError as exc:
         raise UsageError(f"{recipe.source}: bad [setup]: {exc}") from None
     overrides = dict(overrides)
-    default_worker = overrides.pop("_default_worker", None)  # the CLI's default, not the user's choice
     worker_defaulted = (default_worker is not None and overrides.get("worker") is None
                         and "worker" not in recipe.setup)
     if worker_defaulted:
@@ -131,12 +137,12 @@ def load_vllm() -> Any:
 
 
 def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timeline: bool = False,
-          command: str = "") -> ReproReport:
+          command: str = "", default_worker: str | None = None) -> ReproReport:
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(recipe_ref)
     variants = expand_logic(logic)
-    setup = resolve_setup(recipe, overrides)
+    setup = resolve_setup(recipe, overrides, default_worker=default_worker)
     from kvdoctor.recipes.geometry import check as check_geometry
 
     check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
@@ -151,13 +157,13 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     return report
 
 
-def export(recipe_ref: str, overrides: dict[str, Any], path: Any) -> None:
+def export(recipe_ref: str, overrides: dict[str, Any], path: Any, default_worker: str | None = None) -> None:
     """Write the recipe as a standalone script (no vLLM import here)."""
     from kvdoctor.export.script import export_script
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(recipe_ref)
-    text = export_script(recipe, resolve_setup(recipe, overrides))
+    text = export_script(recipe, resolve_setup(recipe, overrides, default_worker=default_worker))
     try:
         path.write_text(text)
     except OSError as exc:
@@ -254,13 +260,15 @@ class AuditReport:
         return exit_code_for_many(outcomes)
 
 
-def audit(command: str = "", overrides: dict[str, Any] | None = None) -> AuditReport:
+def audit(command: str = "", overrides: dict[str, Any] | None = None,
+          default_worker: str | None = None) -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process."""
     from kvdoctor.recipes.builtins import all_builtins
     from kvdoctor.scenario import run_scenario
 
     recipes = all_builtins()
-    setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True) for recipe in recipes]
+    setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True, default_worker=default_worker)
+              for recipe in recipes]
     api = load_vllm()
     report = AuditReport(vllm_version=api.version_text, command=command)
     for recipe, setup in zip(recipes, setups):

@@ -19,11 +19,10 @@ from kvdoctor.observe.failure import Failure, describe_exception
 from kvdoctor.observe.invariants import StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer, RequestSnapshot
 from kvdoctor.observe.verdict import Outcome, matches_exception
-from kvdoctor.recipes.geometry import (
-    PREEMPT_NEXT, NotApplicable, PreemptPlan, check as check_geometry, plan_fill, preempt_plan, prompt_length,
-    shared_prefix_length,
-)
+from kvdoctor.recipes.compile import CompiledRecipe, ConcreteStep, compile_recipe
+from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry
 from kvdoctor.recipes.model import Recipe, Step
+from kvdoctor.steps import ExpectationFailed, StepTarget, check_expectation, play
 
 
 @dataclass
@@ -75,10 +74,6 @@ class RunResult:
     model_runner: str = ""  # the model runner the scheduler shaped its output for
 
 
-class ExpectationFailed(Exception):
-    pass
-
-
 def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:
     """The request vLLM was working on when it raised, from what kvdoctor saw.
 
@@ -91,64 +86,6 @@ def involved_request(exc: BaseException, failing_calls: list[StorableCall], requ
     if failing_calls:
         return failing_calls[-1].req_id
     return None
-
-
-def prompt_for(step: Step, order: int, setup: Setup, prompts: dict[str, list[int]],
-               preempt: PreemptPlan | None = None) -> list[int]:
-    """Token ids for an `add` step: distinct per request unless a prefix is shared."""
-    args = step.args
-    if "prompt" in args:
-        return list(args["prompt"])
-    return _tokens(order, prompt_length(args, setup, preempt), args, prompts, setup)
-
-
-def preempt_fill_requests(plan: PreemptPlan, name: str) -> list[tuple[str, int, int]]:
-    """(request id, prompt length, max_tokens) of a preempting fill, in admission order: the spacers
-    (`A.s1`, `A.s2`, ...: one output token each), then the fillers (`A`, `A.2`, ...)."""
-    spacers = [(f"{name}.s{i + 1}", length, 1) for i, length in enumerate(plan.spacers)]
-    fillers = [(name if i == 0 else f"{name}.{i + 1}", length, plan.filler_max_tokens)
-               for i, length in enumerate(plan.fillers)]
-    return spacers + fillers
-
-
-def _tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, list[int]],
-            setup: Setup | None = None) -> list[int]:
-    tokens = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
-    if "shared_prefix_with" in args:
-        prefix = prompts[args["shared_prefix_with"]][: shared_prefix_length(args, setup)]
-        tokens[: len(prefix)] = prefix
-    return tokens
-
-
-def prefill_steps(prompt: list[int], setup: Setup) -> int:
-    """Steps a prompt's prefill takes at the step budget (chunked prefill splits it by the budget)."""
-    return max(1, -(-len(prompt) // setup.max_num_batched_tokens))
-
-
-def check_expectation(step: Step, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
-    """Compare one `expect`/`check` with the observed state; returns (held, observed)."""
-    args = step.args
-    snap = next(s for s in snapshots if s.request == args["request"])
-    allocated = sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0
-    observed = (f"{snap.request}: status={snap.status} allocated_blocks={allocated} "
-                f"connector_state={'present' if snap.connector_state else 'released'} "
-                f"in_flight_jobs={len(snap.in_flight_jobs)} store_jobs_built={snap.store_jobs_built}")
-    statuses = args.get("status")
-    if statuses is not None:
-        wanted = statuses if isinstance(statuses, list) else [statuses]
-        if snap.status not in wanted:
-            return False, observed
-    comparisons = [
-        ("allocated_blocks", allocated, "=="), ("min_allocated_blocks", allocated, ">="),
-        ("in_flight_jobs", len(snap.in_flight_jobs), "=="), ("min_in_flight_jobs", len(snap.in_flight_jobs), ">="),
-        ("store_jobs_built", snap.store_jobs_built, "=="), ("min_store_jobs_built", snap.store_jobs_built, ">="),
-    ]
-    for key, value, op in comparisons:
-        if key in args and not (value == args[key] if op == "==" else value >= args[key]):
-            return False, observed
-    if "connector_state" in args and (args["connector_state"] == "present") != snap.connector_state:
-        return False, observed
-    return True, observed
 
 
 def _chunks(count: int) -> str:
@@ -226,9 +163,7 @@ class ScenarioRun:
         self.timeline_at = timeline_at  # step counters recorded even without a whole timeline
         self.log = CallLog()
         self.all_calls: list[StorableCall] = []
-        self.prompts: dict[str, list[int]] = {}
-        self.fill_steps = 1  # a `schedule until = "filled"` repeats this often (set by its fill_pool add)
-        self.preempt: PreemptPlan | None = None  # the recipe's preempting fill, planned at this geometry
+        self.compiled: CompiledRecipe | None = None  # the recipe's concrete steps at this geometry
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
@@ -237,7 +172,7 @@ class ScenarioRun:
         try:
             reasons = check_geometry(self.recipe, self.setup) + missing(self.api, self.recipe.requires)
             if not reasons:
-                self.preempt = preempt_plan(self.recipe.steps, self.setup)
+                self.compiled = compile_recipe(self.recipe.steps, self.setup)
         except NotApplicable as exc:
             reasons = [str(exc)]
         if reasons:
@@ -260,48 +195,42 @@ class ScenarioRun:
 
     def _run_on(self, harness: Harness) -> RunResult:
         observer = Observer(harness, self.logic)
-        counter = 0
+        target = StepTarget(harness, observer)
         with storable_chunks_variant(self.api, self.logic, self.log):
-            for step in self.recipe.steps:
-                repeats = step.args.get("count", 1) if step.action == "schedule" else 1
-                if step.args.get("until") == "filled":
-                    repeats = self.fill_steps
-                elif step.args.get("until") == "prefilled":
-                    repeats = prefill_steps(self.prompts[step.args["request"]], self.setup)
-                for _ in range(repeats):
-                    counter += 1
-                    try:
-                        events = self._apply(step, harness, observer)
-                    except ExpectationFailed as exc:
-                        self.result.outcome = Outcome.SETUP_ERROR
-                        self.result.detail = f"step {counter} (line {step.line}): {exc}"
-                        self.result.requests = observer.snapshot()
-                        if self.record_timeline:
-                            self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
-                                                                      step.line, None, self.result.requests,
-                                                                      failed=True))
-                        return self.result
-                    except KvdoctorError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - every failure is observed, none hidden
-                        failing_calls = self.log.take()
-                        self.all_calls.extend(failing_calls)
-                        return self._failed(exc, counter, step, observer, failing_calls)
-                    self.log.raise_recording_errors()
-                    step_calls = self.log.take()
-                    self.all_calls.extend(step_calls)
-                    violations: list[Violation] = []
-                    if events is not None:
-                        observer.note_step(events.finished)
-                        violations = check_all(self.invariants, StepContext(harness, events, step_calls))
-                    # snapshots cost ~6% of a run: only where someone reads them
-                    if self.record_timeline or counter in self.timeline_at:
+            for concrete in self.compiled.steps:
+                counter, step = concrete.counter, concrete.step
+                try:
+                    events = apply_to_harness(concrete, target)
+                except ExpectationFailed as exc:
+                    self.result.outcome = Outcome.SETUP_ERROR
+                    self.result.detail = f"step {counter} (line {step.line}): {exc}"
+                    self.result.requests = observer.snapshot()
+                    if self.record_timeline:
                         self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
-                                                                  step.line, events, observer.snapshot(),
-                                                                  failed=bool(violations)))
-                    if violations:
-                        self.result.requests = observer.snapshot()
-                        return self._violated(violations, counter)
+                                                                  step.line, None, self.result.requests,
+                                                                  failed=True))
+                    return self.result
+                except KvdoctorError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - every failure is observed, none hidden
+                    failing_calls = self.log.take()
+                    self.all_calls.extend(failing_calls)
+                    return self._failed(exc, counter, step, observer, failing_calls)
+                self.log.raise_recording_errors()
+                step_calls = self.log.take()
+                self.all_calls.extend(step_calls)
+                violations: list[Violation] = []
+                if events is not None:
+                    observer.note_step(events.finished)
+                    violations = check_all(self.invariants, StepContext(harness, events, step_calls))
+                # snapshots cost ~6% of a run: only where someone reads them
+                if self.record_timeline or counter in self.timeline_at:
+                    self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(),
+                                                              step.line, events, observer.snapshot(),
+                                                              failed=bool(violations)))
+                if violations:
+                    self.result.requests = observer.snapshot()
+                    return self._violated(violations, counter)
         self.result.requests = observer.snapshot()
         self._finish_checks()
         self.result.guards = explain_guards(self.all_calls)
@@ -374,65 +303,10 @@ class ScenarioRun:
             self.result.outcome = Outcome.OTHER_FAILURE
             self.result.detail = "check failed: " + "; ".join(f"{c.description} ({c.observed})" for c in failed)
 
-    def _apply(self, step: Step, harness: Harness, observer: Observer) -> StepEvents | None:
-        args = step.args
-        action = step.action
-        if action == "expect":
-            held, observed = check_expectation(step, observer.snapshot())
-            if not held:
-                description = args.get("description", step.describe())
-                raise ExpectationFailed(f"expected {description}; observed {observed}")
-            return None
-        if action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
-            self.fill_steps = self.preempt.steps
-        elif action == "add" and args.get("fill_pool"):
-            self.fill_steps = plan_fill(self.setup, args.get("max_tokens", 8)).steps
-        return apply_to_harness(step, harness, self.setup, self.prompts, self.preempt)
 
-
-def apply_to_harness(step: Step, harness: Harness, setup: Setup, prompts: dict[str, list[int]],
-                     preempt: PreemptPlan | None = None) -> StepEvents | None:
-    """Carry out one engine-facing step (every action but `expect`); `schedule` returns its events."""
-    args = step.args
-    action = step.action
-    if action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
-        for req_id, length, max_tokens in preempt_fill_requests(preempt, args["request"]):
-            prompt = _tokens(len(prompts), length, {}, prompts)
-            prompts[req_id] = prompt
-            harness.add(req_id, prompt, max_tokens)
-    elif action == "add" and args.get("fill_pool"):
-        # The named request is the first filler; the others are named after it (A.2, A.3, ...).
-        plan = plan_fill(setup, args.get("max_tokens", 8))
-        for i, length in enumerate(plan.prompts):
-            req_id = args["request"] if i == 0 else f"{args['request']}.{i + 1}"
-            prompt = _tokens(len(prompts), length, {}, prompts)
-            prompts[req_id] = prompt
-            harness.add(req_id, prompt, args.get("max_tokens", 8))
-    elif action == "add":
-        prompt = prompt_for(step, len(prompts), setup, prompts, preempt)
-        prompts[args["request"]] = prompt
-        harness.add(args["request"], prompt, args.get("max_tokens", 8))
-    elif action == "schedule":
-        return harness.step()
-    elif action == "drain":
-        harness.drain()
-    elif action == "abort":
-        harness.abort(args["request"])
-    elif action == "finish":
-        harness.finish_by_eos(args["request"])
-    elif action == "hold_transfers":
-        harness.worker.hold(args.get("request"), args.get("kind"))
-    elif action == "complete_transfers":
-        harness.worker.complete(args.get("request"), args.get("kind"))
-    elif action == "fail_transfers":
-        harness.worker.fail(args.get("request"), args.get("kind"))
-    elif action == "delay_block_hashes":
-        harness.delay_block_hashes(args["request"])
-    elif action == "release_block_hashes":
-        harness.release_block_hashes(args["request"])
-    elif action == "reset_prefix_cache":
-        harness.reset_prefix_cache(args.get("reset_running_requests", False), args.get("reset_connector", False))
-    return None
+def apply_to_harness(step: ConcreteStep, target: StepTarget) -> StepEvents | None:
+    """Play one concrete step through the step registry; `schedule` returns its events."""
+    return play(step, target)
 
 
 def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,

@@ -105,7 +105,7 @@ def test_every_finding_replays_with_its_signature(searches):
             if finding.kind not in ("exception", "invariant"):
                 continue
             assert finding.recipe.setup["worker"] == "simulated"
-            replay = application.repro(finding.file, {"_default_worker": DEFAULT_WORKER}, logic).results[0]
+            replay = application.repro(finding.file, {}, logic, default_worker=DEFAULT_WORKER).results[0]
             if replay.failure is not None and replay.failure_step == 0:
                 # A start-up refusal (triaged as such: no step sequence): repro reports vLLM's failure
                 # to build the scheduler, the same exception, as other_failure.

@@ -43,8 +43,10 @@ def _cli_defaults() -> dict:
 
 def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
+    from kvdoctor.cli.options import DEFAULT_WORKER
 
-    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}")
+    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}",
+                     default_worker=DEFAULT_WORKER)
 
 
 def example_repro_queued_abort() -> str:
@@ -63,9 +65,11 @@ def example_inspect_queued_abort_step_6() -> str:
 
 def example_audit() -> str:
     from kvdoctor import app
+    from kvdoctor.cli.options import DEFAULT_WORKER
     from kvdoctor.report.tables import audit_renderables
 
-    return "$ kvdoctor audit\n" + _render(audit_renderables(app.audit(command="kvdoctor audit", overrides=_cli_defaults())))
+    report = app.audit(command="kvdoctor audit", overrides=_cli_defaults(), default_worker=DEFAULT_WORKER)
+    return "$ kvdoctor audit\n" + _render(audit_renderables(report))
 
 
 def example_usage_error() -> str:

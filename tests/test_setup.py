@@ -106,14 +106,16 @@ def test_audit_row_says_which_worker_ran_a_fallback_recipe():
 def test_the_command_lines_default_worker_is_vllms_and_falls_back_visibly():
     """Without --worker, repro/inspect/audit run vLLM's worker; a recipe it cannot drive runs simulated and
     says why (no exit 2: the user asked for nothing), and --worker simulated still wins."""
-    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
 
     default = worker_overrides(None, None, None)
-    plain = resolve_setup(load_builtin("queued-abort"), default)
+    assert all(not key.startswith("_") for key in default)  # no sentinel rides in the overrides
+    plain = resolve_setup(load_builtin("queued-abort"), default, default_worker=DEFAULT_WORKER)
     assert (plain.worker, plain.worker_fallback) == ("vllm", None)
-    k9 = resolve_setup(load_builtin(K9), default)
+    k9 = resolve_setup(load_builtin(K9), default, default_worker=DEFAULT_WORKER)
     assert k9.worker == "simulated" and "does not drive MultiConnector" in k9.worker_fallback
-    chosen = resolve_setup(load_builtin("queued-abort"), worker_overrides("simulated", None, None))
+    chosen = resolve_setup(load_builtin("queued-abort"), worker_overrides("simulated", None, None),
+                           default_worker=DEFAULT_WORKER)
     assert (chosen.worker, chosen.worker_fallback) == ("simulated", None)
     with pytest.raises(UsageError, match="drop --worker simulated"):
         worker_overrides("simulated", None, "cpu")
@@ -127,16 +129,17 @@ def test_a_recipe_that_holds_transfers_keeps_vllms_worker_on_the_cpu_where_a_gpu
     repro --device cuda on such a recipe -> one usage error before vLLM is imported."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resolution only: nothing runs on it
-    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
     from kvdoctor.report.tables import setup_line
 
     held = load_builtin("preemption")
     assert any(step.action == "hold_transfers" for step in held.steps)
-    default = resolve_setup(held, worker_overrides(None, None, None))
+    default = resolve_setup(held, worker_overrides(None, None, None), default_worker=DEFAULT_WORKER)
     assert (default.worker, default.device) == ("vllm", "cpu")
     assert "hold_transfers need kvdoctor's copy engine" in default.device_fallback
     assert "device=cpu (hold_transfers need kvdoctor's copy engine" in setup_line(default)
-    plain = resolve_setup(load_builtin("queued-abort"), worker_overrides(None, None, None))
+    plain = resolve_setup(load_builtin("queued-abort"), worker_overrides(None, None, None),
+                          default_worker=DEFAULT_WORKER)
     assert (plain.device, plain.device_fallback) == ("cuda", None)  # nothing held: the GPU it is
     audit = resolve_setup(held, worker_overrides("vllm", None, "cuda"), worker_fallback=True)
     assert audit.device == "cpu" and audit.device_fallback == default.device_fallback

@@ -189,13 +189,13 @@ def repro(
         if export_script is not None:
             if json_out or report is not None or svg is not None:
                 raise UsageError("--export-script writes a script and runs nothing: drop --json/--report/--svg")
-            application.export(recipe, overrides, export_script)
+            application.export(recipe, overrides, export_script, default_worker=opt.DEFAULT_WORKER)
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
             return EXIT_NOT_REPRODUCED
         with working():
             result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
-                                       command=_command_line())
+                                       command=_command_line(), default_worker=opt.DEFAULT_WORKER)
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
@@ -262,7 +262,8 @@ def inspect(
         from kvdoctor import app as application
 
         with working():
-            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
+            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line(),
+                                       default_worker=opt.DEFAULT_WORKER)
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
@@ -332,7 +333,8 @@ def audit(
                                            max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
         with working("importing vLLM and running every built-in recipe"):
-            result = application.audit(command=_command_line(), overrides=overrides)
+            result = application.audit(command=_command_line(), overrides=overrides,
+                                       default_worker=opt.DEFAULT_WORKER)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 

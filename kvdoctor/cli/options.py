@@ -203,8 +203,9 @@ DEFAULT_WORKER = "vllm"
 def worker_overrides(worker: str | None, model_runner: str | None, device: str | None) -> dict[str, Any]:
     """--worker / --model-runner / --device as `Setup` overrides, checked before vLLM is imported.
 
-    Without --worker the default rides along as `_default_worker`: a recipe's own `worker` key wins
-    over it, and a recipe vLLM's worker cannot drive falls back to the simulated one, visibly."""
+    Without --worker, `worker` stays None: the command passes `DEFAULT_WORKER` to the setup resolution
+    (`app.resolve_setup`), where a recipe's own `worker` key wins over it and a recipe vLLM's worker
+    cannot drive falls back to the simulated one, visibly."""
     from kvdoctor.engine.setup import WORKERS
 
     for flag, value, allowed in (("--worker", worker, WORKERS), ("--model-runner", model_runner,
@@ -213,7 +214,4 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
             raise UsageError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")
     if device is not None and (worker or DEFAULT_WORKER) != "vllm":
         raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
-    overrides: dict[str, Any] = {"worker": worker, "model_runner": model_runner, "device": device}
-    if worker is None:
-        overrides["_default_worker"] = DEFAULT_WORKER
-    return overrides
+    return {"worker": worker, "model_runner": model_runner, "device": device}

@@ -17,6 +17,10 @@ from kvdoctor.errors import UsageError
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
 WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
+# `Setup` field metadata: False where a recipe's [setup] cannot name the field (a flag's only, spelled
+# otherwise in a recipe, or set by kvdoctor's setup resolution); the recipe loader reads it.
+RECIPE_KEY = "recipe_key"
+_NOT_A_RECIPE_KEY = {RECIPE_KEY: False}
 
 # vLLM's block pool is one Python object per GPU block: measured here ~22 us and ~130 bytes a block
 # to build (100,000 blocks: 2.3 s). Above this the build alone takes minutes: refuse, in one line.
@@ -50,14 +54,16 @@ class Setup:
     offload_prompt_only: bool = True
     cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
     spec_name: str | None = None
-    model: str | None = None  # a local model directory whose config.json gives the KV layout
+    # --model: a local model directory whose config.json gives the KV layout (recipes name a `layout`)
+    model: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     layout: str | None = None  # a layout kvdoctor ships (kvdoctor/models/<name>); recipes name these
     sliding_window: int | None = None  # overrides the config's sliding_window (tokens)
     mamba_cache_mode: str | None = None  # CacheConfig.mamba_cache_mode for Mamba layouts (None: vLLM's default)
     # CacheConfig.prefix_match_unit: the block-hash granularity (tokens) of a hybrid layout's groups,
     # finer than their block size (None: vLLM's default, the GCD of the groups' block sizes)
     prefix_match_unit: int | None = None
-    extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    # a recipe spells it [setup] kv_connector_extra_config, as `vllm serve` does
+    extra_connector_config: dict[str, Any] = field(default_factory=dict, metadata=_NOT_A_RECIPE_KEY)
     # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
     # passed to vLLM's KVTransferConfig as given.
     kv_transfer_fields: dict[str, Any] = field(default_factory=dict)
@@ -77,10 +83,10 @@ class Setup:
     # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (the command line's default, or
     # `kvdoctor audit --worker vllm`) but this recipe's setup ran with the simulated worker instead (see
     # `vllm_worker_refusal`).
-    worker_fallback: str | None = None
+    worker_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
     # was there or asked for (`kvdoctor.app.resolve_device`).
-    device_fallback: str | None = None
+    device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
 
     @property
     def offloaded_block_size(self) -> int:

@@ -22,6 +22,7 @@ from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.verdict import Outcome
+from kvdoctor.recipes.compile import expand_counts
 from kvdoctor.recipes.model import Recipe, Step
 
 RELEASE_CHECK = "finished-requests-released"
@@ -45,12 +46,9 @@ class Observation:
 
 
 def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, str]]:
-    """(step index, action) per run-time step: a `schedule` with `count = n` counts n times."""
-    out = []
-    for index, step in enumerate(steps):
-        repeats = step.args.get("count", 1) if step.action == "schedule" else 1
-        out.extend((index, step.action) for _ in range(repeats))
-    return out
+    """(step index, action) per run-time step: a `schedule` with `count = n` counts n times (the recipe
+    compiler's expansion; generated recipes repeat by `count` only, so no geometry is needed)."""
+    return expand_counts(steps)
 
 
 def setup_of(recipe: Recipe) -> Setup:
@@ -141,7 +139,7 @@ def _leaked_requests(settle: int | None, result: Any) -> list[Any]:
 
 def _counter_of(recipe: Recipe, index: int) -> int:
     """The 1-based run-time counter of step `index` (its last repeat)."""
-    return sum(step.args.get("count", 1) if step.action == "schedule" else 1 for step in recipe.steps[: index + 1])
+    return max(counter for counter, (at, _) in enumerate(expanded_actions(recipe.steps), 1) if at == index)
 
 
 class InvalidExample(Exception):

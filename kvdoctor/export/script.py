@@ -24,55 +24,33 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
     import dataclasses
 
-    from kvdoctor.recipes.geometry import PREEMPT_NEXT, NotApplicable, plan_fill, preempt_plan
-    from kvdoctor.scenario import ExpectationFailed, _tokens, preempt_fill_requests, prompt_for
+    from kvdoctor.recipes.compile import compile_recipe
+    from kvdoctor.recipes.geometry import NotApplicable
 
     setup = dataclasses.replace(setup, worker="simulated", device=None)
-
-    prompts: dict[str, list[int]] = {}
-    steps = []
-    fill_steps = 1
     try:
-        preempt = preempt_plan(recipe.steps, setup)
+        compiled = compile_recipe(recipe.steps, setup)
     except NotApplicable as exc:
         raise UsageError(f"cannot export {recipe.name}: {exc}") from None
-    for step in recipe.steps:
-        args = dict(step.args)
-        until = args.pop("until", None) if step.action == "schedule" else None
-        if until == "filled":
-            args["count"] = fill_steps
-        elif until == "prefilled":
-            args["count"] = max(1, -(-len(prompts[args.pop("request")]) // setup.max_num_batched_tokens))
-        if step.action == "add" and args.get("fill_pool") == PREEMPT_NEXT:
-            fill_steps = preempt.steps
-            for rid, length, max_tokens in preempt_fill_requests(preempt, args["request"]):
-                prompts[rid] = _tokens(len(prompts), length, {}, prompts)
-                steps.append({"action": "add", "args": {"request": rid, "prompt": prompts[rid],
-                                                        "max_tokens": max_tokens}})
+    steps = []
+    for play in compiled.steps:
+        if play.repeat > 1:  # the script repeats a schedule by its count
             continue
-        if step.action == "add" and args.get("fill_pool"):
-            try:
-                plan = plan_fill(setup, args.get("max_tokens", 8))
-            except NotApplicable as exc:
-                raise UsageError(f"cannot export {recipe.name}: {exc}") from None
-            fill_steps = plan.steps
-            for i, length in enumerate(plan.prompts):
-                rid = args["request"] if i == 0 else f"{args['request']}.{i + 1}"
-                prompts[rid] = _tokens(len(prompts), length, {}, prompts)
-                steps.append({"action": "add", "args": {"request": rid, "prompt": prompts[rid],
-                                                        "max_tokens": args.get("max_tokens", 8)}})
+        args = dict(play.args)
+        if play.action == "schedule" and args.pop("until", None) is not None:
+            args.pop("request", None)
+            args["count"] = play.repeats
+        if args.get("fill_pool"):  # a fill: each of its requests, by token ids
+            steps.extend({"action": "add", "args": {"request": new.request, "prompt": list(new.prompt),
+                                                    "max_tokens": new.max_tokens}} for new in play.requests)
             continue
-        if step.action == "add":
-            try:
-                args["prompt"] = prompt_for(step, len(prompts), setup, prompts, preempt)
-            except (ExpectationFailed, NotApplicable) as exc:
-                raise UsageError(f"cannot export {recipe.name}: {exc}") from None
-            prompts[args["request"]] = args["prompt"]
+        if play.action == "add":
+            args["prompt"] = list(play.requests[0].prompt)
             for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
                         "trim_tokens", "shared_prefix_chunks", "prompt_rest_of_pool"):
                 args.pop(key, None)
         args.pop("description", None)
-        steps.append({"action": step.action, "args": args})
+        steps.append({"action": play.action, "args": args})
     return {
         "name": recipe.name,
         "setup": {
@@ -93,7 +71,10 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if setup.model is not None or setup.layout is not None:
         raise UsageError("--export-script builds one full-attention KV cache group; it cannot reproduce a "
                          "multi-group layout yet (drop --model / [setup] layout, or attach `kvdoctor repro --report`)")
-    late = sorted({s.action for s in recipe.steps if s.action in ("delay_block_hashes", "release_block_hashes")})
+    from kvdoctor.steps import REGISTRY, Need
+
+    # the script plays requests, engine steps and transfers; scheduler-side interventions it cannot
+    late = sorted({s.action for s in recipe.steps if Need.SCHEDULER_CONTROL in REGISTRY[s.action].needs})
     if late or setup.multi_connector:
         what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")

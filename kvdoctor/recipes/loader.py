@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.engine.setup import WORKERS, Setup
+from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
@@ -31,8 +31,7 @@ _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
                    "request": (str,), "callers": (list,)}
-_SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup)
-               if f.name not in ("model", "extra_connector_config", "worker_fallback", "device_fallback")}
+_SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
