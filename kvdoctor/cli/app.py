@@ -129,7 +129,8 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
 def repro(
     recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
                                                     show_default=False, metavar="RECIPE")] = None,
-    list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes and exit.")] = False,
+    list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes (one line each) and exit; "
+                                                              "with RECIPE, show that one in full.")] = False,
     logic: Annotated[str, typer.Option("--logic", metavar="LOGIC", help=(
         "installed | fixed | unpatched | all. installed: vLLM's own storable_chunks; fixed: with the "
         "PR #49146 cap (storable chunks <= allocated chunks), kvdoctor's 'fixed logic'; unpatched: "
@@ -151,6 +152,7 @@ def repro(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    verbose: opt.Verbose = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
     export_script: Annotated[Optional[Path], typer.Option(
@@ -169,9 +171,7 @@ def repro(
         from kvdoctor.errors import UsageError
 
         if list_recipes:
-            if recipe is not None:
-                raise UsageError("--list takes no RECIPE")
-            return _list_recipes(json_out)
+            return _list_recipes(json_out, verbose, recipe)
         if recipe is None:
             raise UsageError("give a RECIPE (a built-in name or a .toml file); `kvdoctor repro --list` shows them")
         if json_out and svg is not None:
@@ -372,25 +372,20 @@ def _output(command: str, result: Any, json_out: bool, document: Callable[[Any],
         _write_report(report, command, result)
 
 
-def _list_recipes(json_out: bool) -> int:
-    from kvdoctor.recipes.builtins import all_builtins
+def _list_recipes(json_out: bool, verbose: bool, name: str | None) -> int:
+    """One line per built-in recipe; `name` (a built-in or a .toml): that recipe in full."""
+    from kvdoctor.recipes.builtins import all_builtins, resolve
 
-    recipes = all_builtins()
+    recipes = [resolve(name)] if name is not None else all_builtins()
     if json_out:
         from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps, recipe_dict
 
         typer.echo(dumps({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}))
         return 0
-    from rich import box
-    from rich.table import Table
+    from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables
 
-    table = Table(title="built-in recipes", box=box.SIMPLE, title_justify="left")
-    for column in ("name", "bug", "what it reproduces", "signature", "upstream refs"):
-        table.add_column(column)
-    for r in recipes:
-        table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
-                      "\n".join(r.refs))
-    _emit([table], None)
+    _emit(recipe_detail_renderables(recipes[0]) if name is not None else recipe_list_renderables(recipes, verbose),
+          None)
     return 0
 
 

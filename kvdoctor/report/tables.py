@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvdoctor.report.layout import Fit, Items
+from kvdoctor.report.layout import Cut, Fit, Items
 
 OUTCOME_STYLE = {
     "reproduced": "bold red",
@@ -405,3 +405,47 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
     if device_fallback:  # a GPU was there or asked for, this recipe kept its KV on the CPU: say so too
         steps = [*steps, ("device", row.setup.device_described())]
     return steps
+
+
+def recipe_list_renderables(recipes: list[Any], verbose: bool = False) -> list[Any]:
+    """`repro --list`: one line per recipe (name whole, bug, summary cut to fit); `verbose` adds
+    each recipe's signature and upstream refs under its line."""
+    width = max((len(r.name) for r in recipes), default=4)
+    bug_width = max((len(r.bug or "-") for r in recipes), default=1)
+    items: list[Any] = [Text(f"built-in recipes ({len(recipes)}); one in full: kvdoctor repro --list NAME",
+                             style="bold")]
+    for recipe in recipes:
+        head = Text.assemble(f"  {recipe.name:<{width}}  ", (f"{recipe.bug or '-':<{bug_width}}", "bold"), "  ")
+        items.append(Cut(head, recipe.title or recipe.summary.splitlines()[0]))
+        if verbose:
+            items.extend(_recipe_detail_lines(recipe, indent=4))
+    return items
+
+
+def _recipe_detail_lines(recipe: Any, indent: int) -> list[Any]:
+    pad = " " * indent
+    lines: list[Any] = [Items(f"signature: {recipe.signature.describe()}".split(" "), prefix=pad, sep=" ",
+                              indent=indent + 2, style="dim")]
+    for ref in recipe.refs:
+        lines.append(Items(ref.split(" "), prefix=pad, sep=" ", indent=indent + 2, style="dim"))
+    return lines
+
+
+def recipe_detail_renderables(recipe: Any) -> list[Any]:
+    """`repro --list NAME`: one recipe in full (what it reproduces, signature, refs, workaround)."""
+    items: list[Any] = [Text.assemble((recipe.name, "bold"), f" ({recipe.bug})" if recipe.bug else "")]
+    if recipe.title:
+        items.append(Items(recipe.title.split(" "), prefix="  ", sep=" ", indent=2))
+    for paragraph in recipe.summary.split("\n\n"):
+        if paragraph.strip() and paragraph.strip() != (recipe.title or "").strip():
+            items.append(Text(""))
+            items.append(Items(paragraph.split(), prefix="  ", sep=" ", indent=2))
+    items.append(Text(""))
+    fields = [("signature", recipe.signature.describe())] + [("upstream", ref) for ref in recipe.refs]
+    if recipe.workaround:
+        fields.append(("workaround", recipe.workaround))
+    for label, text in fields:
+        items.append(Items(text.split(), prefix=Text(f"  {label:<11}", style="bold"), sep=" ", indent=13))
+    items.append(Text(""))
+    items.append(Text(f"  run it: kvdoctor repro {recipe.name}", style="dim"))
+    return items
