@@ -244,6 +244,22 @@ class AuditReport:
         return any(row.installed.outcome.value == "reproduced" for row in self.rows)
 
     @property
+    def reproducing(self) -> dict[str, list[str]]:
+        """Bug id -> its recipes that reproduce under the installed logic (catalogue order)."""
+        found: dict[str, list[str]] = {}
+        for row in self.rows:
+            if row.installed.outcome.value == "reproduced":
+                found.setdefault(row.bug, []).append(row.recipe.name)
+        return found
+
+    @property
+    def upgrade_hint(self) -> Any:
+        """The measured release that fixes the most of what reproduces here (a hint, not a verdict)."""
+        from kvdoctor.matrix.known import upgrade_hint
+
+        return upgrade_hint(self.reproducing, self.vllm_version)
+
+    @property
     def exit_status(self) -> int:
         """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
         setup_error; 0 only when every row is not_reproduced / not_applicable."""

@@ -306,6 +306,7 @@ def audit(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    verbose: opt.Verbose = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -337,7 +338,7 @@ def audit(
         from kvdoctor.report.tables import audit_renderables
 
         code = result.exit_status
-        _output("audit", result, json_out, audit_document, audit_renderables, svg, report)
+        _output("audit", result, json_out, audit_document, lambda res: audit_renderables(res, verbose), svg, report)
         return code
 
     _run(action, json_out)
@@ -402,7 +403,19 @@ def _write_report(path: Path, command: str, result: Any) -> None:
 
 
 def main() -> None:
-    app()
+    """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
+    as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
+    from kvdoctor.cli.teardown import exit_now, redirect_caches
+
+    redirect_caches()
+    try:
+        app()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    exit_now(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
