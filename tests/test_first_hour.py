@@ -5,6 +5,8 @@ Issue 28: `repro --list` cut 10 of 13 recipe names at 80 columns; `audit` took ~
 
 from __future__ import annotations
 
+import re
+
 from kvdoctor.recipes.builtins import builtin_names
 
 from .conftest import run_cli
@@ -42,24 +44,50 @@ def test_repro_list_verbose_and_one_recipe_show_refs_and_signature():
     assert unknown.returncode == 2 and "unknown recipe" in unknown.stderr
 
 
-def _timed_run(args: list[str], env: dict) -> tuple[int, str, float]:
-    """(exit code, stdout, seconds from the last line of output to the process's end)."""
+def _timed_run(args: list[str], env: dict, stderr_on_a_terminal: bool = False) -> tuple[int, str, str, float]:
+    """(exit code, stdout, stderr, seconds from the last output to the process's end). stderr goes to a
+    pseudo-terminal when asked (progress is drawn there), else into stdout's pipe."""
     import os
+    import pty
+    import select
     import subprocess
     import sys
     import time
 
     from .conftest import ROOT
 
+    master = slave = None
+    if stderr_on_a_terminal:
+        master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "kvdoctor", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env={**os.environ, **env})
-    last = time.monotonic()
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        last = time.monotonic()
-    code = proc.wait(timeout=600)
-    return code, "".join(lines), time.monotonic() - last
+                            stderr=slave if slave is not None else subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, **env})
+    if slave is not None:
+        os.close(slave)
+    chunks: dict[int, list[bytes]] = {proc.stdout.fileno(): []}
+    if master is not None:
+        chunks[master] = []
+    open_fds, last = list(chunks), time.monotonic()
+    deadline = last + 900
+    while open_fds and time.monotonic() < deadline:  # both at once: a full pty would block the child
+        ready, _, _ = select.select(open_fds, [], [], 1)
+        for fd in ready:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:  # the pty's other end closed
+                data = b""
+            if not data:
+                open_fds.remove(fd)
+                continue
+            chunks[fd].append(data)
+            last = time.monotonic()
+    code = proc.wait(timeout=60)
+    tail = time.monotonic() - last
+    if master is not None:
+        os.close(master)
+    stdout = b"".join(chunks[proc.stdout.fileno()]).decode(errors="replace")
+    stderr = b"".join(chunks[master]).decode(errors="replace") if master is not None else ""
+    return code, stdout, stderr, tail
 
 
 def _isolated(tmp_path) -> tuple[dict, list]:
@@ -77,29 +105,79 @@ def _left_behind(folders: list) -> list[str]:
     return [str(p) for folder in folders for p in folder.rglob("*")]
 
 
-def test_audit_is_compact_exits_at_once_and_leaves_nothing(tmp_path, api):
-    """`audit` at 80 columns: at most 40 lines, every recipe name whole, a one-line summary; the
-    prompt is back within 1 s of the last line; nothing is left in $TMPDIR or $HOME."""
+def test_audit_is_compact_shows_progress_exits_at_once_and_leaves_nothing(tmp_path, api):
+    """`audit` at 80 columns: at most 40 lines, every recipe name whole, a one-line summary; progress
+    (the recipe, a count, the time) on a terminal's stderr; the prompt back within 1 s of the last
+    output; nothing left in $TMPDIR or $HOME."""
     env, folders = _isolated(tmp_path)
-    code, out, tail = _timed_run(["audit"], env)
-    assert code in (0, 1, 4, 6), out
+    code, out, err, tail = _timed_run(["audit"], env, stderr_on_a_terminal=True)
+    assert code in (0, 1, 4, 6), out + err
     lines = out.splitlines()
     assert len(lines) <= 40, out
     _assert_fits(out)
-    for name in builtin_names():
+    names = builtin_names()
+    for name in names:
         assert any(line.split()[1:2] == [name] for line in lines if line.startswith("  K")), (name, out)
-    assert any(f"known bugs reproduce on vLLM {api.version_text}" in line
-               or "known bugs reproduces on vLLM" in line or "known bug reproduces" in line for line in lines), out
-    assert tail < 1.0, f"the process ended {tail:.2f}s after its last line of output"
+    assert any(f"on vLLM {api.version_text}" in line and "reproduce" in line for line in lines[-4:]), out
+    total = len(names) + 1  # and the K10 measurement
+    for done, name in enumerate(names, start=1):  # each recipe was named as it ran, with its count
+        assert re.search(rf"audit  {done}/{total}  K\d+ {re.escape(name)}  (\d+m)?\d+s", err), (name, err[-2000:])
+    assert "\r\x1b[2K" in err and err.rstrip(" ").endswith("\r\x1b[2K"), "the line is cleared at the end"
+    assert tail < 1.0, f"the process ended {tail:.2f}s after its last output"
     assert _left_behind(folders) == []
 
 
-def test_a_model_run_leaves_no_cache_in_home_and_exits_at_once(tmp_path):
-    """`--model` makes vLLM write ~/.cache/vllm/modelinfos; torch an empty torchinductor_<user>."""
+def test_a_model_run_leaves_no_cache_shows_no_progress_when_piped_and_exits_at_once(tmp_path):
+    """`--model` makes vLLM write ~/.cache/vllm/modelinfos, torch an empty torchinductor_<user>;
+    piped, stderr carries no progress line."""
     env, folders = _isolated(tmp_path)
-    code, out, tail = _timed_run(["repro", "queued-abort", "--logic", "installed",
-                                  "--model", "kvdoctor/models/swa-full"], env)
+    code, out, _, tail = _timed_run(["repro", "queued-abort", "--logic", "installed",
+                                     "--model", "kvdoctor/models/swa-full"], env)
     assert code in (0, 1), out
     assert "queued-abort" in out
-    assert tail < 1.0, f"the process ended {tail:.2f}s after its last line of output"
+    assert "\r" not in out and "\x1b" not in out and "importing vLLM" not in out, out
+    assert tail < 1.0, f"the process ended {tail:.2f}s after its last output"
     assert _left_behind(folders) == []
+
+
+def test_progress_draws_on_a_terminal_only():
+    """The Progress API itself (what diagnose, matrix and explore can reuse): on a pty, one line redrawn
+    in place and cleared at the end; on a pipe, nothing."""
+    import os
+    import pty
+    import select
+
+    from kvdoctor.cli.progress import Progress
+
+    master, slave = pty.openpty()
+    with os.fdopen(slave, "w") as terminal:
+        with Progress("audit", stream=terminal) as progress:
+            progress.callback(3, 13, "K1 queued-abort")
+            assert progress.line().startswith("audit  4/13  K1 queued-abort  ")
+    drawn = b""
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the other end is closed and everything was read
+            break
+        if not data:
+            break
+        drawn += data
+    drawn = drawn.decode()
+    os.close(master)
+    assert "\r\x1b[2Kaudit  4/13  K1 queued-abort  0s" in drawn and drawn.endswith("\r\x1b[2K")
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as pipe:
+        with Progress("audit", stream=pipe) as progress:
+            progress.callback(3, 13, "K1 queued-abort")
+    with os.fdopen(read_end) as reader:
+        assert reader.read() == ""
+
+
+def test_a_fractional_cpu_bytes_to_use_is_a_usage_error_not_cut():
+    config = ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+              '"kv_connector_extra_config": {"cpu_bytes_to_use": 1000000.5}}')
+    proc = run_cli("repro", "queued-abort", "--kv-transfer-config", config)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("kvdoctor: error: --kv-transfer-config: cpu_bytes_to_use must be a whole "
+                                   "number, got 1000000.5")

@@ -15,7 +15,7 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
-from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
+from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
 
@@ -193,9 +193,11 @@ def repro(
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
             return EXIT_NOT_REPRODUCED
-        with working():
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("repro") as progress:
             result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
-                                       command=_command_line())
+                                       command=_command_line(), on_progress=progress.callback)
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
@@ -261,8 +263,11 @@ def inspect(
         overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
-        with working():
-            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line())
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("inspect") as progress:
+            result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line(),
+                                       on_progress=progress.callback)
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
@@ -332,8 +337,10 @@ def audit(
                                            kv_offloading_backend=kv_offloading_backend,
                                            max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
-        with working("importing vLLM and running every built-in recipe"):
-            result = application.audit(command=_command_line(), overrides=overrides)
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("audit") as progress:
+            result = application.audit(command=_command_line(), overrides=overrides, on_progress=progress.callback)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 
@@ -405,7 +412,7 @@ def _write_report(path: Path, command: str, result: Any) -> None:
 def main() -> None:
     """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
     as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
-    from kvdoctor.cli.teardown import exit_now, redirect_caches
+    from kvdoctor.cli.teardown import exit_now, redirect_caches, remove_scratch
 
     redirect_caches()
     try:
@@ -415,6 +422,9 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except BaseException:  # not one of kvdoctor's outcomes: Python's own report, but no scratch left
+        remove_scratch()
+        raise
     exit_now(code)
 
 
