@@ -142,7 +142,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
 
     check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
     progress = on_progress or (lambda done, total, what: None)
-    progress(0, len(variants), "importing vLLM")
+    progress(0, 0, "importing vLLM")
     api = load_vllm()
     from kvdoctor.scenario import run_scenario
 
@@ -285,7 +285,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True) for recipe in recipes]
     total = len(recipes) + 1  # and the K10 measurement
     progress = on_progress or (lambda done, total, what: None)
-    progress(0, total, "importing vLLM")
+    progress(0, 0, "importing vLLM")  # no count yet: the recipes have not started
     api = load_vllm()
     report = AuditReport(vllm_version=api.version_text, command=command)
     for done, (recipe, setup) in enumerate(zip(recipes, setups)):
