@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvdoctor import __version__
 from kvdoctor.engine.setup import Setup
@@ -137,7 +137,9 @@ def load_vllm() -> Any:
 
 
 def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timeline: bool = False,
-          command: str = "", default_worker: str | None = None) -> ReproReport:
+          command: str = "", default_worker: str | None = None,
+          on_progress: Callable[[int, int, str], None] | None = None) -> ReproReport:
+    """`on_progress(done, total, what runs now)` is called before the import and each logic variant."""
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(recipe_ref)
@@ -146,12 +148,15 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     from kvdoctor.recipes.geometry import check as check_geometry
 
     check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
+    progress = on_progress or (lambda done, total, what: None)
+    progress(0, 0, "importing vLLM")
     api = load_vllm()
     from kvdoctor.scenario import run_scenario
 
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command,
                          release_hint=_release_hint(recipe))
-    for variant in variants:
+    for done, variant in enumerate(variants):
+        progress(done, len(variants), f"{recipe.name} under the {variant} logic")
         report.results.append(run_scenario(api, recipe, setup, variant, record_timeline=record_timeline))
     report.setup = with_model_runner(setup, report.results)
     return report
@@ -250,6 +255,22 @@ class AuditReport:
         return any(row.installed.outcome.value == "reproduced" for row in self.rows)
 
     @property
+    def reproducing(self) -> dict[str, list[str]]:
+        """Bug id -> its recipes that reproduce under the installed logic (catalogue order)."""
+        found: dict[str, list[str]] = {}
+        for row in self.rows:
+            if row.installed.outcome.value == "reproduced":
+                found.setdefault(row.bug, []).append(row.recipe.name)
+        return found
+
+    @property
+    def upgrade_hint(self) -> Any:
+        """The measured release that fixes the most of what reproduces here (a hint, not a verdict)."""
+        from kvdoctor.matrix.known import upgrade_hint
+
+        return upgrade_hint(self.reproducing, self.vllm_version)
+
+    @property
     def exit_status(self) -> int:
         """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
         setup_error; 0 only when every row is not_reproduced / not_applicable."""
@@ -261,17 +282,23 @@ class AuditReport:
 
 
 def audit(command: str = "", overrides: dict[str, Any] | None = None,
-          default_worker: str | None = None) -> AuditReport:
-    """Every built-in recipe against the installed vLLM: one vLLM import, one process."""
+          default_worker: str | None = None,
+          on_progress: Callable[[int, int, str], None] | None = None) -> AuditReport:
+    """Every built-in recipe against the installed vLLM: one vLLM import, one process.
+    `on_progress(done, total, what runs now)` is called before each piece of work."""
     from kvdoctor.recipes.builtins import all_builtins
     from kvdoctor.scenario import run_scenario
 
     recipes = all_builtins()
     setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True, default_worker=default_worker)
               for recipe in recipes]
+    total = len(recipes) + 1  # and the K10 measurement
+    progress = on_progress or (lambda done, total, what: None)
+    progress(0, 0, "importing vLLM")  # no count yet: the recipes have not started
     api = load_vllm()
     report = AuditReport(vllm_version=api.version_text, command=command)
-    for recipe, setup in zip(recipes, setups):
+    for done, (recipe, setup) in enumerate(zip(recipes, setups)):
+        progress(done, total, f"{recipe.bug or '-'} {recipe.name}")
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
@@ -280,6 +307,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 
     title = "Concurrent loads of one prefix serialise: overlapping requests wait for the first load"
+    progress(len(recipes), total, "K10 measuring concurrent prefix loads")
     try:
         report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), measure_prefix_sharing(api)))
     except MeasurementIncomplete as exc:

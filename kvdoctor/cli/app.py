@@ -15,7 +15,7 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
-from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
+from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
 
@@ -129,7 +129,8 @@ def _emit(renderables: list[Any], svg: Path | None) -> None:
 def repro(
     recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
                                                     show_default=False, metavar="RECIPE")] = None,
-    list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes and exit.")] = False,
+    list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes (one line each) and exit; "
+                                                              "with RECIPE, show that one in full.")] = False,
     logic: Annotated[str, typer.Option("--logic", metavar="LOGIC", help=(
         "installed | fixed | unpatched | all. installed: vLLM's own storable_chunks; fixed: with the "
         "PR #49146 cap (storable chunks <= allocated chunks), kvdoctor's 'fixed logic'; unpatched: "
@@ -151,6 +152,7 @@ def repro(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    verbose: opt.Verbose = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
     export_script: Annotated[Optional[Path], typer.Option(
@@ -169,9 +171,7 @@ def repro(
         from kvdoctor.errors import UsageError
 
         if list_recipes:
-            if recipe is not None:
-                raise UsageError("--list takes no RECIPE")
-            return _list_recipes(json_out)
+            return _list_recipes(json_out, verbose, recipe)
         if recipe is None:
             raise UsageError("give a RECIPE (a built-in name or a .toml file); `kvdoctor repro --list` shows them")
         if json_out and svg is not None:
@@ -193,9 +193,12 @@ def repro(
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
             return EXIT_NOT_REPRODUCED
-        with working():
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("repro") as progress:
             result = application.repro(recipe, overrides, logic, record_timeline=report is not None,
-                                       command=_command_line(), default_worker=opt.DEFAULT_WORKER)
+                                       command=_command_line(), default_worker=opt.DEFAULT_WORKER,
+                                       on_progress=progress.callback)
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
@@ -261,9 +264,11 @@ def inspect(
         overrides.update(opt.worker_overrides(worker, model_runner, device))
         from kvdoctor import app as application
 
-        with working():
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("inspect") as progress:
             result = application.repro(recipe, overrides, logic, record_timeline=True, command=_command_line(),
-                                       default_worker=opt.DEFAULT_WORKER)
+                                       default_worker=opt.DEFAULT_WORKER, on_progress=progress.callback)
         run = result.results[0]
         if step is not None and not any(e.index == step for e in run.timeline):
             raise UsageError(f"--step {step}: the run has steps 1–{len(run.timeline)}")
@@ -307,6 +312,7 @@ def audit(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    verbose: opt.Verbose = False,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -332,14 +338,16 @@ def audit(
                                            kv_offloading_backend=kv_offloading_backend,
                                            max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
-        with working("importing vLLM and running every built-in recipe"):
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("audit") as progress:
             result = application.audit(command=_command_line(), overrides=overrides,
-                                       default_worker=opt.DEFAULT_WORKER)
+                                       default_worker=opt.DEFAULT_WORKER, on_progress=progress.callback)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables
 
         code = result.exit_status
-        _output("audit", result, json_out, audit_document, audit_renderables, svg, report)
+        _output("audit", result, json_out, audit_document, lambda res: audit_renderables(res, verbose), svg, report)
         return code
 
     _run(action, json_out)
@@ -380,25 +388,20 @@ def _output(command: str, result: Any, json_out: bool, document: Callable[[Any],
         _write_report(report, command, result)
 
 
-def _list_recipes(json_out: bool) -> int:
-    from kvdoctor.recipes.builtins import all_builtins
+def _list_recipes(json_out: bool, verbose: bool, name: str | None) -> int:
+    """One line per built-in recipe; `name` (a built-in or a .toml): that recipe in full."""
+    from kvdoctor.recipes.builtins import all_builtins, resolve
 
-    recipes = all_builtins()
+    recipes = [resolve(name)] if name is not None else all_builtins()
     if json_out:
         from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps, recipe_dict
 
         typer.echo(dumps({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}))
         return 0
-    from rich import box
-    from rich.table import Table
+    from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables
 
-    table = Table(title="built-in recipes", box=box.SIMPLE, title_justify="left")
-    for column in ("name", "bug", "what it reproduces", "signature", "upstream refs"):
-        table.add_column(column)
-    for r in recipes:
-        table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
-                      "\n".join(r.refs))
-    _emit([table], None)
+    _emit(recipe_detail_renderables(recipes[0]) if name is not None else recipe_list_renderables(recipes, verbose),
+          None)
     return 0
 
 
@@ -415,7 +418,22 @@ def _write_report(path: Path, command: str, result: Any) -> None:
 
 
 def main() -> None:
-    app()
+    """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
+    as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
+    from kvdoctor.cli.teardown import exit_now, redirect_caches, remove_scratch
+
+    redirect_caches()
+    try:
+        app()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # not one of kvdoctor's outcomes: Python's own report, but no scratch left
+        remove_scratch()
+        raise
+    exit_now(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ import this module at its top without an import cycle.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -111,12 +112,14 @@ class _Display:
         self.live: Any = None
         self.result: Any = None
         self.found: list[Any] = []
+        self.started = time.monotonic()
 
     def __enter__(self) -> "_Display":
         if self.live_mode:
             from rich.live import Live
 
-            self.live = Live(self._render(), console=self.console, refresh_per_second=8, transient=True)
+            # `self` (its __rich__) is rendered at each refresh, so the clock moves between reports
+            self.live = Live(self, console=self.console, refresh_per_second=4, transient=True)
             self.live.__enter__()
         return self
 
@@ -124,15 +127,18 @@ class _Display:
         if self.live is not None:
             self.live.__exit__(*exc)
 
+    def __rich__(self) -> Any:
+        return self._render()
+
     def progress(self, result: Any) -> None:
         self.result = result
         if self.live is not None:
-            self.live.update(self._render())
+            self.live.refresh()
 
     def finding(self, finding: Any) -> None:
         self.found.append(finding)
         if self.live is not None:
-            self.live.update(self._render())
+            self.live.refresh()
         elif not self.quiet_lines:
             print(f"kvdoctor explore: found {finding.label} ({finding.steps} steps, "
                   f"after {finding.elapsed_s:.1f} s)", file=sys.stderr, flush=True)
@@ -147,7 +153,9 @@ class _Display:
         grid.add_column()
         head = f"logic {config.logic} · seed {config.seed} · workers {config.workers}"
         if self.result is None:
-            grid.add_row("explore", head + " · importing vLLM…")
+            from kvdoctor.cli.progress import elapsed_text
+
+            grid.add_row("explore", head + f" · importing vLLM… {elapsed_text(time.monotonic() - self.started)}")
             return grid
         stats = self.result.stats
         grid.add_row("explore", f"vLLM {self.result.vllm_version} · {head}")
@@ -156,7 +164,8 @@ class _Display:
                                  + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
         grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
                               f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "
-                              f"of {config.time_budget:g} s)")
+                              f"of {config.time_budget:g} s; "
+                              f"{max(config.time_budget - stats.elapsed, 0):.0f} s left)")
         grid.add_row("doing", stats.phase)
         failures = Text(str(len(self.found)), style="bold red" if self.found else "green")
         grid.add_row("failures", failures)

@@ -69,6 +69,8 @@ Device = Annotated[Optional[str], typer.Option(
                      "worker does the copies; default cuda when torch sees a GPU).",
     rich_help_panel=WORKER, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.", rich_help_panel=OUTPUT)]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show each row's detail (refs, signature, "
+                                                                "what to do next).", rich_help_panel=OUTPUT)]
 ReportFile = Annotated[Optional[Path], typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
 SvgFile = Annotated[Optional[Path], typer.Option(

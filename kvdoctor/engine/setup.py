@@ -274,6 +274,8 @@ def parse_kv_transfer_config(text: str) -> dict[str, Any]:
 def _as_int(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():  # int() would cut it silently
+        raise UsageError(f"--kv-transfer-config: {key} must be a whole number, got {value!r}")
     try:
         number = int(value)
     except ValueError:

@@ -39,3 +39,47 @@ def first_release_not_reproducing(recipe_name: str, path: Path | None = None) ->
             return KnownFix(row.release, rows[last].release, row.measured_on, row.kvdoctor_version)
         return None  # an error or setup_error right after: no honest answer
     return None
+
+
+class UpgradeHint(NamedTuple):
+    """The measured release to upgrade to: the earliest newer release where the fewest of the
+    bugs reproducing here still reproduce (kvdoctor's measurements, a hint like KnownFix)."""
+
+    release: str
+    still_reproducing: tuple[str, ...]  # bug ids, catalogue order; () = it fixes all of them
+    measured_on: str
+
+
+def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
+                 path: Path | None = None) -> UpgradeHint | None:
+    """`reproducing` maps a bug id to its recipes that reproduce here. A bug counts as fixed at a
+    release only when every one of its recipes was measured there and does not reproduce. None when
+    no newer release was measured or none fixes any of them."""
+    import re
+
+    from kvdoctor.recipes.model import bug_order
+    from kvdoctor.releases import release_tuple
+
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", installed_version or "")
+    if not reproducing or match is None:
+        return None
+    here = tuple(int(part) for part in match.groups())
+    try:
+        rows = data.load(path or data.DATA_FILE)
+    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+        return None
+    outcomes = {(r.release, r.recipe): r for r in rows}
+    best: UpgradeHint | None = None
+    for release in KNOWN_RELEASES:
+        if release_tuple(release) <= here:
+            continue
+        measured = [outcomes.get((release, name)) for names in reproducing.values() for name in names]
+        if not any(measured):
+            continue
+        left = tuple(sorted((bug for bug, names in reproducing.items()
+                             if any(outcomes.get((release, n)) is None
+                                    or outcomes[(release, n)].outcome not in NOT_REPRODUCING for n in names)),
+                            key=bug_order))
+        if len(left) < len(reproducing) and (best is None or len(left) < len(best.still_reproducing)):
+            best = UpgradeHint(release, left, max(r.measured_on for r in measured if r is not None))
+    return best

@@ -68,12 +68,15 @@ def dumps(document: dict[str, Any]) -> str:
 
 
 def audit_document(report: Any) -> dict[str, Any]:
+    from kvdoctor.report.tables import audit_summary  # the compact audit's one-line summary
+
     return {
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": __version__,
         "vllm_version": report.vllm_version,
         "any_reproduced": report.any_reproduced,
         "exit_code": int(report.exit_status),
+        "summary": audit_summary(report),
         "rows": [
             {
                 "bug": row.bug, "recipe": row.recipe.name, "refs": list(row.recipe.refs),

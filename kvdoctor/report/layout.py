@@ -69,3 +69,26 @@ class Items:
 def plural(count: int, word: str, plural_word: str | None = None) -> str:
     """`1 chunk`, `4 chunks`."""
     return f"{count} {word if count == 1 else (plural_word or word + 's')}"
+
+
+class Cut:
+    """One line: `head` whole, then `tail` cut with `…` to the width it is given.
+
+    For lists a user scans (one recipe a line): the name they type next is in `head`,
+    never cut; only the free-text tail gives way on a narrow terminal."""
+
+    def __init__(self, head: Any, tail: str, style: str = "") -> None:
+        self.head = head if isinstance(head, Text) else Text(str(head))
+        self.tail = " ".join(tail.split())
+        self.style = style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        room = options.max_width - self.head.cell_len
+        line = self.head.copy()
+        if room >= 2 and self.tail:
+            tail = self.tail if len(self.tail) <= room else self.tail[:room - 1].rstrip() + "…"
+            line.append(tail, style=self.style)
+        yield line
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(self.head.cell_len, min(self.head.cell_len + len(self.tail), options.max_width))

@@ -10,7 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvdoctor.report.layout import Fit, Items
+from kvdoctor.report.layout import Cut, Fit, Items
 
 OUTCOME_STYLE = {
     "reproduced": "bold red",
@@ -18,6 +18,8 @@ OUTCOME_STYLE = {
     "other_failure": "bold magenta",
     "not_applicable": "dim",
     "setup_error": "bold yellow",
+    "not_reached": "yellow",
+    "untested": "yellow",
 }
 TRIP_MARK = "⚠ will trip"
 
@@ -341,7 +343,71 @@ def timeline_renderables(result: Any, only_step: int | None = None) -> list[Any]
     return items
 
 
-def audit_renderables(report: Any) -> list[Any]:
+def audit_renderables(report: Any, verbose: bool = False) -> list[Any]:
+    """The compact audit (one line per recipe, then a one-line summary); `verbose`: every row's
+    refs, what it breaks and what to do next, as before."""
+    return audit_detail_renderables(report) if verbose else audit_compact_renderables(report)
+
+
+_INCONCLUSIVE = ("other_failure", "setup_error", "not_reached", "untested")
+
+
+def audit_summary(report: Any) -> str:
+    """`3 of 11 known bugs reproduce on vLLM 0.26.0; upgrade to 0.30.0 fixes all but K9, K11`."""
+    bugs = list(dict.fromkeys(row.bug for row in report.rows if row.bug and row.bug != "-"))
+    reproducing = list(report.reproducing)
+    where = f"vLLM {report.vllm_version}"
+    if reproducing:
+        text = (f"{len(reproducing)} of {len(bugs)} known bugs reproduce on {where}"
+                if len(reproducing) > 1 or len(bugs) > 1 else f"the known bug reproduces on {where}")
+    else:
+        text = f"none of the {len(bugs)} known bugs reproduces on {where}"
+    hint = report.upgrade_hint if reproducing else None
+    if hint is not None:
+        left = hint.still_reproducing
+        text += f"; upgrading to {hint.release} fixes " + ("all" if not left else "all but " + ", ".join(left))
+    unsure = [f"{row.bug} {row.installed.outcome.value}" for row in report.rows
+              if row.installed.outcome.value in _INCONCLUSIVE]
+    if unsure:
+        text += "; no verdict: " + ", ".join(unsure)
+    return text
+
+
+def _metric_line(metric: Any) -> str:
+    m = metric.value
+    if metric.error or m is None:
+        return metric.summary
+    return (f"measured: {m.extra_steps:+d} steps to first token when {m.requests} requests share a prefix "
+            f"({m.shared_steps} vs {m.baseline_steps})")
+
+
+def audit_compact_renderables(report: Any) -> list[Any]:
+    """One line per recipe (bug, recipe, outcome, first release measured not to reproduce it)."""
+    name_width = max([len(row.recipe.name) for row in report.rows] + [len("recipe")])
+    bug_width = max([len(row.bug) for row in report.rows] + [len(m.bug) for m in report.metrics] + [3])
+    outcome_width = max([len(row.installed.outcome.value) for row in report.rows] + [len("outcome")])
+    items: list[Any] = [
+        Text(f"known KV-offload bugs on vLLM {report.vllm_version}", style="bold"),
+        Text(f"  {'bug':<{bug_width}}  {'recipe':<{name_width}}  {'outcome':<{outcome_width}}  fixed in",
+             style="dim")]
+    for row in report.rows:
+        outcome = row.installed.outcome.value
+        hint = getattr(row, "release_hint", None)
+        fixed_in = hint.release if hint is not None and outcome == "reproduced" else ""
+        items.append(Text.assemble(f"  {row.bug:<{bug_width}}  {row.recipe.name:<{name_width}}  ",
+                                   outcome_text(outcome), " " * (outcome_width - len(outcome) + 2), fixed_in))
+    for metric in report.metrics:
+        items.append(Cut(f"  {metric.bug:<{bug_width}}  ", _metric_line(metric)))
+    items.append(Text(""))
+    items.append(Items(audit_summary(report).split(" "), sep=" ", indent=2, style="bold"))
+    notes = ["fixed in: the first release kvdoctor measured not reproducing it (a hint)",
+             "each row in full: kvdoctor audit --verbose"
+             + ("; to attach: --report audit.md" if report.any_reproduced else "")]
+    items.extend(Items(note.split(" "), sep=" ", indent=2, style="dim") for note in notes)
+    return items
+
+
+def audit_detail_renderables(report: Any) -> list[Any]:
     items: list[Any] = [audit_table(report)]
     if report.metrics:
         table = Table(title="measured (performance bugs)", box=box.SIMPLE, title_justify="left")
@@ -354,6 +420,7 @@ def audit_renderables(report: Any) -> list[Any]:
             blocks.append(Items(metric.title.split(" "), prefix="    ", sep=" ", indent=4))
             blocks.append(Items(metric.summary.split(" "), prefix="    measured:", sep=" ", indent=6))
         items.append(Fit(table, Group(*blocks)))
+    items.append(Items(audit_summary(report).split(" "), sep=" ", indent=2, style="bold"))
     if any(row.installed.outcome.value == "reproduced" for row in report.rows):
         items.append(Text("report one: kvdoctor repro RECIPE --report issue.md (or this table: "
                           "kvdoctor audit --report audit.md)", style="dim"))
@@ -405,3 +472,47 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
     if device_fallback:  # a GPU was there or asked for, this recipe kept its KV on the CPU: say so too
         steps = [*steps, ("device", row.setup.device_described())]
     return steps
+
+
+def recipe_list_renderables(recipes: list[Any], verbose: bool = False) -> list[Any]:
+    """`repro --list`: one line per recipe (name whole, bug, summary cut to fit); `verbose` adds
+    each recipe's signature and upstream refs under its line."""
+    width = max((len(r.name) for r in recipes), default=4)
+    bug_width = max((len(r.bug or "-") for r in recipes), default=1)
+    items: list[Any] = [Text(f"built-in recipes ({len(recipes)}); one in full: kvdoctor repro --list NAME",
+                             style="bold")]
+    for recipe in recipes:
+        head = Text.assemble(f"  {recipe.name:<{width}}  ", (f"{recipe.bug or '-':<{bug_width}}", "bold"), "  ")
+        items.append(Cut(head, recipe.title or recipe.summary.splitlines()[0]))
+        if verbose:
+            items.extend(_recipe_detail_lines(recipe, indent=4))
+    return items
+
+
+def _recipe_detail_lines(recipe: Any, indent: int) -> list[Any]:
+    pad = " " * indent
+    lines: list[Any] = [Items(f"signature: {recipe.signature.describe()}".split(" "), prefix=pad, sep=" ",
+                              indent=indent + 2, style="dim")]
+    for ref in recipe.refs:
+        lines.append(Items(ref.split(" "), prefix=pad, sep=" ", indent=indent + 2, style="dim"))
+    return lines
+
+
+def recipe_detail_renderables(recipe: Any) -> list[Any]:
+    """`repro --list NAME`: one recipe in full (what it reproduces, signature, refs, workaround)."""
+    items: list[Any] = [Text.assemble((recipe.name, "bold"), f" ({recipe.bug})" if recipe.bug else "")]
+    if recipe.title:
+        items.append(Items(recipe.title.split(" "), prefix="  ", sep=" ", indent=2))
+    for paragraph in recipe.summary.split("\n\n"):
+        if paragraph.strip() and paragraph.strip() != (recipe.title or "").strip():
+            items.append(Text(""))
+            items.append(Items(paragraph.split(), prefix="  ", sep=" ", indent=2))
+    items.append(Text(""))
+    fields = [("signature", recipe.signature.describe())] + [("upstream", ref) for ref in recipe.refs]
+    if recipe.workaround:
+        fields.append(("workaround", recipe.workaround))
+    for label, text in fields:
+        items.append(Items(text.split(), prefix=Text(f"  {label:<11}", style="bold"), sep=" ", indent=13))
+    items.append(Text(""))
+    items.append(Text(f"  run it: kvdoctor repro {recipe.name}", style="dim"))
+    return items
