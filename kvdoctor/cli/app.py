@@ -15,6 +15,7 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli import options as opt
+from kvdoctor.cli import output
 from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
@@ -89,36 +90,9 @@ def _run(action: Callable[[], int], json_out: bool = False) -> None:
     raise typer.Exit(run_guarded(action, json_out))
 
 
-def _console(record: bool = False) -> Any:
-    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
-    from rich.console import Console
-
-    return Console(record=record, highlight=False, soft_wrap=False)
-
-
-def _emit(renderables: list[Any], svg: Path | None) -> None:
-    console = _console(record=svg is not None)
-    if console.is_terminal:
-        for item in renderables:
-            console.print(item)
-    else:  # piped: the same text without the padding rich adds to the right of each line
-        import io
-
-        from rich.console import Console
-
-        console = Console(record=True, file=io.StringIO(), highlight=False, soft_wrap=False)
-        for item in renderables:
-            console.print(item)
-        text = "\n".join(line.rstrip() for line in console.export_text(clear=False).splitlines())
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    if svg is not None:
-        try:
-            console.save_svg(str(svg), title="kvdoctor")
-        except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
-            typer.echo(f"kvdoctor: error: --svg {svg}: {exc.strerror or exc}", err=True)
-            return
-        typer.echo(f"SVG written to {svg}", err=True)
+# The output seam lives in `kvdoctor.cli.output`; these names stay for the command modules.
+_console = output.console
+_emit = output.emit
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -361,15 +335,20 @@ app.command()(diagnose)
 
 def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
             renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:
-    """JSON on stdout or the rendered tables (optionally as SVG), then the Markdown attachment."""
-    if json_out:
-        from kvdoctor.report.json_doc import dumps
+    """JSON on stdout or the rendered tables (optionally as SVG), then the Markdown attachment.
 
-        typer.echo(dumps(document(result)))
+    An output file that cannot be written after the run (a full disk) is named on stderr and
+    the command exits 2: the verdict is printed, but what was asked for is not all there."""
+    from kvdoctor.cli.failures import raise_unwritten
+
+    unwritten: list[str] = []
+    if json_out:
+        output.emit_document(document(result))
     else:
-        _emit(renderables(result), svg)
+        unwritten += output.emit(renderables(result), svg)
     if report is not None:
-        _write_report(report, command, result)
+        unwritten += _write_report(report, command, result)
+    raise_unwritten(unwritten)
 
 
 def _list_recipes(json_out: bool) -> int:
@@ -377,9 +356,9 @@ def _list_recipes(json_out: bool) -> int:
 
     recipes = all_builtins()
     if json_out:
-        from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps, recipe_dict
+        from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
 
-        typer.echo(dumps({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}))
+        output.emit_document({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]})
         return 0
     from rich import box
     from rich.table import Table
@@ -394,16 +373,11 @@ def _list_recipes(json_out: bool) -> int:
     return 0
 
 
-def _write_report(path: Path, command: str, result: Any) -> None:
+def _write_report(path: Path, command: str, result: Any) -> list[str]:
+    """Write the Markdown attachment; returns what could not be written."""
     from kvdoctor.report.markdown import render_markdown
 
-    text = render_markdown(command, result)
-    try:
-        path.write_text(text)
-    except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
-        typer.echo(f"kvdoctor: error: --report {path}: {exc.strerror or exc}", err=True)
-        return
-    typer.echo(f"report written to {path}", err=True)
+    return output.write_output(path, render_markdown(command, result), "--report", "report")
 
 
 def main() -> None:

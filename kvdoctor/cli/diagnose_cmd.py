@@ -33,7 +33,7 @@ def diagnose(
     A log with no engine crash is not an error (exit 0).
 
     Exit codes (the installed logic's outcome on the best match): 0 not reproduced or nothing to run · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure."""  # noqa: E501
-    from kvdoctor.cli.app import _command_line, _console, _run
+    from kvdoctor.cli.app import _command_line, _run
 
     def action() -> int:
         from kvdoctor.diagnose import app as diagnose_app
@@ -45,33 +45,24 @@ def diagnose(
             if path is not None and not path.parent.is_dir():
                 raise UsageError(f"{path}: no such directory {path.parent}")
         result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line())
+        from kvdoctor.cli import output
+        from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report import diagnose as render
 
+        unwritten: list[str] = []
         if json_out:
-            from kvdoctor.report.json_doc import dumps
-
-            typer.echo(dumps(render.diagnose_document(result)))
+            output.emit_document(render.diagnose_document(result))
         else:
-            console = _console()
-            for item in render.diagnose_renderables(result):
-                console.print(item)
+            unwritten += output.emit(render.diagnose_renderables(result))
         if report is not None:
-            _write(report, render.render_diagnose_markdown(result), "report")
+            unwritten += output.write_output(report, render.render_diagnose_markdown(result), "--report", "report")
         if write_recipe is not None:
             if not result.starting_recipe:
                 raise UsageError("--write-recipe: a known bug matches (or no complete crash was found); "
                                  "no starting recipe to write")
-            _write(write_recipe, result.starting_recipe, "starting recipe")
+            unwritten += output.write_output(write_recipe, result.starting_recipe, "--write-recipe",
+                                             "starting recipe")
+        raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action)
-
-
-def _write(path: Path, text: str, what: str) -> None:
-    from kvdoctor.errors import UsageError
-
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write: {exc.strerror}") from None
-    typer.echo(f"{what} written to {path}", err=True)
+    _run(action, json_out)

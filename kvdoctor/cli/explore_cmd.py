@@ -71,7 +71,7 @@ def explore(
     vLLM's core scheduler's), and its steps checked against what vLLM's engine core can produce. One
     that survives both and is no known bug is a candidate upstream report, with its `repro --report`
     attachment written beside its recipe."""
-    from kvdoctor.cli.app import _command_line, _console, _run
+    from kvdoctor.cli.app import _command_line, _run
 
     def action() -> int:
         from kvdoctor.explore import app as explore_app
@@ -85,14 +85,12 @@ def explore(
         with display:
             report = explore_app.explore(config, out, command=_command_line(),
                                          on_progress=display.progress, on_finding=display.finding)
-        if json_out:
-            from kvdoctor.report.json_doc import dumps
+        from kvdoctor.cli import output
 
-            typer.echo(dumps(explore_app.explore_document(report)))
+        if json_out:
+            output.emit_document(explore_app.explore_document(report))
         else:
-            console = _console()
-            for item in _summary(report):
-                console.print(item)
+            output.emit(_summary(report))
         return explore_app.exit_status(report)
 
     _run(action, json_out)

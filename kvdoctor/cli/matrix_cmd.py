@@ -6,7 +6,6 @@ cheap (Typer only): the work is in `kvdoctor.matrix.app`, imported inside the co
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -53,7 +52,7 @@ def matrix(
     Exit codes: 0 nothing reproduced · 1 a recipe reproduced on some release · 2 usage error (bad
     release name, release out of range) · 3 an environment cannot be built (no registry) · 4 a
     setup_error/other_failure or a broken environment somewhere."""
-    from kvdoctor.cli.app import _command_line, _console, _run
+    from kvdoctor.cli.app import _command_line, _run
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -68,43 +67,29 @@ def matrix(
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
                                        command=_command_line(), progress=display.callbacks())
+        from kvdoctor.cli import output
+        from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.matrix import matrix_document, matrix_markdown, matrix_renderables
 
+        unwritten: list[str] = []
         if json_out:
-            from kvdoctor.report.json_doc import dumps
-
-            typer.echo(dumps(matrix_document(result)))
+            output.emit_document(matrix_document(result))
         else:
-            console = _console()
-            for item in matrix_renderables(result):
-                console.print(item)
+            unwritten += output.emit(matrix_renderables(result))
         if report is not None:
-            _write_whole(report, matrix_markdown(result), "--report")
-            typer.echo(f"report written to {report}", err=True)
+            unwritten += output.write_output(report, matrix_markdown(result), "--report", "report", whole=True)
         if write_data is not None:
             from kvdoctor.matrix import data
 
             for release, why in matrix_app.unmeasured_releases(result).items():
                 typer.echo(f"kvdoctor matrix: vLLM {release} not written to {write_data} ({why})", err=True)
             rows = data.merge(data.load(write_data), matrix_app.data_rows(result))
-            _write_whole(write_data, data.render(rows), "--write-data")
-            typer.echo(f"release outcomes written to {write_data}", err=True)
+            unwritten += output.write_output(write_data, data.render(rows), "--write-data", "release outcomes",
+                                             whole=True)
+        raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action)
-
-
-def _write_whole(path: Path, text: str, flag: str) -> None:
-    """Write to a scratch file next to `path`, then rename: never a half-written file."""
-    from kvdoctor.errors import UsageError
-
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        scratch.write_text(text)
-        scratch.replace(path)
-    except OSError as exc:
-        scratch.unlink(missing_ok=True)
-        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+    _run(action, json_out)
 
 
 class _Display:
