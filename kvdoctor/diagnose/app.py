@@ -66,12 +66,11 @@ class DiagnoseReport:
         if not self.runs:
             return ExitStatus.NOT_REPRODUCED
         installed = self.runs[0].installed
-        outcome = installed.outcome.value if installed is not None else "not_reproduced"
-        if outcome == "reproduced":
-            return ExitStatus.REPRODUCED
-        if outcome in ("not_reproduced", "not_applicable"):
+        if installed is None:
             return ExitStatus.NOT_REPRODUCED
-        return ExitStatus.SETUP_OR_OTHER_FAILURE
+        from kvdoctor.outcome_codes import exit_code_for
+
+        return exit_code_for(installed.outcome)
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:
