@@ -41,6 +41,15 @@ _AUDIT_EXIT_CODES = exit_codes_text(meanings={
     ExitStatus.NOT_REPRODUCED: "no known bug reproduces under the installed logic",
     ExitStatus.REPRODUCED: "a known bug reproduces under the installed logic",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "none reproduces, but a row ended other_failure or setup_error"})
+_MATRIX_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "nothing reproduced on any release",
+    ExitStatus.REPRODUCED: "a recipe reproduced on some release",
+    ExitStatus.USAGE: "usage error: bad flag or release name, release out of range, unwritable output path",
+    ExitStatus.VLLM_UNAVAILABLE: "a vLLM environment cannot be built (no uv, no package registry)",
+    ExitStatus.SETUP_OR_OTHER_FAILURE: "a cell ended setup_error or other_failure, or an environment broke"})
+_DIAGNOSE_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "not reproduced, nothing to run (--no-run) or no crash in the log",
+    ExitStatus.REPRODUCED: "the best match reproduces under the installed logic"})
 _EXPLORE_EXIT_CODES = exit_codes_text(meanings={
     ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete"})
@@ -125,6 +134,7 @@ def repro(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
     export_script: Annotated[Optional[Path], typer.Option(
@@ -145,11 +155,10 @@ def repro(
         if list_recipes:
             if recipe is not None:
                 raise UsageError("--list takes no RECIPE")
-            return _list_recipes(json_out)
+            return _list_recipes(opt.output_format(output_format, json_out))
         if recipe is None:
             raise UsageError("give a RECIPE (a built-in name or a .toml file); `kvdoctor repro --list` shows them")
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg, export_script=export_script)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
@@ -161,8 +170,9 @@ def repro(
         from kvdoctor import app as application
 
         if export_script is not None:
-            if json_out or report is not None or svg is not None:
-                raise UsageError("--export-script writes a script and runs nothing: drop --json/--report/--svg")
+            if json_out or output_format is not None or report is not None or svg is not None:
+                raise UsageError("--export-script writes a script and runs nothing: drop "
+                                 "--json/--format/--report/--svg")
             application.export(recipe, overrides, export_script)
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
@@ -173,11 +183,11 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
-        code = exit_code_for(result.decisive.outcome.value)
-        _output("repro", result, json_out, repro_document, repro_renderables, svg, report)
+        code = exit_code_for(result.decisive.outcome)
+        _output("repro", result, fmt, repro_document, repro_renderables, svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -208,6 +218,7 @@ def inspect(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -221,8 +232,7 @@ def inspect(
 
         if logic == "all":
             raise UsageError("inspect shows one timeline: choose --logic installed, fixed or unpatched")
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         if step is not None and step < 1:
             raise UsageError(f"--step must be >= 1, got {step}")
         opt.check_output_paths(report=report, svg=svg)
@@ -250,12 +260,12 @@ def inspect(
                     entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
             return doc
 
-        code = exit_code_for(run.outcome.value)
-        _output("inspect", result, json_out, document,
+        code = exit_code_for(run.outcome)
+        _output("inspect", result, fmt, document,
                 lambda res: timeline_renderables(run, step) + [verdict_table(res)], svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -280,6 +290,7 @@ def audit(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -293,8 +304,7 @@ def audit(
     def action() -> int:
         from kvdoctor.errors import UsageError
 
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
@@ -311,10 +321,10 @@ def audit(
         from kvdoctor.report.tables import audit_renderables
 
         code = result.exit_status
-        _output("audit", result, json_out, audit_document, audit_renderables, svg, report)
+        _output("audit", result, fmt, audit_document, audit_renderables, svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
@@ -326,50 +336,66 @@ from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
 
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
-    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(matrix)
+    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_MATRIX_EXIT_CODES)(matrix))
 
 from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
 
-app.command()(diagnose)
+app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor diagnose vllm-serve.log",
+    "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"))(_with_exit_codes(_DIAGNOSE_EXIT_CODES)(diagnose))
 
 
-def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
+def _output(command: str, result: Any, fmt: str, document: Callable[[Any], dict],
             renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:
-    """JSON on stdout or the rendered tables (optionally as SVG), then the Markdown attachment.
+    """The result on stdout in `--format`'s format (and as SVG), then the Markdown attachment.
 
     An output file that cannot be written after the run (a full disk) is named on stderr and
     the command exits 2: the verdict is printed, but what was asked for is not all there."""
     from kvdoctor.cli.failures import raise_unwritten
+    from kvdoctor.report.formats import Shown
+    from kvdoctor.report.markdown import render_markdown
 
-    unwritten: list[str] = []
-    if json_out:
-        output.emit_document(document(result))
-    else:
-        unwritten += output.emit(renderables(result), svg)
+    shown = Shown(renderables=lambda: renderables(result), document=lambda: document(result),
+                  markdown=lambda: render_markdown(command, result))
+    unwritten = output.show(shown, fmt, svg)
     if report is not None:
         unwritten += _write_report(report, command, result)
     raise_unwritten(unwritten)
 
 
-def _list_recipes(json_out: bool) -> int:
+def _list_recipes(fmt: str) -> int:
     from kvdoctor.recipes.builtins import all_builtins
+    from kvdoctor.report.formats import Shown
 
     recipes = all_builtins()
-    if json_out:
+
+    def document() -> dict:
         from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
 
-        output.emit_document({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]})
-        return 0
-    from rich import box
-    from rich.table import Table
+        return {"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}
 
-    table = Table(title="built-in recipes", box=box.SIMPLE, title_justify="left")
-    for column in ("name", "bug", "what it reproduces", "signature", "upstream refs"):
-        table.add_column(column)
-    for r in recipes:
-        table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
-                      "\n".join(r.refs))
-    _emit([table], None)
+    def renderables() -> list[Any]:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(title="built-in recipes", box=box.SIMPLE, title_justify="left")
+        for column in ("name", "bug", "what it reproduces", "signature", "upstream refs"):
+            table.add_column(column)
+        for r in recipes:
+            table.add_row(r.name, r.bug or "", r.title or r.summary.splitlines()[0], r.signature.describe(),
+                          "\n".join(r.refs))
+        return [table]
+
+    def markdown() -> str:
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", "<br>")
+
+        lines = ["| name | bug | what it reproduces | signature | upstream refs |", "|---|---|---|---|---|"]
+        lines += [f"| {r.name} | {r.bug or ''} | {cell(r.title or r.summary.splitlines()[0])} | "
+                  f"{cell(r.signature.describe())} | {cell(chr(10).join(r.refs))} |" for r in recipes]
+        return "\n".join(lines) + "\n"
+
+    output.show(Shown(renderables=renderables, document=document, markdown=markdown), fmt)
     return 0
 
 

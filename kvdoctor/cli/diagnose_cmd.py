@@ -21,6 +21,7 @@ def diagnose(
     no_run: Annotated[bool, typer.Option("--no-run", help="Read and match only; run nothing (no vLLM "
                                                           "import).")] = False,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     write_recipe: Annotated[Optional[Path], typer.Option(
         "--write-recipe", help="When no known bug matches, write the starting recipe to FILE.",
@@ -30,15 +31,15 @@ def diagnose(
     known bug it matches (and why) and run that recipe on the installed vLLM under the installed and
     fixed logic, with the log's geometry (scaled down when production-sized).
 
-    A log with no engine crash is not an error (exit 0).
-
-    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or nothing to run · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure."""  # noqa: E501
+    A log with no engine crash is not an error (exit 0). The installed logic's outcome on the best
+    match sets the exit code."""
     from kvdoctor.cli.app import _command_line, _run
 
     def action() -> int:
         from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
 
+        fmt = opt.output_format(output_format, json_out)
         for path in (report, write_recipe):  # before any run: a bad output path costs no vLLM import
             if path is not None and path.is_dir():
                 raise UsageError(f"{path}: is a directory")
@@ -48,12 +49,12 @@ def diagnose(
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report import diagnose as render
+        from kvdoctor.report.formats import Shown
 
-        unwritten: list[str] = []
-        if json_out:
-            output.emit_document(render.diagnose_document(result))
-        else:
-            unwritten += output.emit(render.diagnose_renderables(result))
+        shown = Shown(renderables=lambda: render.diagnose_renderables(result),
+                      document=lambda: render.diagnose_document(result),
+                      markdown=lambda: render.render_diagnose_markdown(result))
+        unwritten = output.show(shown, fmt)
         if report is not None:
             unwritten += output.write_output(report, render.render_diagnose_markdown(result), "--report", "report")
         if write_recipe is not None:
@@ -65,4 +66,4 @@ def diagnose(
         raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))

@@ -54,6 +54,7 @@ def explore(
         "--out", help="Folder for the shrunk recipes, one file per failure signature.",
         rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
 ) -> None:
     """Search for new offload-scheduler failures with generated event sequences on the real scheduler.
 
@@ -77,23 +78,23 @@ def explore(
         from kvdoctor.explore import app as explore_app
         from kvdoctor.explore.search import ExploreConfig
 
+        fmt = opt.output_format(output_format, json_out)
         explore_app.validate(logic, max_examples, time_budget, workers, max_events, worker)
         opt.check_output_dir("--out", out)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
                                max_events=max_events, workers=workers, worker=worker, triage=triage)
-        display = _Display(config, quiet_lines=json_out)
+        display = _Display(config, quiet_lines=fmt == "json")
         with display:
             report = explore_app.explore(config, out, command=_command_line(),
                                          on_progress=display.progress, on_finding=display.finding)
         from kvdoctor.cli import output
+        from kvdoctor.report.formats import Shown
 
-        if json_out:
-            output.emit_document(explore_app.explore_document(report))
-        else:
-            output.emit(_summary(report))
+        output.show(Shown(renderables=lambda: _summary(report),
+                          document=lambda: explore_app.explore_document(report)), fmt)
         return explore_app.exit_status(report)
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

@@ -53,6 +53,9 @@ def _fail(kind: str, message: str, code: int, json_out: bool) -> int:
 
 def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
     """Run `action` and return the exit status it earned."""
+    from kvdoctor.cli import streams
+
+    streams.begin_command()
     try:
         return int(action())
     except KvdoctorError as exc:

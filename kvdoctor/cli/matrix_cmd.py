@@ -37,6 +37,7 @@ def matrix(
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     write_data: Annotated[Optional[Path], typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
@@ -47,16 +48,13 @@ def matrix(
     release x recipe -> outcome under the installed logic, with the failure site where reproduced.
 
     Environments are built once (uv, from the package registry) and reused. kvdoctor runs in each
-    with --json, from this kvdoctor's own source.
-
-    Exit codes: 0 nothing reproduced · 1 a recipe reproduced on some release · 2 usage error (bad
-    release name, release out of range) · 3 an environment cannot be built (no registry) · 4 a
-    setup_error/other_failure or a broken environment somewhere."""
+    with --json, from this kvdoctor's own source. Every cell counts, as in `audit`."""
     from kvdoctor.cli.app import _command_line, _run
 
     def action() -> int:
         from kvdoctor.errors import UsageError
 
+        fmt = opt.output_format(output_format, json_out)
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
         for path, flag in ((report, "--report"), (write_data, "--write-data")):
@@ -69,13 +67,12 @@ def matrix(
                                        command=_command_line(), progress=display.callbacks())
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
+        from kvdoctor.report.formats import Shown
         from kvdoctor.report.matrix import matrix_document, matrix_markdown, matrix_renderables
 
-        unwritten: list[str] = []
-        if json_out:
-            output.emit_document(matrix_document(result))
-        else:
-            unwritten += output.emit(matrix_renderables(result))
+        shown = Shown(renderables=lambda: matrix_renderables(result), document=lambda: matrix_document(result),
+                      markdown=lambda: matrix_markdown(result))
+        unwritten = output.show(shown, fmt)
         if report is not None:
             unwritten += output.write_output(report, matrix_markdown(result), "--report", "report", whole=True)
         if write_data is not None:
@@ -89,7 +86,7 @@ def matrix(
         raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

@@ -1,7 +1,9 @@
 """The one emit path: every command's result reaches stdout and its output files through here.
 
-- `emit_document`: one JSON document on stdout.
-- `emit`: rich renderables on stdout (right-trimmed when piped), optionally saved as SVG.
+- `show`: a command's result in the `--format` asked for (a formatter of
+  `kvdoctor.report.formats` each), optionally saved as SVG too.
+- `emit_document` / `emit`: a JSON document / rich renderables as text, for output
+  that has one form only.
 - `write_output`: an output file (--report, --svg, --write-recipe, ...).
 
 A file that cannot be written after the run is returned as a one-line failure, not
@@ -35,31 +37,35 @@ def emit_document(document: dict[str, Any]) -> None:
     write_document(dumps(document))
 
 
+def show(shown: Any, output_format: str = "text", svg: Path | None = None) -> list[str]:
+    """Write a command's result (a `report.formats.Shown`) on stdout in `--format`'s format, and the
+    `--svg` file; returns what could not be written. Text on a terminal keeps rich's colours."""
+    from kvdoctor.cli.streams import write_document, write_stdout
+    from kvdoctor.report.formats import SvgFormatter, formatter
+
+    width = None
+    if output_format == "text":
+        shown_on = console()
+        if shown_on.is_terminal:
+            for item in shown.renderables():
+                shown_on.print(item)
+            width = shown_on.width
+        else:
+            write_stdout(formatter("text").render(shown))
+    elif output_format == "json":
+        write_document(formatter("json").render(shown).rstrip("\n"))
+    else:
+        write_stdout(formatter(output_format).render(shown))
+    if svg is None:
+        return []
+    return write_output(svg, SvgFormatter().render(shown, width), "--svg", "SVG")
+
+
 def emit(renderables: list[Any], svg: Path | None = None) -> list[str]:
-    """Show the renderables on stdout (and save them as SVG); returns what could not be written."""
-    from kvdoctor.cli.streams import write_stdout
+    """Show rich renderables as text on stdout (and save them as SVG); returns what could not be written."""
+    from kvdoctor.report.formats import Shown
 
-    shown = console(record=svg is not None)
-    if shown.is_terminal:
-        for item in renderables:
-            shown.print(item)
-    else:  # piped: the same text without the padding rich adds to the right of each line
-        import io
-
-        from rich.console import Console
-
-        shown = Console(record=True, file=io.StringIO(), highlight=False, soft_wrap=False)
-        for item in renderables:
-            shown.print(item)
-        text = "\n".join(line.rstrip() for line in shown.export_text(clear=False).splitlines())
-        write_stdout(text + "\n")
-    if svg is not None:
-        try:
-            shown.save_svg(str(svg), title="kvdoctor")
-        except OSError as exc:  # checked before the run; the verdict is out, the file is not: exit 2
-            return [f"--svg {svg}: {exc.strerror or exc}"]
-        typer.echo(f"SVG written to {svg}", err=True)
-    return []
+    return show(Shown(renderables=lambda: renderables, document=dict), "text", svg)
 
 
 def write_output(path: Path, text: str, flag: str, what: str | None = None, whole: bool = False) -> list[str]:

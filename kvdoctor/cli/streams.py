@@ -19,6 +19,13 @@ _closed = False
 _document_written = False
 
 
+def begin_command() -> None:
+    """Forget the previous command's stdout state (an in-process runner invokes many in one process)."""
+    global _closed, _document_written
+    _closed = False
+    _document_written = False
+
+
 def write_stdout(text: str) -> None:
     """Write `text` (a newline is not added) to stdout and flush it."""
     global _closed
