@@ -6,16 +6,17 @@ only inside a command, through `kvdoctor.app`.
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from kvdoctor import __version__
+from kvdoctor.cli import common, output
 from kvdoctor.cli import options as opt
-from kvdoctor.cli import output
+from kvdoctor.cli.diagnose_cmd import diagnose
+from kvdoctor.cli.explore_cmd import explore
+from kvdoctor.cli.matrix_cmd import matrix
 from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text, working
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
@@ -88,18 +89,10 @@ def _main(
         enable_debug()
 
 
-def _command_line() -> str:
-    return "kvdoctor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
-def _run(action: Callable[[], int], json_out: bool = False) -> None:
-    """Run a command's action and exit with the status it earned (see `kvdoctor.cli.failures`)."""
-    from kvdoctor.cli.failures import run_guarded
-
-    raise typer.Exit(run_guarded(action, json_out))
-
-
-# The output seam lives in `kvdoctor.cli.output`; these names stay for the command modules.
+# What commands share lives in `kvdoctor.cli.common` and `kvdoctor.cli.output` (the command
+# modules import those, never this module); these names stay for the commands defined here.
+_command_line = common.command_line
+_run = common.run
 _console = output.console
 _emit = output.emit
 
@@ -327,22 +320,17 @@ def audit(
     _run(action, opt.wants_json(output_format, json_out))
 
 
-from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
-
+# Registered after repro, inspect and audit: `kvdoctor --help` lists them in this order.
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor explore --time-budget 60",
     "kvdoctor explore --logic fixed --workers 2 --out findings/"))(_with_exit_codes(_EXPLORE_EXIT_CODES)(explore))
-from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
-
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
     "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_MATRIX_EXIT_CODES)(matrix))
-
-from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
-
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor diagnose vllm-serve.log",
-    "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"))(_with_exit_codes(_DIAGNOSE_EXIT_CODES)(diagnose))
+    "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"
+))(_with_exit_codes(_DIAGNOSE_EXIT_CODES)(diagnose))
 
 
 def _output(command: str, result: Any, fmt: str, document: Callable[[Any], dict],

@@ -1,7 +1,8 @@
 """`kvdoctor diagnose LOG`: read a vLLM log, name the known bug, run its recipe here.
 
-Register with `app.command()(diagnose)` in `kvdoctor.cli.app`. Importing this
-module stays cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
+Registered in `kvdoctor.cli.app`; what commands share comes from
+`kvdoctor.cli.common`, never from `kvdoctor.cli.app`. Importing this module stays
+cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 
 
 def diagnose(
@@ -33,8 +35,6 @@ def diagnose(
 
     A log with no engine crash is not an error (exit 0). The installed logic's outcome on the best
     match sets the exit code."""
-    from kvdoctor.cli.app import _command_line, _run
-
     def action() -> int:
         from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
@@ -45,7 +45,7 @@ def diagnose(
                 raise UsageError(f"{path}: is a directory")
             if path is not None and not path.parent.is_dir():
                 raise UsageError(f"{path}: no such directory {path.parent}")
-        result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line())
+        result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=command_line())
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report import diagnose as render
@@ -66,4 +66,4 @@ def diagnose(
         raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action, opt.wants_json(output_format, json_out))
+    run(action, opt.wants_json(output_format, json_out))

@@ -2,9 +2,8 @@
 
 Register with `app.command()(explore)` in `kvdoctor.cli.app`. Importing this
 module stays cheap (Typer only): hypothesis and vLLM are imported inside the
-command, through `kvdoctor.explore.app`. It takes `_run`, `_console` and
-`_command_line` from `kvdoctor.cli.app` when the command runs, so `app.py` may
-import this module at its top without an import cycle.
+command, through `kvdoctor.explore.app`. It takes what commands share from
+`kvdoctor.cli.common`, never from `kvdoctor.cli.app` (which imports it).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 from kvdoctor.explore import (
     DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
 )
@@ -72,8 +72,6 @@ def explore(
     vLLM's core scheduler's), and its steps checked against what vLLM's engine core can produce. One
     that survives both and is no known bug is a candidate upstream report, with its `repro --report`
     attachment written beside its recipe."""
-    from kvdoctor.cli.app import _command_line, _run
-
     def action() -> int:
         from kvdoctor.explore import app as explore_app
         from kvdoctor.explore.search import ExploreConfig
@@ -85,7 +83,7 @@ def explore(
                                max_events=max_events, workers=workers, worker=worker, triage=triage)
         display = _Display(config, quiet_lines=fmt == "json")
         with display:
-            report = explore_app.explore(config, out, command=_command_line(),
+            report = explore_app.explore(config, out, command=command_line(),
                                          on_progress=display.progress, on_finding=display.finding)
         from kvdoctor.cli import output
         from kvdoctor.report.formats import Shown
@@ -94,7 +92,7 @@ def explore(
                           document=lambda: explore_app.explore_document(report)), fmt)
         return explore_app.exit_status(report)
 
-    _run(action, opt.wants_json(output_format, json_out))
+    run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

@@ -1,7 +1,8 @@
 """`kvdoctor matrix`: the same recipes asked of many vLLM releases, one environment each.
 
-Register with `app.command()(matrix)` in `kvdoctor.cli.app`. Importing this module stays
-cheap (Typer only): the work is in `kvdoctor.matrix.app`, imported inside the command.
+Registered in `kvdoctor.cli.app`; what commands share comes from `kvdoctor.cli.common`,
+never from `kvdoctor.cli.app`. Importing this module stays cheap (Typer only): the work
+is in `kvdoctor.matrix.app`, imported inside the command.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 from kvdoctor.releases import KNOWN_RELEASES
 
 RELEASES = "Releases"
@@ -49,8 +51,6 @@ def matrix(
 
     Environments are built once (uv, from the package registry) and reused. kvdoctor runs in each
     with --json, from this kvdoctor's own source. Every cell counts, as in `audit`."""
-    from kvdoctor.cli.app import _command_line, _run
-
     def action() -> int:
         from kvdoctor.errors import UsageError
 
@@ -64,7 +64,7 @@ def matrix(
 
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
-                                       command=_command_line(), progress=display.callbacks())
+                                       command=command_line(), progress=display.callbacks())
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown
@@ -86,7 +86,7 @@ def matrix(
         raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action, opt.wants_json(output_format, json_out))
+    run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

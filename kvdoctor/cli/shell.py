@@ -118,24 +118,25 @@ class KvGroup(TyperGroup):
 
 
 def _click_error(exc: Any, argv: list[str]) -> int:
-    """One line on stderr for an error click found while parsing; a JSON document too under --json."""
-    code = int(getattr(exc, "exit_code", 1))
+    """One line on stderr for an error click found while parsing, exit 2 (click's own code for a file it
+    cannot open is 1, "reproduced": never that); a JSON document too under --json."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # bare `kvdoctor`: the help, as before
         ctx = getattr(exc, "ctx", None)
         typer.echo(ctx.get_help() if ctx is not None else "", err=True)
         return ExitStatus.USAGE
-    if code == ExitStatus.USAGE:  # an unknown option, a missing argument, a bad value
-        line, kind = usage_error_line(exc), "usage_error"
+    if getattr(exc, "exit_code", None) == ExitStatus.USAGE:  # an unknown option, a missing argument, a bad value
+        line = usage_error_line(exc)
     else:  # e.g. a file option that cannot be opened
-        line, kind = f"kvdoctor: error: {' '.join(exc.format_message().split())}", "error"
+        line = f"kvdoctor: error: {' '.join(exc.format_message().split())}"
     typer.echo(line, err=True)
     if json_requested(argv):
         from kvdoctor.cli.failures import error_document
         from kvdoctor.cli.streams import write_document
         from kvdoctor.report.json_doc import dumps
 
-        write_document(dumps(error_document(kind, line.removeprefix("kvdoctor: error: "), code)))
-    return code
+        write_document(dumps(error_document("usage_error", line.removeprefix("kvdoctor: error: "),
+                                            ExitStatus.USAGE)))
+    return ExitStatus.USAGE
 
 
 def json_requested(argv: list[str]) -> bool:
