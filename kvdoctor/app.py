@@ -16,8 +16,6 @@ from kvdoctor.errors import UsageError
 from kvdoctor.logic.variants import expand_logic
 from kvdoctor.recipes.model import Recipe, bug_order
 
-SCHEMA_VERSION = 1
-
 
 @dataclass
 class ReproReport:
@@ -274,10 +272,11 @@ class AuditReport:
     def exit_status(self) -> int:
         """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
         setup_error; 0 only when every row is not_reproduced / not_applicable."""
+        from kvdoctor.observe.verdict import Outcome
         from kvdoctor.outcome_codes import exit_code_for_many
 
-        outcomes = [row.installed.outcome.value for row in self.rows]
-        outcomes += ["other_failure" for metric in self.metrics if metric.error]
+        outcomes = [row.installed.outcome for row in self.rows]
+        outcomes += [Outcome.OTHER_FAILURE for metric in self.metrics if metric.error]
         return exit_code_for_many(outcomes)
 
 

@@ -1,27 +1,41 @@
-"""Which exit status an outcome earns: the one mapping, shared by every command."""
+"""Which exit status an outcome earns: the one mapping, shared by every command.
+
+repro, inspect, audit, matrix and diagnose all ask here; nothing else turns an
+outcome into an exit code. Outcomes are `Outcome` members (a plain string with an
+Outcome's value is taken as that member). `kvdoctor.observe.verdict` is imported
+when a code is asked for, so the CLI still starts without it.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 from kvdoctor.errors import ExitStatus
 
 
-def exit_code_for(outcome: str) -> ExitStatus:
-    """One run's outcome: reproduced 1; not reproduced / not applicable 0; anything else 4."""
-    if outcome == "reproduced":
+def exit_code_for(outcome: Any) -> ExitStatus:
+    """One run's outcome: reproduced 1; not reproduced / not applicable 0; not reached / untested 6
+    (the run did not test the bug); setup_error, other_failure and anything that is no outcome at all
+    (a matrix cell whose environment or kvdoctor child broke) 4."""
+    from kvdoctor.observe.verdict import Outcome
+
+    try:
+        member = Outcome(outcome)
+    except ValueError:
+        return ExitStatus.SETUP_OR_OTHER_FAILURE
+    if member is Outcome.REPRODUCED:
         return ExitStatus.REPRODUCED
-    if outcome in ("not_reproduced", "not_applicable"):
+    if member in (Outcome.NOT_REPRODUCED, Outcome.NOT_APPLICABLE):
         return ExitStatus.NOT_REPRODUCED
-    if outcome in ("not_reached", "untested"):
+    if member in (Outcome.NOT_REACHED, Outcome.UNTESTED):
         return ExitStatus.INCONCLUSIVE
     return ExitStatus.SETUP_OR_OTHER_FAILURE
 
 
-def exit_code_for_many(outcomes: Iterable[str]) -> ExitStatus:
+def exit_code_for_many(outcomes: Iterable[Any]) -> ExitStatus:
     """Several rows (audit, matrix): 1 when any reproduced; else 4 when any ended other_failure or
-    setup_error; else 6 when any did not test its bug (not_reached, untested); 0 only when every row is
-    not_reproduced / not_applicable."""
+    setup_error (or broke); else 6 when any did not test its bug (not_reached, untested); 0 only when
+    every row is not_reproduced / not_applicable (and when there is no row)."""
     codes = {exit_code_for(o) for o in outcomes}
     for status in (ExitStatus.REPRODUCED, ExitStatus.SETUP_OR_OTHER_FAILURE, ExitStatus.INCONCLUSIVE):
         if status in codes:

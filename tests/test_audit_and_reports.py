@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvdoctor import SCHEMA_VERSION
+
 import json
 import os
 import re
@@ -43,7 +45,7 @@ def audit_run(home):
 
 def test_audit_rows_and_exit_code(audit_run, release, k1_outcome):
     proc, doc, _ = audit_run
-    assert doc["schema_version"] == 1 and doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
     rows = {row["recipe"]: row for row in doc["rows"]}
     assert set(K1_RECIPES) <= set(rows)
     for name in K1_RECIPES:

@@ -6,6 +6,8 @@ One vLLM import for the module (the session `api` fixture); each search is a few
 
 from __future__ import annotations
 
+from kvdoctor import SCHEMA_VERSION
+
 import json
 import subprocess
 import sys
@@ -137,7 +139,7 @@ def test_cli_json(api, release, tmp_path):
     result = CliRunner().invoke(cli, ["explore", "--seed", "1", "--max-examples", "100", "--json",
                                       "--out", str(tmp_path)])
     document = json.loads(result.stdout)
-    assert document["schema_version"] == 1
+    assert document["schema_version"] == SCHEMA_VERSION
     assert document["logic"] == "installed" and document["seed"] == 1
     assert document["examples"] == 100
     for finding in document["findings"]:

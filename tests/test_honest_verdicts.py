@@ -8,6 +8,8 @@ no traceback, and with `--json` a parsable error document on stdout.
 
 from __future__ import annotations
 
+from kvdoctor import SCHEMA_VERSION
+
 import json
 import time
 
@@ -45,7 +47,7 @@ def assert_internal_error(result, json_out: bool = False) -> None:
     assert "reproduced" not in result.stdout.replace("not_reproduced", "")
     if json_out:
         doc = json.loads(result.stdout)
-        assert doc["schema_version"] == 1
+        assert doc["schema_version"] == SCHEMA_VERSION
         assert doc["error"]["kind"] == "internal_error" and doc["error"]["exit_code"] == 5
 
 

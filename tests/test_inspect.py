@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvdoctor import SCHEMA_VERSION
+
 import json
 
 import pytest
@@ -42,7 +44,7 @@ CRASHES[(0, 30)] = CRASHES[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by r
 def test_marker_one_step_before_the_crash(inspect_doc, api, release):
     crashes = expected_for(api, release, CRASHES)
     code, doc = inspect_doc
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == SCHEMA_VERSION
     (result,) = doc["results"]
     assert result["logic"] == "installed"
     timeline = result["timeline"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvdoctor import SCHEMA_VERSION
+
 import json
 
 import pytest
@@ -101,7 +103,7 @@ def test_cli_json_document_and_exit_code(expected, release):
     assert proc.returncode == (1 if expected["installed"] is R else 0), proc.stderr
     assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["schema_version"] == 1 and doc["recipe"]["name"] == "queued-abort"
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["recipe"]["name"] == "queued-abort"
     assert doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
     assert [r["logic"] for r in doc["results"]] == ["installed", "fixed", "unpatched"]
     installed = doc["results"][0]

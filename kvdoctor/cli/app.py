@@ -6,16 +6,19 @@ only inside a command, through `kvdoctor.app`.
 
 from __future__ import annotations
 
-import shlex
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from kvdoctor import __version__
+from kvdoctor.cli import common, output
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.diagnose_cmd import diagnose
+from kvdoctor.cli.explore_cmd import explore
+from kvdoctor.cli.matrix_cmd import matrix
 from kvdoctor.cli.shell import KvCommand, KvGroup, exit_codes_text
+from kvdoctor.cli.version_cmd import version
 from kvdoctor.errors import EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, EXIT_SETUP_OR_OTHER_FAILURE, ExitStatus
 from kvdoctor.outcome_codes import exit_code_for  # noqa: F401 - re-exported for the commands
 
@@ -40,6 +43,15 @@ _AUDIT_EXIT_CODES = exit_codes_text(meanings={
     ExitStatus.NOT_REPRODUCED: "no known bug reproduces under the installed logic",
     ExitStatus.REPRODUCED: "a known bug reproduces under the installed logic",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "none reproduces, but a row ended other_failure or setup_error"})
+_MATRIX_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "nothing reproduced on any release",
+    ExitStatus.REPRODUCED: "a recipe reproduced on some release",
+    ExitStatus.USAGE: "usage error: bad flag or release name, release out of range, unwritable output path",
+    ExitStatus.VLLM_UNAVAILABLE: "a vLLM environment cannot be built (no uv, no package registry)",
+    ExitStatus.SETUP_OR_OTHER_FAILURE: "a cell ended setup_error or other_failure, or an environment broke"})
+_DIAGNOSE_EXIT_CODES = exit_codes_text(meanings={
+    ExitStatus.NOT_REPRODUCED: "not reproduced, nothing to run (--no-run) or no crash in the log",
+    ExitStatus.REPRODUCED: "the best match reproduces under the installed logic"})
 _EXPLORE_EXIT_CODES = exit_codes_text(meanings={
     ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete"})
@@ -78,47 +90,12 @@ def _main(
         enable_debug()
 
 
-def _command_line() -> str:
-    return "kvdoctor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-
-
-def _run(action: Callable[[], int], json_out: bool = False) -> None:
-    """Run a command's action and exit with the status it earned (see `kvdoctor.cli.failures`)."""
-    from kvdoctor.cli.failures import run_guarded
-
-    raise typer.Exit(run_guarded(action, json_out))
-
-
-def _console(record: bool = False) -> Any:
-    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
-    from rich.console import Console
-
-    return Console(record=record, highlight=False, soft_wrap=False)
-
-
-def _emit(renderables: list[Any], svg: Path | None) -> None:
-    console = _console(record=svg is not None)
-    if console.is_terminal:
-        for item in renderables:
-            console.print(item)
-    else:  # piped: the same text without the padding rich adds to the right of each line
-        import io
-
-        from rich.console import Console
-
-        console = Console(record=True, file=io.StringIO(), highlight=False, soft_wrap=False)
-        for item in renderables:
-            console.print(item)
-        text = "\n".join(line.rstrip() for line in console.export_text(clear=False).splitlines())
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    if svg is not None:
-        try:
-            console.save_svg(str(svg), title="kvdoctor")
-        except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
-            typer.echo(f"kvdoctor: error: --svg {svg}: {exc.strerror or exc}", err=True)
-            return
-        typer.echo(f"SVG written to {svg}", err=True)
+# What commands share lives in `kvdoctor.cli.common` and `kvdoctor.cli.output` (the command
+# modules import those, never this module); these names stay for the commands defined here.
+_command_line = common.command_line
+_run = common.run
+_console = output.console
+_emit = output.emit
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -153,6 +130,7 @@ def repro(
     device: opt.Device = None,
     json_out: opt.Json = False,
     verbose: opt.Verbose = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
     export_script: Annotated[Optional[Path], typer.Option(
@@ -171,11 +149,10 @@ def repro(
         from kvdoctor.errors import UsageError
 
         if list_recipes:
-            return _list_recipes(json_out, verbose, recipe)
+            return _list_recipes(opt.output_format(output_format, json_out), verbose, recipe)
         if recipe is None:
             raise UsageError("give a RECIPE (a built-in name or a .toml file); `kvdoctor repro --list` shows them")
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg, export_script=export_script)
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
@@ -187,8 +164,9 @@ def repro(
         from kvdoctor import app as application
 
         if export_script is not None:
-            if json_out or report is not None or svg is not None:
-                raise UsageError("--export-script writes a script and runs nothing: drop --json/--report/--svg")
+            if json_out or output_format is not None or report is not None or svg is not None:
+                raise UsageError("--export-script writes a script and runs nothing: drop "
+                                 "--json/--format/--report/--svg")
             application.export(recipe, overrides, export_script, default_worker=opt.DEFAULT_WORKER)
             typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
                        err=True)
@@ -202,11 +180,11 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
-        code = exit_code_for(result.decisive.outcome.value)
-        _output("repro", result, json_out, repro_document, repro_renderables, svg, report)
+        code = exit_code_for(result.decisive.outcome)
+        _output("repro", result, fmt, repro_document, repro_renderables, svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -237,6 +215,7 @@ def inspect(
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -250,8 +229,7 @@ def inspect(
 
         if logic == "all":
             raise UsageError("inspect shows one timeline: choose --logic installed, fixed or unpatched")
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         if step is not None and step < 1:
             raise UsageError(f"--step must be >= 1, got {step}")
         opt.check_output_paths(report=report, svg=svg)
@@ -282,12 +260,12 @@ def inspect(
                     entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
             return doc
 
-        code = exit_code_for(run.outcome.value)
-        _output("inspect", result, json_out, document,
+        code = exit_code_for(run.outcome)
+        _output("inspect", result, fmt, document,
                 lambda res: timeline_renderables(run, step) + [verdict_table(res)], svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
 @app.command(cls=KvCommand, epilog=_examples(
@@ -313,6 +291,7 @@ def audit(
     device: opt.Device = None,
     json_out: opt.Json = False,
     verbose: opt.Verbose = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
 ) -> None:
@@ -326,8 +305,7 @@ def audit(
     def action() -> int:
         from kvdoctor.errors import UsageError
 
-        if json_out and svg is not None:
-            raise UsageError("--svg renders the tables; it cannot be combined with --json")
+        fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg)
         from kvdoctor import app as application
 
@@ -347,74 +325,84 @@ def audit(
         from kvdoctor.report.tables import audit_renderables
 
         code = result.exit_status
-        _output("audit", result, json_out, audit_document, lambda res: audit_renderables(res, verbose), svg, report)
+        _output("audit", result, fmt, audit_document, lambda res: audit_renderables(res, verbose), svg, report)
         return code
 
-    _run(action, json_out)
+    _run(action, opt.wants_json(output_format, json_out))
 
 
-from kvdoctor.cli.explore_cmd import explore  # noqa: E402 - cheap (Typer only); registered below
-
+# Registered after repro, inspect and audit: `kvdoctor --help` lists them in this order.
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor explore --time-budget 60",
     "kvdoctor explore --logic fixed --workers 2 --out findings/"))(_with_exit_codes(_EXPLORE_EXIT_CODES)(explore))
-from kvdoctor.cli.matrix_cmd import matrix  # noqa: E402 - cheap (Typer only)
-
 app.command(cls=KvCommand, epilog=_examples(
     "kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
-    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(matrix)
-
-from kvdoctor.cli.diagnose_cmd import diagnose  # noqa: E402 - cheap (Typer only)
-
-app.command()(diagnose)
-from kvdoctor.cli.version_cmd import version  # noqa: E402 - cheap (Typer only); logic in kvdoctor.version_report
-
+    "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"))(_with_exit_codes(_MATRIX_EXIT_CODES)(matrix))
+app.command(cls=KvCommand, epilog=_examples(
+    "kvdoctor diagnose vllm-serve.log",
+    "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"
+))(_with_exit_codes(_DIAGNOSE_EXIT_CODES)(diagnose))
 app.command(cls=KvCommand, epilog=_examples("kvdoctor version", "kvdoctor version --json"))(_with_exit_codes(
     exit_codes_text(meanings={ExitStatus.NOT_REPRODUCED: "vLLM imports and every probe holds",
                               ExitStatus.VLLM_UNAVAILABLE: "vLLM missing, broken on import or too old, or a probe "
                                                            "fails (named, with what changed)"}))(version))
 
 
-def _output(command: str, result: Any, json_out: bool, document: Callable[[Any], dict],
+def _output(command: str, result: Any, fmt: str, document: Callable[[Any], dict],
             renderables: Callable[[Any], list[Any]], svg: Path | None, report: Path | None) -> None:
-    """JSON on stdout or the rendered tables (optionally as SVG), then the Markdown attachment."""
-    if json_out:
-        from kvdoctor.report.json_doc import dumps
+    """The result on stdout in `--format`'s format (and as SVG), then the Markdown attachment.
 
-        typer.echo(dumps(document(result)))
-    else:
-        _emit(renderables(result), svg)
+    An output file that cannot be written after the run (a full disk) is named on stderr and
+    the command exits 2: the verdict is printed, but what was asked for is not all there."""
+    from kvdoctor.cli.failures import raise_unwritten
+    from kvdoctor.report.formats import Shown
+    from kvdoctor.report.markdown import render_markdown
+
+    shown = Shown(renderables=lambda: renderables(result), document=lambda: document(result),
+                  markdown=lambda: render_markdown(command, result))
+    unwritten = output.show(shown, fmt, svg)
     if report is not None:
-        _write_report(report, command, result)
+        unwritten += _write_report(report, command, result)
+    raise_unwritten(unwritten)
 
 
-def _list_recipes(json_out: bool, verbose: bool, name: str | None) -> int:
+def _list_recipes(fmt: str, verbose: bool, name: str | None) -> int:
     """One line per built-in recipe; `name` (a built-in or a .toml): that recipe in full."""
     from kvdoctor.recipes.builtins import all_builtins, resolve
+    from kvdoctor.report.formats import Shown
 
     recipes = [resolve(name)] if name is not None else all_builtins()
-    if json_out:
-        from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps, recipe_dict
 
-        typer.echo(dumps({"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}))
-        return 0
-    from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables
+    def document() -> dict:
+        from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
 
-    _emit(recipe_detail_renderables(recipes[0]) if name is not None else recipe_list_renderables(recipes, verbose),
-          None)
+        return {"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}
+
+    def renderables() -> list[Any]:
+        from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables
+
+        if name is not None:
+            return recipe_detail_renderables(recipes[0])
+        return recipe_list_renderables(recipes, verbose)
+
+    def markdown() -> str:
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", "<br>")
+
+        lines = ["| name | bug | what it reproduces | signature | upstream refs |", "|---|---|---|---|---|"]
+        lines += [f"| {r.name} | {r.bug or ''} | {cell(r.title or r.summary.splitlines()[0])} | "
+                  f"{cell(r.signature.describe())} | {cell(chr(10).join(r.refs))} |" for r in recipes]
+        return "\n".join(lines) + "\n"
+
+    output.show(Shown(renderables=renderables, document=document, markdown=markdown), fmt)
     return 0
 
 
-def _write_report(path: Path, command: str, result: Any) -> None:
+def _write_report(path: Path, command: str, result: Any) -> list[str]:
+    """Write the Markdown attachment; returns what could not be written."""
     from kvdoctor.report.markdown import render_markdown
 
-    text = render_markdown(command, result)
-    try:
-        path.write_text(text)
-    except OSError as exc:  # checked before the run; a writer's error never changes the verdict's code
-        typer.echo(f"kvdoctor: error: --report {path}: {exc.strerror or exc}", err=True)
-        return
-    typer.echo(f"report written to {path}", err=True)
+    return output.write_output(path, render_markdown(command, result), "--report", "report")
 
 
 def main() -> None:

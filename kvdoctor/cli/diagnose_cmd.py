@@ -1,7 +1,8 @@
 """`kvdoctor diagnose LOG`: read a vLLM log, name the known bug, run its recipe here.
 
-Register with `app.command()(diagnose)` in `kvdoctor.cli.app`. Importing this
-module stays cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
+Registered in `kvdoctor.cli.app`; what commands share comes from
+`kvdoctor.cli.common`, never from `kvdoctor.cli.app`. Importing this module stays
+cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 
 
 def diagnose(
@@ -21,6 +23,7 @@ def diagnose(
     no_run: Annotated[bool, typer.Option("--no-run", help="Read and match only; run nothing (no vLLM "
                                                           "import).")] = False,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     write_recipe: Annotated[Optional[Path], typer.Option(
         "--write-recipe", help="When no known bug matches, write the starting recipe to FILE.",
@@ -30,74 +33,41 @@ def diagnose(
     known bug it matches (and why) and run that recipe on the installed vLLM under the installed and
     fixed logic, with the log's geometry (scaled down when production-sized).
 
-    A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7.
-
-    Exit codes (the installed logic's outcome on the best match): 0 not reproduced or no crash · 1 reproduced · 2 bad path or flag · 3 vLLM missing · 4 other failure · 6 the run did not test the bug · 7 a crash no known bug matches."""  # noqa: E501
-    from kvdoctor.cli.app import _command_line, _console, _run
-
+    A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7. The
+    installed logic's outcome on the best match sets the exit code."""
     def action() -> int:
         from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
 
+        fmt = opt.output_format(output_format, json_out)
         for path in (report, write_recipe):  # before any run: a bad output path costs no vLLM import
             if path is not None and path.is_dir():
                 raise UsageError(f"{path}: is a directory")
             if path is not None and not path.parent.is_dir():
                 raise UsageError(f"{path}: no such directory {path.parent}")
-        progress = _Progress()
-        try:
-            result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=_command_line(),
-                                           progress=progress if progress.live else None)
-        finally:
-            progress.done()
+        from kvdoctor.cli.progress import Progress
+
+        with Progress("diagnose") as progress:
+            result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=command_line(),
+                                           progress=progress.update if progress.enabled else None)
+        from kvdoctor.cli import output
+        from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report import diagnose as render
+        from kvdoctor.report.formats import Shown
 
-        if json_out:
-            from kvdoctor.report.json_doc import dumps
-
-            typer.echo(dumps(render.diagnose_document(result)))
-        else:
-            console = _console()
-            for item in render.diagnose_renderables(result):
-                console.print(item)
+        shown = Shown(renderables=lambda: render.diagnose_renderables(result),
+                      document=lambda: render.diagnose_document(result),
+                      markdown=lambda: render.render_diagnose_markdown(result))
+        unwritten = output.show(shown, fmt)
         if report is not None:
-            _write(report, render.render_diagnose_markdown(result), "report")
+            unwritten += output.write_output(report, render.render_diagnose_markdown(result), "--report", "report")
         if write_recipe is not None:
             if not result.starting_recipe:
                 raise UsageError("--write-recipe: a known bug matches (or the log names no function and "
                                  "exception to start from); no starting recipe to write")
-            _write(write_recipe, result.starting_recipe, "starting recipe")
+            unwritten += output.write_output(write_recipe, result.starting_recipe, "--write-recipe",
+                                             "starting recipe")
+        raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action)
-
-
-class _Progress:
-    """Which recipe and variant is running, on one stderr line that is rewritten; only on a terminal."""
-
-    def __init__(self) -> None:
-        import sys
-
-        self.stream = sys.stderr
-        self.live = self.stream.isatty()
-        self.shown = False
-
-    def __call__(self, text: str) -> None:
-        self.stream.write(f"\r\x1b[Kdiagnose: running {text} …")
-        self.stream.flush()
-        self.shown = True
-
-    def done(self) -> None:
-        if self.shown:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-
-
-def _write(path: Path, text: str, what: str) -> None:
-    from kvdoctor.errors import UsageError
-
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot write: {exc.strerror}") from None
-    typer.echo(f"{what} written to {path}", err=True)
+    run(action, opt.wants_json(output_format, json_out))

@@ -2,9 +2,8 @@
 
 Register with `app.command()(explore)` in `kvdoctor.cli.app`. Importing this
 module stays cheap (Typer only): hypothesis and vLLM are imported inside the
-command, through `kvdoctor.explore.app`. It takes `_run`, `_console` and
-`_command_line` from `kvdoctor.cli.app` when the command runs, so `app.py` may
-import this module at its top without an import cycle.
+command, through `kvdoctor.explore.app`. It takes what commands share from
+`kvdoctor.cli.common`, never from `kvdoctor.cli.app` (which imports it).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 from kvdoctor.explore import (
     DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
 )
@@ -55,6 +55,7 @@ def explore(
         "--out", help="Folder for the shrunk recipes, one file per failure signature.",
         rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
 ) -> None:
     """Search for new offload-scheduler failures with generated event sequences on the real scheduler.
 
@@ -72,31 +73,27 @@ def explore(
     vLLM's core scheduler's), and its steps checked against what vLLM's engine core can produce. One
     that survives both and is no known bug is a candidate upstream report, with its `repro --report`
     attachment written beside its recipe."""
-    from kvdoctor.cli.app import _command_line, _console, _run
-
     def action() -> int:
         from kvdoctor.explore import app as explore_app
         from kvdoctor.explore.search import ExploreConfig
 
+        fmt = opt.output_format(output_format, json_out)
         explore_app.validate(logic, max_examples, time_budget, workers, max_events, worker)
         opt.check_output_dir("--out", out)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
                                max_events=max_events, workers=workers, worker=worker, triage=triage)
-        display = _Display(config, quiet_lines=json_out)
+        display = _Display(config, quiet_lines=fmt == "json")
         with display:
-            report = explore_app.explore(config, out, command=_command_line(),
+            report = explore_app.explore(config, out, command=command_line(),
                                          on_progress=display.progress, on_finding=display.finding)
-        if json_out:
-            from kvdoctor.report.json_doc import dumps
+        from kvdoctor.cli import output
+        from kvdoctor.report.formats import Shown
 
-            typer.echo(dumps(explore_app.explore_document(report)))
-        else:
-            console = _console()
-            for item in _summary(report):
-                console.print(item)
+        output.show(Shown(renderables=lambda: _summary(report),
+                          document=lambda: explore_app.explore_document(report)), fmt)
         return explore_app.exit_status(report)
 
-    _run(action, json_out)
+    run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

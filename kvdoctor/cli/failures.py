@@ -5,7 +5,9 @@
   the exception and asking for a bug report to kvdoctor. It never shares a code
   with "reproduced". The traceback is printed only with `--debug` or
   `KVDOCTOR_DEBUG=1`.
-- With `--json`, stdout still gets one JSON document (`schema_version`, `error`).
+- With `--json`, stdout still gets one JSON document (`schema_version`, `error`),
+  unless the command already wrote its document (an output file that failed after
+  the verdict): one document, never two.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import traceback
 from typing import Callable
 
-from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError
+from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 
 BUG_REPORT = "this is a bug in kvdoctor, not a vLLM finding: please report it to kvdoctor"
 _debug = False
@@ -40,15 +42,20 @@ def error_document(kind: str, message: str, code: int) -> dict:
 
 def _fail(kind: str, message: str, code: int, json_out: bool) -> int:
     print(f"kvdoctor: error: {message}", file=sys.stderr, flush=True)
-    if json_out:
+    from kvdoctor.cli import streams
+
+    if json_out and not streams.document_written():
         from kvdoctor.report.json_doc import dumps
 
-        print(dumps(error_document(kind, message, code)), flush=True)
+        streams.write_document(dumps(error_document(kind, message, code)))
     return int(code)
 
 
 def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
     """Run `action` and return the exit status it earned."""
+    from kvdoctor.cli import streams
+
+    streams.begin_command()
     try:
         return int(action())
     except KvdoctorError as exc:
@@ -68,6 +75,16 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
         hint = "" if debug_enabled() else " (traceback: --debug or KVDOCTOR_DEBUG=1)"
         return _fail("internal_error", f"internal error: {type(exc).__name__}: {_one_line(exc)}{where}; "
                                        f"{BUG_REPORT}{hint}", ExitStatus.INTERNAL_ERROR, json_out)
+
+
+def raise_unwritten(failures: list[str]) -> None:
+    """Output files (--report, --svg, ...) that could not be written after the run: each named on
+    one line; the command exits 2 (an unwritable output path is a usage error), the verdict printed."""
+    if not failures:
+        return
+    for line in failures[:-1]:
+        print(f"kvdoctor: error: {line}", file=sys.stderr, flush=True)
+    raise UsageError(failures[-1])
 
 
 def _one_line(exc: BaseException) -> str:

@@ -1,12 +1,12 @@
 """`kvdoctor matrix`: the same recipes asked of many vLLM releases, one environment each.
 
-Register with `app.command()(matrix)` in `kvdoctor.cli.app`. Importing this module stays
-cheap (Typer only): the work is in `kvdoctor.matrix.app`, imported inside the command.
+Registered in `kvdoctor.cli.app`; what commands share comes from `kvdoctor.cli.common`,
+never from `kvdoctor.cli.app`. Importing this module stays cheap (Typer only): the work
+is in `kvdoctor.matrix.app`, imported inside the command.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from kvdoctor.cli import options as opt
+from kvdoctor.cli.common import command_line, run
 from kvdoctor.releases import KNOWN_RELEASES
 
 RELEASES = "Releases"
@@ -38,6 +39,7 @@ def matrix(
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
     json_out: opt.Json = False,
+    output_format: opt.Format = None,
     report: opt.ReportFile = None,
     write_data: Annotated[Optional[Path], typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
@@ -48,16 +50,11 @@ def matrix(
     release x recipe -> outcome under the installed logic, with the failure site where reproduced.
 
     Environments are built once (uv, from the package registry) and reused. kvdoctor runs in each
-    with --json, from this kvdoctor's own source.
-
-    Exit codes: 0 nothing reproduced · 1 a recipe reproduced on some release · 2 usage error (bad
-    release name, release out of range) · 3 an environment cannot be built (no registry) · 4 a
-    setup_error/other_failure or a broken environment somewhere."""
-    from kvdoctor.cli.app import _command_line, _console, _run
-
+    with --json, from this kvdoctor's own source. Every cell counts, as in `audit`."""
     def action() -> int:
         from kvdoctor.errors import UsageError
 
+        fmt = opt.output_format(output_format, json_out)
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
         for path, flag in ((report, "--report"), (write_data, "--write-data")):
@@ -67,44 +64,29 @@ def matrix(
 
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
-                                       command=_command_line(), progress=display.callbacks())
+                                       command=command_line(), progress=display.callbacks())
+        from kvdoctor.cli import output
+        from kvdoctor.cli.failures import raise_unwritten
+        from kvdoctor.report.formats import Shown
         from kvdoctor.report.matrix import matrix_document, matrix_markdown, matrix_renderables
 
-        if json_out:
-            from kvdoctor.report.json_doc import dumps
-
-            typer.echo(dumps(matrix_document(result)))
-        else:
-            console = _console()
-            for item in matrix_renderables(result):
-                console.print(item)
+        shown = Shown(renderables=lambda: matrix_renderables(result), document=lambda: matrix_document(result),
+                      markdown=lambda: matrix_markdown(result))
+        unwritten = output.show(shown, fmt)
         if report is not None:
-            _write_whole(report, matrix_markdown(result), "--report")
-            typer.echo(f"report written to {report}", err=True)
+            unwritten += output.write_output(report, matrix_markdown(result), "--report", "report", whole=True)
         if write_data is not None:
             from kvdoctor.matrix import data
 
             for release, why in matrix_app.unmeasured_releases(result).items():
                 typer.echo(f"kvdoctor matrix: vLLM {release} not written to {write_data} ({why})", err=True)
             rows = data.merge(data.load(write_data), matrix_app.data_rows(result))
-            _write_whole(write_data, data.render(rows), "--write-data")
-            typer.echo(f"release outcomes written to {write_data}", err=True)
+            unwritten += output.write_output(write_data, data.render(rows), "--write-data", "release outcomes",
+                                             whole=True)
+        raise_unwritten(unwritten)
         return int(result.exit_status)
 
-    _run(action)
-
-
-def _write_whole(path: Path, text: str, flag: str) -> None:
-    """Write to a scratch file next to `path`, then rename: never a half-written file."""
-    from kvdoctor.errors import UsageError
-
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        scratch.write_text(text)
-        scratch.replace(path)
-    except OSError as exc:
-        scratch.unlink(missing_ok=True)
-        raise UsageError(f"{flag} {path}: {exc.strerror}") from None
+    run(action, opt.wants_json(output_format, json_out))
 
 
 class _Display:

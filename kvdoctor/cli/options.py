@@ -68,7 +68,12 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
                      "worker does the copies; default cuda when torch sees a GPU).",
     rich_help_panel=WORKER, show_default=False)]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.", rich_help_panel=OUTPUT)]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
+                                    rich_help_panel=OUTPUT)]
+Format = Annotated[Optional[str], typer.Option(
+    "--format", metavar="FORMAT", help="text (default) | json | markdown | svg: how the result is printed on "
+                                       "stdout (markdown: the --report attachment; svg: the tables as an image).",
+    rich_help_panel=OUTPUT, show_default=False)]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show each row's detail (refs, signature, "
                                                                 "what to do next).", rich_help_panel=OUTPUT)]
 ReportFile = Annotated[Optional[Path], typer.Option(
@@ -152,6 +157,26 @@ def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu
     if kv_transfer_config is not None:
         overrides.update(parse_kv_transfer_config(kv_transfer_config))
     return overrides
+
+
+def output_format(fmt: str | None, json_out: bool, svg: Path | None = None) -> str:
+    """`--format` (with `--json` as its alias) checked: the one format the result is printed in."""
+    from kvdoctor.report.formats import FORMATS
+
+    if fmt is not None and fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {'|'.join(FORMATS)}, got {fmt!r}")
+    if json_out and fmt not in (None, "json"):
+        raise UsageError(f"--json is --format json; it cannot be combined with --format {fmt}")
+    chosen = "json" if json_out else (fmt or "text")
+    if svg is not None and chosen in ("json", "markdown"):
+        flag = "--json" if json_out else f"--format {chosen}"
+        raise UsageError(f"--svg renders the tables; it cannot be combined with {flag}")
+    return chosen
+
+
+def wants_json(fmt: str | None, json_out: bool) -> bool:
+    """Whether an error should also be a JSON document on stdout (before the flags are checked)."""
+    return json_out or fmt == "json"
 
 
 def check_output_paths(**paths: Path | None) -> None:

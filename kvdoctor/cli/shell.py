@@ -21,15 +21,18 @@ from typing import Any, Iterator
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-try:  # typer >= 0.22 vendors click
-    from typer._click import exceptions as _click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as _click_exceptions
-
 from kvdoctor.errors import ExitStatus
 
-ClickUsageError = _click_exceptions.UsageError
-ClickException = _click_exceptions.ClickException
+# Public names only: typer >= 0.22 vendors click under a private module whose layout
+# changes between releases (its `Abort` moved to `typer.Abort`), older typer re-exports
+# click's. Every error click shows the user derives from `typer.TyperException` (newer
+# typer) or `click.ClickException` (older); a usage error is one whose exit code is 2.
+if hasattr(typer, "TyperException"):
+    ClickException: type[Exception] = typer.TyperException
+else:  # pragma: no cover - typer < 0.22 depends on click
+    import click
+
+    ClickException = click.ClickException
 
 
 def exit_codes_text(meanings: dict[ExitStatus, str] | None = None) -> str:
@@ -93,22 +96,56 @@ class KvGroup(TyperGroup):
         try:
             code = super().main(argv, prog_name=prog_name or "kvdoctor", complete_var=complete_var,
                                 standalone_mode=False, **extra)
-        except ClickUsageError as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":  # bare `kvdoctor`: the help, as before
-                typer.echo(exc.ctx.get_help() if exc.ctx is not None else "", err=True)
-            else:
-                typer.echo(usage_error_line(exc), err=True)
-            code = ExitStatus.USAGE
-        except ClickException as exc:  # e.g. a file option that cannot be opened
-            typer.echo(f"kvdoctor: error: {' '.join(exc.format_message().split())}", err=True)
-            code = exc.exit_code
-        except (_click_exceptions.Abort, KeyboardInterrupt, EOFError):
+        except ClickException as exc:
+            code = _click_error(exc, argv)
+        except (typer.Abort, KeyboardInterrupt, EOFError):
             typer.echo("kvdoctor: interrupted", err=True)
             code = ExitStatus.INTERRUPTED
+        except SystemExit as exc:
+            # typer turns a BrokenPipeError that reaches it (click writing --help or --version
+            # into a closed pipe) into exit 1; those print and exit 0, so 0 is what they earned.
+            # kvdoctor's own output never gets here (`streams.write_stdout` keeps the code).
+            if not isinstance(exc.__context__, BrokenPipeError):
+                raise
+            from kvdoctor.cli.streams import silence_stdout
+
+            silence_stdout()
+            code = ExitStatus.NOT_REPRODUCED
         code = int(code or 0) if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+def _click_error(exc: Any, argv: list[str]) -> int:
+    """One line on stderr for an error click found while parsing, exit 2 (click's own code for a file it
+    cannot open is 1, "reproduced": never that); a JSON document too under --json."""
+    if type(exc).__name__ == "NoArgsIsHelpError":  # bare `kvdoctor`: the help, as before
+        ctx = getattr(exc, "ctx", None)
+        typer.echo(ctx.get_help() if ctx is not None else "", err=True)
+        return ExitStatus.USAGE
+    if getattr(exc, "exit_code", None) == ExitStatus.USAGE:  # an unknown option, a missing argument, a bad value
+        line = usage_error_line(exc)
+    else:  # e.g. a file option that cannot be opened
+        line = f"kvdoctor: error: {' '.join(exc.format_message().split())}"
+    typer.echo(line, err=True)
+    if json_requested(argv):
+        from kvdoctor.cli.failures import error_document
+        from kvdoctor.cli.streams import write_document
+        from kvdoctor.report.json_doc import dumps
+
+        write_document(dumps(error_document("usage_error", line.removeprefix("kvdoctor: error: "),
+                                            ExitStatus.USAGE)))
+    return ExitStatus.USAGE
+
+
+def json_requested(argv: list[str]) -> bool:
+    """Whether the command line asks for JSON (`--json`, `--format json`), read before click parsed it:
+    an error in parsing still owes the caller the document it asked for."""
+    args = argv[:argv.index("--")] if "--" in argv else argv
+    if "--json" in args or "--format=json" in args:
+        return True
+    return any(a == "--format" and b == "json" for a, b in zip(args, args[1:]))
 
 
 # -- serve flags that do not reach the scheduler ----------------------------------------------

@@ -71,10 +71,12 @@ class DiagnoseReport:
             return ExitStatus.VLLM_UNAVAILABLE
         if not self.runs:
             return ExitStatus.NOT_REPRODUCED
+        installed = self.runs[0].installed
+        if installed is None:
+            return ExitStatus.NOT_REPRODUCED
         from kvdoctor.outcome_codes import exit_code_for
 
-        installed = self.runs[0].installed
-        return exit_code_for(installed.outcome.value if installed is not None else "not_reproduced")
+        return exit_code_for(installed.outcome)
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:

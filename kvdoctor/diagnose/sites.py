@@ -29,7 +29,7 @@ from typing import Any, Iterable
 from kvdoctor.diagnose.statement import message_pattern
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "crash_statements.toml"
-SCHEMA_VERSION = 1
+DATA_FORMAT_VERSION = 1  # the layout of crash_statements.toml (not a --json document)
 HEADER = """\
 # Every built-in recipe's crash site (exception, function, statement), as each vLLM release's own
 # installed source writes it. Written by `python -m kvdoctor.diagnose.sites --write FILE ENV...`
@@ -102,7 +102,7 @@ def render(sites: Iterable[Site]) -> str:
         index = KNOWN_RELEASES.index(site.release) if site.release in KNOWN_RELEASES else len(KNOWN_RELEASES)
         return bug_order(site.bug), site.recipes, index, site.line or 0
 
-    lines = [HEADER, f"schema_version = {SCHEMA_VERSION}", ""]
+    lines = [HEADER, f"schema_version = {DATA_FORMAT_VERSION}", ""]
     for site in sorted(sites, key=order):
         lines += site.as_toml()
     return "\n".join(lines)

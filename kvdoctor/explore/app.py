@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from kvdoctor import __version__
+from kvdoctor import SCHEMA_VERSION, __version__
 from kvdoctor.errors import KvdoctorError, UsageError
-
-SCHEMA_VERSION = 1
 
 
 @dataclass

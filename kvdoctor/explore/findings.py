@@ -34,8 +34,6 @@ from typing import Any
 from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions
 from kvdoctor.recipes.model import Recipe, Signature, Step
 
-SCHEMA_VERSION = 1
-
 
 @dataclass
 class Finding:

@@ -45,13 +45,11 @@ class MatrixReport:
 
     @property
     def exit_status(self) -> ExitStatus:
-        """Like audit's: 1 when anything reproduced, else 4 when any cell is neither answer."""
-        outcomes = [c.outcome for c in self.cells.values()]
-        if "reproduced" in outcomes:
-            return ExitStatus.REPRODUCED
-        if any(o not in ("not_reproduced", "not_applicable") for o in outcomes):
-            return ExitStatus.SETUP_OR_OTHER_FAILURE
-        return ExitStatus.NOT_REPRODUCED
+        """Audit's rule over every cell (`outcome_codes.exit_code_for_many`): a cell whose environment
+        or kvdoctor child broke counts as a failure (4)."""
+        from kvdoctor.outcome_codes import exit_code_for_many
+
+        return exit_code_for_many(c.outcome for c in self.cells.values())
 
 
 @dataclass

@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvdoctor import SCHEMA_VERSION
 from kvdoctor.diagnose.match import innermost_vllm
 from kvdoctor.diagnose.redact import format_value, redact_serve_args
 from kvdoctor.diagnose.traceback import display_path
-
-SCHEMA_VERSION = 2  # 2: matches carry strength, why and the fixing release; runs fixed_in/last_reproducing
 
 
 def _refs(recipe: Any) -> tuple[list[str], list[str]]:

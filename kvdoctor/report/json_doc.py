@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvdoctor import __version__
+from kvdoctor import SCHEMA_VERSION, __version__
 
-SCHEMA_VERSION = 1
+__all__ = ["SCHEMA_VERSION", "audit_document", "dumps", "recipe_dict", "repro_document"]
 
 
 def recipe_dict(recipe: Any) -> dict[str, Any]:

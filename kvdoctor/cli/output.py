@@ -1,0 +1,91 @@
+"""The one emit path: every command's result reaches stdout and its output files through here.
+
+- `show`: a command's result in the `--format` asked for (a formatter of
+  `kvdoctor.report.formats` each), optionally saved as SVG too.
+- `emit_document` / `emit`: a JSON document / rich renderables as text, for output
+  that has one form only.
+- `write_output`: an output file (--report, --svg, --write-recipe, ...).
+
+A file that cannot be written after the run is returned as a one-line failure, not
+raised: the command prints everything else first, then `failures.raise_unwritten`
+makes it exit 2 (an unwritable output path is a usage error). stdout itself goes
+through `streams.write_stdout`, so a closed pipe never changes the exit code.
+Cheap to import; rich is imported when something is shown.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def console(record: bool = False) -> Any:
+    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
+    from rich.console import Console
+
+    return Console(record=record, highlight=False, soft_wrap=False)
+
+
+def emit_document(document: dict[str, Any]) -> None:
+    """One JSON document on stdout."""
+    from kvdoctor.cli.streams import write_document
+    from kvdoctor.report.json_doc import dumps
+
+    write_document(dumps(document))
+
+
+def show(shown: Any, output_format: str = "text", svg: Path | None = None) -> list[str]:
+    """Write a command's result (a `report.formats.Shown`) on stdout in `--format`'s format, and the
+    `--svg` file; returns what could not be written. Text on a terminal keeps rich's colours."""
+    from kvdoctor.cli.streams import write_document, write_stdout
+    from kvdoctor.report.formats import SvgFormatter, formatter
+
+    width = None
+    if output_format == "text":
+        shown_on = console()
+        if shown_on.is_terminal:
+            for item in shown.renderables():
+                shown_on.print(item)
+            width = shown_on.width
+        else:
+            write_stdout(formatter("text").render(shown))
+    elif output_format == "json":
+        write_document(formatter("json").render(shown).rstrip("\n"))
+    else:
+        write_stdout(formatter(output_format).render(shown))
+    if svg is None:
+        return []
+    return write_output(svg, SvgFormatter().render(shown, width), "--svg", "SVG")
+
+
+def emit(renderables: list[Any], svg: Path | None = None) -> list[str]:
+    """Show rich renderables as text on stdout (and save them as SVG); returns what could not be written."""
+    from kvdoctor.report.formats import Shown
+
+    return show(Shown(renderables=lambda: renderables, document=dict), "text", svg)
+
+
+def write_output(path: Path, text: str, flag: str, what: str | None = None, whole: bool = False) -> list[str]:
+    """Write an output file; returns `["FLAG PATH: why"]` when it cannot be written.
+
+    `whole`: write a scratch file beside it and rename it over PATH, so a reader never sees a
+    half-written file. Only for a regular file (or a new one): renaming over /dev/full or a
+    FIFO would replace the device, not write to it."""
+    try:
+        if whole and (not path.exists() or path.is_file()):
+            scratch = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            try:
+                scratch.write_text(text)
+                scratch.replace(path)
+            finally:
+                scratch.unlink(missing_ok=True)
+        else:
+            path.write_text(text)
+    except OSError as exc:
+        return [f"{flag} {path}: {exc.strerror or exc}"]
+    if what is not None:
+        typer.echo(f"{what} written to {path}", err=True)
+    return []

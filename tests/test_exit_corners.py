@@ -1,0 +1,113 @@
+"""Exit codes earned in every corner: closed pipes, full disks, errors under --json.
+
+Each case runs kvdoctor as a subprocess through a real shell pipe and reads the
+exit code from bash's PIPESTATUS, as a script calling kvdoctor would.
+"""
+
+from __future__ import annotations
+
+from kvdoctor import SCHEMA_VERSION
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import KVDOCTOR, ROOT, run_cli
+
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+
+
+def piped(args: list[str], reader: str, tmp_path: Path) -> tuple[int, str, str]:
+    """`kvdoctor ARGS | READER` in bash: kvdoctor's own exit code, what READER printed, kvdoctor's stderr."""
+    err = tmp_path / "stderr.txt"
+    command = " ".join(shlex.quote(a) for a in [*KVDOCTOR, *args])
+    script = f'{command} 2>{shlex.quote(str(err))} | {reader}; echo "kvdoctor-rc=${{PIPESTATUS[0]}}"'
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    match = re.search(r"kvdoctor-rc=(\d+)\s*$", proc.stdout)
+    assert match, (proc.stdout, proc.stderr)
+    return int(match.group(1)), proc.stdout[:match.start()], err.read_text()
+
+
+def test_no_private_typer_or_click_module_is_imported():
+    """`typer._click` moved between typer releases: an `except` naming it raised inside itself."""
+    private = re.compile(r"\btyper\._click\b|\bclick\._")
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in (ROOT / "kvdoctor").rglob("*.py")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+    assert hits == []
+
+
+def test_error_into_a_closed_pipe_keeps_its_code(tmp_path):
+    """`repro nosuch --json | true`: the usage error's 2, one line, not 1 ("reproduced") with tracebacks."""
+    code, _, stderr = piped(["repro", "nosuch", "--json"], "true", tmp_path)
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [stderr.strip()] and "unknown recipe 'nosuch'" in stderr
+
+
+@pytest.mark.parametrize("args, reader", [
+    (["repro", "--list"], "head -1"),
+    (["repro", "--list"], "true"),
+    (["repro", "--list", "--json"], "head -c 10"),
+    (["--help"], "true"),
+])
+def test_a_reader_closing_stdout_early_is_not_a_failure(args, reader, tmp_path):
+    code, shown, stderr = piped(args, reader, tmp_path)
+    assert code == 0, stderr
+    assert stderr == ""
+    if reader == "head -1":
+        assert shown.startswith("built-in recipes")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["diagnose", "/nonexistent.log", "--json"], "no such file"),
+    (["matrix", "queued-abort", "--vllm", "9.9.9", "--json"], "outside kvdoctor's supported range"),
+    (["repro", "queued-abort", "--bogus", "--json"], "No such option: --bogus"),
+    (["repro", "queued-abort", "--block-size", "x", "--json"], "--block-size"),
+    (["audit", "--json", "--logic", "fixed"], "No such option: --logic"),
+])
+def test_errors_under_json_print_one_error_document(args, fragment, tmp_path):
+    code, shown, stderr = piped(args, "cat", tmp_path)
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1 and fragment in stderr
+    document = json.loads(shown)  # exactly one document: json.loads refuses trailing text
+    assert document["schema_version"] == SCHEMA_VERSION
+    assert document["error"]["kind"] == "usage_error"
+    assert fragment in document["error"]["message"]
+    assert document["error"]["exit_code"] == 2
+
+
+@needs_dev_full
+def test_export_script_to_a_full_disk_is_exit_2():
+    proc = run_cli("repro", "queued-abort", "--export-script", "/dev/full")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "kvdoctor: error: --export-script /dev/full: No space left on device"
+
+
+@needs_dev_full
+def test_report_and_svg_to_a_full_disk_exit_2_after_the_verdict(tmp_path):
+    """The run happens and its verdict is printed; the files that could not be written are named, exit 2."""
+    code, shown, stderr = piped(["repro", "queued-abort", "--worker", "simulated", "--logic", "installed",
+                                 "--report", "/dev/full", "--svg", "/dev/full"], "cat", tmp_path)
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert "reproduced" in shown  # the verdict table is still there
+    assert stderr.strip().splitlines()[-2:] == [
+        "kvdoctor: error: --svg /dev/full: No space left on device",
+        "kvdoctor: error: --report /dev/full: No space left on device"]
+
+
+@needs_dev_full
+def test_report_to_a_full_disk_under_json_keeps_the_one_result_document(tmp_path):
+    code, shown, stderr = piped(["repro", "queued-abort", "--worker", "simulated", "--logic", "installed",
+                                 "--report", "/dev/full", "--json"], "cat", tmp_path)
+    assert code == 2, stderr
+    document = json.loads(shown)  # the verdict's document, and no second (error) document after it
+    assert document["results"][0]["outcome"] == "reproduced"
+    assert "error" not in document
+    assert stderr.strip().splitlines()[-1] == "kvdoctor: error: --report /dev/full: No space left on device"
