@@ -68,6 +68,12 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
                      "worker does the copies; default cuda when torch sees a GPU).",
     rich_help_panel=WORKER, show_default=False)]
+Engine = Annotated[Optional[str], typer.Option(
+    "--engine", help="scheduler (default): kvdoctor calls vLLM's scheduler itself, fastest | core: vLLM's "
+                     "EngineCore in-process calls it (requests, aborts and steps through the engine) | serve: a "
+                     "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (queued-abort-shaped "
+                     "recipes). A step a level cannot play makes the recipe not_applicable there, naming it.",
+    rich_help_panel=WORKER, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.", rich_help_panel=OUTPUT)]
 ReportFile = Annotated[Optional[Path], typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
@@ -217,3 +223,12 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
     if worker is None:
         overrides["_default_worker"] = DEFAULT_WORKER
     return overrides
+
+
+def engine_override(engine: str | None) -> dict[str, Any]:
+    """--engine as a `Setup` override, checked before vLLM is imported."""
+    from kvdoctor.engine.core.levels import LEVELS
+
+    if engine is not None and engine not in LEVELS:
+        raise UsageError(f"--engine must be one of {'|'.join(LEVELS)}, got {engine!r}")
+    return {"engine": engine}

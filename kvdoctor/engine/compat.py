@@ -1041,3 +1041,43 @@ def offloading_worker_of(connector: Any) -> Any:
     """The `OffloadingWorker` a worker-role connector's spec built (None before registration)."""
     worker_side = _require(connector, "connector_worker", type(connector).__name__)
     return getattr(worker_side, "worker", None) if worker_side is not None else None
+
+
+# -- the engine level (`--engine core`): vLLM's EngineCore and Executor -----------------------
+# Imported only for engine-level runs; the scheduler level never touches these modules.
+
+def engine_core_class() -> Any:
+    return _require(_import("vllm.v1.engine.core"), "EngineCore", "vllm.v1.engine.core")
+
+
+def executor_base_class() -> Any:
+    return _require(_import("vllm.v1.executor.abstract"), "Executor", "vllm.v1.executor.abstract")
+
+
+def resolve_executor_class(vllm_config: Any) -> Any:
+    """The executor class vLLM itself resolves from `distributed_executor_backend` (a qualified name)."""
+    return executor_base_class().get_class(vllm_config)
+
+
+def engine_core_request(request_id: str, prompt: list[int], sampling_params: Any) -> Any:
+    """An `EngineCoreRequest` as an in-process client sends it (token ids, no multimodal input).
+
+    Only the fields this release's struct declares are passed (feature probe: 0.26-0.34 share the
+    required ones; later optional fields keep their defaults)."""
+    import time
+
+    cls = _require(_import("vllm.v1.engine"), "EngineCoreRequest", "vllm.v1.engine")
+    wanted: dict[str, Any] = dict(request_id=request_id, prompt_token_ids=list(prompt), mm_features=None,
+                                  sampling_params=sampling_params, pooling_params=None, arrival_time=time.time(),
+                                  lora_request=None, cache_salt=None, data_parallel_rank=None)
+    fields = set(getattr(cls, "__struct_fields__", ()) or wanted)
+    return cls(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def engine_step_fn_name(core: Any) -> str:
+    """`step` or `step_with_batch_queue` (async scheduling / pipeline parallelism): the one the engine uses."""
+    return getattr(getattr(core, "step_fn", None), "__name__", "step")
+
+
+def engine_batch_queue_len(core: Any) -> int:
+    return len(getattr(core, "batch_queue", None) or ())

@@ -81,6 +81,9 @@ class Setup:
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
     # was there or asked for (`kvdoctor.app.resolve_device`).
     device_fallback: str | None = None
+    # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    engine: str = "scheduler"
 
     @property
     def offloaded_block_size(self) -> int:

@@ -1,0 +1,38 @@
+"""A recipe at the engine level: the scenario's own run (observation, invariants, verdict) on
+vLLM's EngineCore instead of kvdoctor's scheduler harness.
+
+Steps the level cannot express make the recipe `not_applicable`, naming them, before vLLM builds
+anything (`levels.unexpressible`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdoctor.engine.core.levels import unexpressible
+from kvdoctor.observe.verdict import Outcome
+from kvdoctor.scenario import RunResult, ScenarioRun
+
+
+class CoreScenarioRun(ScenarioRun):
+    @property
+    def harness_class(self) -> Any:  # type: ignore[override]
+        from kvdoctor.engine.core.harness import CoreHarness
+
+        return CoreHarness
+
+    def run(self) -> RunResult:
+        reasons = unexpressible(self.recipe.steps, "core", self.setup.async_scheduling)
+        if reasons:
+            self.result.outcome = Outcome.NOT_APPLICABLE
+            self.result.detail = "; ".join(reasons)
+            return self.result
+        return super().run()
+
+    def _run_on(self, harness: Any) -> RunResult:
+        self.result.worker = (f"{self.result.worker}; hosted by kvdoctor's executor under vLLM's EngineCore "
+                              f"(EngineCore.{harness.step_fn_name} calls the scheduler)")
+        return super()._run_on(harness)
+
+
+def run_core_scenario(api: Any, recipe: Any, setup: Any, logic: str, record_timeline: bool = False) -> RunResult:
+    return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
