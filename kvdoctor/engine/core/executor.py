@@ -30,6 +30,7 @@ from kvdoctor.engine import compat
 
 QUALNAME = "kvdoctor.engine.core.executor.KvdoctorExecutor"
 STEP_SECONDS_ENV = "KVDOCTOR_ENGINE_STEP_SECONDS"  # serve: pace the steps so client events land between them
+ADMISSION_ENV = "KVDOCTOR_ENGINE_ADMISSION_LEN"  # serve: the Handoff.admission_len of a server child
 
 
 @dataclass
@@ -75,6 +76,9 @@ class KvdoctorExecutor(_executor_base()):  # type: ignore[misc]
 
     def _init_executor(self) -> None:
         self.handoff = HANDOFFS.get(id(self.vllm_config))
+        admission = os.environ.get(ADMISSION_ENV)
+        self.admission_len = (self.handoff.admission_len if self.handoff is not None
+                              else int(admission) if admission else None)
         self._original_len: int | None = None
         self._to_sample: deque[Any] = deque()
         self.steps = 0
@@ -89,10 +93,10 @@ class KvdoctorExecutor(_executor_base()):  # type: ignore[misc]
 
     # -- start-up -------------------------------------------------------------------------
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
-        if self.handoff is not None and self.handoff.admission_len is not None:
+        if self.admission_len is not None:
             model_config = self.vllm_config.model_config
             self._original_len = model_config.max_model_len
-            model_config.max_model_len = min(self._original_len, self.handoff.admission_len)
+            model_config.max_model_len = min(self._original_len, self.admission_len)
         if self.handoff is not None and self.handoff.specs:
             return [dict(self.handoff.specs)]
         return [self._specs_from_model_config()]

@@ -21,7 +21,7 @@ class CoreScenarioRun(ScenarioRun):
         return CoreHarness
 
     def run(self) -> RunResult:
-        reasons = unexpressible(self.recipe.steps, "core", self.setup.async_scheduling)
+        reasons = unexpressible(self.recipe.steps, "core", self.setup.async_scheduling) + _setup_unexpressible(self.setup)
         if reasons:
             self.result.outcome = Outcome.NOT_APPLICABLE
             self.result.detail = "; ".join(reasons)
@@ -36,3 +36,16 @@ class CoreScenarioRun(ScenarioRun):
 
 def run_core_scenario(api: Any, recipe: Any, setup: Any, logic: str, record_timeline: bool = False) -> RunResult:
     return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
+
+
+def _setup_unexpressible(setup: Any) -> list[str]:
+    """Geometry the engine cannot build as the scheduler level does."""
+    from kvdoctor.engine.kv_layout import resolve_layout
+
+    layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
+    if any(layer.draft for layer in layout.layers):
+        return [f"layout {layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "
+                f"group (is_eagle_group) only under a speculative config, which loads a draft model; kvdoctor's "
+                f"scheduler level flags the group itself (measured: without the flag the engine takes the "
+                f"non-EAGLE path and the bug's trigger is never built)"]
+    return []
