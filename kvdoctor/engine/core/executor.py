@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 from kvdoctor.engine import compat
 
-QUALNAME = "kvdoctor.engine.core.executor.KvdoctorExecutor"
-STEP_SECONDS_ENV = "KVDOCTOR_ENGINE_STEP_SECONDS"  # serve: pace the steps so client events land between them
-ADMISSION_ENV = "KVDOCTOR_ENGINE_ADMISSION_LEN"  # serve: the Handoff.admission_len of a server child
+from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME as QUALNAME, STEP_SECONDS_ENV
+
+__all__ = ["ADMISSION_ENV", "HANDOFFS", "Handoff", "KvdoctorExecutor", "QUALNAME", "STEP_SECONDS_ENV"]
 
 
 @dataclass

@@ -19,9 +19,12 @@ kvdoctor fails or is interrupted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -118,7 +121,7 @@ def admission_len(setup: Any) -> int:
 
 
 def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
-    from kvdoctor.engine.core.executor import QUALNAME
+    from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
 
     extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
     kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
@@ -136,7 +139,7 @@ def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
 
 
 def serve_env(setup: Any) -> dict[str, str]:
-    from kvdoctor.engine.core.executor import ADMISSION_ENV, STEP_SECONDS_ENV
+    from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
 
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[3])  # kvdoctor's own code first, in both server processes
@@ -346,7 +349,7 @@ def _failure_from_log(crash: Any) -> Any:
 
 def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
-    from kvdoctor.diagnose.reader import read_log
+    from kvdoctor.diagnose.reader import read_stream
     from kvdoctor.engine.harness import tiny_model_dir
     from kvdoctor.observe.verdict import Outcome, matches_exception
     from kvdoctor.scenario import RunResult
@@ -372,19 +375,22 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     log_path = workdir / "server.log"
     port = free_port()
     model = tiny_model_dir()
-    server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
     played = Played()
-    try:
-        ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
-        if ready:
-            played = asyncio.run(_play(port, model, events, STEP_SECONDS))
-            time.sleep(1.0)
-    finally:
-        server.stop()
-    text = log_path.read_text(errors="replace")
+    ready = False
+    with _terminate_as_interrupt():
+        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        try:
+            ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
+            if ready:
+                played = asyncio.run(_play(port, model, events, STEP_SECONDS))
+                time.sleep(1.0)
+        finally:
+            server.stop()
+            text = log_path.read_text(errors="replace")
+            shutil.rmtree(workdir, ignore_errors=True)
     lines = text.splitlines()
-    summary = read_log(str(log_path))
-    result.timeline = []
+    summary = read_stream(io.BytesIO(text.encode()), "server.log")
+    engine_steps = len(_step_log(lines))
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
@@ -395,6 +401,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     if summary.crash is not None:
         failure = _failure_from_log(summary.crash)
         result.failure = failure
+        result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         if matches_exception(recipe.signature, failure):
             result.outcome = Outcome.REPRODUCED
             result.detail = "the engine died; " + "; ".join(played.notes[-3:])
@@ -418,6 +425,23 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
                      + "; ".join(played.notes[-4:]))
     return result, text
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM (a `timeout`, a CI runner) ends kvdoctor as Ctrl-C does, so the server is still stopped."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _tail(lines: list[str], count: int = 5) -> str:
