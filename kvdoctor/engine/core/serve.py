@@ -273,14 +273,24 @@ async def _play(port: int, model: str, events: list[Event], step_seconds: float)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             note(f"{event.request} disconnected (the API server aborts it)")
+    await asyncio.sleep(max(pending_steps, 2) * step_seconds)
+    # The recipe ends here. Requests still open are the recipe's fillers: their clients disconnect (a
+    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
+    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
     for name, task in tasks.items():
-        try:
-            status, body = await asyncio.wait_for(task, REQUEST_LIMIT_S)
-            played.answers[name] = f"HTTP {status}"
-            note(f"{name} answered HTTP {status}")
-        except (OSError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            played.answers[name] = type(exc).__name__
-            note(f"{name} failed: {type(exc).__name__}")
+        if task.done():
+            try:
+                status, _ = task.result()
+                played.answers[name] = f"HTTP {status}"
+                note(f"{name} answered HTTP {status}")
+            except (OSError, asyncio.TimeoutError) as exc:
+                played.answers[name] = type(exc).__name__
+                note(f"{name} failed: {type(exc).__name__}")
+            continue
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        played.answers[name] = "disconnected at the recipe's end"
+        note(f"{name} still open at the recipe's end: disconnected")
     await asyncio.sleep(2 * step_seconds)
     try:
         status, _ = await _http(port, "GET", "/health", timeout=10)
@@ -328,6 +338,17 @@ def aborted_while_queued(lines: list[str], name: str) -> bool | None:
     if not finished:
         return None
     return not scheduled
+
+
+def engine_crash(summary: Any) -> Any:
+    """The engine core's fatal traceback, if the log has one. Not the API server's re-raise, and not a
+    traceback the API server logs and survives (0.34's chat-template warm-up without a tokenizer)."""
+    for tb in summary.tracebacks:
+        if tb.is_reraise:
+            continue
+        if tb.after_fatal_marker or "EngineCore" in (tb.process or ""):
+            return tb
+    return None
 
 
 def _failure_from_log(crash: Any) -> Any:
@@ -379,6 +400,8 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     ready = False
     with _terminate_as_interrupt():
         server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process group "
+              f"when the run ends)", file=sys.stderr, flush=True)
         try:
             ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
             if ready:
@@ -395,11 +418,12 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
                          f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if summary.crash is not None:
-            result.failure = _failure_from_log(summary.crash)
+        if engine_crash(summary) is not None:
+            result.failure = _failure_from_log(engine_crash(summary))
         return result, text
-    if summary.crash is not None:
-        failure = _failure_from_log(summary.crash)
+    crash = engine_crash(summary)
+    if crash is not None:
+        failure = _failure_from_log(crash)
         result.failure = failure
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         if matches_exception(recipe.signature, failure):
