@@ -56,7 +56,14 @@ def _gone(pgid: int) -> bool:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens there and a new server could bind it (SO_REUSEADDR, as servers bind: the client
+    connections the run closed may sit in TIME_WAIT, which is the kernel's, not a process's)."""
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            return False
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -102,15 +102,6 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def admission_len(setup: Any) -> int:
     """The max_model_len vLLM's start-up check is run with (halved until one request fits the tiny
     pool; `compat._within_admission_check` does the same at the scheduler level)."""
