@@ -46,6 +46,24 @@ def test_queued_abort_core_matches_the_measured_release_outcome(core_doc: dict) 
 
 
 @pytest.mark.vllm
+def test_async_scheduling_goes_through_the_batch_queue() -> None:
+    """Under async scheduling the engine's `step_with_batch_queue` calls the scheduler (one batch in flight)."""
+    proc = run_cli("repro", "queued-abort", "--engine", "core", "--async-scheduling", "--logic", "installed",
+                   "--json", timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()}")
+    doc = json.loads(proc.stdout)
+    rows = [r for r in data.load() if r.release == doc["vllm_version"] and r.recipe == "queued-abort"]
+    if not rows:
+        pytest.skip(f"kvdoctor/data/release_outcomes.toml has no queued-abort row for vLLM {doc['vllm_version']}")
+    result = doc["results"][0]
+    assert "EngineCore.step_with_batch_queue" in result["worker"]
+    assert result["outcome"] == rows[0].outcome, result.get("detail")
+    if rows[0].outcome == "reproduced":
+        assert result["failure"]["vllm_frames"][0]["function"] == "step_with_batch_queue"
+
+
+@pytest.mark.vllm
 def test_reports_name_the_engine_level(core_doc: dict) -> None:
     assert core_doc["setup"]["engine"] == "core"
     assert "EngineCore" in core_doc["results"][0]["worker"]

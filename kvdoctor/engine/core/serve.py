@@ -331,6 +331,11 @@ def aborted_while_queued(lines: list[str], name: str) -> bool | None:
     return not scheduled
 
 
+def ever_scheduled(lines: list[str], name: str) -> bool:
+    tag = request_tag(name)
+    return any(tag in rid for step in _step_log(lines) for rid in step.get("scheduled", {}))
+
+
 def engine_crash(summary: Any) -> Any:
     """The engine core's fatal traceback, if the log has one. Not the API server's re-raise, and not a
     traceback the API server logs and survives (0.34's chat-template warm-up without a tokenizer)."""
@@ -391,9 +396,9 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     ready = False
     with _terminate_as_interrupt():
         server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
-        print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process group "
-              f"when the run ends)", file=sys.stderr, flush=True)
         try:
+            print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
+                  f"group when the run ends)", file=sys.stderr, flush=True)
             ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
             if ready:
                 played = asyncio.run(_play(port, model, events, STEP_SECONDS))
@@ -413,18 +418,21 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
             result.failure = _failure_from_log(engine_crash(summary))
         return result, text
     crash = engine_crash(summary)
+    queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if crash is not None:
         failure = _failure_from_log(crash)
         result.failure = failure
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         if matches_exception(recipe.signature, failure):
             result.outcome = Outcome.REPRODUCED
-            result.detail = "the engine died; " + "; ".join(played.notes[-3:])
+            seen = ", ".join(f"{name} {'was scheduled before' if ever_scheduled(lines, name) else 'never scheduled'}"
+                             for name in aborted)
+            result.detail = (f"the engine died ({seen}, per the executor's step log; the server's traceback "
+                             f"does not name the request)")
         else:
             result.outcome = Outcome.OTHER_FAILURE
             result.detail = f"the engine died with {failure.exception} in vLLM's {failure.function}: {failure.message}"
         return result, text
-    queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if played.healthy and played.fresh_served:
         missed = [name for name, was in queued.items() if not was]
         if missed:
