@@ -4,6 +4,9 @@
         `kvdoctor repro queued-abort` with --engine scheduler and --engine core, alternated in fresh
         processes (the whole command: import, build, three logic variants); prints each wall time,
         the medians and the ratio core/scheduler (target <= 1.5).
+    PYTHONPATH=. python benchmarks/bench_engine.py inproc [--repeat N]
+        the same three runs in one process after one vLLM import (the import, ~half of the command's
+        time and the noisiest part on a loaded machine, left out), alternated; medians and ratio.
     PYTHONPATH=. python benchmarks/bench_engine.py compare [RECIPE ...]
         every built-in recipe (or those named) at both levels in one process, installed logic,
         the CLI's default worker; prints one Markdown row per recipe (docs/engine-levels.md).
@@ -35,6 +38,32 @@ def ratio(repeat: int) -> int:
     med = {level: statistics.median(values) for level, values in times.items()}
     print(f"median: scheduler {med['scheduler']:.1f} s, core {med['core']:.1f} s, "
           f"ratio core/scheduler {med['core'] / med['scheduler']:.2f} (target <= 1.5)")
+    return 0
+
+
+def inproc(repeat: int) -> int:
+    """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
+    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.scenario import run_scenario
+
+    api = load_vllm()
+    recipe = resolve("queued-abort")
+    setup = resolve_setup(recipe, worker_overrides(None, None, None))
+    times: dict[str, list[float]] = {"scheduler": [], "core": []}
+    for i in range(repeat + 1):  # the first round warms both paths (imports, ModelConfig) and is not counted
+        for level, runner in (("scheduler", run_scenario), ("core", run_core_scenario)):
+            start = time.perf_counter()
+            outcomes = [runner(api, recipe, setup, logic).outcome.value for logic in ("installed", "fixed", "unpatched")]
+            elapsed = time.perf_counter() - start
+            if i:
+                times[level].append(elapsed)
+            print(f"{'warm-up ' if not i else ''}{level:9s} {elapsed:6.2f} s  {outcomes}", flush=True)
+    med = {level: statistics.median(values) for level, values in times.items()}
+    print(f"in-process median: scheduler {med['scheduler']:.2f} s, core {med['core']:.2f} s, "
+          f"ratio core/scheduler {med['core'] / med['scheduler']:.2f}")
     return 0
 
 
@@ -75,10 +104,14 @@ def main() -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("ratio")
     r.add_argument("--repeat", type=int, default=2)
+    i = sub.add_parser("inproc")
+    i.add_argument("--repeat", type=int, default=3)
     c = sub.add_parser("compare")
     c.add_argument("recipes", nargs="*")
     args = parser.parse_args()
-    return ratio(args.repeat) if args.mode == "ratio" else compare(args.recipes)
+    if args.mode == "ratio":
+        return ratio(args.repeat)
+    return inproc(args.repeat) if args.mode == "inproc" else compare(args.recipes)
 
 
 if __name__ == "__main__":

@@ -1081,3 +1081,22 @@ def engine_step_fn_name(core: Any) -> str:
 
 def engine_batch_queue_len(core: Any) -> int:
     return len(getattr(core, "batch_queue", None) or ())
+
+
+@contextmanager
+def lean_engine_core_lifecycle() -> Iterator[None]:
+    """EngineCore's start-up `freeze_gc_heap` and its shutdown's `cleanup_dist_env_and_memory` run full
+    garbage collections (measured on 0.26.0: four, ~1 s each on a heap holding vLLM, 4 of the 4.2 s an
+    in-process queued-abort takes). An engine that runs no model and joins no process group has nothing
+    for them to freeze or clean, so inside this scope only they are no-ops; the originals come back on
+    exit, also when the engine raised. Names probed: a release without them runs unchanged."""
+    module = _import("vllm.v1.engine.core")
+    saved = {name: getattr(module, name) for name in ("freeze_gc_heap", "cleanup_dist_env_and_memory")
+             if hasattr(module, name)}
+    for name in saved:
+        setattr(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(module, name, original)

@@ -41,7 +41,8 @@ class CoreHarness(Harness):
         HANDOFFS[id(vllm_config)] = handoff
         try:
             executor_class = compat.resolve_executor_class(vllm_config)
-            self.core = compat.engine_core_class()(vllm_config, executor_class, log_stats=True)
+            with compat.lean_engine_core_lifecycle():
+                self.core = compat.engine_core_class()(vllm_config, executor_class, log_stats=True)
         finally:
             HANDOFFS.pop(id(vllm_config), None)
         self.executor = self.core.model_executor
@@ -105,7 +106,8 @@ class CoreHarness(Harness):
     def shutdown(self) -> None:
         self.worker.shutdown()
         try:
-            self.core.shutdown()
+            with compat.lean_engine_core_lifecycle():
+                self.core.shutdown()
         except Exception:  # noqa: BLE001 - a crashed engine may not shut down cleanly
             pass
 
