@@ -36,8 +36,12 @@ def ratio(repeat: int) -> int:
             times[level].append(elapsed)
             print(f"{level:9s} {elapsed:6.1f} s  exit {proc.returncode}", flush=True)
     med = {level: statistics.median(values) for level, values in times.items()}
+    best = {level: min(values) for level, values in times.items()}
     print(f"median: scheduler {med['scheduler']:.1f} s, core {med['core']:.1f} s, "
           f"ratio core/scheduler {med['core'] / med['scheduler']:.2f} (target <= 1.5)")
+    # On a shared machine the fastest run is the one least disturbed by other load.
+    print(f"best:   scheduler {best['scheduler']:.1f} s, core {best['core']:.1f} s, "
+          f"ratio core/scheduler {best['core'] / best['scheduler']:.2f} (target <= 1.5)")
     return 0
 
 

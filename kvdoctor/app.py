@@ -141,6 +141,9 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
 
     check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
     if setup.engine == "serve":
+        if logic not in ("all", "installed"):
+            raise UsageError(f"--logic {logic}: the served engine runs the installed vLLM unpatched (--engine serve "
+                             f"runs --logic installed only)")
         from kvdoctor.engine.core.serve import repro_serve
 
         return repro_serve(recipe, setup, command=command, release_hint=_release_hint(recipe))
