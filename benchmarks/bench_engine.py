@@ -81,7 +81,7 @@ def compare(names: list[str]) -> int:
 
     api = load_vllm()
     print(f"vLLM {api.version_text}, {time.strftime('%Y-%m-%d')}")
-    print("| recipe | scheduler | core | agree |\n|---|---|---|---|")
+    print("| recipe | scheduler | core | same outcome and site (or not_applicable at core) |\n|---|---|---|---|")
     for recipe in all_builtins():
         if names and recipe.name not in names:
             continue

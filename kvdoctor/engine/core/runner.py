@@ -44,7 +44,7 @@ def _setup_unexpressible(setup: Any) -> list[str]:
 
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
     if any(layer.draft for layer in layout.layers):
-        return [f"layout {layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "
+        return [f"{layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "
                 f"group (is_eagle_group) only under a speculative config, which loads a draft model; kvdoctor's "
                 f"scheduler level flags the group itself (measured: without the flag the engine takes the "
                 f"non-EAGLE path and the bug's trigger is never built)"]
