@@ -60,7 +60,8 @@ def inproc(repeat: int) -> int:
     for i in range(repeat + 1):  # the first round warms both paths (imports, ModelConfig) and is not counted
         for level, runner in (("scheduler", run_scenario), ("core", run_core_scenario)):
             start = time.perf_counter()
-            outcomes = [runner(api, recipe, setup, logic).outcome.value for logic in ("installed", "fixed", "unpatched")]
+            outcomes = [runner(api, recipe, setup, logic).outcome.value
+                        for logic in ("installed", "fixed", "unpatched")]
             elapsed = time.perf_counter() - start
             if i:
                 times[level].append(elapsed)

@@ -16,6 +16,7 @@ from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
+ENGINE_LEVELS = ("scheduler", "core", "serve")  # who calls vLLM's scheduler (`Setup.engine`; kvdoctor/engine/core)
 WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
 
 # vLLM's block pool is one Python object per GPU block: measured here ~22 us and ~130 bytes a block
@@ -156,6 +157,8 @@ class Setup:
                                                    or isinstance(self.prefix_match_unit, bool)
                                                    or self.prefix_match_unit < 1):
             raise UsageError(f"prefix_match_unit must be a positive integer, got {self.prefix_match_unit!r}")
+        if self.engine not in ENGINE_LEVELS:
+            raise UsageError(f"engine must be one of {'|'.join(ENGINE_LEVELS)}, got {self.engine!r}")
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
                              f"got {self.mamba_cache_mode!r}")

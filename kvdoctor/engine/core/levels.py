@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-LEVELS = ("scheduler", "core", "serve")
+from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
 DEFAULT_LEVEL = "scheduler"
 
 # step action -> {level: None (expressible, how) | reason it is not}; how is said in HOW.

@@ -21,7 +21,8 @@ class CoreScenarioRun(ScenarioRun):
         return CoreHarness
 
     def run(self) -> RunResult:
-        reasons = unexpressible(self.recipe.steps, "core", self.setup.async_scheduling) + _setup_unexpressible(self.setup)
+        reasons = (unexpressible(self.recipe.steps, "core", self.setup.async_scheduling)
+                   + _setup_unexpressible(self.setup))
         if reasons:
             self.result.outcome = Outcome.NOT_APPLICABLE
             self.result.detail = "; ".join(reasons)
