@@ -146,10 +146,20 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     from kvdoctor.recipes.geometry import check as check_geometry
 
     check_geometry(recipe, setup)  # what vLLM would refuse (a prompt longer than max_model_len): exit 2 now
+    if setup.engine == "serve":
+        if logic not in ("all", "installed"):
+            raise UsageError(f"--logic {logic}: the served engine runs the installed vLLM unpatched (--engine serve "
+                             f"runs --logic installed only)")
+        from kvdoctor.engine.core.serve import repro_serve
+
+        return repro_serve(recipe, setup, command=command, release_hint=_release_hint(recipe))
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")
     api = load_vllm()
     from kvdoctor.scenario import run_scenario
+
+    if setup.engine == "core":
+        from kvdoctor.engine.core.runner import run_core_scenario as run_scenario  # noqa: F811
 
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command,
                          release_hint=_release_hint(recipe))

@@ -146,6 +146,8 @@ def _binding_term(call: StorableCall) -> str | None:
 class ScenarioRun:
     """One recipe, one variant, one fresh scheduler."""
 
+    harness_class: Any = Harness  # the engine level swaps in its EngineCore harness (kvdoctor.engine.core)
+
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
                  extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
                  build_cache: Any = None) -> None:
@@ -180,7 +182,7 @@ class ScenarioRun:
             self.result.detail = "; ".join(reasons)
             return self.result
         try:
-            harness = Harness(self.api, self.setup, self.build_cache)
+            harness = self.harness_class(self.api, self.setup, self.build_cache)
         except KvdoctorError:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector

@@ -128,6 +128,7 @@ def repro(
     worker: opt.Worker = None,
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
+    engine: opt.Engine = None,
     json_out: opt.Json = False,
     verbose: opt.Verbose = False,
     output_format: opt.Format = None,
@@ -161,6 +162,7 @@ def repro(
                                            kv_offloading_backend=kv_offloading_backend,
                                            max_model_len=max_model_len)
         overrides.update(opt.worker_overrides(worker, model_runner, device))
+        overrides.update(opt.engine_override(engine))
         from kvdoctor import app as application
 
         if export_script is not None:

@@ -68,6 +68,12 @@ Device = Annotated[Optional[str], typer.Option(
     "--device", help="cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
                      "worker does the copies; default cuda when torch sees a GPU).",
     rich_help_panel=WORKER, show_default=False)]
+Engine = Annotated[Optional[str], typer.Option(
+    "--engine", help="scheduler (default): kvdoctor calls vLLM's scheduler itself, fastest | core: vLLM's "
+                     "EngineCore in-process calls it (requests, aborts and steps through the engine) | serve: a "
+                     "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (queued-abort-shaped "
+                     "recipes). A step a level cannot play makes the recipe not_applicable there, naming it.",
+    rich_help_panel=WORKER, show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
                                     rich_help_panel=OUTPUT)]
 Format = Annotated[Optional[str], typer.Option(
@@ -242,3 +248,12 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
     if device is not None and (worker or DEFAULT_WORKER) != "vllm":
         raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
     return {"worker": worker, "model_runner": model_runner, "device": device}
+
+
+def engine_override(engine: str | None) -> dict[str, Any]:
+    """--engine as a `Setup` override, checked before vLLM is imported."""
+    from kvdoctor.engine.core.levels import LEVELS
+
+    if engine is not None and engine not in LEVELS:
+        raise UsageError(f"--engine must be one of {'|'.join(LEVELS)}, got {engine!r}")
+    return {"engine": engine}

@@ -16,6 +16,7 @@ from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
+ENGINE_LEVELS = ("scheduler", "core", "serve")  # who calls vLLM's scheduler (`Setup.engine`; kvdoctor/engine/core)
 WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
 # `Setup` field metadata: False where a recipe's [setup] cannot name the field (a flag's only, spelled
 # otherwise in a recipe, or set by kvdoctor's setup resolution); the recipe loader reads it.
@@ -87,6 +88,9 @@ class Setup:
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
     # was there or asked for (`kvdoctor.app.resolve_device`).
     device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
+    # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    engine: str = "scheduler"
 
     @property
     def offloaded_block_size(self) -> int:
@@ -159,6 +163,8 @@ class Setup:
                                                    or isinstance(self.prefix_match_unit, bool)
                                                    or self.prefix_match_unit < 1):
             raise UsageError(f"prefix_match_unit must be a positive integer, got {self.prefix_match_unit!r}")
+        if self.engine not in ENGINE_LEVELS:
+            raise UsageError(f"engine must be one of {'|'.join(ENGINE_LEVELS)}, got {self.engine!r}")
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise UsageError(f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
                              f"got {self.mamba_cache_mode!r}")

@@ -173,6 +173,11 @@ def render_markdown(command: str, report: Any) -> str:
     lines += _reproduce_section(report, command_line)
     for result in report.results:
         lines += _timeline(result)
+    server_log = getattr(report, "server_log", "")  # --engine serve: the server's own log, its last lines
+    if server_log:
+        tail = server_log.splitlines()[-200:]
+        lines += ["## Server log (`vllm serve`, last lines)", "", "<details><summary>server.log</summary>", "",
+                  "```", *tail, "```", "", "</details>", ""]
     return _scrub("\n".join(lines)) + "\n"
 
 

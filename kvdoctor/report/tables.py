@@ -251,6 +251,10 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
     device = setup.device_described() if hasattr(setup, "device_described") else getattr(setup, "device", None)
     runner = getattr(setup, "model_runner", None)
     fields += [(name, value) for name, value in (("device", device), ("model_runner", runner)) if value]
+    engine = getattr(setup, "engine", "scheduler")
+    if engine != "scheduler":  # the default level stays unnamed (README examples unchanged)
+        described = {"core": "core (vLLM's EngineCore)", "serve": "serve (vllm serve)"}
+        fields.append(("engine", described.get(engine, engine)))
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
     groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups

@@ -1,0 +1,123 @@
+"""The engine levels side by side, measured in one run.
+
+    PYTHONPATH=. python benchmarks/bench_engine.py ratio [--repeat N]
+        `kvdoctor repro queued-abort` with --engine scheduler and --engine core, alternated in fresh
+        processes (the whole command: import, build, three logic variants); prints each wall time,
+        the medians and the ratio core/scheduler (target <= 1.5).
+    PYTHONPATH=. python benchmarks/bench_engine.py inproc [--repeat N]
+        the same three runs in one process after one vLLM import (the import, ~half of the command's
+        time and the noisiest part on a loaded machine, left out), alternated; medians and ratio.
+    PYTHONPATH=. python benchmarks/bench_engine.py compare [RECIPE ...]
+        every built-in recipe (or those named) at both levels in one process, installed logic,
+        the CLI's default worker; prints one Markdown row per recipe (docs/engine-levels.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ratio(repeat: int) -> int:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    times: dict[str, list[float]] = {"scheduler": [], "core": []}
+    for _ in range(repeat):
+        for level in ("scheduler", "core"):
+            start = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--engine", level,
+                                   "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+            elapsed = time.perf_counter() - start
+            times[level].append(elapsed)
+            print(f"{level:9s} {elapsed:6.1f} s  exit {proc.returncode}", flush=True)
+    med = {level: statistics.median(values) for level, values in times.items()}
+    best = {level: min(values) for level, values in times.items()}
+    print(f"median: scheduler {med['scheduler']:.1f} s, core {med['core']:.1f} s, "
+          f"ratio core/scheduler {med['core'] / med['scheduler']:.2f} (target <= 1.5)")
+    # On a shared machine the fastest run is the one least disturbed by other load.
+    print(f"best:   scheduler {best['scheduler']:.1f} s, core {best['core']:.1f} s, "
+          f"ratio core/scheduler {best['core'] / best['scheduler']:.2f} (target <= 1.5)")
+    return 0
+
+
+def inproc(repeat: int) -> int:
+    """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
+    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.scenario import run_scenario
+
+    api = load_vllm()
+    recipe = resolve("queued-abort")
+    setup = resolve_setup(recipe, worker_overrides(None, None, None))
+    times: dict[str, list[float]] = {"scheduler": [], "core": []}
+    for i in range(repeat + 1):  # the first round warms both paths (imports, ModelConfig) and is not counted
+        for level, runner in (("scheduler", run_scenario), ("core", run_core_scenario)):
+            start = time.perf_counter()
+            outcomes = [runner(api, recipe, setup, logic).outcome.value
+                        for logic in ("installed", "fixed", "unpatched")]
+            elapsed = time.perf_counter() - start
+            if i:
+                times[level].append(elapsed)
+            print(f"{'warm-up ' if not i else ''}{level:9s} {elapsed:6.2f} s  {outcomes}", flush=True)
+    med = {level: statistics.median(values) for level, values in times.items()}
+    print(f"in-process median: scheduler {med['scheduler']:.2f} s, core {med['core']:.2f} s, "
+          f"ratio core/scheduler {med['core'] / med['scheduler']:.2f}")
+    return 0
+
+
+def compare(names: list[str]) -> int:
+    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.cli.options import worker_overrides
+    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.errors import KvdoctorError
+    from kvdoctor.recipes.builtins import all_builtins
+    from kvdoctor.scenario import run_scenario
+
+    api = load_vllm()
+    print(f"vLLM {api.version_text}, {time.strftime('%Y-%m-%d')}")
+    print("| recipe | scheduler | core | same outcome and site (or not_applicable at core) |\n|---|---|---|---|")
+    for recipe in all_builtins():
+        if names and recipe.name not in names:
+            continue
+        setup = resolve_setup(recipe, worker_overrides(None, None, None))
+        cells = []
+        for runner in (run_scenario, run_core_scenario):
+            try:
+                result = runner(api, recipe, setup, "installed")
+                site = result.failure.function if result.failure else (
+                    ", ".join(v.invariant for v in result.violations) if result.violations else "")
+                text = result.outcome.value + (f" ({site})" if site else "")
+                if result.outcome.value in ("not_applicable", "other_failure", "setup_error"):
+                    text += f": {result.detail[:160]}"
+                cells.append((result.outcome.value, site, text))
+            except KvdoctorError as exc:
+                cells.append(("error", "", f"error: {exc}"))
+        agree = cells[1][0] == "not_applicable" or cells[0][:2] == cells[1][:2]
+        print(f"| {recipe.name} | {cells[0][2]} | {cells[1][2]} | {'yes' if agree else 'NO'} |", flush=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="mode", required=True)
+    r = sub.add_parser("ratio")
+    r.add_argument("--repeat", type=int, default=2)
+    i = sub.add_parser("inproc")
+    i.add_argument("--repeat", type=int, default=3)
+    c = sub.add_parser("compare")
+    c.add_argument("recipes", nargs="*")
+    args = parser.parse_args()
+    if args.mode == "ratio":
+        return ratio(args.repeat)
+    return inproc(args.repeat) if args.mode == "inproc" else compare(args.recipes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""vLLM's real `EngineCore`, in-process, behind the scheduler-level harness's interface.
+
+The scenario drives it with the same calls (`add`, `step`, `abort`, `finish_by_eos`, transfer
+holds, `reset_prefix_cache`), but here the engine does the work: requests enter through
+`EngineCore.preprocess_add_request` / `add_request`, aborts go through `abort_requests`, resets
+through `EngineCore.reset_prefix_cache`, and each `step` is the engine's own `step_fn` (`step`,
+or `step_with_batch_queue` under async scheduling) followed by `post_step`. The engine's
+`Scheduler` and `OffloadingConnector` are the ones vLLM builds; kvdoctor's executor
+(`executor.KvdoctorExecutor`, resolved by vLLM from its qualified name) calls back into
+`_execute` for each scheduler output: the worker side, sampling and the step's events are the
+scheduler-level harness's own code, so the two levels differ only in who calls the scheduler.
+
+The VllmConfig is the one the scheduler level builds for the setup (same geometry, same tiny model
+config, same connector config); vLLM's engine plans the KV cache itself from the executor's specs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvdoctor.engine import compat, kv_layout
+from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.harness import EOS_TOKEN, Harness, StepEvents, _build_pieces
+from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.worker import Job
+
+
+class CoreHarness(Harness):
+    """One EngineCore per run; `Harness`'s step bookkeeping, the engine's control flow."""
+
+    def __init__(self, api: VllmApi, setup: Setup, build_cache: Any = None) -> None:  # noqa: ARG002 - no cache
+        from kvdoctor.engine.core.executor import HANDOFFS, QUALNAME, Handoff
+
+        self.api = api
+        self.setup = setup
+        vllm_config, self.kv_plan, _, _, _ = _build_pieces(api, setup)
+        layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
+        specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+        vllm_config.parallel_config.distributed_executor_backend = QUALNAME
+        handoff = Handoff(specs=specs, admission_len=_admission_len(self.kv_plan, setup))
+        HANDOFFS[id(vllm_config)] = handoff
+        try:
+            executor_class = compat.resolve_executor_class(vllm_config)
+            with compat.lean_engine_core_lifecycle():
+                self.core = compat.engine_core_class()(vllm_config, executor_class, log_stats=True)
+        finally:
+            HANDOFFS.pop(id(vllm_config), None)
+        self.executor = self.core.model_executor
+        self._note_plan_differences()
+        self.scheduler = self.core.scheduler
+        self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
+        self.model_runner = self._choose_model_runner()
+        self.worker = self._make_worker()
+        self.companion = None
+        if setup.multi_connector:
+            from kvdoctor.engine.workers.simulated import SimulatedTransfers
+
+            self.companion = SimulatedTransfers(api)
+        self.requests: dict[str, Any] = {}
+        self.step_index = 0
+        self._finish_next: set[str] = set()
+        self._pending_output = None
+        self.store_jobs_by_request: dict[str, list[int]] = {}
+        self.hashes_withheld: set[str] = set()
+        self._events: StepEvents | None = None
+        self.step_fn_name = compat.engine_step_fn_name(self.core)
+        self.executor.attach(self._execute)
+
+    def _note_plan_differences(self) -> None:
+        """The engine planned its KV cache itself: say so where it differs from kvdoctor's plan."""
+        config = self.api.kv_cache_config_of(self.core.scheduler)
+        planned = (int(config.num_blocks), len(config.kv_cache_groups))
+        expected = (self.kv_plan.num_blocks, len(self.kv_plan.groups))
+        if planned != expected:
+            self.kv_plan.notes.append(f"vLLM's EngineCore planned {planned[0]} blocks in {planned[1]} group(s); "
+                                      f"kvdoctor's scheduler level plans {expected[0]} in {expected[1]}")
+
+    # -- requests: the engine's input path ------------------------------------------------------
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        SamplingParams = self.api.cls("sampling_params", "SamplingParams")
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[EOS_TOKEN])
+        request, wave = self.core.preprocess_add_request(compat.engine_core_request(req_id, prompt, params))
+        self.requests[req_id] = request
+        self.core.add_request(request, wave)
+
+    def abort(self, req_id: str) -> None:
+        self.core.abort_requests([req_id])
+
+    def reset_prefix_cache(self, reset_running_requests: bool, reset_connector: bool) -> bool:
+        kwargs: dict[str, Any] = {}
+        if reset_running_requests:
+            kwargs["reset_running_requests"] = True
+        if reset_connector:
+            kwargs["reset_connector"] = True
+        ok = self.core.reset_prefix_cache(**kwargs)
+        if reset_connector:
+            self.worker.forget()
+            if self.companion is not None:
+                self.companion.forget()
+        return bool(ok) if ok is not None else True
+
+    def drain(self) -> bool:
+        """Sync scheduling: nothing is in flight between engine steps (the runner refuses async drains)."""
+        return False
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        try:
+            with compat.lean_engine_core_lifecycle():
+                self.core.shutdown()
+        except Exception:  # noqa: BLE001 - a crashed engine may not shut down cleanly
+            pass
+
+    # -- one engine step ---------------------------------------------------------------------------
+    def step(self) -> StepEvents:
+        """The engine's own step function; the executor reports what the scheduled step did."""
+        self.step_index += 1
+        self._events = StepEvents()
+        events = self._events
+        _, executed = self.core.step_fn()
+        self.core.post_step(executed)
+        return events
+
+    def _execute(self, output: Any) -> Any:
+        """The executor's step: kvdoctor's worker side on this scheduler output (as `Harness.step` runs it
+        between `schedule()` and `update_from_output()`); returns the ModelRunnerOutput."""
+        events = self._events if self._events is not None else StepEvents()
+        events.scheduled_tokens = dict(output.num_scheduled_tokens)
+        events.preempted = sorted(getattr(output, "preempted_req_ids", None) or ())
+        events.finished = sorted(output.finished_req_ids or ())
+        store_jobs, load_jobs = self.api.store_and_load_jobs(output)
+        metas = self.api.connector_metadatas(output)
+        flush = set(getattr(metas[0], "jobs_to_flush", None) or ()) if metas else set()
+        events.jobs_to_flush = sorted(flush)
+        allocated = set().union(*self.api.allocated_block_ids(
+            output, tuple(g.block_size for g in self.kv_plan.groups)))
+        companion_jobs, companion_flush = self._companion_jobs(output, metas)
+        for job in list(load_jobs.values()) + [j for j in companion_jobs if j.kind == "load"]:
+            dst = job.dst_block_ids if isinstance(job, Job) else self.api.block_ids_of(getattr(job, "dst_spec", None))
+            allocated.update(b for b in dst if b != 0)
+        for jid, job in self.worker.in_flight.items():
+            reused = sorted(set(job.src_block_ids) & allocated)
+            if reused:
+                events.reused_while_storing[jid] = reused
+        new_jobs = []
+        for jid, job in store_jobs.items():
+            events.new_store_jobs[jid] = job.req_id
+            self.store_jobs_by_request.setdefault(job.req_id, []).append(jid)
+            src = self.api.block_ids_of(getattr(job, "src_spec", None))
+            new_jobs.append(Job(jid, job.req_id, "store", self.step_index, src_block_ids=src))
+        for jid, job in load_jobs.items():
+            events.new_load_jobs[jid] = job.req_id
+            dst_spec = getattr(job, "dst_spec", None)
+            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
+                                dst_groups=self.api.block_ids_by_group(dst_spec)))
+        sampled = self._sample(output)
+        done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
+        if self.companion is not None:
+            other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
+            done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,
+                                                                        other.kv_connector_output])
+        events.completed_jobs = done.completed_jobs
+        events.failed_jobs = done.failed_jobs
+        events.content_findings = done.content_findings
+        kv_output = done.kv_connector_output if self.connector_scheduler is not None else None
+        return self._model_runner_output(output, sampled, kv_output)
+
+
+def _admission_len(kv_plan: Any, setup: Setup) -> int | None:
+    """The length the scheduler level ran vLLM's admission check with (its plan notes say when lowered)."""
+    import re
+
+    for note in kv_plan.notes:
+        match = re.search(r"planned with the check at max_model_len=(\d+)", note)
+        if match:
+            return int(match.group(1))
+    return None

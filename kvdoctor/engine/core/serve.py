@@ -1,0 +1,488 @@
+"""`--engine serve`: the recipe as HTTP traffic to a real `vllm serve` child on 127.0.0.1.
+
+kvdoctor starts `python -m vllm.entrypoints.cli.main serve` (the installed vLLM) in its own
+process group on a free loopback port, with kvdoctor's platform plugin switched on for that child
+only (`KVDOCTOR_ENGINE_PLATFORM=1`) and kvdoctor's executor (`--distributed-executor-backend`),
+which paces the engine (`KVDOCTOR_ENGINE_STEP_SECONDS`) so that each client event lands between
+the steps the recipe names. The recipe's steps become traffic: `add` is a `/v1/completions` request
+with a token-id prompt (its `X-Request-Id` names the recipe's request), `schedule` is one paced
+step of waiting, `abort` is the client closing its connection. `expect` is not played (the
+server's scheduler cannot be read from outside); what it guards is checked from the executor's
+step log instead: an aborted request must never have been scheduled before it finished.
+
+The verdict comes from what the server did: its log read with `diagnose`'s reader (exception,
+function, frames) matched against the recipe's signature, or, when it survived, `/health` and a
+fresh request served. The child is always stopped by its process group, bounded in time, also when
+kvdoctor fails or is interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvdoctor.engine.core.levels import unexpressible
+from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
+from kvdoctor.engine.core.standalone import STEP_LOG_PREFIX
+from kvdoctor.errors import UsageError
+
+STEP_SECONDS = float(os.environ.get("KVDOCTOR_SERVE_STEP_SECONDS", "1.0"))  # engine step pacing
+STARTUP_LIMIT_S = float(os.environ.get("KVDOCTOR_SERVE_STARTUP_S", "420"))
+STOP_LIMIT_S = 20.0
+REQUEST_LIMIT_S = 120.0
+SERVE_STEPS = ("add", "schedule", "abort", "expect")  # what this client plays (expect: from the step log)
+
+
+@dataclass
+class Event:
+    kind: str  # "add" | "step" | "abort"
+    request: str = ""
+    prompt: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+
+
+class _Recorder:
+    """Stands where the harness does while the recipe's steps are planned into traffic."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.events.append(Event("add", req_id, list(prompt), max_tokens))
+
+    def step(self) -> None:
+        self.events.append(Event("step"))
+
+    def abort(self, req_id: str) -> None:
+        self.events.append(Event("abort", req_id))
+
+
+def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
+    """The recipe's add/schedule/abort steps as client events, planned exactly as the scheduler level
+    plans them (the same fill plan, prompts and repeats; `scenario.apply_to_harness`)."""
+    from kvdoctor.recipes.geometry import plan_fill, preempt_plan
+    from kvdoctor.scenario import apply_to_harness, prefill_steps
+
+    recorder = _Recorder()
+    prompts: dict[str, list[int]] = {}
+    preempt = preempt_plan(recipe.steps, setup)
+    fill_steps = 1
+    for step in recipe.steps:
+        if step.action == "expect":
+            continue
+        if step.action == "add" and step.args.get("fill_pool"):
+            fill_steps = plan_fill(setup, step.args.get("max_tokens", 8)).steps
+        repeats = step.args.get("count", 1) if step.action == "schedule" else 1
+        if step.args.get("until") == "filled":
+            repeats = fill_steps
+        elif step.args.get("until") == "prefilled":
+            repeats = prefill_steps(prompts[step.args["request"]], setup)
+        for _ in range(repeats):
+            apply_to_harness(step, recorder, setup, prompts, preempt)  # type: ignore[arg-type]
+    return recorder.events
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def admission_len(setup: Any) -> int:
+    """The max_model_len vLLM's start-up check is run with (halved until one request fits the tiny
+    pool; `compat._within_admission_check` does the same at the scheduler level)."""
+    length = setup.max_model_len
+    while length > 1 and length > (setup.gpu_blocks - 1) * setup.block_size:
+        length //= 2
+    return length
+
+
+def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
+    from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
+
+    extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
+    kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
+                   **setup.kv_transfer_fields}
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
+            "--block-size", str(setup.block_size), "--num-gpu-blocks-override", str(setup.gpu_blocks),
+            "--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs),
+            "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
+            "--enable-prefix-caching" if setup.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--enable-chunked-prefill" if setup.enable_chunked_prefill else "--no-enable-chunked-prefill",
+            "--async-scheduling" if setup.async_scheduling else "--no-async-scheduling",
+            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
+            "--distributed-executor-backend", QUALNAME]
+
+
+def serve_env(setup: Any) -> dict[str, str]:
+    from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
+
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])  # kvdoctor's own code first, in both server processes
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({PLATFORM_ENV: "1", STEP_SECONDS_ENV: str(STEP_SECONDS), ADMISSION_ENV:
+                str(admission_len(setup)), "KVDOCTOR_VERBOSE_IMPORT": "1", "VLLM_LOGGING_LEVEL": "INFO",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def plugin_registered() -> bool:
+    """Whether this environment's kvdoctor distribution registers the platform plugin (pyproject)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "kvdoctor.engine.core.platform:register"
+               for ep in entry_points(group="vllm.platform_plugins"))
+
+
+class Server:
+    """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to the group (API server and engine core), SIGKILL after STOP_LIMIT_S; the group is
+        signalled even when the API server already exited (its engine core may linger)."""
+        for sig, wait in ((signal.SIGTERM, STOP_LIMIT_S), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.pid):
+                    return
+                time.sleep(0.2)
+        self.proc.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _http(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+                timeout: float = 30.0) -> tuple[int, str]:
+    """One HTTP/1.1 request on its own loopback connection; cancelling the task closes the socket
+    (the client's disconnect)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        payload = json.dumps(body).encode() if body is not None else b""
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n{extra}"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+        writer.write(head.encode() + payload)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+        status_line, _, rest = raw.decode(errors="replace").partition("\r\n")
+        status = int(status_line.split()[1]) if status_line.startswith("HTTP/") else 0
+        return status, rest.partition("\r\n\r\n")[2]
+    finally:
+        writer.close()
+
+
+def request_tag(name: str) -> str:
+    return f"kvdoctor-{name}-r"
+
+
+async def _wait_ready(port: int, server: Server, limit: float) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and server.alive():
+        try:
+            status, _ = await _http(port, "GET", "/health", timeout=5)
+            if status == 200:
+                return True
+        except (OSError, asyncio.TimeoutError):
+            pass
+        await asyncio.sleep(1.0)
+    return False
+
+
+@dataclass
+class Played:
+    notes: list[str] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)
+    healthy: bool = False
+    fresh_served: bool = False
+
+
+async def _play(port: int, model: str, events: list[Event], step_seconds: float) -> Played:
+    played = Played()
+    tasks: dict[str, asyncio.Task] = {}
+    start = time.monotonic()
+
+    def note(text: str) -> None:
+        played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
+
+    pending_steps = 0
+    for event in events:
+        if event.kind == "step":
+            pending_steps += 1
+            continue
+        if pending_steps or event.kind == "abort":
+            # the arrivals before it need at least two steps to reach the engine's queue
+            await asyncio.sleep(max(pending_steps, 2) * step_seconds)
+            pending_steps = 0
+        if event.kind == "add":
+            body = {"model": model, "prompt": event.prompt, "max_tokens": event.max_tokens, "ignore_eos": True,
+                    "temperature": 0.0}
+            tasks[event.request] = asyncio.create_task(_http(port, "POST", "/v1/completions", body,
+                                                             {"X-Request-Id": request_tag(event.request)},
+                                                             REQUEST_LIMIT_S))
+            note(f"{event.request} sent: {len(event.prompt)} prompt tokens, max_tokens {event.max_tokens}")
+        elif event.kind == "abort":
+            task = tasks.pop(event.request, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            note(f"{event.request} disconnected (the API server aborts it)")
+    await asyncio.sleep(max(pending_steps, 2) * step_seconds)
+    # The recipe ends here. Requests still open are the recipe's fillers: their clients disconnect (a
+    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
+    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
+    for name, task in tasks.items():
+        if task.done():
+            try:
+                status, _ = task.result()
+                played.answers[name] = f"HTTP {status}"
+                note(f"{name} answered HTTP {status}")
+            except (OSError, asyncio.TimeoutError) as exc:
+                played.answers[name] = type(exc).__name__
+                note(f"{name} failed: {type(exc).__name__}")
+            continue
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        played.answers[name] = "disconnected at the recipe's end"
+        note(f"{name} still open at the recipe's end: disconnected")
+    await asyncio.sleep(2 * step_seconds)
+    try:
+        status, _ = await _http(port, "GET", "/health", timeout=10)
+        played.healthy = status == 200
+        note(f"/health: HTTP {status}")
+    except (OSError, asyncio.TimeoutError) as exc:
+        note(f"/health failed: {type(exc).__name__}")
+    if played.healthy:
+        try:
+            status, _ = await _http(port, "POST", "/v1/completions",
+                                    {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 2, "ignore_eos": True},
+                                    {"X-Request-Id": request_tag("fresh")}, 60)
+            played.fresh_served = status == 200
+            note(f"a fresh request answered HTTP {status}")
+        except (OSError, asyncio.TimeoutError) as exc:
+            note(f"a fresh request failed: {type(exc).__name__}")
+    return played
+
+
+def _step_log(lines: list[str]) -> list[dict[str, Any]]:
+    steps = []
+    for line in lines:
+        index = line.find(STEP_LOG_PREFIX)
+        if index < 0:
+            continue
+        _, _, payload = line[index:].partition(": ")
+        try:
+            steps.append(json.loads(payload))
+        except json.JSONDecodeError:
+            continue
+    return steps
+
+
+def aborted_while_queued(lines: list[str], name: str) -> bool | None:
+    """From the executor's step log: True when the request finished without ever being scheduled;
+    False when it was scheduled first; None when the log never names it."""
+    tag = request_tag(name)
+    scheduled = finished = False
+    for step in _step_log(lines):
+        if any(tag in rid for rid in step.get("scheduled", {})):
+            scheduled = True
+        if any(tag in rid for rid in step.get("finished", [])):
+            finished = True
+            break
+    if not finished:
+        return None
+    return not scheduled
+
+
+def ever_scheduled(lines: list[str], name: str) -> bool:
+    tag = request_tag(name)
+    return any(tag in rid for step in _step_log(lines) for rid in step.get("scheduled", {}))
+
+
+def engine_crash(summary: Any) -> Any:
+    """The engine core's fatal traceback, if the log has one. Not the API server's re-raise, and not a
+    traceback the API server logs and survives (0.34's chat-template warm-up without a tokenizer)."""
+    for tb in summary.tracebacks:
+        if tb.is_reraise:
+            continue
+        if tb.after_fatal_marker or "EngineCore" in (tb.process or ""):
+            return tb
+    return None
+
+
+def _failure_from_log(crash: Any) -> Any:
+    from kvdoctor.diagnose.match import innermost_vllm
+    from kvdoctor.diagnose.traceback import display_path
+    from kvdoctor.observe.failure import Failure, Frame
+
+    frame = innermost_vllm(crash)
+    frames = []
+    for f in crash.vllm_frames:
+        try:
+            frames.append(Frame(file=display_path(f.file), line=f.line, function=f.function, code=f.code))
+        except TypeError:
+            break
+    return Failure(exception=crash.exception or "?", message=crash.message, file=display_path(frame.file) if frame
+                   else None, line=frame.line if frame else None, function=frame.function if frame else None,
+                   code=frame.code if frame else None, vllm_frames=frames, in_vllm=frame is not None)
+
+
+def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
+    """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
+    from kvdoctor.diagnose.reader import read_stream
+    from kvdoctor.engine.harness import tiny_model_dir
+    from kvdoctor.observe.verdict import Outcome, matches_exception
+    from kvdoctor.scenario import RunResult
+
+    result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
+    result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
+                     "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
+    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
+    if not reasons and not any(s.action == "abort" for s in recipe.steps):
+        reasons = ["kvdoctor's serve client verifies its precondition only for aborted requests (queued-abort "
+                   "shaped recipes)"]
+    if reasons:
+        result.outcome = Outcome.NOT_APPLICABLE
+        result.detail = "; ".join(reasons)
+        return result, ""
+    if not plugin_registered():
+        raise UsageError("--engine serve: kvdoctor's vLLM platform plugin is not registered in this environment "
+                         "(the entry point `vllm.platform_plugins: kvdoctor_cpu` of kvdoctor's pyproject); "
+                         "reinstall kvdoctor here (pip install -e . / uv sync)")
+    events = plan_traffic(recipe, setup)
+    aborted = [e.request for e in events if e.kind == "abort"]
+    workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
+    log_path = workdir / "server.log"
+    port = free_port()
+    model = tiny_model_dir()
+    played = Played()
+    ready = False
+    with _terminate_as_interrupt():
+        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        try:
+            print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
+                  f"group when the run ends)", file=sys.stderr, flush=True)
+            ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
+            if ready:
+                played = asyncio.run(_play(port, model, events, STEP_SECONDS))
+                time.sleep(1.0)
+        finally:
+            server.stop()
+            text = log_path.read_text(errors="replace")
+            shutil.rmtree(workdir, ignore_errors=True)
+    lines = text.splitlines()
+    summary = read_stream(io.BytesIO(text.encode()), "server.log")
+    engine_steps = len(_step_log(lines))
+    if not ready:
+        result.outcome = Outcome.OTHER_FAILURE
+        result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
+                         f"{server.proc.returncode}); its log: {_tail(lines)}")
+        if engine_crash(summary) is not None:
+            result.failure = _failure_from_log(engine_crash(summary))
+        return result, text
+    crash = engine_crash(summary)
+    queued = {name: aborted_while_queued(lines, name) for name in aborted}
+    if crash is not None:
+        failure = _failure_from_log(crash)
+        result.failure = failure
+        result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
+        if matches_exception(recipe.signature, failure):
+            result.outcome = Outcome.REPRODUCED
+            seen = ", ".join(f"{name} {'was scheduled before' if ever_scheduled(lines, name) else 'never scheduled'}"
+                             for name in aborted)
+            result.detail = (f"the engine died ({seen}, per the executor's step log; the server's traceback "
+                             f"does not name the request)")
+        else:
+            result.outcome = Outcome.OTHER_FAILURE
+            result.detail = f"the engine died with {failure.exception} in vLLM's {failure.function}: {failure.message}"
+        return result, text
+    if played.healthy and played.fresh_served:
+        missed = [name for name, was in queued.items() if not was]
+        if missed:
+            result.outcome = Outcome.NOT_REACHED
+            result.detail = (f"the server survived, but {', '.join(missed)} was not aborted while queued (the "
+                             f"executor's step log shows it scheduled first, or never finished): the run did not "
+                             f"test the bug")
+        else:
+            result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
+                             f"per the executor's step log); /health 200 and a fresh request served")
+        return result, text
+    result.outcome = Outcome.OTHER_FAILURE
+    result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
+                     + "; ".join(played.notes[-4:]))
+    return result, text
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Any:
+    """SIGTERM (a `timeout`, a CI runner) ends kvdoctor as Ctrl-C does, so the server is still stopped."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _tail(lines: list[str], count: int = 5) -> str:
+    return " | ".join(line.strip() for line in lines[-count:])
+
+
+def repro_serve(recipe: Any, setup: Any, command: str = "", release_hint: Any = None) -> Any:
+    """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
+    from kvdoctor.app import ReproReport
+    from kvdoctor.engine.compat import installed_vllm_version
+
+    setup = dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
+                                worker_fallback=(None if setup.worker == "simulated" else
+                                                 "the serve level runs kvdoctor's simulated worker inside the "
+                                                 "server's executor"))
+    result, log_text = run_serve(recipe, setup)
+    report = ReproReport(recipe=recipe, setup=setup, vllm_version=installed_vllm_version() or "?", command=command,
+                         release_hint=release_hint)
+    report.results.append(result)
+    report.server_log = log_text  # type: ignore[attr-defined]
+    return report

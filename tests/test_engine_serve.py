@@ -1,0 +1,123 @@
+"""`--engine serve`: a real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client.
+
+Slow (two `import vllm` in the child, minutes on a 2-core machine): one verdict run, compared with
+kvdoctor's measured release outcomes, and one interrupted run. After both, no child is left and the
+port is free.
+
+The platform plugin is an entry point of kvdoctor's distribution (pyproject.toml). An environment
+whose kvdoctor was installed before the entry point existed lacks it; the tests then put a
+`.dist-info` holding only that entry point on the child's PYTHONPATH (a temporary folder), which is
+what an install of this checkout provides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdoctor.matrix import data
+from tests.conftest import KVDOCTOR, ROOT
+
+pytestmark = pytest.mark.vllm
+PID_LINE = re.compile(r"child PID (\d+) on 127\.0\.0\.1:(\d+)")
+
+
+@pytest.fixture(scope="module")
+def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from kvdoctor.engine.core.serve import plugin_registered
+
+    env = dict(os.environ)
+    if not plugin_registered():
+        folder = tmp_path_factory.mktemp("plugin")
+        info = folder / "kvdoctor_engine_plugin-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvdoctor-engine-plugin\nVersion: 0\n")
+        (info / "entry_points.txt").write_text(
+            "[vllm.platform_plugins]\nkvdoctor_cpu = kvdoctor.engine.core.platform:register\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(folder), env.get("PYTHONPATH")]))
+    return env
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _port_free(port: int) -> bool:
+    """Nothing listens there and a new server could bind it (SO_REUSEADDR, as servers bind: the client
+    connections the run closed may sit in TIME_WAIT, which is the kernel's, not a process's)."""
+    with socket.socket() as probe:
+        probe.settimeout(2)
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            return False
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_queued_abort_serve_verdict_from_the_servers_log(serve_env: dict[str, str]) -> None:
+    proc = subprocess.run([*KVDOCTOR, "repro", "queued-abort", "--engine", "serve", "--json"], cwd=ROOT,
+                          env=serve_env, capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
+    match = PID_LINE.search(proc.stderr)
+    assert match, proc.stderr[-3000:]
+    pid, port = int(match.group(1)), int(match.group(2))
+    assert _gone(pid) and _port_free(port)
+    doc = json.loads(proc.stdout)
+    assert doc["setup"]["engine"] == "serve"
+    rows = [r for r in data.load() if r.release == doc["vllm_version"] and r.recipe == "queued-abort"]
+    if not rows:
+        pytest.skip(f"no measured queued-abort row for vLLM {doc['vllm_version']}")
+    result = doc["results"][0]
+    assert result["outcome"] == rows[0].outcome, result.get("detail")
+    if rows[0].outcome == "reproduced":
+        assert proc.returncode == 1
+        assert result["failure"]["function"] == "_build_store_jobs"
+        assert any("run_busy_loop" == f["function"] for f in result["failure"]["vllm_frames"])
+    else:
+        assert proc.returncode == 0
+        assert "aborted while queued" in result["detail"] and "fresh request served" in result["detail"]
+
+
+def test_interrupted_serve_run_leaves_no_child_and_frees_the_port(serve_env: dict[str, str]) -> None:
+    proc = subprocess.Popen([*KVDOCTOR, "repro", "queued-abort", "--engine", "serve"], cwd=ROOT, env=serve_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        match = None
+        while time.monotonic() < deadline and match is None:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            match = PID_LINE.search(line)
+        assert match, "kvdoctor never named its server child"
+        pid, port = int(match.group(1)), int(match.group(2))
+        time.sleep(5)  # the server is starting (importing vLLM)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (_gone(pid) and _port_free(port)):
+        time.sleep(0.5)
+    assert _gone(pid), f"server process group {pid} still alive"
+    assert _port_free(port)
