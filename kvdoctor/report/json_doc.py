@@ -32,6 +32,7 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "violations": [v.__dict__ for v in result.violations],
         "worker": getattr(result, "worker", "") or None,
         "model_runner": getattr(result, "model_runner", "") or None,
+        "coverage": result.coverage.as_dict() if getattr(result, "coverage", None) is not None else None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
