@@ -24,7 +24,7 @@ import linecache
 import re
 import sys
 from dataclasses import dataclass, field
-from types import CodeType, FrameType
+from types import CodeType, FrameType, FunctionType
 from typing import Any, Iterable
 
 # Where in vLLM a site's function is looked for when the engine's own objects do not hold it.
@@ -40,6 +40,7 @@ class Site:
     function: str
     statement: str                        # the recipe's text for the statement
     codes: tuple[CodeType, ...] = ()      # the function's code objects that hold the statement
+    hooks: tuple[type, ...] = ()          # classes whose plain function `function` holds it (3.11: traced per call)
     lines: dict[CodeType, frozenset[int]] = field(default_factory=dict)  # each code's statement lines
     starts: dict[CodeType, dict[int, int]] = field(default_factory=dict)  # line -> its statement's first
     compares: dict[tuple[CodeType, int], Any] = field(default_factory=dict)  # statement start -> Compare
@@ -148,14 +149,19 @@ def _module_classes() -> list[type]:
 
 
 def _functions(classes: Iterable[type], name: str) -> list[tuple[str, CodeType]]:
-    found = []
+    return [(klass.__qualname__, code) for klass, code in _owners(classes, name)]
+
+
+def _owners(classes: Iterable[type], name: str) -> list[tuple[type, CodeType]]:
+    """(class, code) of each class that defines `name` itself, one per distinct code object."""
+    found: list[tuple[type, CodeType]] = []
     for klass in classes:
         raw = klass.__dict__.get(name)
         raw = getattr(raw, "__func__", raw)
         raw = getattr(raw, "__wrapped__", raw)
         code = getattr(raw, "__code__", None)
         if isinstance(code, CodeType) and all(code is not c for _, c in found):
-            found.append((klass.__qualname__, code))
+            found.append((klass, code))
     return found
 
 
@@ -255,7 +261,8 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
     if when:
         site.when_text = when.strip()
         site.when = compile(parse_when(when), "<site_when>", "eval")
-    functions = _functions(_engine_classes(roots), function) or _functions(_module_classes(), function)
+    owners = _owners(_engine_classes(roots), function) or _owners(_module_classes(), function)
+    functions = [(klass.__qualname__, code) for klass, code in owners]
     if not functions:
         site.gone = f"no function {function} in the installed vLLM's connector or scheduler classes"
         return site
@@ -265,6 +272,8 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
         if not matched:
             continue
         site.codes += (code,)
+        site.hooks += tuple(klass for klass, c in owners if c is code and type(klass.__dict__[function])
+                            is FunctionType)
         site.lines[code] = frozenset(n for first, end, _, _ in matched for n in range(first, end + 1))
         site.starts[code] = {n: first for first, end, _, _ in matched for n in range(first, end + 1)}
         for first, _, text, node in matched:
@@ -297,6 +306,7 @@ class SiteTracer:
         self._last: dict[int, int] = {}  # id(frame) -> the statement start its last line event was in
         self._previous: Any = None
         self._tool: int | None = None
+        self._hooked: list[tuple[type, Any]] = []
 
     # one line event in a site code object
     def _line(self, frame: FrameType, code: CodeType, lineno: int) -> None:
@@ -329,8 +339,9 @@ class SiteTracer:
             return
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
             return
-        margin = {"<": right - left - 1, "<=": right - left, ">": left - right - 1, ">=": left - right,
-                  "==": -abs(left - right), "!=": abs(left - right) - 1}[op]
+        if op not in ("<", "<=", ">", ">="):
+            return  # an equality has no side to come near: held or not is all there is
+        margin = {"<": right - left - 1, "<=": right - left, ">": left - right - 1, ">=": left - right}[op]
         if self.coverage.margin is None or margin < self.coverage.margin:
             self.coverage.margin = margin
             self.coverage.closest = f"{left} {op} {right}"
@@ -340,6 +351,8 @@ class SiteTracer:
             return self.coverage
         if sys.version_info >= (3, 12):
             self._start_monitoring()
+        elif self._hooks_cover_codes():
+            self._start_per_call()
         else:
             self._start_settrace()
         return self.coverage
@@ -349,21 +362,50 @@ class SiteTracer:
             return
         if self._tool is not None:
             self._stop_monitoring()
+        elif self._hooked:
+            for klass, original in self._hooked:
+                setattr(klass, self.site.function, original)
+            self._hooked = []
         else:
             sys.settrace(self._previous)
         self._last.clear()
 
-    # 3.11: a global trace function that traces only the site's code objects
-    def _start_settrace(self) -> None:
-        previous = self._previous = sys.gettrace()
+    # 3.11: a trace function is the only way to see line events, and while one is set every call in the
+    # thread pays for it (3x a run, measured). So it is set only while the site's function runs: each
+    # class that defines it gets, for the scope, a pass-through that turns tracing on around the call.
+    def _hooks_cover_codes(self) -> bool:
+        name = self.site.function
+        return bool(self.site.hooks) and {klass.__dict__[name].__code__ for klass in self.site.hooks} == set(
+            self._codes)
+
+    def _start_per_call(self) -> None:
+        import functools
+
+        global_trace = self._global_trace_function(None)
+        for klass in self.site.hooks:
+            original = klass.__dict__[self.site.function]
+
+            def traced(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                previous = sys.gettrace()
+                sys.settrace(global_trace if previous is None else self._global_trace_function(previous))
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    sys.settrace(previous)
+
+            self._hooked.append((klass, original))
+            setattr(klass, self.site.function, functools.wraps(original)(traced))
+
+    def _global_trace_function(self, previous: Any) -> Any:
         codes = self._codes
         on_line = self._line
+        last = self._last
 
         def local(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "line":
                 on_line(frame, frame.f_code, frame.f_lineno)
             elif event == "return":
-                self._last.pop(id(frame), None)
+                last.pop(id(frame), None)
             return local
 
         if previous is None:
@@ -372,7 +414,13 @@ class SiteTracer:
         else:
             def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
                 return local if frame.f_code in codes else previous(frame, event, arg)
-        sys.settrace(global_trace)
+        return global_trace
+
+    # 3.11 where the site's function cannot be hooked (a staticmethod, a wrapped function): a global trace
+    # function that traces only the site's code objects, for the whole scope
+    def _start_settrace(self) -> None:
+        self._previous = sys.gettrace()
+        sys.settrace(self._global_trace_function(self._previous))
 
     # 3.12+: LINE events on the site's code objects only
     def _start_monitoring(self) -> None:

@@ -83,6 +83,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
+                "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
                 "release_hint": release_hint_dict(row.release_hint),
             }
             for row in report.rows
