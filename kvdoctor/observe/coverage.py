@@ -284,7 +284,8 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
             site.where = f"{owner}.{function} ({_short(code.co_filename)}:{first})"
     if not site.codes:
         owner = functions[0][0]
-        site.gone = f"{owner}.{function} has no statement containing `{wanted}` in the installed vLLM (the code changed)"
+        site.gone = (f"{owner}.{function} has no statement containing `{wanted}` in the installed vLLM "
+                     f"(the code changed)")
     return site
 
 
