@@ -223,7 +223,9 @@ class AuditRow:
                     "the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, "
                     "no upstream fix named yet")
         if outcome == "not_reproduced":
-            return "; ".join(self.installed.guards) or "this vLLM handles the trigger"
+            coverage = self.installed.coverage
+            site = [self.installed.detail if coverage.gone else "crash site " + coverage.line()] if coverage else []
+            return "; ".join(site + self.installed.guards) or "this vLLM handles the trigger"
         return self.installed.detail
 
 

@@ -72,6 +72,7 @@ class RunResult:
     kv_plan: Any = None  # kv_layout.KvPlan: the KV cache groups vLLM's planner built for this run
     worker: str = ""  # which worker ran, in words (Worker.describe)
     model_runner: str = ""  # the model runner the scheduler shaped its output for
+    coverage: Any = None  # observe.coverage.Coverage: did the run execute the recipe's crash site
 
 
 def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:
@@ -191,7 +192,13 @@ class ScenarioRun:
         self.result.worker = harness.worker.describe()
         self.result.model_runner = harness.model_runner
         try:
-            return self._run_on(harness)
+            from kvdoctor.observe.coverage import site_tracer
+            from kvdoctor.observe.verdict import apply_coverage
+
+            with site_tracer(self.recipe.signature, harness) as coverage:
+                self._run_on(harness)
+            self.result.coverage = coverage
+            return apply_coverage(self.result, self.recipe.signature)
         finally:
             harness.shutdown()
 

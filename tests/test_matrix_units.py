@@ -156,9 +156,13 @@ def test_cli_usage_errors(tmp_path, args, words):
     assert words in proc.stderr and proc.stderr.strip().count("\n") == 0
 
 
-def _rows(*triples):
+_COVERAGE = {"reproduced": "reached 1x: fired", "not_reproduced": "reached 2x: held"}
+
+
+def _rows(*triples, coverage=None):
     return [data.OutcomeRow(release=r, recipe=n, bug="K1", outcome=o, failure_site="AssertionError at x.py:1 in f"
-                            if o == "reproduced" else None, measured_on="2026-12-02", kvdoctor_version="0.1.0")
+                            if o == "reproduced" else None, measured_on="2026-12-02", kvdoctor_version="0.1.0",
+                            coverage=(_COVERAGE if coverage is None else coverage).get(o))
             for r, n, o in triples]
 
 
@@ -182,6 +186,23 @@ def test_hint_names_the_release_after_the_last_reproducing_one(tmp_path):
     assert known.first_release_not_reproducing("c", path) is None  # never reproduced
     assert known.first_release_not_reproducing("d", path) is None  # no honest answer after it
     assert known.first_release_not_reproducing("never-measured", path) is None
+
+
+def test_hint_only_where_the_next_release_reached_the_site_and_held(tmp_path):
+    """"Fixed in" is earned: a not_reproduced whose run never reached the crash site (or measured no
+    coverage) names no release; a site gone from the release's source does."""
+    path = tmp_path / "outcomes.toml"
+    rows = (_rows(("0.26.0", "a", "reproduced"))
+            + _rows(("0.27.0", "a", "not_reproduced"), coverage={"not_reproduced": "not reached: x"})
+            + _rows(("0.26.0", "b", "reproduced"))
+            + _rows(("0.27.0", "b", "not_reproduced"), coverage={"not_reproduced": "site gone: f has no x"})
+            + _rows(("0.26.0", "c", "reproduced"))
+            + _rows(("0.27.0", "c", "not_reproduced"), coverage={}))
+    path.write_text(data.render(rows))
+    assert sorted(data.load(path), key=repr) == sorted(rows, key=repr)
+    assert known.first_release_not_reproducing("a", path) is None
+    assert known.first_release_not_reproducing("b", path).release == "0.27.0"
+    assert known.first_release_not_reproducing("c", path) is None
 
 
 def test_the_shipped_data_file_loads_and_names_known_releases():

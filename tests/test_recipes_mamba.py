@@ -13,6 +13,7 @@ import pytest
 from kvdoctor import app
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import RecipeError, UsageError
+from kvdoctor.matrix.data import coverage_class
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes import requirements
 from kvdoctor.recipes.builtins import load_builtin
@@ -45,9 +46,16 @@ EXPECTED = {
     (0, 30): {K7: both(N)},
     (0, 34): {K7: both(N)},
 }
-# The other releases were measured under the installed logic and sync scheduling only (kvdoctor matrix
-# --audit, 2026-12-04: not_reproduced on each; kvdoctor/data/release_outcomes.toml); this table asks
-# every logic in both modes, so they skip here.
+# The other releases were measured under the installed logic and sync scheduling only (kvdoctor
+# matrix --audit; kvdoctor/data/release_outcomes.toml); this table asks every logic in both modes,
+# so they skip here. Their crash-site coverage is asserted below (COVERAGE).
+
+# (major, minor) -> what the installed logic's run did at K7's crash site (update_state_after_alloc's
+# load-boundary assertion, with a local hit ending inside a block). Measured 2026-12-04:
+# 0.26.0 reaches it and the assertion fires; on 0.27.0 the scan and its assertion are still there but
+# B's local hit is block-aligned (64 tokens), so the run never reaches K7's case: not_reached, never
+# "fixed"; on 0.34.0 the assertion is gone from the installed source (PR #52807).
+COVERAGE = {(0, 26): "fired", (0, 27): "not_reached", (0, 34): "gone"}
 
 
 # -- without vLLM: the setup key and the requirement form ---------------------------------------
@@ -146,6 +154,24 @@ def test_k7_outcome(reports, expected, mode, logic):
     if want is R:
         assert run.failure.function == "update_state_after_alloc"
         assert "num_locally_computed_tokens" in ((run.failure.code or "") + run.failure.message)
+
+
+@pytest.mark.vllm
+def test_k7_crash_site_coverage(reports, api, release):
+    """K7 reproduces only where its run reached the assertion in K7's case; where it does not reproduce,
+    the run reached the site and it held, or the site is gone, or the outcome says not_reached."""
+    want = expected_for(api, release, COVERAGE)
+    run = result(reports, False, "installed")
+    coverage = run.coverage
+    assert coverage is not None and coverage.function == "update_state_after_alloc"
+    assert coverage_class(coverage.line()) == want, coverage.line()
+    if want == "fired":
+        assert run.outcome is R and coverage.reached and coverage.closest == "80 <= 64"
+    elif want == "not_reached":
+        assert run.outcome is Outcome.NOT_REACHED and run.detail.startswith("not reached: ")
+        assert "num_locally_computed_tokens % tokens_per_block != 0" in run.detail
+    else:
+        assert run.outcome is N and run.detail.startswith("site gone: ") and "update_state_after_alloc" in run.detail
 
 
 @pytest.mark.vllm

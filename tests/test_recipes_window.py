@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app
+from kvdoctor.matrix.data import coverage_class
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
@@ -34,8 +35,9 @@ EXPECTED = {
     (0, 27): {K3: same(N)},   # PR #49052 in (bound + 1): B loads its 160-token hit and runs
 }
 # Measured 2026-12-03 on 0.27.0/0.27.1, 0.28.0 ... 0.33.0: not_reproduced, as 0.27. On 0.34.0 also
-# not_reproduced, but there the unaligned hit is not reached (its LRU ranks a finished request's
-# chunks tail first, so G evicts chunk 7 and B hits 224 aligned tokens): see the recipe's summary.
+# not_reproduced: B's hit differs there (see the recipe's summary), but the run still reaches K3's
+# case at the crash site (3 pending sliding-window blocks against a bound of 2) and the fixed bound
+# holds (COVERAGE below).
 for minor in range(28, 35):
     EXPECTED[(0, minor)] = dict(EXPECTED[(0, 27)])
 # K12, measured 2026-12-04 (kvdoctor matrix swa-unaligned-hit-missing-chunk over every release, and
@@ -43,8 +45,11 @@ for minor in range(28, 35):
 # cache' in prepare_load; not_reproduced from 0.30.0, where the sliding-window lookup requires the
 # chunk a partial rightmost window straddles (PR #55712, initial_window_size). The store cap of
 # `fixed` does not touch the lookup.
+# Crash-site coverage (measured 2026-12-04, kvdoctor matrix --audit): on 0.30.0 prepare_load's "not found"
+# assertion is still there but the run never executes it (not_reached, not evidence of a fix); from
+# 0.31.0 the assertion is gone from the source (not_reproduced, said as "site gone").
 for minor in range(26, 35):
-    EXPECTED[(0, minor)][K12] = same(R if minor < 30 else N)
+    EXPECTED[(0, minor)][K12] = same(R if minor < 30 else Outcome.NOT_REACHED if minor == 30 else N)
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,19 @@ def test_k12_recipe_states_its_trigger():
     assert any("55712" in ref for ref in recipe.refs)
     assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "prepare_load")
 
+
+
+# What the installed logic's K3 run did at its crash site (the pending-block bound with one block more
+# than sliding_window_size_in_chunks * blocks_per_chunk), measured 2026-12-04.
+COVERAGE = {(0, 26): "fired", (0, 27): "held", (0, 34): "held"}
+
+
+def test_k3_crash_site_coverage(reports, api, release):
+    want = expected_for(api, release, COVERAGE)
+    coverage = result(reports, K3, "installed").coverage
+    assert coverage is not None and coverage_class(coverage.line()) == want, coverage and coverage.line()
+    if want == "held":
+        assert coverage.closest == "3 <= 3" and coverage.margin == 0  # K3's case, at the fixed bound's edge
 
 
 def _k3_failure(failure):

@@ -1,6 +1,10 @@
 """The installed vLLM release's `kvdoctor audit --json`, compared with kvdoctor's own
 measurements in kvdoctor/data/release_outcomes.toml (one row per release x recipe).
 
+Each row also records the run's crash-site coverage; a `not_reproduced` counts only where the
+run reached the recipe's crash site and it held, or the site is gone from that release's source
+(checked on the data for every release, and on the installed release's own audit).
+
 A difference fails: the data is re-measured with `kvdoctor matrix --audit --write-data`
 and reviewed, never silently updated. A release the file has no rows for skips.
 """
@@ -12,6 +16,7 @@ import json
 import pytest
 
 from kvdoctor.matrix import data
+from kvdoctor.matrix.data import coverage_class
 from kvdoctor.matrix.runner import failure_site
 from kvdoctor.recipes.builtins import builtin_names
 from tests.conftest import run_cli
@@ -44,6 +49,11 @@ def observed(audit_doc) -> dict[str, tuple[str, str | None]]:
             for row in audit_doc["rows"]}
 
 
+@pytest.fixture(scope="module")
+def observed_coverage(audit_doc) -> dict[str, str | None]:
+    return {row["recipe"]: (row.get("coverage") or {}).get("summary") for row in audit_doc["rows"]}
+
+
 @pytest.mark.parametrize("recipe", builtin_names())
 def test_recipe_outcome_matches_the_measurement(recipe, measured, observed, audit_doc):
     assert recipe in measured, (f"{recipe} was never measured on vLLM {audit_doc['vllm_version']}: "
@@ -54,5 +64,48 @@ def test_recipe_outcome_matches_the_measurement(recipe, measured, observed, audi
         f"kvdoctor {row.kvdoctor_version}, now {observed[recipe]}")
 
 
+@pytest.mark.parametrize("recipe", builtin_names())
+def test_not_reproduced_only_where_the_run_reached_its_crash_site(recipe, observed, observed_coverage, audit_doc):
+    """On the installed release: a recipe that ran through reached its crash site and it held, or the
+    site is gone from this vLLM's source; a run that never reached it says not_reached."""
+    coverage = observed_coverage[recipe]
+    assert coverage is not None, f"{recipe}: the audit's run measured no crash-site coverage"
+    if observed[recipe][0] == "not_reproduced":
+        assert coverage_class(coverage) in ("held", "gone"), f"{recipe} on {audit_doc['vllm_version']}: {coverage}"
+    if coverage_class(coverage) == "not_reached":
+        assert observed[recipe][0] in ("not_reached", "other_failure", "setup_error"), (recipe, coverage)
+
+
+@pytest.mark.parametrize("recipe", builtin_names())
+def test_recipe_coverage_matches_the_measurement(recipe, measured, observed_coverage):
+    row = measured.get(recipe)
+    if row is None or row.coverage is None:
+        pytest.skip(f"{recipe}: no coverage measured on this release")
+    assert coverage_class(observed_coverage[recipe]) == row.coverage_class, (
+        f"{recipe} on vLLM {row.release}: measured '{row.coverage}' on {row.measured_on}, now "
+        f"'{observed_coverage[recipe]}'")
+
+
 def test_no_measurement_of_a_recipe_that_is_gone(measured, observed):
     assert sorted(measured) == sorted(observed)
+
+
+# -- the data itself, for every release it holds (no vLLM needed) ---------------------------------
+
+@pytest.mark.parametrize("row", [r for r in data.load() if r.outcome == "not_reproduced"],
+                         ids=lambda r: f"{r.release}-{r.recipe}")
+def test_no_measured_not_reproduced_without_reaching_the_site(row):
+    """The table's not_reproduced rows: each run reached its crash site and it held, or the site is gone."""
+    assert row.coverage_class in ("held", "gone"), f"{row.release} {row.recipe}: {row.coverage}"
+
+
+def test_fixed_in_only_where_earned():
+    """The audit hint "stops reproducing in X" names a release whose run reached the site and held."""
+    from kvdoctor.matrix.known import first_release_not_reproducing
+
+    rows = data.load()
+    for name in builtin_names():
+        fix = first_release_not_reproducing(name)
+        if fix is not None:
+            row = next(r for r in rows if r.recipe == name and r.release == fix.release)
+            assert row.earns_fixed, (name, row)

@@ -160,6 +160,6 @@ def data_rows(report: MatrixReport) -> list:
 
     broken = unmeasured_releases(report)
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
-                       failure_site=c.failure_site if c.outcome == "reproduced" else None,
+                       failure_site=c.failure_site if c.outcome == "reproduced" else None, coverage=c.coverage,
                        measured_on=report.measured_on, kvdoctor_version=report.kvdoctor_version)
             for c in report.cells.values() if c.release not in broken]

@@ -21,7 +21,9 @@ HEADER = """\
 # vLLM release x built-in recipe -> outcome under vLLM's installed logic, as kvdoctor measured it.
 # Written by `kvdoctor matrix --audit --write-data kvdoctor/data/release_outcomes.toml` from real
 # runs; never edit by hand: re-measure. tests/test_release_outcomes.py fails when a release's
-# `kvdoctor audit --json` disagrees with its rows (outcome, or the failure site when reproduced).
+# `kvdoctor audit --json` disagrees with its rows (outcome, the failure site when reproduced, and
+# whether the run reached the recipe's crash site: `coverage`). A release counts as fixed only where
+# the site was reached and held, or is gone from that release's source.
 """
 
 
@@ -34,6 +36,35 @@ class OutcomeRow:
     failure_site: str | None
     measured_on: str  # YYYY-MM-DD
     kvdoctor_version: str
+    # The crash site's coverage line: "reached 2x: held (...)", "not reached: ...", "site gone: ...";
+    # None for rows measured before kvdoctor counted it (they earn no "fixed").
+    coverage: str | None = None
+
+    @property
+    def coverage_class(self) -> str | None:
+        return coverage_class(self.coverage)
+
+    @property
+    def earns_fixed(self) -> bool:
+        """This row is evidence that the bug is gone on its release: the run reached the crash site and
+        it held, or the site no longer exists; `not_applicable` (the release lacks what the trigger
+        needs) as before."""
+        if self.outcome == "not_applicable":
+            return True
+        return self.outcome == "not_reproduced" and self.coverage_class in ("held", "gone")
+
+
+def coverage_class(line: str | None) -> str | None:
+    """"held" | "fired" | "not_reached" | "gone" | None, from a coverage line."""
+    if not line:
+        return None
+    if line.startswith("site gone"):
+        return "gone"
+    if line.startswith("not reached"):
+        return "not_reached"
+    if line.startswith("reached"):
+        return "fired" if ": fired" in line else "held"
+    return None
 
 
 def load(path: Path = DATA_FILE) -> list[OutcomeRow]:
@@ -43,7 +74,7 @@ def load(path: Path = DATA_FILE) -> list[OutcomeRow]:
         data = tomllib.loads(path.read_text())
         return [OutcomeRow(release=r["release"], recipe=r["recipe"], bug=r.get("bug", "-"), outcome=r["outcome"],
                            failure_site=r.get("failure_site"), measured_on=r["measured_on"],
-                           kvdoctor_version=r["kvdoctor_version"])
+                           kvdoctor_version=r["kvdoctor_version"], coverage=r.get("coverage"))
                 for r in data.get("outcome", [])]
     except (tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
         raise UsageError(f"{path}: not a release-outcomes file ({type(exc).__name__}: {exc})") from None
@@ -60,7 +91,8 @@ def render(rows: Iterable[OutcomeRow]) -> str:
     lines = [HEADER, f"schema_version = {DATA_SCHEMA_VERSION}", ""]
     for row in sorted(rows, key=_order):
         lines.append("[[outcome]]")
-        for key in ("release", "recipe", "bug", "outcome", "failure_site", "measured_on", "kvdoctor_version"):
+        for key in ("release", "recipe", "bug", "outcome", "failure_site", "coverage", "measured_on",
+                    "kvdoctor_version"):
             value = getattr(row, key)
             if value is not None:
                 lines.append(f"{key} = {toml_string(value)}")

@@ -24,8 +24,9 @@ class KnownFix(NamedTuple):
 
 def first_release_not_reproducing(recipe_name: str, path: Path | None = None) -> KnownFix | None:
     """The first measured release after the last one where `recipe_name` reproduces (installed
-    logic), when it does not reproduce there; None when never measured, never reproducing, or
-    reproducing up to the newest measured release."""
+    logic), when that release earned "fixed" (its run reached the crash site and it held, or the
+    site is gone there); None when never measured, never reproducing, reproducing up to the newest
+    measured release, or when the next release's run did not reach the site."""
     try:
         rows = [r for r in data.load(path or data.DATA_FILE) if r.recipe == recipe_name and r.release in KNOWN_RELEASES]
     except Exception:  # noqa: BLE001 - a hint must never break a verdict
@@ -35,9 +36,9 @@ def first_release_not_reproducing(recipe_name: str, path: Path | None = None) ->
     if last is None:
         return None
     for row in rows[last + 1:]:
-        if row.outcome in NOT_REPRODUCING:
+        if row.earns_fixed:
             return KnownFix(row.release, rows[last].release, row.measured_on, row.kvdoctor_version)
-        return None  # an error or setup_error right after: no honest answer
+        return None  # not reached, an error or setup_error right after: no honest answer
     return None
 
 

@@ -39,6 +39,7 @@ class Cell:
     fixed_logic_outcome: str | None = None
     vllm_version: str | None = None
     seconds: float = 0.0
+    coverage: str | None = None  # the crash site's coverage line ("reached 2x: held", "site gone: ...")
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -51,6 +52,11 @@ def failure_site(failure: dict | None, violations: list[dict] | None) -> str | N
     if violations:
         return "invariant " + ", ".join(sorted({v["invariant"] for v in violations}))
     return None
+
+
+def coverage_line(coverage: dict | None) -> str | None:
+    """The crash site's coverage as the JSON says it (None from a kvdoctor that did not measure it)."""
+    return coverage.get("summary") if isinstance(coverage, dict) else None
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Runner:
         return Cell(env.release, doc["recipe"]["name"], result["outcome"], bug=doc["recipe"].get("bug"),
                     failure_site=failure_site(result.get("failure"), result.get("violations")),
                     detail=result.get("detail"), vllm_version=doc.get("vllm_version"),
-                    seconds=round(time.monotonic() - started, 1))
+                    seconds=round(time.monotonic() - started, 1), coverage=coverage_line(result.get("coverage")))
 
     def audit(self, env: ReleaseEnv) -> list[Cell]:
         """`kvdoctor audit --json` on the release: one cell per built-in recipe."""
@@ -93,7 +99,7 @@ class Runner:
                      failure_site=failure_site(row.get("failure"), row.get("violations")),
                      detail=None if row["outcome"] == "reproduced" else row.get("hint"),
                      fixed_logic_outcome=row.get("fixed_logic_outcome"), vllm_version=doc.get("vllm_version"),
-                     seconds=seconds)
+                     seconds=seconds, coverage=coverage_line(row.get("coverage")))
                 for row in doc["rows"]]
 
     def _failed(self, env: ReleaseEnv, name: str, code: int, doc: dict | None, err: str,

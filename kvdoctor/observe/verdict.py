@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 from kvdoctor.observe.failure import Failure
 from kvdoctor.recipes.model import Signature
@@ -28,3 +29,24 @@ def matches_exception(signature: Signature, failure: Failure) -> bool:
         haystack = " ".join(filter(None, (failure.code, failure.message)))
         return signature.contains in haystack
     return True
+
+
+def apply_coverage(result: Any, signature: Signature) -> Any:
+    """Let the crash site's coverage qualify a run's outcome (`result`: a scenario.RunResult).
+
+    `not_reproduced` stays only where the run executed the site and it held, or where the site is
+    gone from the installed vLLM (said in the detail); a run that never executed it did not test
+    the bug: `not_reached`.
+    """
+    coverage = result.coverage
+    if coverage is None:
+        return result
+    if result.outcome is Outcome.REPRODUCED:
+        coverage.fired = True
+    elif result.outcome is Outcome.NOT_REPRODUCED:
+        if coverage.gone:
+            result.detail = f"site gone: {coverage.gone}"
+        elif coverage.measured and not coverage.reached:
+            result.outcome = Outcome.NOT_REACHED
+            result.detail = coverage.line() + " on this release"
+    return result

@@ -30,7 +30,8 @@ _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
-                   "request": (str,), "callers": (list,)}
+                   "request": (str,), "callers": (list,), "site_function": (str,), "site": (str,),
+                   "site_when": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
@@ -423,6 +424,24 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
         missing = " and ".join(f"'{k}'" for k in ("exception", "function") if k not in raw)
         raise r.fail(line, f"[signature] needs 'exception' and 'function' (or 'invariant'); missing {missing}")
     raw = dict(raw)
+    if "site_function" in raw and not re.fullmatch(r"[A-Za-z_]\w*", raw["site_function"]):
+        raise r.fail(r.index.key(line, "site_function"),
+                     f"[signature] site_function must be a function name, got {_show(raw['site_function'])}")
+    if "site_function" in raw and "site" not in raw and "contains" not in raw:
+        raise r.fail(r.index.key(line, "site_function"),
+                     "[signature] site_function needs 'site': text of the statement that is the crash site")
+    if "site" in raw and "site_function" not in raw and "function" not in raw:
+        raise r.fail(r.index.key(line, "site"), "[signature] site needs 'site_function' with an invariant: "
+                                                "the vLLM function that holds the statement")
+    if "site_when" in raw:
+        from kvdoctor.observe.coverage import parse_when
+
+        try:
+            parse_when(raw["site_when"])
+        except ValueError as exc:
+            raise r.fail(r.index.key(line, "site_when"), f"[signature] site_when {_show(raw['site_when'])}: {exc}")
+    if "site" in raw and not raw["site"].strip():
+        raise r.fail(r.index.key(line, "site"), "[signature] site must name a statement's text, got an empty string")
     if "callers" in raw:
         callers_line = r.index.key(line, "callers")
         if "invariant" in raw:

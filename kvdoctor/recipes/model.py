@@ -90,6 +90,20 @@ class Signature:
     # vLLM functions expected above `function` in the traceback, outermost first (not necessarily
     # adjacent). Optional; `kvdoctor diagnose` ranks a log's crash higher when its chain has them.
     callers: tuple[str, ...] = ()
+    # The crash site whose execution the run's coverage counts (observe/coverage.py): a vLLM function
+    # and text its statement contains. They default to `function` and `contains`; an invariant's
+    # recipe names its check point (the vLLM statement whose outcome the invariant judges).
+    site_function: str | None = None
+    site: str | None = None
+    # A condition on the site frame's values that is the bug's case there (e.g. a local hit ending
+    # inside a block); a run reaches the site only where it holds. Parsed, never executed as code.
+    site_when: str | None = None
+
+    def crash_site(self) -> tuple[str, str] | None:
+        """(function, statement) of the crash site, or None when the signature names none."""
+        function = self.site_function or self.function
+        statement = self.site or self.contains
+        return (function, statement) if function and statement else None
 
     def describe(self) -> str:
         if self.invariant:

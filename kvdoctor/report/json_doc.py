@@ -32,6 +32,7 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "violations": [v.__dict__ for v in result.violations],
         "worker": getattr(result, "worker", "") or None,
         "model_runner": getattr(result, "model_runner", "") or None,
+        "coverage": result.coverage.as_dict() if getattr(result, "coverage", None) is not None else None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
@@ -85,6 +86,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
+                "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
                 "release_hint": release_hint_dict(row.release_hint),
             }
             for row in report.rows

@@ -59,6 +59,9 @@ def why_lines(result: Any) -> list[str]:
         step = (f"step {result.failure_step}: " if result.failure_step is not None
                 and not result.detail.startswith("step ") else "")
         parts.append(step + result.detail)
+    coverage = getattr(result, "coverage", None)
+    if coverage is not None and not coverage.gone and coverage.reached:
+        parts.append("crash site " + coverage.line())
     parts.extend(result.guards)
     passed = [c.description for c in result.checks if c.passed]
     if passed:

@@ -1,0 +1,479 @@
+"""Did the run execute the recipe's crash site? Counted by the interpreter, for that one code object.
+
+A `not_reproduced` is evidence of a fix only when the run reached the code the
+bug lives in. A recipe's signature names that code (`Signature.site()`: a vLLM
+function and one of its statements); this module finds the function among the
+classes the run's engine really uses, reads the statement from the installed
+source, and counts the statement's executions while the scenario runs. For an
+assert (or a guarded `if`) whose test is one comparison, the values compared
+are recorded where the margin was closest, so a report can say how near the
+buggy side the run came.
+
+Tracing is scoped to the site's code object: `sys.monitoring` local events on
+3.12+; before that a `sys.settrace` whose global function returns a local
+tracer for that code object only. Either is removed on exit, even when the
+scenario raises, and a trace function already installed (a debugger, coverage)
+is restored and keeps seeing every other frame.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import re
+import sys
+from dataclasses import dataclass, field
+from types import CodeType, FrameType, FunctionType
+from typing import Any, Iterable
+
+# Where in vLLM a site's function is looked for when the engine's own objects do not hold it.
+_MODULE_HINTS = ("offload", "kv_connector", "vllm.v1.core")
+_SAFE_CALLS = {"len", "min", "max", "abs"}
+_OPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+
+
+@dataclass
+class Site:
+    """A crash site as found in the installed vLLM (or why it was not)."""
+
+    function: str
+    statement: str                        # the recipe's text for the statement
+    codes: tuple[CodeType, ...] = ()      # the function's code objects that hold the statement
+    hooks: tuple[type, ...] = ()          # classes whose plain function `function` holds it (3.11: traced per call)
+    lines: dict[CodeType, frozenset[int]] = field(default_factory=dict)  # each code's statement lines
+    starts: dict[CodeType, dict[int, int]] = field(default_factory=dict)  # line -> its statement's first
+    compares: dict[tuple[CodeType, int], Any] = field(default_factory=dict)  # statement start -> Compare
+    when: Any = None                      # compiled `site_when`: a hit counts only where it is true
+    when_text: str = ""
+    source: str = ""                      # the matched statement, as installed (first match)
+    where: str = ""                       # Class.function (file:line)
+    gone: str | None = None               # why the site is not in the installed vLLM
+
+
+@dataclass
+class Coverage:
+    """What the run did at its crash site: `hits` executions, and the closest comparison seen."""
+
+    function: str
+    statement: str
+    source: str = ""
+    where: str = ""
+    gone: str | None = None
+    when: str = ""                 # the signature's `site_when`: the bug's case at the site
+    executed: int = 0              # times the statement ran (whatever `when` said)
+    hits: int = 0                  # times it ran in the bug's case (`when` true; every run without one)
+    closest: str | None = None     # e.g. "64 <= 64": the compared values where the margin was smallest
+    margin: float | None = None    # how far that comparison was from failing (0: on the edge)
+    fired: bool = False            # the run's failure is this site's (set by the verdict)
+    measured: bool = True          # False: no way to trace here (every sys.monitoring tool id taken)
+
+    @property
+    def reached(self) -> bool:
+        return self.hits > 0
+
+    def line(self) -> str:
+        """One line for a report: 'reached 3x: held (closest: 64 <= 64)'."""
+        if self.gone:
+            return f"site gone: {self.gone}"
+        if not self.measured:
+            return "coverage not measured (no free sys.monitoring tool id)"
+        if not self.hits:
+            if self.when and self.executed:
+                return (f"not reached: the run executed {self.describe_site()} {self.executed}x, never with "
+                        f"`{self.when}`")
+            return f"not reached: the recipe's path does not reach {self.describe_site()}"
+        text = f"reached {self.hits}x: " + ("fired" if self.fired else "held")
+        if self.closest and not self.fired:
+            text += f" (closest: {self.closest})"
+        return text
+
+    def describe_site(self) -> str:
+        text = f"{self.function}'s `{self.source or self.statement}`"
+        return text + (f" with `{self.when}`" if self.when and not self.executed else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"function": self.function, "statement": self.source or self.statement, "where": self.where,
+                "gone": self.gone, "when": self.when or None, "reached": self.reached, "hits": self.hits,
+                "executed": self.executed, "fired": self.fired,
+                "closest": self.closest, "margin": self.margin, "summary": self.line()}
+
+
+# -- finding the site ---------------------------------------------------------------------------
+
+def _normalize(text: str) -> str:
+    """One spelling for statement text: whitespace collapsed, none inside brackets' edges (as
+    `failure.statement_source` joins a multi-line statement)."""
+    text = re.sub(r"\s+", " ", text).strip()
+    return re.sub(r"\s+([)\]])", r"\1", re.sub(r"([(\[])\s+", r"\1", text))
+
+
+def _engine_classes(roots: Iterable[Any], depth: int = 3) -> list[type]:
+    """vLLM classes of the engine's objects and of what they hold, a few levels down (the connector
+    scheduler's manager, a tiering manager's tiers), in the order found."""
+    seen_ids: set[int] = set()
+    classes: list[type] = []
+    frontier = list(roots)
+    for _ in range(depth):
+        following: list[Any] = []
+        for obj in frontier:
+            if obj is None or id(obj) in seen_ids:
+                continue
+            seen_ids.add(id(obj))
+            if isinstance(obj, (list, tuple)):
+                following.extend(obj[:8])
+                continue
+            if isinstance(obj, dict):
+                following.extend(list(obj.values())[:8])
+                continue
+            cls = type(obj)
+            if not cls.__module__.startswith("vllm."):
+                continue
+            for klass in cls.__mro__:
+                if klass not in classes and klass.__module__.startswith("vllm."):
+                    classes.append(klass)
+            following.extend(getattr(obj, "__dict__", {}).values())
+        frontier = following
+    return classes
+
+
+def _module_classes() -> list[type]:
+    classes = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm.") or not any(h in name for h in _MODULE_HINTS) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                classes.append(value)
+    return classes
+
+
+def _functions(classes: Iterable[type], name: str) -> list[tuple[str, CodeType]]:
+    return [(klass.__qualname__, code) for klass, code in _owners(classes, name)]
+
+
+def _owners(classes: Iterable[type], name: str) -> list[tuple[type, CodeType]]:
+    """(class, code) of each class that defines `name` itself, one per distinct code object."""
+    found: list[tuple[type, CodeType]] = []
+    for klass in classes:
+        raw = klass.__dict__.get(name)
+        raw = getattr(raw, "__func__", raw)
+        raw = getattr(raw, "__wrapped__", raw)
+        code = getattr(raw, "__code__", None)
+        if isinstance(code, CodeType) and all(code is not c for _, c in found):
+            found.append((klass, code))
+    return found
+
+
+def _statements(code: CodeType) -> list[tuple[int, int, str, ast.stmt]]:
+    """(first line, last line, normalized text, node) of each statement in the function's own body;
+    a compound statement contributes its header."""
+    lines = linecache.getlines(code.co_filename)
+    if not lines:
+        return []
+    code_lines = [line for _, _, line in code.co_lines() if line is not None and line != code.co_firstlineno]
+    first, last = min(code_lines, default=code.co_firstlineno), max(code_lines, default=code.co_firstlineno)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return []
+    # The def whose body holds the code's lines (co_firstlineno is a decorator's line when decorated).
+    enclosing = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == code.co_name and n.lineno <= first and last <= (n.end_lineno or 0)]
+    func = min(enclosing, key=lambda n: (n.end_lineno or 0) - n.lineno, default=None)
+    if func is None:
+        return []
+    out = []
+    stack: list[ast.AST] = list(func.body)
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue  # nested code objects are not the site's code object
+        if not isinstance(node, ast.stmt):
+            continue
+        body = getattr(node, "body", None)
+        compound = isinstance(body, list) and body and isinstance(body[0], ast.stmt)
+        end = max(node.lineno, body[0].lineno - 1) if compound else (node.end_lineno or node.lineno)
+        text = _normalize(" ".join(lines[n - 1].strip() for n in range(node.lineno, end + 1)))
+        out.append((node.lineno, end, text, node))
+        for attr in ("body", "orelse", "finalbody", "handlers"):
+            stack.extend(getattr(node, attr, None) or [])
+        for case in getattr(node, "cases", None) or []:
+            stack.extend(case.body)
+    return out
+
+
+def _safe(node: ast.AST) -> bool:
+    """An operand kvdoctor may evaluate in vLLM's frame: names, attributes, arithmetic, len()..."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            if not (isinstance(sub.func, ast.Name) and sub.func.id in _SAFE_CALLS) or sub.keywords:
+                return False
+        elif not isinstance(sub, (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Load,
+                                  ast.operator, ast.unaryop, ast.Subscript, ast.Slice, ast.Tuple)):
+            return False
+    return True
+
+
+_WHEN_NODES = (ast.Compare, ast.BoolOp, ast.And, ast.Or, ast.cmpop, ast.Not)
+
+
+def parse_when(text: str) -> ast.Expression:
+    """A `site_when` condition, parsed and checked: one expression over the site frame's names,
+    attributes, constants, arithmetic, comparisons, and/or/not, len/min/max/abs. Nothing else is
+    accepted, so a recipe stays data. Raises ValueError saying why."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an expression ({exc.msg})") from None
+    for node in ast.walk(tree.body):
+        if isinstance(node, _WHEN_NODES):
+            continue
+        if isinstance(node, ast.Call):
+            if not (isinstance(node.func, ast.Name) and node.func.id in _SAFE_CALLS) or node.keywords:
+                raise ValueError("only len, min, max and abs may be called")
+        elif not isinstance(node, (ast.Name, ast.Attribute, ast.Constant, ast.BinOp, ast.UnaryOp, ast.Load,
+                                   ast.operator, ast.unaryop, ast.Subscript, ast.Slice, ast.Tuple)):
+            raise ValueError(f"{type(node).__name__} is not allowed (names, attributes, arithmetic, "
+                             f"comparisons, and/or/not)")
+    return tree
+
+
+_WHEN_BUILTINS = {"__builtins__": {name: getattr(builtins, name) for name in _SAFE_CALLS}}
+
+
+def _compare_of(node: ast.stmt, filename: str) -> Any:
+    """(op, left code, right code) when the statement's test is one comparison of safe operands."""
+    test = node.test if isinstance(node, (ast.Assert, ast.If, ast.While)) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS):
+        return None
+    left, right = test.left, test.comparators[0]
+    if not (_safe(left) and _safe(right)):
+        return None
+    compile_ = lambda expr: compile(ast.Expression(expr), filename, "eval")  # noqa: E731
+    return _OPS[type(test.ops[0])], compile_(left), compile_(right)
+
+
+def find_site(function: str, statement: str, roots: Iterable[Any], when: str | None = None) -> Site:
+    """The site in the installed vLLM: `function` on the engine's classes (else in vLLM's connector
+    and core modules), and its statements whose text contains `statement`."""
+    site = Site(function, statement)
+    if when:
+        site.when_text = when.strip()
+        site.when = compile(parse_when(when), "<site_when>", "eval")
+    owners = _owners(_engine_classes(roots), function) or _owners(_module_classes(), function)
+    functions = [(klass.__qualname__, code) for klass, code in owners]
+    if not functions:
+        site.gone = f"no function {function} in the installed vLLM's connector or scheduler classes"
+        return site
+    wanted = _normalize(statement)
+    for owner, code in functions:
+        matched = [s for s in _statements(code) if wanted in s[2]]
+        if not matched:
+            continue
+        site.codes += (code,)
+        site.hooks += tuple(klass for klass, c in owners if c is code and type(klass.__dict__[function])
+                            is FunctionType)
+        site.lines[code] = frozenset(n for first, end, _, _ in matched for n in range(first, end + 1))
+        site.starts[code] = {n: first for first, end, _, _ in matched for n in range(first, end + 1)}
+        for first, _, text, node in matched:
+            site.compares[(code, first)] = _compare_of(node, code.co_filename)
+        if not site.source:
+            first, _, text, _ = matched[0]
+            site.source = text
+            site.where = f"{owner}.{function} ({_short(code.co_filename)}:{first})"
+    if not site.codes:
+        owner = functions[0][0]
+        site.gone = (f"{owner}.{function} has no statement containing `{wanted}` in the installed vLLM "
+                     f"(the code changed)")
+    return site
+
+
+def _short(path: str) -> str:
+    index = path.replace("\\", "/").rfind("/vllm/")
+    return path[index + 1:] if index >= 0 else path
+
+
+# -- counting -----------------------------------------------------------------------------------
+
+class SiteTracer:
+    """Counts the site's executions inside a `with` block; see the module docstring for how."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.coverage = Coverage(site.function, site.statement, site.source, site.where, site.gone,
+                                 site.when_text)
+        self._codes = frozenset(site.codes)
+        self._last: dict[int, int] = {}  # id(frame) -> the statement start its last line event was in
+        self._previous: Any = None
+        self._tool: int | None = None
+        self._hooked: list[tuple[type, Any]] = []
+
+    # one line event in a site code object
+    def _line(self, frame: FrameType, code: CodeType, lineno: int) -> None:
+        start = self.site.starts[code].get(lineno)
+        key = id(frame)
+        if start is None:
+            self._last.pop(key, None)
+            return
+        if self._last.get(key) == start:
+            return  # another line of the statement being executed
+        self._last[key] = start
+        self.coverage.executed += 1
+        if self.site.when is not None:
+            try:
+                if not eval(self.site.when, _WHEN_BUILTINS, frame.f_locals):  # noqa: S307 - parse_when
+                    return
+            except Exception:  # noqa: BLE001 - a name not bound here: not the bug's case
+                return
+        self.coverage.hits += 1
+        compare = self.site.compares.get((code, start))
+        if compare is not None:
+            self._measure(compare, frame)
+
+    def _measure(self, compare: Any, frame: FrameType) -> None:
+        op, left_code, right_code = compare
+        try:
+            left = eval(left_code, frame.f_globals, frame.f_locals)  # noqa: S307 - checked by _safe
+            right = eval(right_code, frame.f_globals, frame.f_locals)  # noqa: S307
+        except Exception:  # noqa: BLE001 - a value not yet bound: no measurement, never a failure
+            return
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
+            return
+        if op not in ("<", "<=", ">", ">="):
+            return  # an equality has no side to come near: held or not is all there is
+        margin = {"<": right - left - 1, "<=": right - left, ">": left - right - 1, ">=": left - right}[op]
+        if self.coverage.margin is None or margin < self.coverage.margin:
+            self.coverage.margin = margin
+            self.coverage.closest = f"{left} {op} {right}"
+
+    def __enter__(self) -> Coverage:
+        if not self._codes:
+            return self.coverage
+        if sys.version_info >= (3, 12):
+            self._start_monitoring()
+        elif self._hooks_cover_codes():
+            self._start_per_call()
+        else:
+            self._start_settrace()
+        return self.coverage
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._codes:
+            return
+        if self._tool is not None:
+            self._stop_monitoring()
+        elif self._hooked:
+            for klass, original in self._hooked:
+                setattr(klass, self.site.function, original)
+            self._hooked = []
+        else:
+            sys.settrace(self._previous)
+        self._last.clear()
+
+    # 3.11: a trace function is the only way to see line events, and while one is set every call in the
+    # thread pays for it (3x a run, measured). So it is set only while the site's function runs: each
+    # class that defines it gets, for the scope, a pass-through that turns tracing on around the call.
+    def _hooks_cover_codes(self) -> bool:
+        name = self.site.function
+        return bool(self.site.hooks) and {klass.__dict__[name].__code__ for klass in self.site.hooks} == set(
+            self._codes)
+
+    def _start_per_call(self) -> None:
+        import functools
+
+        global_trace = self._global_trace_function(None)
+        for klass in self.site.hooks:
+            original = klass.__dict__[self.site.function]
+
+            def traced(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                previous = sys.gettrace()
+                sys.settrace(global_trace if previous is None else self._global_trace_function(previous))
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    sys.settrace(previous)
+
+            self._hooked.append((klass, original))
+            setattr(klass, self.site.function, functools.wraps(original)(traced))
+
+    def _global_trace_function(self, previous: Any) -> Any:
+        codes = self._codes
+        on_line = self._line
+        last = self._last
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                on_line(frame, frame.f_code, frame.f_lineno)
+            elif event == "return":
+                last.pop(id(frame), None)
+            return local
+
+        if previous is None:
+            def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
+                return local if frame.f_code in codes else None
+        else:
+            def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
+                return local if frame.f_code in codes else previous(frame, event, arg)
+        return global_trace
+
+    # 3.11 where the site's function cannot be hooked (a staticmethod, a wrapped function): a global trace
+    # function that traces only the site's code objects, for the whole scope
+    def _start_settrace(self) -> None:
+        self._previous = sys.gettrace()
+        sys.settrace(self._global_trace_function(self._previous))
+
+    # 3.12+: LINE events on the site's code objects only
+    def _start_monitoring(self) -> None:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
+        if tool is None:  # every tool id taken: count nothing rather than disturb another tool
+            self.coverage.measured = False
+            return
+        monitoring.use_tool_id(tool, "kvdoctor-coverage")
+        self._tool = tool
+        on_line = self._line
+
+        last = self._last
+
+        def line_event(code: CodeType, lineno: int) -> Any:
+            on_line(sys._getframe(1), code, lineno)
+
+        def start_event(code: CodeType, offset: int) -> Any:
+            last.pop(id(sys._getframe(1)), None)  # a new call: a frame id may be reused
+
+        events = monitoring.events
+        monitoring.register_callback(tool, events.LINE, line_event)
+        monitoring.register_callback(tool, events.PY_START, start_event)
+        for code in self._codes:
+            monitoring.set_local_events(tool, code, events.LINE | events.PY_START)
+
+    def _stop_monitoring(self) -> None:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        for code in self._codes:
+            monitoring.set_local_events(self._tool, code, 0)
+        monitoring.register_callback(self._tool, monitoring.events.LINE, None)
+        monitoring.register_callback(self._tool, monitoring.events.PY_START, None)
+        monitoring.free_tool_id(self._tool)
+        self._tool = None
+
+
+_SITES: dict[tuple[str, str, tuple[type, ...]], Site] = {}
+
+
+def site_tracer(signature: Any, harness: Any) -> Any:
+    """The tracing scope for one run: counts the signature's crash site on the harness's engine (a
+    no-op scope yielding None when the signature names no site). Sites are found once per process
+    and set of engine classes (explore runs thousands of scenarios)."""
+    import contextlib
+
+    crash_site = signature.crash_site()
+    if crash_site is None:
+        return contextlib.nullcontext(None)
+    roots = (harness.scheduler, harness.connector_scheduler)
+    when = getattr(signature, "site_when", None)
+    key = (*crash_site, when or "", tuple(type(r) for r in roots))
+    site = _SITES.get(key)
+    if site is None:
+        site = _SITES[key] = find_site(*crash_site, roots, when)
+    return SiteTracer(site)

@@ -1,0 +1,163 @@
+"""Crash-site coverage (kvdoctor/observe/coverage.py) on a stand-in engine class, without vLLM:
+the site is found from the source, counted by the interpreter's tracing for that code object only,
+and the tracing is removed on exit even when the run raises. The same counting on vLLM's real
+scheduler is asserted by the recipe tests (tests/test_recipes_mamba.py, test_recipes_window.py)."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from kvdoctor.errors import RecipeError
+from kvdoctor.observe.coverage import SiteTracer, find_site, parse_when
+from kvdoctor.observe.verdict import Outcome, apply_coverage
+from kvdoctor.recipes.loader import load_recipe_text
+from kvdoctor.recipes.model import Signature
+
+
+class FakeScheduler:
+    def update_state_after_alloc(self, computed: int, blocks: int, per_block: int = 16) -> int:
+        total = 0
+        for i in range(blocks):
+            total += i
+        assert (
+            computed
+            <= blocks * per_block
+        )
+        return total
+
+
+FakeScheduler.__module__ = "vllm.fake_for_test"  # the site lookup only looks at vLLM's classes
+STATEMENT = "computed <= blocks * per_block"
+
+
+def site(statement=STATEMENT, when=None, function="update_state_after_alloc"):
+    engine = SimpleNamespace(scheduler=FakeScheduler(), connector_scheduler=None)
+    return engine.scheduler, find_site(function, statement, (engine.scheduler, None), when)
+
+
+def test_the_site_is_found_in_the_source_and_counted_with_its_closest_values():
+    engine, found = site()
+    assert found.gone is None and found.source == "assert (computed <= blocks * per_block)"
+    with SiteTracer(found) as coverage:
+        engine.update_state_after_alloc(16, 2)  # 16 <= 32
+        engine.update_state_after_alloc(48, 3)  # 48 <= 48: on the edge
+        engine.update_state_after_alloc(0, 1)
+    assert coverage.hits == 3 and coverage.executed == 3
+    assert (coverage.closest, coverage.margin) == ("48 <= 48", 0)
+    assert coverage.line() == "reached 3x: held (closest: 48 <= 48)"
+
+
+def test_a_site_when_counts_only_the_bugs_case():
+    engine, found = site(when="computed % per_block != 0")
+    with SiteTracer(found) as coverage:
+        engine.update_state_after_alloc(16, 2)
+        engine.update_state_after_alloc(32, 2)
+    assert (coverage.executed, coverage.hits) == (2, 0) and not coverage.reached
+    assert coverage.line().startswith("not reached: the run executed update_state_after_alloc's")
+    assert "never with `computed % per_block != 0`" in coverage.line()
+    with SiteTracer(found) as coverage:
+        engine.update_state_after_alloc(20, 2)
+    assert coverage.hits == 1
+
+
+def test_a_site_never_executed_is_not_reached_and_the_verdict_says_so():
+    _, found = site()
+    with SiteTracer(found) as coverage:
+        pass
+    result = SimpleNamespace(outcome=Outcome.NOT_REPRODUCED, detail="", coverage=coverage)
+    apply_coverage(result, Signature(exception="AssertionError", function="update_state_after_alloc"))
+    assert result.outcome is Outcome.NOT_REACHED
+    assert result.detail.startswith("not reached: the recipe's path does not reach update_state_after_alloc's")
+
+
+@pytest.mark.parametrize("function, statement, gone", [
+    ("no_such_function", STATEMENT, "no function no_such_function"),
+    ("update_state_after_alloc", "computed < blocks", "FakeScheduler.update_state_after_alloc has no statement"),
+])
+def test_a_site_gone_from_the_source_is_said_and_keeps_not_reproduced(function, statement, gone):
+    _, found = site(statement, function=function)
+    assert found.gone and gone in found.gone
+    with SiteTracer(found) as coverage:
+        pass
+    result = SimpleNamespace(outcome=Outcome.NOT_REPRODUCED, detail="", coverage=coverage)
+    apply_coverage(result, Signature(exception="AssertionError", function=function))
+    assert result.outcome is Outcome.NOT_REPRODUCED and result.detail.startswith("site gone: ")
+
+
+def test_the_assertion_firing_counts_and_the_trace_is_removed_when_the_run_raises():
+    engine, found = site()
+    before = sys.gettrace()
+    with pytest.raises(AssertionError):
+        with SiteTracer(found) as coverage:
+            engine.update_state_after_alloc(64, 1)
+    assert sys.gettrace() is before
+    assert coverage.hits == 1 and coverage.closest == "64 <= 16"
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12+ counts with sys.monitoring, not settrace")
+def test_a_trace_function_already_installed_keeps_seeing_other_frames():
+    engine, found = site()
+    seen = []
+
+    def outer(frame, event, arg):
+        seen.append(frame.f_code.co_name)
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(outer)
+    try:
+        with SiteTracer(found) as coverage:
+            (lambda: engine.update_state_after_alloc(16, 2))()
+        assert sys.gettrace() is outer
+    finally:
+        sys.settrace(previous)
+    assert coverage.hits == 1 and "<lambda>" in seen
+
+
+@pytest.mark.parametrize("text, message", [
+    ("__import__('os')", "only len, min, max and abs may be called"),
+    ("[x for x in y]", "ListComp is not allowed"),
+    ("a <=", "not an expression"),
+])
+def test_site_when_is_data_not_code(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        parse_when(text)
+
+
+_RECIPE = """[recipe]
+name = "x"
+summary = "x"
+[signature]
+{signature}
+[[step]]
+action = "schedule"
+"""
+
+
+def test_the_signature_names_its_site_and_defaults_to_function_and_contains():
+    recipe = load_recipe_text(_RECIPE.format(signature='exception = "AssertionError"\nfunction = "f"\n'
+                                                       'contains = "a <= b"'), "x.toml")
+    assert recipe.signature.crash_site() == ("f", "a <= b")
+    recipe = load_recipe_text(_RECIPE.format(signature='invariant = "store-covers-computed-slots"\n'
+                                                       'site_function = "g"\nsite = "x = 1"\n'
+                                                       'site_when = "x > 0"'), "x.toml")
+    assert recipe.signature.crash_site() == ("g", "x = 1") and recipe.signature.site_when == "x > 0"
+
+
+@pytest.mark.parametrize("signature, message", [
+    ('invariant = "store-covers-computed-slots"\nsite = "x = 1"', "site needs 'site_function'"),
+    ('exception = "E"\nfunction = "f"\nsite_when = "f()"', "site_when 'f()': only len"),
+    ('exception = "E"\nfunction = "f"\nsite_function = "a.b"\nsite = "x"', "site_function must be a function"),
+])
+def test_a_bad_site_is_refused_with_its_line(signature, message):
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_recipe_text(_RECIPE.format(signature=signature), "x.toml")
+
+
+def test_every_builtin_recipe_names_a_crash_site():
+    from kvdoctor.recipes.builtins import builtin_names, load_builtin
+
+    assert all(load_builtin(name).signature.crash_site() for name in builtin_names())
