@@ -83,6 +83,9 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
             if bpc != setup.blocks_per_chunk:
                 raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
         setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
+    from kvdoctor.recipes.geometry import plan_setup
+
+    setup = plan_setup(recipe, setup)  # sizes the user did not give, derived to meet the trigger
     return resolve_device(setup, recipe, fallback=worker_fallback)  # audit: --device cuda falls back too
 
 

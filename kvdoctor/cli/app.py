@@ -313,7 +313,8 @@ def audit(
 
     The pip-audit idea, for KV-offload bugs: each row says what to do next (the fix, a workaround,
     the release that stops reproducing it where measured). Serve flags run every recipe at your
-    geometry: a recipe whose trigger cannot exist there is not_applicable, with the reason. Each
+    geometry: sizes you do not give are derived for each trigger; a recipe your flags make impossible is
+    untested (exit 6), naming the flag and the smallest change that allows it. Each
     recipe keeps its own KV cache layout (--model is a repro/inspect flag)."""
 
     def action() -> int:

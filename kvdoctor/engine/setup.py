@@ -81,6 +81,13 @@ class Setup:
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
     # was there or asked for (`kvdoctor.app.resolve_device`).
     device_fallback: str | None = None
+    # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
+    # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.
+    fixed: tuple[str, ...] = ()
+    # Set by plan_setup: the fields it derived ("gpu_blocks: 8 -> 10"), and where the user's own values make
+    # the trigger impossible, why and the smallest change that allows it (the run is then `untested`).
+    derived: tuple[str, ...] = ()
+    untested: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -145,7 +152,7 @@ class Setup:
                      "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use", "second_cpu_bytes_to_use"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
+                raise UsageError(f"{flag_name(name)} must be a positive integer, got {value!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise UsageError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
@@ -160,7 +167,7 @@ class Setup:
                               ("model_runner", (None, "v1", "v2"))):
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
-                raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
+                raise UsageError(f"{flag_name(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
@@ -192,18 +199,40 @@ class Setup:
         return self
 
     def with_overrides(self, **overrides: Any) -> "Setup":
-        """Apply CLI overrides (None means 'not given') and re-validate."""
+        """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
+        recorded in `fixed` (planning keeps them)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         unknown = set(given) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise UsageError(f"unknown setup field(s): {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **given).validate()
+        fixed = tuple(sorted(set(self.fixed) | (set(given) & set(PLANNED_FIELDS))))
+        return dataclasses.replace(self, **given, fixed=fixed).with_rules_kept().validate()
+
+    def with_rules_kept(self) -> "Setup":
+        """A step budget the user did not give, raised to what vLLM requires of it (it covers max_num_seqs,
+        and max_model_len without chunked prefill)."""
+        if "max_num_batched_tokens" in self.fixed:
+            return self
+        budget = max(self.max_num_batched_tokens, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
 
-def _flag(name: str) -> str:
-    if name == "cpu_bytes_to_use":  # set through --kv-transfer-config, as with vllm serve
-        return "kv_connector_extra_config.cpu_bytes_to_use"
-    return "--" + name.replace("_", "-")
+# The sizes and switches a recipe's plan may derive where the user did not give them.
+PLANNED_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                  "max_model_len", "async_scheduling", "enable_chunked_prefill", "cpu_bytes_to_use")
+_FLAGS = {"gpu_blocks": "--num-gpu-blocks-override",
+          # set through --kv-offloading-size or --kv-transfer-config, as with vllm serve
+          "cpu_bytes_to_use": "kv_connector_extra_config.cpu_bytes_to_use"}
+
+
+def flag_name(name: str, value: bool | None = None) -> str:
+    """The flag that sets Setup field `name` (a switch: the form that sets it to `value`)."""
+    flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+    if value is False:
+        return "--no-" + flag[2:]
+    return flag
 
 
 # KVTransferConfig fields kvdoctor passes through as given (vLLM validates them; a release
