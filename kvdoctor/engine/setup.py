@@ -36,6 +36,19 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def total_memory_bytes() -> int | None:
+    """MemTotal + SwapTotal from /proc/meminfo: the most one mapping may reserve (None where unreadable)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return total or None
+
+
 @dataclass(frozen=True)
 class Setup:
     block_size: int = 4
@@ -186,6 +199,12 @@ class Setup:
             raise UsageError(f"this geometry needs ~{needed / 2**30:.1f} GiB of memory to simulate "
                              f"(pool of {self.gpu_blocks:,} blocks, CPU tier {self.cpu_bytes_to_use:,} bytes); "
                              f"{available / 2**30:.1f} GiB are available")
+        if self.model is not None:  # an architecture kvdoctor cannot map: exit 2 before vLLM is imported
+            from kvdoctor.engine.kv_layout import resolve_layout
+
+            resolve_layout(self.model, self.layout, self.sliding_window)
+        if self.worker == "vllm":
+            self._check_worker_memory(available)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -197,6 +216,25 @@ class Setup:
                 f"must be >= max model length ({self.max_model_len}), as vLLM requires"
             )
         return self
+
+    def _check_worker_memory(self, available: int | None) -> None:
+        """vLLM's worker (--worker vllm) holds the model's real KV pages for every GPU block, and maps its CPU
+        tier whole: refuse, in one line and before vLLM is imported, what this machine cannot hold (else
+        the kernel kills the run)."""
+        from kvdoctor.engine.kv_layout import resolve_layout
+
+        page = resolve_layout(self.model, self.layout, self.sliding_window).page_bytes(self.block_size)
+        kv_bytes = self.gpu_blocks * page
+        if available is not None and kv_bytes > available:
+            raise UsageError(f"--worker vllm holds the model's KV pages: {self.gpu_blocks:,} blocks x "
+                             f"{page:,} bytes = {kv_bytes / 2**30:.1f} GiB; {available / 2**30:.1f} GiB are "
+                             f"available (lower --num-gpu-blocks-override, or --worker simulated)")
+        total = total_memory_bytes()
+        if total is not None and self.cpu_bytes_to_use > total:
+            raise UsageError(f"kv_connector_extra_config.cpu_bytes_to_use (--kv-offloading-size) "
+                             f"{self.cpu_bytes_to_use / 2**30:,.1f} GiB: --worker vllm maps the CPU tier whole, "
+                             f"and this machine has {total / 2**30:.1f} GiB of memory and swap (lower it, or "
+                             f"--worker simulated)")
 
     def with_overrides(self, **overrides: Any) -> "Setup":
         """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
