@@ -319,17 +319,7 @@ def _audit_setup(recipe: Recipe, overrides: dict[str, Any]) -> Setup | UsageErro
     try:
         return resolve_setup(recipe, overrides, worker_fallback=True)
     except UsageError as exc:
-        if overrides.get("worker") == "vllm" or "--worker vllm" not in str(exc):
-            return exc
-        refusal = exc  # vLLM's worker cannot hold this geometry here (memory): the simulated worker can
-    simulated = {**overrides, "worker": "simulated", "_default_worker": None, "device": None}
-    try:
-        setup = resolve_setup(recipe, simulated, worker_fallback=True)
-    except UsageError as exc:
         return exc
-    import dataclasses
-
-    return dataclasses.replace(setup, worker_fallback=str(refusal).removeprefix("--worker vllm "))
 
 
 def _release_hint(recipe: Recipe) -> Any:

@@ -35,7 +35,7 @@ def _refused(*args: str, within: float = NO_VLLM_S) -> str:
 
 def test_a_cpu_tier_the_machine_cannot_map_is_refused_at_once():
     # was: exit 5 ("bug in kvdoctor", torch's allocation failure) after 90 s
-    err = _refused("repro", "queued-abort", "--kv-offloading-size", "100000")
+    err = _refused("repro", "queued-abort", "--kv-offloading-size", "100000", "--worker", "vllm")
     assert "--kv-offloading-size" in err and "100,000.0 GiB" in err
 
 
@@ -96,3 +96,15 @@ def test_audit_runs_the_rest_when_one_recipe_needs_more_than_the_users_settings(
     assert len(ran) >= len(rows) // 2, others
     assert report.exit_status != 2
     print(f"audit --kv-offloading-size 64: {len(ran)} of {len(rows)} recipes ran in {took:.0f} s")
+
+
+def test_the_default_worker_gives_way_where_vllms_cannot_hold_the_geometry():
+    """Issue 23's Llama-3.1-8B run (20,000 blocks of 2 MiB, a 64 GiB tier): vLLM's worker would need ~39 GiB of KV
+    pages here, so the CLI's default worker falls back to the simulated one and says why; only an explicit
+    --worker vllm is refused (above). benchmarks/bench_model_memory.py runs it and measures peak RSS."""
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+
+    setup = resolve_setup(resolve("queued-abort"), {"model": LLAMA, "block_size": 16, "gpu_blocks": 20_000,
+                                                    "cpu_bytes_to_use": 64 << 30, "_default_worker": "vllm"})
+    assert setup.worker == "simulated" and "20,000 blocks x 2,097,152 bytes" in setup.worker_fallback

@@ -140,6 +140,10 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.device != "cuda":  # kvdoctor's copy engine on CPU tensors (on a GPU the memory is the GPU's)
+            memory = self.worker_memory_refusal()
+            if memory:
+                return memory
         if self.layout:  # a shipped layout's config.json is read here, before vLLM is imported
             from kvdoctor.engine.kv_layout import MAMBA, read_layout, shipped_layout_dir
 
@@ -203,8 +207,6 @@ class Setup:
             from kvdoctor.engine.kv_layout import resolve_layout
 
             resolve_layout(self.model, self.layout, self.sliding_window)
-        if self.worker == "vllm":
-            self._check_worker_memory(available)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -217,24 +219,25 @@ class Setup:
             )
         return self
 
-    def _check_worker_memory(self, available: int | None) -> None:
-        """vLLM's worker (--worker vllm) holds the model's real KV pages for every GPU block, and maps its CPU
-        tier whole: refuse, in one line and before vLLM is imported, what this machine cannot hold (else
-        the kernel kills the run)."""
+    def worker_memory_refusal(self) -> str | None:
+        """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds
+        the model's real KV pages for every GPU block and maps its CPU tier whole; the simulated worker
+        holds neither. Judged before vLLM is imported (else the kernel kills the run)."""
         from kvdoctor.engine.kv_layout import resolve_layout
 
         page = resolve_layout(self.model, self.layout, self.sliding_window).page_bytes(self.block_size)
         kv_bytes = self.gpu_blocks * page
+        available = available_memory_bytes()
         if available is not None and kv_bytes > available:
-            raise UsageError(f"--worker vllm holds the model's KV pages: {self.gpu_blocks:,} blocks x "
-                             f"{page:,} bytes = {kv_bytes / 2**30:.1f} GiB; {available / 2**30:.1f} GiB are "
-                             f"available (lower --num-gpu-blocks-override, or --worker simulated)")
+            return (f"it would hold the model's KV pages, {self.gpu_blocks:,} blocks x {page:,} bytes = "
+                    f"{kv_bytes / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB are available "
+                    f"(--num-gpu-blocks-override)")
         total = total_memory_bytes()
         if total is not None and self.cpu_bytes_to_use > total:
-            raise UsageError(f"kv_connector_extra_config.cpu_bytes_to_use (--kv-offloading-size) "
-                             f"{self.cpu_bytes_to_use / 2**30:,.1f} GiB: --worker vllm maps the CPU tier whole, "
-                             f"and this machine has {total / 2**30:.1f} GiB of memory and swap (lower it, or "
-                             f"--worker simulated)")
+            return (f"it would map the CPU tier whole, {self.cpu_bytes_to_use / 2**30:,.1f} GiB "
+                    f"(--kv-offloading-size / kv_connector_extra_config.cpu_bytes_to_use), and this machine has "
+                    f"{total / 2**30:.1f} GiB of memory and swap")
+        return None
 
     def with_overrides(self, **overrides: Any) -> "Setup":
         """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
