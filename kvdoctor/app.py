@@ -87,6 +87,9 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
             if bpc != setup.blocks_per_chunk:
                 raise UsageError("--blocks-per-chunk and kv_connector_extra_config.block_size disagree")
         setup = setup.with_overrides(blocks_per_chunk=resolve_blocks_per_chunk(setup.block_size, offloaded))
+    from kvdoctor.recipes.geometry import plan_setup
+
+    setup = plan_setup(recipe, setup)  # sizes the user did not give, derived to meet the trigger
     return resolve_device(setup, recipe, fallback=worker_fallback)  # audit: --device cuda falls back too
 
 
@@ -156,6 +159,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")
     api = load_vllm()
+    check_spec_name(api, recipe, setup, overrides)
     from kvdoctor.scenario import run_scenario
 
     if setup.engine == "core":
@@ -301,15 +305,27 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     from kvdoctor.scenario import run_scenario
 
     recipes = all_builtins()
-    setups = [resolve_setup(recipe, dict(overrides or {}), worker_fallback=True, default_worker=default_worker)
-              for recipe in recipes]
+    setups = [_audit_setup(recipe, dict(overrides or {}), default_worker) for recipe in recipes]
+    refused = [setup for setup in setups if isinstance(setup, UsageError)]
+    if len(refused) == len(setups):
+        raise refused[0]  # the flags themselves are wrong, for every recipe
     total = len(recipes) + 1  # and the K10 measurement
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")  # no count yet: the recipes have not started
     api = load_vllm()
+    if (overrides or {}).get("spec_name"):
+        check_spec_name(api, recipes[0], next(s for s in setups if not isinstance(s, UsageError)), overrides or {})
     report = AuditReport(vllm_version=api.version_text, command=command)
     for done, (recipe, setup) in enumerate(zip(recipes, setups)):
         progress(done, total, f"{recipe.bug or '-'} {recipe.name}")
+        if isinstance(setup, UsageError):  # this recipe's needs exceed the user's settings; the rest run
+            from kvdoctor.observe.verdict import Outcome
+            from kvdoctor.scenario import RunResult
+
+            own = resolve_setup(recipe, {"worker": "simulated"})
+            installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup)) for logic in ("installed", "fixed"))
+            report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _release_hint(recipe)))
+            continue
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
@@ -324,6 +340,32 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     except MeasurementIncomplete as exc:
         report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), None, error=str(exc)))
     return report
+
+
+def check_spec_name(api: Any, recipe: Recipe, setup: Setup, overrides: dict[str, Any]) -> None:
+    """A spec_name this vLLM does not register is a usage error naming where it was given (the flag, or the
+    recipe file's line); a recipe that requires the spec (`spec:<name>`) is not applicable instead."""
+    name = setup.spec_name
+    if not name or f"spec:{name}" in recipe.requires or api.has_offloading_spec(name):
+        return
+    if overrides.get("spec_name"):
+        where = "--kv-transfer-config: kv_connector_extra_config.spec_name"
+    else:
+        line = next((i for i, text in enumerate(open(recipe.source).read().splitlines(), 1)
+                     if text.strip().startswith("spec_name")), 0) if recipe.source else 0
+        where = f"{recipe.source}:{line}: spec_name"
+    raise UsageError(f"{where} {name!r}: this vLLM registers no offloading spec of that name")
+
+
+def _audit_setup(recipe: Recipe, overrides: dict[str, Any], default_worker: str | None) -> Setup | UsageError:
+    """A recipe's setup at the user's flags, or why it cannot run there (audit makes that row untested).
+    A recipe with its own KV layout keeps it: --model is for the others."""
+    if recipe.setup.get("layout"):
+        overrides.pop("model", None)
+    try:
+        return resolve_setup(recipe, overrides, worker_fallback=True, default_worker=default_worker)
+    except UsageError as exc:
+        return exc
 
 
 def _release_hint(recipe: Recipe) -> Any:

@@ -172,15 +172,19 @@ class ScenarioRun:
     def run(self) -> RunResult:
         from kvdoctor.recipes.requirements import missing
 
+        # The trigger impossible at this geometry: untested (never exit 0); this vLLM without the feature
+        # the bug needs (a probe): not applicable.
+        untested = [self.setup.untested] if self.setup.untested else []
         try:
-            reasons = check_geometry(self.recipe, self.setup) + missing(self.api, self.recipe.requires)
-            if not reasons:
+            untested = untested or check_geometry(self.recipe, self.setup)
+            if not untested:
                 self.compiled = compile_recipe(self.recipe.steps, self.setup)
         except NotApplicable as exc:
-            reasons = [str(exc)]
-        if reasons:
-            self.result.outcome = Outcome.NOT_APPLICABLE
-            self.result.detail = "; ".join(reasons)
+            untested = [str(exc)]
+        lacking = missing(self.api, self.recipe.requires)
+        if lacking or untested:
+            self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
+            self.result.detail = "; ".join(lacking or untested)
             return self.result
         try:
             harness = self.harness_class(self.api, self.setup, self.build_cache)

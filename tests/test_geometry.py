@@ -113,7 +113,8 @@ def test_prompt_longer_than_max_model_len_is_refused_naming_the_step(tmp_path):
     source = open(resolve("queued-abort").source).read().replace("prompt_chunks = 4", "prompt_tokens = 300")
     path = tmp_path / "long.toml"
     path.write_text(source)
-    proc = run_cli("repro", str(path), timeout=60)
+    # the user's own max_model_len: vLLM would reject the request (unfixed, kvdoctor derives a longer one)
+    proc = run_cli("repro", str(path), "--max-model-len", "256", timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "step 3" in proc.stderr and "max_model_len 256" in proc.stderr and "300-token prompt" in proc.stderr
     assert proc.stderr.count("\n") == 1
@@ -130,14 +131,18 @@ def test_kv_transfer_config_sets_the_cpu_tier():
 
 # Measured with the issue's deployment flags (block size 16, 512 blocks, 2048-token budget, 64 seqs,
 # chunked prefill, async scheduling, a 1 GB CPU tier).
+# K4 needs synchronous scheduling and K2 a one-chunk CPU tier: the user's --async-scheduling and 1 GiB tier
+# make them untested (exit 6), naming those flags; never not_applicable (exit 0).
 ISSUE_OUTCOMES = {
     (0, 26): {"queued-abort": "reproduced", "prefetch": "reproduced", "preempt-reload-same-step": "reproduced",
-              "final-token-slot-stored": "not_applicable", "finished-after-finalize": "not_applicable",
+              "final-token-slot-stored": "untested", "finished-after-finalize": "untested",
               "preemption": "reproduced"},
     (0, 33): {"queued-abort": "not_reproduced", "prefetch": "not_reproduced",
-              "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "not_applicable",
-              "finished-after-finalize": "not_applicable", "preemption": "not_reproduced"},
+              "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "untested",
+              "finished-after-finalize": "untested", "preemption": "not_reproduced"},
 }
+UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents it",
+               "finished-after-finalize": "the given kv_connector_extra_config.cpu_bytes_to_use 1073741824 prevents"}
 # preemption restated at the user's geometry (2026-12-04): measured not_reproduced on 0.30.0, 0.33.0, 0.34.0
 ISSUE_OUTCOMES[(0, 34)] = ISSUE_OUTCOMES[(0, 33)]  # measured 2026-12-03: the same as 0.33.0
 ISSUE_OUTCOMES[(0, 30)] = {**ISSUE_OUTCOMES[(0, 33)], "preempt-reload-same-step": "reproduced"}  # measured 2026-12-03
@@ -157,8 +162,8 @@ def test_issue_geometry(api, release):
         recipe = resolve(name)
         result = run_scenario(api, recipe, resolve_setup(recipe, overrides), "installed")
         assert result.outcome.value == outcome, (name, result.outcome.value, result.detail)
-        if outcome == "not_applicable":
-            assert result.detail
+        if outcome == "untested":
+            assert UNTESTED_BY[name] in result.detail, result.detail
         if name in ("queued-abort", "preemption") and outcome == "reproduced":
             # the right path: the aborted request B trips, not a filler
             tripping = [r.request for r in result.requests if r.would_trip]
@@ -193,3 +198,56 @@ def test_preemption_holds_at_restated_geometries(api, release, geometry):
     assert any(e.events is not None and "B" in e.events.preempted for e in result.timeline[:aborted])
     if expected == "reproduced":
         assert [r.request for r in result.requests if r.would_trip] == ["B"]
+
+
+# -- recipes planned at the user's geometry (issue 23): sizes the user did not give are derived ---------------
+
+def _planned(name, **overrides):
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+
+    return resolve_setup(resolve(name), {"worker": "simulated", **overrides})
+
+
+def test_a_pool_the_user_did_not_give_is_derived_for_the_trigger():
+    # issue 23: at block size 16 and 2 blocks a chunk, B's 128-token prompt needs 9 blocks; the recipe's own
+    # 8-block pool has 7 usable. Not given by the user, the pool grows to what the trigger needs.
+    setup = _planned("queued-abort", block_size=16, blocks_per_chunk=2)
+    assert setup.untested is None and setup.gpu_blocks == 10 and setup.derived == ("gpu_blocks: 8 -> 10",)
+    assert setup.fixed == ("block_size", "blocks_per_chunk")
+
+
+def test_a_pool_the_user_gave_is_kept_and_the_run_is_untested_naming_it():
+    setup = _planned("queued-abort", block_size=16, blocks_per_chunk=2, gpu_blocks=8)
+    assert setup.gpu_blocks == 8
+    assert setup.untested.endswith("the given --num-gpu-blocks-override 8 prevents it; the smallest change that "
+                                   "allows it: --num-gpu-blocks-override 10"), setup.untested
+
+
+def test_a_context_the_user_did_not_give_is_derived():
+    # 64-token blocks, 4 a chunk: B's prompt is 1024 tokens, past the recipe's max_model_len 256
+    setup = _planned("queued-abort", block_size=64, blocks_per_chunk=4)
+    assert setup.untested is None and setup.max_model_len >= 1024 + 8 and setup.gpu_blocks >= 18
+
+
+def test_a_switch_the_user_gave_is_named_with_its_opposite():
+    setup = _planned("final-token-slot-stored", block_size=16, gpu_blocks=512, max_num_batched_tokens=2048,
+                     max_num_seqs=64, enable_chunked_prefill=True, async_scheduling=True)
+    assert "the given --async-scheduling prevents it" in setup.untested
+    assert setup.untested.endswith("the smallest change that allows it: --no-async-scheduling")
+    setup = _planned("preemption", block_size=16, enable_chunked_prefill=False)
+    assert setup.untested.endswith("--enable-chunked-prefill") and "--no-enable-chunked-prefill" in setup.untested
+
+
+def test_the_one_chunk_cpu_tier_is_derived_unless_given():
+    assert _planned("finished-after-finalize", block_size=64, blocks_per_chunk=4).cpu_bytes_to_use == 64 * 4 * 64
+    given = _planned("finished-after-finalize", block_size=16, cpu_bytes_to_use=1 << 30)
+    assert given.cpu_bytes_to_use == 1 << 30 and "cpu_bytes_to_use 4096" in given.untested
+
+
+def test_founding_geometries_are_kept():
+    from kvdoctor.recipes.builtins import all_builtins
+
+    for recipe in all_builtins():
+        setup = _planned(recipe.name)
+        assert setup.untested is None and setup.derived == (), (recipe.name, setup.untested, setup.derived)

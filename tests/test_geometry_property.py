@@ -1,8 +1,9 @@
 """Built-in recipes at geometries drawn at random: never a setup_error.
 
 On vLLM 0.26.0 (which carries K1, K2, K4 and K8) every K1/K2/K4/K8 recipe
-either reproduces at the drawn geometry or says before running why its trigger
-cannot exist there (`not_applicable`, with a reason). On the newest measured
+either reproduces at the drawn geometry or says before running why the user's
+flags make its trigger impossible there (`untested`, naming the flag that
+prevents it and the smallest change that allows it; never an exit-0 verdict). On the newest measured
 release (0.33.0, all four fixed) none reproduces. Each example builds one
 harness per recipe; the number of examples is kept small so a release costs
 well under two minutes here.
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.vllm
 
 BUGS = ("K1", "K2", "K4", "K8")
 # Measured by running this module: what each release must show for every drawn geometry.
-EXPECTED = {(0, 26): "reproduced_or_not_applicable", (0, 33): "never_reproduced",
+EXPECTED = {(0, 26): "reproduced_or_untested", (0, 33): "never_reproduced",
             (0, 34): "never_reproduced"}  # 0.34.0: measured 2026-12-03
 
 
@@ -71,9 +72,10 @@ def test_recipes_hold_at_any_geometry(api, recipes, expectation, geometry):
         outcomes[recipe.name] = (result.outcome.value, result.detail)
     for name, (outcome, detail) in outcomes.items():
         assert outcome not in ("setup_error", "other_failure"), (name, geometry, outcome, detail)
-        if outcome == "not_applicable":
-            assert detail, (name, geometry, "not_applicable without a reason")
-        if expectation == "reproduced_or_not_applicable":
-            assert outcome in ("reproduced", "not_applicable"), (name, geometry, outcome, detail)
+        if outcome == "untested":  # every flag here is the user's: the reason names the one that prevents it
+            assert "prevents it; the smallest change that allows it: " in detail, (name, geometry, detail)
+        assert outcome != "not_applicable", (name, geometry, outcome, detail)  # 0.26+ has every feature
+        if expectation == "reproduced_or_untested":
+            assert outcome in ("reproduced", "untested"), (name, geometry, outcome, detail)
         else:
             assert outcome != "reproduced", (name, geometry, outcome, detail)

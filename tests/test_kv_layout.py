@@ -123,3 +123,73 @@ def test_recipe_layout_must_be_shipped(tmp_path: Path) -> None:
         load_recipe(path)
     path.write_text(text.replace("swa-ful", "swa-full"))
     assert load_recipe(path).setup["layout"] == "swa-full"
+
+
+# -- real models' config.json, read through transformers' config classes (issue 23) -----------------------------
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+# (layer kind, sliding window) -> layers: what the model's own config class says its layers are
+REAL_LAYERS = {
+    "llama-3.1-8b": {(kv_layout.FULL, None): 32},
+    "qwen3-0.6b": {(kv_layout.FULL, None): 28},
+    "qwen3-next-80b-a3b": {(kv_layout.MAMBA, None): 36, (kv_layout.FULL, None): 12},  # linear attention
+    "gpt-oss-20b": {(kv_layout.SLIDING, 128): 12, (kv_layout.FULL, None): 12},
+    "gemma-3-27b": {(kv_layout.SLIDING, 1024): 52, (kv_layout.FULL, None): 10},  # sliding_window_pattern 6
+    "deepseek-v3": {(kv_layout.MLA, None): 61},
+}
+
+
+@pytest.mark.parametrize("name", sorted(REAL_LAYERS))
+def test_real_configs_give_the_layers_their_config_class_says(name: str) -> None:
+    from collections import Counter
+
+    layout = kv_layout.read_layout(CONFIGS / name)
+    assert dict(Counter((layer.kind, layer.sliding_window) for layer in layout.layers)) == REAL_LAYERS[name]
+    assert "read by transformers'" in layout.source
+
+
+def test_kv_page_sizes_of_real_configs() -> None:
+    # Llama-3.1-8B: 32 layers x K and V x 8 heads x 128 x bf16 x 16 tokens = 2 MiB a block
+    assert kv_layout.read_layout(CONFIGS / "llama-3.1-8b").page_bytes(16) == 2 << 20
+    # DeepSeek-V3 MLA: one 576-dim latent (kv_lora_rank 512 + rope 64) a token, no separate V
+    assert kv_layout.read_layout(CONFIGS / "deepseek-v3").page_bytes(16) == 61 * 576 * 2 * 16
+
+
+def test_an_architecture_kvdoctor_cannot_map_is_one_line_exit_2(tmp_path: Path) -> None:
+    import time
+
+    write_config(tmp_path, {"model_type": "no_such_architecture", "num_hidden_layers": 4})
+    start = time.perf_counter()
+    done = run_cli("repro", "queued-abort", "--model", str(tmp_path), "--worker", "simulated")
+    took = time.perf_counter() - start
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "no_such_architecture" in done.stderr and "cannot map" in done.stderr
+    assert took < 90, f"refused after {took:.1f} s"  # transformers imports torch; vLLM is never imported
+    print(f"exit 2 in {took:.1f} s")
+
+
+# vLLM's planner on the real configs (block size 16): (kind, block size, layers) per group, as a GPU server
+# groups them (measured on 0.26.0: Gemma 3's 52 sliding layers in groups as large as its 10 full ones).
+REAL_GROUPS = {
+    "llama-3.1-8b": [("full_attention", 16, 32)],
+    "qwen3-0.6b": [("full_attention", 16, 28)],
+    "qwen3-next-80b-a3b": [("mamba", 16, 12)] * 3 + [("full_attention", 16, 12)],
+    "gpt-oss-20b": [("sliding_window", 16, 12), ("full_attention", 16, 12)],
+    "gemma-3-27b": [("sliding_window", 16, 9)] * 4 + [("sliding_window", 16, 8)] * 2 + [("full_attention", 16, 10)],
+    "deepseek-v3": [("MLAAttentionSpec", 16, 61)],
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", sorted(REAL_GROUPS))
+def test_real_configs_give_the_groups_vllm_builds(api, release, name: str) -> None:
+    from kvdoctor.engine.harness import Harness
+
+    if tuple(release) != (0, 26):
+        pytest.skip(f"groups measured on vLLM 0.26.0, not {api.version_text}")
+    mode = "align" if name == "qwen3-next-80b-a3b" else None  # a hybrid's prefix caching aligns Mamba blocks
+    harness = Harness(api, Setup(model=str(CONFIGS / name), block_size=16, gpu_blocks=64, mamba_cache_mode=mode))
+    try:
+        assert [(g.kind, g.block_size, len(g.layers)) for g in harness.kv_plan.groups] == REAL_GROUPS[name]
+    finally:
+        harness.shutdown()

@@ -288,6 +288,7 @@ def audit(
     kv_transfer_config: opt.KvTransferConfig = None,
     kv_offloading_size: opt.KvOffloadingSize = None,
     kv_offloading_backend: opt.KvOffloadingBackend = None,
+    model: opt.Model = None,
     worker: opt.Worker = None,
     model_runner: opt.ModelRunner = None,
     device: opt.Device = None,
@@ -301,8 +302,11 @@ def audit(
 
     The pip-audit idea, for KV-offload bugs: each row says what to do next (the fix, a workaround,
     the release that stops reproducing it where measured). Serve flags run every recipe at your
-    geometry: a recipe whose trigger cannot exist there is not_applicable, with the reason. Each
-    recipe keeps its own KV cache layout (--model is a repro/inspect flag)."""
+    geometry: sizes you do not give are derived for each trigger; a recipe your flags make impossible is
+    untested (exit 6), naming the flag and the smallest change that allows it; so is a recipe whose
+    needs exceed your settings (e.g. a CPU tier it would map), and the rest run. --model gives the KV
+    layout of the recipes that do not ship their own. Serve flags that do not reach the scheduler
+    (--tensor-parallel-size, ...) are accepted and ignored, with a note."""
 
     def action() -> int:
         from kvdoctor.errors import UsageError
@@ -313,7 +317,7 @@ def audit(
 
         overrides = opt.geometry_overrides(block_size, blocks_per_chunk, gpu_blocks, async_scheduling,
                                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill,
-                                           kv_transfer_config, None, enable_prefix_caching=enable_prefix_caching,
+                                           kv_transfer_config, model, enable_prefix_caching=enable_prefix_caching,
                                            kv_offloading_size=kv_offloading_size,
                                            kv_offloading_backend=kv_offloading_backend,
                                            max_model_len=max_model_len)

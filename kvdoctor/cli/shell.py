@@ -164,11 +164,11 @@ NO_EFFECT_SERVE_FLAGS: dict[str, bool] = {
     "--enforce-eager": False, "--trust-remote-code": False, "--disable-log-requests": False,
     "--enable-log-requests": False, "--disable-log-stats": False, "--disable-custom-all-reduce": False,
 }
-_RUN_COMMANDS = ("repro", "inspect")
+_RUN_COMMANDS = ("repro", "inspect", "audit")
 
 
 def accept_serve_flags(argv: list[str]) -> list[str]:
-    """Drop the no-effect serve flags from a `repro`/`inspect` command line, one note each."""
+    """Drop the no-effect serve flags from a `repro`/`inspect`/`audit` command line, one note each."""
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in _RUN_COMMANDS:
         return argv

@@ -333,6 +333,9 @@ class Harness:
             self.scheduler.shutdown()
         except Exception:  # noqa: BLE001 - a crashed scheduler may not shut down cleanly
             pass
+        import gc
+
+        gc.collect()  # the worker's KV tensors sit in reference cycles with vLLM's connector objects
 
     # -- one engine step ------------------------------------------------
     def step(self) -> StepEvents:

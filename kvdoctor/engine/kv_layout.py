@@ -13,6 +13,7 @@ through the adapter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from importlib import resources
@@ -24,7 +25,8 @@ from kvdoctor.errors import UsageError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 MAMBA = "mamba"
-KINDS = (FULL, SLIDING, MAMBA)
+MLA = "mla_attention"  # multi-head latent attention (DeepSeek): one latent KV "head" of kv_lora_rank + rope dims
+KINDS = (FULL, SLIDING, MAMBA, MLA)
 # config.json `layer_types` spellings (Hugging Face) -> kvdoctor's kinds
 _LAYER_TYPE_ALIASES = {
     "full_attention": FULL, "attention": FULL, "global_attention": FULL,
@@ -60,6 +62,13 @@ class KvLayout:
     def is_hybrid(self) -> bool:
         return len({(layer.kind, layer.sliding_window, layer.draft, layer.num_kv_heads, layer.head_size)
                     for layer in self.layers}) > 1
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one block's KV over every layer, as the model runner's tensors hold it (K and V of each
+        attention layer; a Mamba layer's state is padded to the attention page, so it counts as one)."""
+        dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}.get(self.dtype, 2)
+        return sum((1 if layer.kind == MLA else 2) * (layer.num_kv_heads or self.num_kv_heads)
+                   * (layer.head_size or self.head_size) * dtype_bytes * block_size for layer in self.layers)
 
     def layer_names(self) -> list[str]:
         names = []
@@ -98,9 +107,17 @@ def shipped_layout_dir(name: str) -> Path:
 
 def read_layout(model_dir: str | Path, source: str | None = None,
                 sliding_window: int | None = None) -> KvLayout:
+    """The KV layout a `config.json` describes (read once per process: planning validates often)."""
+    return _read_layout(str(model_dir), source, sliding_window)
+
+
+@functools.lru_cache(maxsize=32)
+def _read_layout(model_dir: str, source: str | None, sliding_window: int | None) -> KvLayout:
     """The KV layout a `config.json` describes (and, beside it, an EAGLE drafter's `draft/config.json`)."""
     directory = Path(model_dir)
     config = _read_json(directory / "config.json")
+    if "model_type" in config and not _is_kvdoctor_layout(config):
+        return _read_with_transformers(directory, config, source, sliding_window)
     layers = list(_layers_of(config, directory, sliding_window))
     draft_dir = directory / "draft"
     if (draft_dir / "config.json").is_file():
@@ -117,6 +134,75 @@ def read_layout(model_dir: str | Path, source: str | None = None,
         head_size = hidden // max(1, int(text.get("num_attention_heads", 1)))
     layers = _with_global_geometry(layers, text, directory)
     return KvLayout(source or str(directory), tuple(layers), int(heads), int(head_size))
+
+
+def _is_kvdoctor_layout(config: dict[str, Any]) -> bool:
+    """kvdoctor's shipped toy layouts (`_kvdoctor` key): a few layers, read by kvdoctor's own reader."""
+    return "_kvdoctor" in config
+
+
+def _read_with_transformers(directory: Path, config: dict[str, Any], source: str | None,
+                            sliding_window: int | None) -> KvLayout:
+    """A model's KV layout through transformers' own config class, as vLLM reads it (`AutoConfig`).
+
+    The config class fills what a config.json leaves to defaults: Gemma 3's `sliding_window_pattern`
+    becomes `layer_types` (52 sliding + 10 full for 62 layers), Qwen3-Next's `full_attention_interval` its
+    linear-attention layers. DeepSeek's `kv_lora_rank` is multi-head latent attention (one latent of
+    kv_lora_rank + qk_rope_head_dim per token). An architecture neither transformers nor kvdoctor can map
+    is a usage error, never a silent fallback.
+    """
+    where = directory / "config.json"
+    model_type = config.get("model_type")
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise UsageError(f"{where}: reading model_type {model_type!r} needs transformers (installed with "
+                         f"vLLM); it is not importable here") from None
+    try:
+        cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError for unknown types
+        raise UsageError(f"{where}: transformers cannot read model_type {model_type!r} "
+                         f"({type(exc).__name__}: {_first_line(exc)}); kvdoctor cannot map its KV layout") from None
+    text = cfg.get_text_config()
+    count = getattr(text, "num_hidden_layers", None)
+    if not isinstance(count, int) or count < 1:
+        raise UsageError(f"{where}: {type(text).__name__} has no num_hidden_layers; kvdoctor cannot map its KV layout")
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None) or 1
+    head_size = getattr(text, "head_dim", None)
+    if not head_size:
+        head_size = int(getattr(text, "hidden_size", 64)) // max(1, int(getattr(text, "num_attention_heads", 1) or 1))
+    window = sliding_window or getattr(text, "sliding_window", None)
+    how = f"{type(text).__name__}"
+    if getattr(text, "kv_lora_rank", None):
+        latent = int(text.kv_lora_rank) + int(getattr(text, "qk_rope_head_dim", 0) or 0)
+        layers = [LayerKind(MLA, num_kv_heads=1, head_size=latent)] * count
+        how += f" (kv_lora_rank: MLA, {latent} latent dims a token)"
+    elif getattr(text, "layer_types", None):
+        layers = []
+        for value in text.layer_types:
+            kind = _LAYER_TYPE_ALIASES.get(str(value))
+            if kind is None:
+                raise UsageError(f"{where}: layer_types has a kind kvdoctor cannot map: {value!r} (kvdoctor "
+                                 f"knows {', '.join(sorted(_LAYER_TYPE_ALIASES))})")
+            layers.append(LayerKind(kind, window if kind == SLIDING else None))
+        how += " layer_types"
+    elif getattr(text, "layers_block_type", None):  # Jamba-style: "mamba" / "attention" per layer
+        layers = [LayerKind(MAMBA if str(t) == "mamba" else FULL) for t in text.layers_block_type]
+        how += " layers_block_type"
+    elif getattr(text, "hybrid_override_pattern", None):
+        layers = [LayerKind(_PATTERN_KINDS[c]) for c in str(text.hybrid_override_pattern) if c in _PATTERN_KINDS]
+        how += " hybrid_override_pattern"
+    elif window and getattr(text, "use_sliding_window", True) is not False:
+        layers = [LayerKind(SLIDING, window)] * count  # every layer windowed (Mistral-style)
+    else:
+        layers = [LayerKind(FULL)] * count
+    for layer in layers:
+        if layer.kind == SLIDING and (not isinstance(layer.sliding_window, int) or layer.sliding_window < 1):
+            raise UsageError(f"{where}: sliding-window layers need a positive sliding_window, got {window!r}")
+    if not layers:
+        raise UsageError(f"{where}: no layer keeps a KV cache")
+    layers = _with_global_geometry(layers, text.to_dict(), directory)
+    return KvLayout(source or f"{directory} (read by transformers' {how})", tuple(layers), int(heads), int(head_size))
 
 
 def _with_global_geometry(layers: list[LayerKind], text: dict[str, Any], directory: Path) -> list[LayerKind]:
@@ -257,7 +343,10 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
                                  head_size=layout.head_size, dtype=dtype)
     specs: dict[str, Any] = {}
     for name, layer in zip(layout.layer_names(), layout.layers):
-        if layer.kind == FULL and (layer.num_kv_heads or layer.head_size):
+        if layer.kind == MLA:
+            spec = kvi.MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=layer.head_size,
+                                        dtype=dtype)
+        elif layer.kind == FULL and (layer.num_kv_heads or layer.head_size):
             spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
                                          head_size=layer.head_size or layout.head_size, dtype=dtype)
         elif layer.kind == FULL:

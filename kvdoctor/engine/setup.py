@@ -41,6 +41,19 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def total_memory_bytes() -> int | None:
+    """MemTotal + SwapTotal from /proc/meminfo: the most one mapping may reserve (None where unreadable)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return total or None
+
+
 @dataclass(frozen=True)
 class Setup:
     block_size: int = 4
@@ -91,6 +104,13 @@ class Setup:
     # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
     # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
     engine: str = "scheduler"
+    # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
+    # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.
+    fixed: tuple[str, ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
+    # Set by plan_setup: the fields it derived ("gpu_blocks: 8 -> 10"), and where the user's own values make
+    # the trigger impossible, why and the smallest change that allows it (the run is then `untested`).
+    derived: tuple[str, ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
+    untested: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
 
     @property
     def offloaded_block_size(self) -> int:
@@ -130,6 +150,10 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.device != "cuda":  # kvdoctor's copy engine on CPU tensors (on a GPU the memory is the GPU's)
+            memory = self.worker_memory_refusal()
+            if memory:
+                return memory
         if self.layout:  # a shipped layout's config.json is read here, before vLLM is imported
             from kvdoctor.engine.kv_layout import MAMBA, read_layout, shipped_layout_dir
 
@@ -155,7 +179,7 @@ class Setup:
                      "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use", "second_cpu_bytes_to_use"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"{_flag(name)} must be a positive integer, got {value!r}")
+                raise UsageError(f"{flag_name(name)} must be a positive integer, got {value!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise UsageError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
@@ -172,7 +196,7 @@ class Setup:
                               ("model_runner", (None, "v1", "v2"))):
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
-                raise UsageError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
+                raise UsageError(f"{flag_name(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
@@ -191,6 +215,10 @@ class Setup:
             raise UsageError(f"this geometry needs ~{needed / 2**30:.1f} GiB of memory to simulate "
                              f"(pool of {self.gpu_blocks:,} blocks, CPU tier {self.cpu_bytes_to_use:,} bytes); "
                              f"{available / 2**30:.1f} GiB are available")
+        if self.model is not None:  # an architecture kvdoctor cannot map: exit 2 before vLLM is imported
+            from kvdoctor.engine.kv_layout import resolve_layout
+
+            resolve_layout(self.model, self.layout, self.sliding_window)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -203,19 +231,61 @@ class Setup:
             )
         return self
 
+    def worker_memory_refusal(self) -> str | None:
+        """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds
+        the model's real KV pages for every GPU block and maps its CPU tier whole; the simulated worker
+        holds neither. Judged before vLLM is imported (else the kernel kills the run)."""
+        from kvdoctor.engine.kv_layout import resolve_layout
+
+        page = resolve_layout(self.model, self.layout, self.sliding_window).page_bytes(self.block_size)
+        kv_bytes = self.gpu_blocks * page
+        available = available_memory_bytes()
+        if available is not None and kv_bytes > available:
+            return (f"it would hold the model's KV pages, {self.gpu_blocks:,} blocks x {page:,} bytes = "
+                    f"{kv_bytes / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB are available "
+                    f"(--num-gpu-blocks-override)")
+        total = total_memory_bytes()
+        if total is not None and self.cpu_bytes_to_use > total:
+            return (f"it would map the CPU tier whole, {self.cpu_bytes_to_use / 2**30:,.1f} GiB "
+                    f"(--kv-offloading-size / kv_connector_extra_config.cpu_bytes_to_use), and this machine has "
+                    f"{total / 2**30:.1f} GiB of memory and swap")
+        return None
+
     def with_overrides(self, **overrides: Any) -> "Setup":
-        """Apply CLI overrides (None means 'not given') and re-validate."""
+        """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
+        recorded in `fixed` (planning keeps them)."""
         given = {k: v for k, v in overrides.items() if v is not None}
         unknown = set(given) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise UsageError(f"unknown setup field(s): {', '.join(sorted(unknown))}")
-        return dataclasses.replace(self, **given).validate()
+        fixed = tuple(sorted(set(self.fixed) | (set(given) & set(PLANNED_FIELDS))))
+        return dataclasses.replace(self, **given, fixed=fixed).with_rules_kept().validate()
+
+    def with_rules_kept(self) -> "Setup":
+        """A step budget the user did not give, raised to what vLLM requires of it (it covers max_num_seqs,
+        and max_model_len without chunked prefill)."""
+        if "max_num_batched_tokens" in self.fixed:
+            return self
+        budget = max(self.max_num_batched_tokens, self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
 
 
-def _flag(name: str) -> str:
-    if name == "cpu_bytes_to_use":  # set through --kv-transfer-config, as with vllm serve
-        return "kv_connector_extra_config.cpu_bytes_to_use"
-    return "--" + name.replace("_", "-")
+# The sizes and switches a recipe's plan may derive where the user did not give them.
+PLANNED_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
+                  "max_model_len", "async_scheduling", "enable_chunked_prefill", "cpu_bytes_to_use")
+_FLAGS = {"gpu_blocks": "--num-gpu-blocks-override",
+          # set through --kv-offloading-size or --kv-transfer-config, as with vllm serve
+          "cpu_bytes_to_use": "kv_connector_extra_config.cpu_bytes_to_use"}
+
+
+def flag_name(name: str, value: bool | None = None) -> str:
+    """The flag that sets Setup field `name` (a switch: the form that sets it to `value`)."""
+    flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+    if value is False:
+        return "--no-" + flag[2:]
+    return flag
 
 
 # KVTransferConfig fields kvdoctor passes through as given (vLLM validates them; a release

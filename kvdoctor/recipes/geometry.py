@@ -32,14 +32,50 @@ prompt fits the free blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.setup import Setup, flag_name
 from kvdoctor.errors import UsageError
 
 
+@dataclass(frozen=True)
+class Need:
+    """A Setup value that would let a trigger exist here: `field op value` (op ">=", "<=" or "==")."""
+
+    field: str
+    value: Any
+    op: str = ">="
+
+    def holds(self, setup: Setup) -> bool:
+        have = getattr(setup, self.field)
+        return have >= self.value if self.op == ">=" else have <= self.value if self.op == "<=" else \
+            have == self.value
+
+    def change(self) -> str:
+        """The smallest change of the user's flags that meets it, in flag terms."""
+        if isinstance(self.value, bool):
+            return flag_name(self.field, self.value)
+        bound = {">=": " or more", "<=": " or less", "==": ""}[self.op]
+        return f"{flag_name(self.field)} {self.value}{bound}"
+
+
 class NotApplicable(Exception):
-    """The recipe's trigger cannot exist at this geometry (the message says why)."""
+    """The recipe's trigger cannot exist at this geometry (the message says why; `needs`: what would
+    let it exist, alternatives in order of preference)."""
+
+    def __init__(self, message: str, needs: tuple[Need, ...] | list[Need] = ()) -> None:
+        super().__init__(message)
+        self.needs = tuple(needs)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a trigger cannot exist at a geometry, and the changes that would let it (first: preferred)."""
+
+    message: str
+    needs: tuple[Need, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,7 +142,8 @@ def plan_fill(setup: Setup, max_tokens: int) -> FillPlan:
     cap_blocks = cap // bs
     if cap_blocks < 1:
         raise NotApplicable(f"a filler request needs one {bs}-token block of prompt plus {max_tokens} "
-                            f"output tokens within max_model_len {setup.max_model_len}")
+                            f"output tokens within max_model_len {setup.max_model_len}",
+                            [Need("max_model_len", bs + max_tokens), Need("max_num_batched_tokens", bs)])
     seqs = setup.max_num_seqs
 
     # budget: more than two steps' budget queued ahead of the next request.
@@ -123,20 +160,23 @@ def plan_fill(setup: Setup, max_tokens: int) -> FillPlan:
         total = usable - sum(reserve)
         if total < 1:
             raise NotApplicable(f"the GPU pool ({usable} usable blocks of {bs} tokens) cannot hold a "
-                                f"filler request and its decode blocks")
+                                f"filler request and its decode blocks", [Need("gpu_blocks", sum(reserve) + 2)])
         prompts = _split(total, cap_blocks)
         if len(prompts) > seqs:  # the rest would only wait: the next request queues behind them anyway
             prompts = prompts[: seqs + 1]
         horizon = len(prompts) * 2 + _ceil(total * bs, budget) + 2
         done = _simulate(setup, [p * bs for p in prompts], horizon)
         if any(d is None for d in done[:seqs]):
-            raise NotApplicable("the filler requests cannot all be scheduled at this geometry")
+            raise NotApplicable("the filler requests cannot all be scheduled at this geometry",
+                                [Need("max_num_seqs", len(prompts) + 1)])
         steps = max(d for d in done if d is not None)
         new_reserve = [_ceil(steps + 1 - d, bs) if d is not None else 0 for d in done]
         if new_reserve == reserve:
             return FillPlan(tuple(p * bs for p in prompts), steps, "pool")
         reserve = new_reserve
-    raise NotApplicable("no stable filler plan at this geometry")
+    # the reserve alternates between two plans (a filler more or less): a block more or a longer filler settles it
+    raise NotApplicable("no stable filler plan at this geometry",
+                        [Need("gpu_blocks", setup.gpu_blocks + 1), Need("max_model_len", setup.max_model_len + bs)])
 
 
 def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None) -> int:
@@ -151,10 +191,14 @@ def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None) 
     if args.get("prompt_rest_of_pool"):
         return (preempt or _no_plan()).victim
     if "prompt_chunks" in args:
-        length = args["prompt_chunks"] * setup.offloaded_block_size - args.get("trim_tokens", 0)
+        trim = args.get("trim_tokens", 0)
+        length = args["prompt_chunks"] * setup.offloaded_block_size - trim
         if length < 1:
+            per_block = args["prompt_chunks"] * setup.blocks_per_chunk
             raise NotApplicable(f"{args['prompt_chunks']} chunk(s) of {setup.offloaded_block_size} tokens less "
-                                f"{args['trim_tokens']} token(s) leave no prompt")
+                                f"{trim} token(s) leave no prompt",
+                                [Need("block_size", _ceil(trim + 1, per_block)),
+                                 Need("blocks_per_chunk", _ceil(trim + 1, args["prompt_chunks"] * setup.block_size))])
         return length
     return args["prompt_tokens"]
 
@@ -183,60 +227,58 @@ def preempt_plan(steps, setup: Setup) -> PreemptPlan | None:
 
 
 def check(recipe, setup: Setup) -> list[str]:
-    """Refuse what vLLM would refuse; return why the trigger cannot exist here (empty: it can).
+    """Refuse what vLLM would refuse; return why the trigger cannot exist here (empty: it can)."""
+    return [problem.message for problem in problems(recipe, setup)]
 
-    A user's recipe file with a prompt longer than max_model_len is a usage
-    error naming the step; a built-in recipe's trigger that does not fit the
-    user's geometry is not applicable, with the reason.
+
+def problems(recipe, setup: Setup) -> list[Problem]:
+    """Why the trigger cannot exist at this geometry, each with the changes that would let it.
+
+    A user's recipe file with a prompt longer than a max_model_len it or the user fixed is a usage error
+    naming the step (vLLM rejects such a request); everything else is a `Problem` for `plan_setup`.
     """
-    reasons: list[str] = []
+    found: list[Problem] = []
     try:
         preempt = preempt_plan(recipe.steps, setup)
     except NotApplicable as exc:
-        return [str(exc)]
+        return [Problem(str(exc), exc.needs)]
     counter = 0
+    mml_fixed = "max_model_len" in setup.fixed or (not recipe.builtin and "max_model_len" in recipe.setup)
     for step in recipe.steps:
         counter += step.args.get("count", 1) if step.action == "schedule" else 1
         if step.action != "add":
             continue
+        where = f"step {counter} (line {step.line}) add {step.args['request']}"
         try:
             length = prompt_length(step.args, setup, preempt)
         except NotApplicable as exc:
-            reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: {exc}")
+            found.append(Problem(f"{where}: {exc}", exc.needs))
             continue
-        total = length + step.args.get("max_tokens", 8)
+        max_tokens = step.args.get("max_tokens", 8)
+        total = length + max_tokens
         usable = setup.gpu_blocks - 1
-        if length > setup.max_model_len and not recipe.builtin:  # vLLM rejects it: a usage error, first
-            raise UsageError(f"{recipe.source}:{step.line}: step {counter} (line {step.line}) add "
-                             f"{step.args['request']}: a {length}-token prompt with max_tokens "
-                             f"{step.args.get('max_tokens', 8)} does not fit max_model_len {setup.max_model_len} "
+        if length > setup.max_model_len and not recipe.builtin and mml_fixed:  # vLLM rejects it: a usage error
+            raise UsageError(f"{recipe.source}:{step.line}: {where}: a {length}-token prompt with max_tokens "
+                             f"{max_tokens} does not fit max_model_len {setup.max_model_len} "
                              f"(vLLM rejects such a request); raise --max-model-len")
         if not step.args.get("fill_pool") and not step.args.get("prompt_rest_of_pool") and \
                 _ceil(length + 1, setup.block_size) > usable:
             # vLLM admits a request only when its whole prompt fits the free blocks
-            reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
-                           f"needs {_ceil(length + 1, setup.block_size)} blocks of {setup.block_size} tokens; the "
-                           f"pool has {usable} usable")
+            found.append(Problem(f"{where}: a {length}-token prompt needs {_ceil(length + 1, setup.block_size)} "
+                                 f"blocks of {setup.block_size} tokens; the pool has {usable} usable",
+                                 (Need("gpu_blocks", _ceil(length + 1, setup.block_size) + 1),)))
             continue
-        if length > setup.max_model_len:
-            message = (f"step {counter} (line {step.line}) add {step.args['request']}: a {length}-token prompt "
-                       f"with max_tokens {step.args.get('max_tokens', 8)} does not fit max_model_len "
-                       f"{setup.max_model_len} (vLLM rejects such a request)")
-            if recipe.builtin:
-                reasons.append(message)
-            else:
-                raise UsageError(f"{recipe.source}:{step.line}: {message}; raise --max-model-len")
-        elif total > setup.max_model_len and recipe.builtin:
-            reasons.append(f"step {counter} (line {step.line}) add {step.args['request']}: {length} prompt + "
-                           f"{step.args.get('max_tokens', 8)} output tokens exceed max_model_len "
-                           f"{setup.max_model_len}")
+        if total > setup.max_model_len:
+            found.append(Problem(f"{where}: {length} prompt + {max_tokens} output tokens exceed max_model_len "
+                                 f"{setup.max_model_len} (vLLM rejects such a request)",
+                                 (Need("max_model_len", total),)))
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
         if kind == "setup":
-            reason = _setup_requirement(value, setup, recipe)
-            if reason:
-                reasons.append(reason)
-    return reasons
+            problem = _SETUP_REQUIREMENTS[value](setup, recipe)
+            if problem:
+                found.append(problem)
+    return found
 
 
 def cpu_tier_chunks(setup: Setup) -> int:
@@ -253,35 +295,85 @@ _GEOMETRY_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_bat
                     "enable_chunked_prefill", "cpu_bytes_to_use")
 
 
-def _own_geometry(setup: Setup, recipe) -> str | None:
-    differ = [f"{name}={getattr(setup, name)}" for name in _GEOMETRY_FIELDS
-              if name in recipe.setup and recipe.setup[name] != getattr(setup, name)]
+def _own_geometry(setup: Setup, recipe) -> Problem | None:
+    differ = [name for name in _GEOMETRY_FIELDS if name in recipe.setup and recipe.setup[name] != getattr(setup, name)]
     if not differ:
         return None
     own = ", ".join(f"{name}={recipe.setup[name]}" for name in _GEOMETRY_FIELDS if name in recipe.setup)
-    return (f"this recipe's trigger is scripted for its own geometry ({own}) and not yet restated for "
-            f"{', '.join(differ)}")
+    return Problem(f"this recipe's trigger is scripted for its own geometry ({own}) and not yet restated for "
+                   f"{', '.join(f'{name}={getattr(setup, name)}' for name in differ)}",
+                   tuple(Need(name, recipe.setup[name], "==") for name in differ))
+
+
+def one_chunk_cpu_bytes(setup: Setup) -> int:
+    """cpu_bytes_to_use of a CPU tier of exactly one chunk (see `cpu_tier_chunks`)."""
+    chunk = setup.offloaded_block_size * 64
+    return _ceil(chunk, 4096) * 4096 if setup.spec_name == "TieringOffloadingSpec" else chunk
+
+
+def _problem(ok: bool, message: str, *needs: Need) -> Problem | None:
+    return None if ok else Problem(message, needs)
 
 
 _SETUP_REQUIREMENTS = {
-    "sync_scheduling": lambda s, r: None if not s.async_scheduling else (
+    "sync_scheduling": lambda s, r: _problem(
+        not s.async_scheduling,
         "the trigger needs synchronous scheduling: under --async-scheduling the step already in flight "
-        "computes the last sampled token's KV slot, so the final store is legitimate"),
-    "one_chunk_cpu_tier": lambda s, r: None if cpu_tier_chunks(s) == 1 else (
+        "computes the last sampled token's KV slot, so the final store is legitimate",
+        Need("async_scheduling", False, "==")),
+    "one_chunk_cpu_tier": lambda s, r: _problem(
+        cpu_tier_chunks(s) == 1,
         f"the trigger needs a CPU tier whose every block is held by an in-flight store; this one holds "
-        f"{cpu_tier_chunks(s):,} chunks (cpu_bytes_to_use={s.cpu_bytes_to_use:,})"),
+        f"{cpu_tier_chunks(s):,} chunks (cpu_bytes_to_use={s.cpu_bytes_to_use:,})",
+        Need("cpu_bytes_to_use", one_chunk_cpu_bytes(s), "==")),
     "own_geometry": lambda s, r: _own_geometry(s, r),
-    "last_token_in_prompt_block": lambda s, r: None if s.block_size > 1 else (
+    "last_token_in_prompt_block": lambda s, r: _problem(
+        s.block_size > 1,
         "at block_size 1 the last sampled token's slot opens a block that was never allocated, so "
         "the final store cannot cover it silently: vLLM pairs the chunk's offload keys with too few "
-        "blocks and _build_store_jobs asserts instead (an engine crash, the assertion of K1/K6)"),
-    "two_running_requests": lambda s, r: None if s.max_num_seqs >= 2 else (
-        "the trigger needs two requests running at once; --max-num-seqs is 1"),
+        "blocks and _build_store_jobs asserts instead (an engine crash, the assertion of K1/K6)",
+        Need("block_size", 2)),
+    "two_running_requests": lambda s, r: _problem(
+        s.max_num_seqs >= 2, "the trigger needs two requests running at once; --max-num-seqs is 1",
+        Need("max_num_seqs", 2)) or _two_fit(s, r),
+    "prefill_in_one_step": lambda s, r: _one_step_prefills(s, r),
 }
 
 
-def _setup_requirement(name: str, setup: Setup, recipe) -> str | None:
-    return _SETUP_REQUIREMENTS[name](setup, recipe)
+def _one_step_prefills(setup: Setup, recipe) -> Problem | None:
+    """Each `schedule until = "prefilled"` request's prompt, beside the others' decodes, within one step's
+    budget (a recipe whose other requests' few output tokens must outlast that prefill)."""
+    prefilled = {s.args.get("request") for s in recipe.steps
+                 if s.action == "schedule" and s.args.get("until") == "prefilled"}
+    for step in recipe.steps:
+        if step.action == "add" and step.args.get("request") in prefilled:
+            try:
+                length = prompt_length(step.args, setup)
+            except NotApplicable:
+                return None  # reported by `problems` itself
+            if length + setup.max_num_seqs > setup.max_num_batched_tokens:
+                return Problem(f"the trigger needs {step.args['request']}'s {length}-token prompt prefilled in "
+                               f"one step beside the others' decodes (their few output tokens must outlast it); "
+                               f"the step budget is {setup.max_num_batched_tokens} tokens",
+                               (Need("max_num_batched_tokens", length + setup.max_num_seqs),))
+    return None
+
+
+def _two_fit(setup: Setup, recipe) -> Problem | None:
+    """The pool holds the recipe's two largest requests at once (prompt and outputs, whole blocks)."""
+    sizes = []
+    for step in recipe.steps:
+        if step.action == "add" and not step.args.get("fill_pool") and not step.args.get("prompt_rest_of_pool"):
+            try:
+                length = prompt_length(step.args, setup)
+            except NotApplicable:
+                return None  # reported by `problems` itself
+            sizes.append(_ceil(length + step.args.get("max_tokens", 8), setup.block_size))
+    needed = sum(sorted(sizes)[-2:]) + 1  # block 0 is vLLM's null block
+    return _problem(setup.gpu_blocks >= needed,
+                    f"the trigger needs its two requests running at once: {needed - 1} blocks of "
+                    f"{setup.block_size} tokens; the pool has {setup.gpu_blocks - 1} usable",
+                    Need("gpu_blocks", needed))
 
 
 def is_known_setup_requirement(name: str) -> bool:
@@ -450,36 +542,50 @@ def plan_preempt(setup: Setup, max_tokens: int, victim_max_tokens: int) -> Preem
     usable, budget = setup.gpu_blocks - 1, setup.max_num_batched_tokens
     if not setup.enable_chunked_prefill:
         raise NotApplicable("without chunked prefill vLLM schedules a prompt whole, in the step that admits it "
-                            "and only when all its blocks fit: a request is never preempted mid-prefill")
+                            "and only when all its blocks fit: a request is never preempted mid-prefill",
+                            [Need("enable_chunked_prefill", True, "==")])
     if setup.max_num_seqs < 2:
         raise NotApplicable("the trigger needs a filler request decoding beside the preempted one; "
-                            "--max-num-seqs is 1")
+                            "--max-num-seqs is 1", [Need("max_num_seqs", 2)])
     if budget >= usable * bs:
         # the others in the step that admits it hold at most the rest of the pool, so the budget left covers it
         raise NotApplicable(f"the step budget ({budget:,} tokens) covers the whole GPU pool ({usable:,} blocks of "
                             f"{bs} tokens): a prompt that fits the free blocks is scheduled whole in the step "
-                            f"that admits it, never left mid-prefill")
+                            f"that admits it, never left mid-prefill",
+                            [Need("gpu_blocks", budget // bs + 2),
+                             Need("max_num_batched_tokens", max(setup.max_num_seqs, usable * bs - 1), "<=")])
     max_chunks = min(setup.max_model_len - victim_max_tokens, (usable - 1) * bs) // chunk
     if max_chunks < 1:
         raise NotApplicable(f"the preempted request needs a prompt of at least one {chunk}-token chunk plus "
                             f"{victim_max_tokens} output tokens within max_model_len {setup.max_model_len}, "
-                            f"and a block left for a filler in the {usable}-block pool")
+                            f"and a block left for a filler in the {usable}-block pool",
+                            [Need("max_model_len", chunk + victim_max_tokens),
+                             Need("gpu_blocks", setup.blocks_per_chunk + 2)])
     est_steps = _ceil(usable * bs + budget, max(1, budget - setup.max_num_seqs)) + 2
     if est_steps > MAX_PREEMPT_FILL_STEPS:
         raise NotApplicable(f"running the GPU pool out of blocks takes its {usable:,} usable blocks "
                             f"({usable * bs:,} tokens) in prompts, about {est_steps:,} steps at "
                             f"{budget:,} tokens a step; kvdoctor bounds this fill at "
-                            f"{MAX_PREEMPT_FILL_STEPS:,} steps")
+                            f"{MAX_PREEMPT_FILL_STEPS:,} steps",
+                            [Need("max_num_batched_tokens",
+                                  _ceil(usable * bs, MAX_PREEMPT_FILL_STEPS - 16) + setup.max_num_seqs + 1),
+                             Need("gpu_blocks", (MAX_PREEMPT_FILL_STEPS - 16) * max(1, budget - setup.max_num_seqs)
+                                  // bs, "<=")])
     filler_max_tokens = max(max_tokens, est_steps + 8)
     cap_blocks = (setup.max_model_len - filler_max_tokens) // bs
     if cap_blocks < 1:
         raise NotApplicable(f"a filler request needs one {bs}-token block of prompt plus {filler_max_tokens} "
-                            f"output tokens (the fill's steps) within max_model_len {setup.max_model_len}")
+                            f"output tokens (the fill's steps) within max_model_len {setup.max_model_len}",
+                            [Need("max_model_len", filler_max_tokens + bs)])
     m_min = _ceil(usable - 1, cap_blocks)
     if m_min + 1 > setup.max_num_seqs:
+        # fewer, longer fillers (a longer context), or more requests running at once
         raise NotApplicable(f"filling the {usable:,}-block pool takes {m_min} requests of at most "
                             f"{cap_blocks * bs} prompt tokens (max_model_len {setup.max_model_len}) running "
-                            f"beside the preempted one; --max-num-seqs is {setup.max_num_seqs}")
+                            f"beside the preempted one; --max-num-seqs is {setup.max_num_seqs}",
+                            [Need("max_model_len", _ceil(usable - 1, max(1, setup.max_num_seqs - 1)) * bs
+                                  + filler_max_tokens),
+                             Need("max_num_seqs", m_min + 1)])
     sizes = ([4] if 4 <= max_chunks else []) + [k for k in range(max_chunks, 0, -1) if k != 4]
     counts = sorted({m for m in (m_min, m_min + 1, 2 * m_min) if m < setup.max_num_seqs})
     for k in sizes[:8]:
@@ -536,3 +642,103 @@ def _fit_preempt(setup: Setup, k: int, m: int, cap_blocks: int, filler_max_token
                                leftover, sim["fail_step"], sim["victim_computed"])
         return None
     return None
+
+
+# -- planning a recipe at the user's geometry ----------------------------------------------------------------
+
+# Rounds of "meet every open need, look again": each round meets at least one need or stops.
+_PLAN_ROUNDS = 32
+
+
+def plan_setup(recipe, setup: Setup) -> Setup:
+    """The setup the recipe runs at: the user's values kept, every other size derived to meet the trigger.
+
+    Each round asks `problems` what the trigger lacks here; each problem names the changes that would let
+    it exist (first: preferred). A change of a field the user did not fix is made (sizes are raised or
+    lowered to the smallest value that meets the need); where every change a problem names touches a field
+    the user fixed, the recipe is untested at this geometry: `Setup.untested` names the flag and the
+    smallest change that allows it. A user's recipe file fixes its own [setup] values as well.
+    """
+    from kvdoctor.engine.setup import PLANNED_FIELDS
+
+    fixed = set(setup.fixed) | (set() if recipe.builtin else set(recipe.setup) & set(PLANNED_FIELDS))
+    start = setup
+    preferred: dict[str, Any] = {}
+    for need in _preferences(recipe, setup):
+        if need.field not in fixed and not need.holds(setup):
+            preferred[need.field] = max(preferred.get(need.field, need.value), need.value)
+    if preferred:
+        setup = dataclasses.replace(setup, **preferred).with_rules_kept()
+    for _ in range(_PLAN_ROUNDS):
+        found = problems(recipe, setup)
+        if not found:
+            derived = tuple(f"{name}: {getattr(start, name)} -> {getattr(setup, name)}" for name in PLANNED_FIELDS
+                            if getattr(start, name) != getattr(setup, name))
+            return dataclasses.replace(setup, derived=derived, untested=None)
+        changes: dict[str, Any] = {}
+        for problem in found:
+            open_needs = [need for need in problem.needs if not need.holds(setup)]
+            free = [need for need in open_needs if need.field not in fixed]
+            if not free:
+                return dataclasses.replace(setup, untested=_untested(recipe, problem, open_needs, start))
+            need = free[0]
+            have = changes.get(need.field)
+            if have is None or need.op == "==":
+                changes[need.field] = need.value
+            else:
+                changes[need.field] = max(have, need.value) if need.op == ">=" else min(have, need.value)
+        try:
+            setup = dataclasses.replace(setup, **changes, fixed=tuple(sorted(fixed))).with_rules_kept().validate()
+        except UsageError as exc:
+            return dataclasses.replace(setup, untested=f"{found[0].message}; meeting it breaks a rule vLLM "
+                                                       f"enforces at the given flags: {exc}")
+    return dataclasses.replace(setup, untested="; ".join(p.message for p in problems(recipe, setup))
+                               + " (kvdoctor found no geometry for this trigger within the given flags)")
+
+
+# A preempting fill takes every usable block in prompts at the step budget; a budget that takes it in
+# more steps than this is raised where the user did not give one (the recipe's own 8 tokens suit its 8 blocks).
+_PREFERRED_FILL_STEPS = 32
+
+
+def _preferences(recipe, setup: Setup) -> list[Need]:
+    """Sizes the trigger does not need but runs better at (fewer steps), taken only where the user gave none."""
+    needs = []
+    if any(s.action == "add" and s.args.get("fill_pool") == PREEMPT_NEXT for s in recipe.steps):
+        bs, pool_tokens = setup.block_size, (setup.gpu_blocks - 1) * setup.block_size
+        budget = _ceil(_ceil(pool_tokens, _PREFERRED_FILL_STEPS), bs) * bs
+        if budget < pool_tokens:
+            needs.append(Need("max_num_batched_tokens", budget))
+    # `schedule until = "prefilled"` counts a prompt's steps at the whole budget; others' decodes share it, so
+    # a prompt exactly one budget long would take a step more than counted
+    prefilled = {s.args.get("request") for s in recipe.steps if s.action == "schedule"
+                 and s.args.get("until") == "prefilled"}
+    for step in recipe.steps:
+        if step.action == "add" and step.args.get("request") in prefilled:
+            try:
+                length = prompt_length(step.args, setup)
+            except NotApplicable:
+                continue
+            if length <= setup.max_num_batched_tokens < length + setup.max_num_seqs:
+                needs.append(Need("max_num_batched_tokens", length + setup.max_num_seqs))
+    return needs
+
+
+def _untested(recipe, problem: Problem, needs: list[Need], start: Setup) -> str:
+    """Why the user's values make the trigger impossible, the flag that prevents it and the smallest change
+    that allows it: the value a plan with that one flag left free derives (else the problem's own bound)."""
+    if not needs:
+        return f"{problem.message} (kvdoctor knows no change of the flags that allows it)"
+    given = ", ".join(dict.fromkeys(
+        flag_name(n.field, getattr(start, n.field)) if isinstance(getattr(start, n.field), bool)
+        else f"{flag_name(n.field)} {getattr(start, n.field)}" for n in needs))
+    changes = []
+    for need in needs:
+        freed = dataclasses.replace(start, fixed=tuple(f for f in start.fixed if f != need.field))
+        planned = plan_setup(recipe, freed) if recipe.builtin and need.field in start.fixed else None
+        if planned is not None and planned.untested is None and not isinstance(need.value, bool):
+            changes.append(f"{flag_name(need.field)} {getattr(planned, need.field)}")
+        else:
+            changes.append(need.change())
+    return (f"{problem.message}; the given {given} prevents it; the smallest change that allows it: "
+            + " or ".join(dict.fromkeys(changes)))

@@ -513,6 +513,13 @@ def _check_preempt_fill(r: _Reader, steps: list[Step], table: str) -> None:
                                 f"fill_pool = \"preempt_next\" (the fill whose blocks it is sized by)")
 
 
+# Upper bounds of a step's sizes: tokens past any model's context (2**24), steps and chunks past what a run
+# can take in minutes. A recipe above them is refused at load, naming the file and line.
+MAX_STEP_VALUE = {"prompt_tokens": 1 << 24, "max_tokens": 1 << 24, "shared_prefix_tokens": 1 << 24,
+                  "trim_tokens": 1 << 24, "prompt_chunks": 1 << 20, "shared_prefix_chunks": 1 << 20,
+                  "count": 100_000}
+
+
 def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, where: str) -> None:
     def at(key: str) -> int:
         return r.index.key(line, key)
@@ -521,6 +528,10 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
                 "shared_prefix_chunks"):
         if key in args and args[key] < 1:
             raise r.fail(at(key), f"{where} ({action}) {key} must be a positive integer, got {args[key]}")
+        if key in args and args[key] > MAX_STEP_VALUE[key]:
+            # vLLM has no context that long, and a plan or run at such a size would take minutes
+            raise r.fail(at(key), f"{where} ({action}) {key} = {args[key]} is above kvdoctor's bound "
+                                  f"{MAX_STEP_VALUE[key]:,}")
     for key in ("allocated_blocks", "min_allocated_blocks", "in_flight_jobs", "min_in_flight_jobs",
                 "store_jobs_built", "min_store_jobs_built"):
         if key in args and args[key] < 0:

@@ -260,6 +260,9 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
         fields.append(("engine", described.get(engine, engine)))
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
+    derived = getattr(setup, "derived", ())  # sizes kvdoctor derived for the trigger (the user gave none)
+    if derived:
+        fields.append(("derived", "; ".join(derived)))
     groups = getattr(setup, "kv_groups", None)  # set by recipes with several KV cache groups
     if groups:
         fields.append(("kv_groups", groups))

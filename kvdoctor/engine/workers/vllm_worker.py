@@ -157,3 +157,7 @@ class VllmWorker:
         except Exception:  # noqa: BLE001 - a crashed run may not shut down cleanly
             pass
         CONTROLS.pop(self.control_id, None)
+        # This run's KV tensors (a page per block per layer, and the copy engine's CPU tier) go with it: the
+        # next variant allocates its own (kept, three variants of a real model's pool tripled the peak).
+        self.control.engine = None
+        self.engine = self.model = self.kv_caches = self.connector = self._v2 = None

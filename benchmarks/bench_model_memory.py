@@ -1,0 +1,63 @@
+"""Peak memory of `kvdoctor repro` at a real model's geometry (issue 23), measured with /usr/bin/time -v.
+
+Runs, each in a fresh process:
+  repro queued-abort --model <Llama-3.1-8B config> --block-size 16 --num-gpu-blocks-override N
+        --kv-offloading-size 64 --kv-offloading-backend native --logic installed
+for N in 20,000 and 1,000,000 (the CLI's default worker: vLLM's own where this machine holds its KV pages,
+else the simulated one, said in the setup line), then Qwen3-0.6B at 1,000 blocks with --logic all on vLLM's
+worker (three variants, each freeing its KV tensors before the next), and prints the outcome, exit code,
+wall time and peak RSS.
+Target: peak RSS under 2 GB; an OOM kill (exit 137) is the defect this guards against.
+
+    PYTHONPATH=. python benchmarks/bench_model_memory.py [--blocks 20000,1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = ROOT / "tests" / "data" / "configs" / "llama-3.1-8b"
+TARGET_BYTES = 2 << 30
+
+
+QWEN = ROOT / "tests" / "data" / "configs" / "qwen3-0.6b"
+
+
+def measure(blocks: int, model: Path = LLAMA, extra: tuple[str, ...] = ("--kv-offloading-size", "64",
+            "--kv-offloading-backend", "native", "--logic", "installed")) -> dict:
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--model", str(model),
+           "--block-size", "16", "--num-gpu-blocks-override", str(blocks), *extra]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
+    outcome = re.search(r"^installed\s+(\w+)", proc.stdout, re.M)
+    worker = re.search(r"worker=(\S+)", proc.stdout)
+    return {"model": model.name, "blocks": blocks, "exit": proc.returncode, "outcome": outcome.group(1) if outcome else None,
+            "worker": worker.group(1) if worker else None, "wall_s": round(wall, 1), "peak_rss_mb": rss_kb // 1024}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", default="20000,1000000")
+    args = parser.parse_args()
+    worst = 0
+    for blocks in (int(b) for b in args.blocks.split(",")):
+        row = measure(blocks)
+        worst = max(worst, row["peak_rss_mb"] << 20)
+        print(row, flush=True)
+    row = measure(1000, QWEN, ("--logic", "all"))
+    worst = max(worst, row["peak_rss_mb"] << 20)
+    print(row, flush=True)
+    print(f"peak RSS {worst / 2**30:.2f} GiB (target under {TARGET_BYTES / 2**30:.0f} GiB)")
+    return 0 if worst < TARGET_BYTES else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
