@@ -12,7 +12,6 @@ from typing import NamedTuple
 from kvdoctor.matrix import data
 from kvdoctor.releases import KNOWN_RELEASES
 
-NOT_REPRODUCING = ("not_reproduced", "not_applicable")
 
 
 class KnownFix(NamedTuple):
@@ -54,7 +53,8 @@ class UpgradeHint(NamedTuple):
 def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
                  path: Path | None = None) -> UpgradeHint | None:
     """`reproducing` maps a bug id to its recipes that reproduce here. A bug counts as fixed at a
-    release only when every one of its recipes was measured there and does not reproduce. None when
+    release only when every one of its recipes was measured there and earned it (reached its crash
+    site and held, or the site is gone: `OutcomeRow.earns_fixed`). None when
     no newer release was measured or none fixes any of them."""
     import re
 
@@ -79,7 +79,7 @@ def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
             continue
         left = tuple(sorted((bug for bug, names in reproducing.items()
                              if any(outcomes.get((release, n)) is None
-                                    or outcomes[(release, n)].outcome not in NOT_REPRODUCING for n in names)),
+                                    or not outcomes[(release, n)].earns_fixed for n in names)),
                             key=bug_order))
         if len(left) < len(reproducing) and (best is None or len(left) < len(best.still_reproducing)):
             best = UpgradeHint(release, left, max(r.measured_on for r in measured if r is not None))
