@@ -79,3 +79,16 @@ def test_list_shows_builtin_recipes_with_refs_and_signature():
     assert "queued-abort" in recipes
     assert any("49118" in ref for ref in recipes["queued-abort"]["refs"])
     assert "_build_store_jobs" in recipes["queued-abort"]["signature"]
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("repro", "kvdoctor repro [OPTIONS] [RECIPE]"), ("inspect", "kvdoctor inspect [OPTIONS] RECIPE"),
+    ("diagnose", "kvdoctor diagnose [OPTIONS] LOG"), ("matrix", "kvdoctor matrix [OPTIONS] [RECIPE]..."),
+])
+def test_usage_lines_name_arguments_plainly(command, usage):
+    """Typer writes `{log}` and `RECIPE <list[str]>`; the help names an argument as a user types it."""
+    proc = run_cli(command, "--help", env={"COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == f"Usage: {usage}"
+    arguments = proc.stdout.split("Arguments:")[1].split("\n\n")[0]
+    assert "{" not in arguments and "<str>" not in arguments and "<list[str]>" not in arguments, arguments

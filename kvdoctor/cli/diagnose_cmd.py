@@ -17,7 +17,8 @@ from kvdoctor.cli.common import command_line, run
 
 
 def diagnose(
-    log: Annotated[str, typer.Argument(help="A vLLM log file (or a pasted traceback); `-` reads stdin.")],
+    log: Annotated[str, typer.Argument(
+        help="A vLLM log file (or a pasted traceback); `-` reads stdin.", metavar="LOG")],
     logic: Annotated[str, typer.Option("--logic", help="installed | fixed | both: the logic the matches run "
                                                        "under.")] = "both",
     no_run: Annotated[bool, typer.Option("--no-run", help="Read and match only; run nothing (no vLLM "

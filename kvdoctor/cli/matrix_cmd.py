@@ -22,7 +22,7 @@ RELEASES = "Releases"
 
 def matrix(
     recipes: Annotated[Optional[list[str]], typer.Argument(
-        help="Built-in recipe names or recipe .toml files.", show_default=False)] = None,
+        help="Built-in recipe names or recipe .toml files.", show_default=False, metavar="RECIPE")] = None,
     vllm: Annotated[Optional[str], typer.Option(
         "--vllm", help=f"Releases: a list (0.26.0,0.30.0) or an inclusive range (0.26.0..0.34.0) of "
                        f"{', '.join(KNOWN_RELEASES)}. Default: all of them.",

@@ -58,6 +58,11 @@ class KvCommand(TyperCommand):
     def get_params(self, ctx: Any) -> list[Any]:
         return [_without_bool_metavar(p) if p.param_type_name == "option" else p for p in super().get_params(ctx)]
 
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        """The usage line names arguments as their help does (`LOG`, `[RECIPE]...`), without Typer's
+        braces around a required one."""
+        return [piece.replace("{", "").replace("}", "") for piece in super().collect_usage_pieces(ctx)]
+
     def format_options(self, ctx: Any, formatter: Any) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
@@ -66,12 +71,18 @@ class KvCommand(TyperCommand):
                 continue
             if param.param_type_name == "argument":
                 section = "Arguments"
+                record = (_argument_name(param), record[1])  # `RECIPE`, not Typer's `RECIPE <str>`
             else:
                 section = getattr(param, "rich_help_panel", None) or "Options"
             sections.setdefault(section, []).append(record)
         for name, records in sections.items():
             with formatter.section(name):
                 formatter.write_dl(records)
+
+
+def _argument_name(param: Any) -> str:
+    name = param.metavar or param.name.upper()
+    return name.replace("{", "").replace("}", "")
 
 
 def usage_error_line(exc: Any) -> str:
