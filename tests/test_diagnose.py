@@ -305,6 +305,9 @@ def test_cli_stdin_json_and_report_without_leaks(tmp_path):
                           input=SYNTHETIC, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
+    from kvdoctor import __version__
+
+    assert doc["kvdoctor_version"] == __version__  # as every other command's document
     assert doc["log"]["vllm_version"] == "0.26.0"
     assert {m["recipe"] for m in doc["matches"]} >= SAME_ASSERT
     assert doc["crash"]["file"] == "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"

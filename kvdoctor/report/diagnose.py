@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvdoctor import SCHEMA_VERSION
+from kvdoctor import SCHEMA_VERSION, __version__
 from kvdoctor.diagnose.match import innermost_vllm
 from kvdoctor.diagnose.redact import format_value, redact_serve_args
 from kvdoctor.diagnose.traceback import display_path
@@ -310,6 +310,7 @@ def diagnose_document(report: Any) -> dict[str, Any]:
     inner = innermost_vllm(crash) if crash is not None else None
     return {
         "schema_version": SCHEMA_VERSION,
+        "kvdoctor_version": __version__,
         "command": "diagnose",
         "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
                 "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source},
