@@ -69,6 +69,14 @@ class Finding:
                          detail=self.detail)
 
     @property
+    def impact(self) -> Any:
+        """What it does to a server and its clients (`kvdoctor.explore.impact`)."""
+        from kvdoctor.explore.impact import impact_of_finding
+        from kvdoctor.explore.triage import STARTUP
+
+        return impact_of_finding(self, startup=self.triage is not None and self.triage.verdict == STARTUP)
+
+    @property
     def label(self) -> str:
         """The signature, with the known bug it is when there is one."""
         known = self.known
@@ -82,6 +90,7 @@ class Finding:
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
+            "impact": self.impact.as_dict(),
             "triage": self.triage.as_dict() if self.triage is not None else None,
         }
 
@@ -198,6 +207,10 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
         signature = Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
+    from kvdoctor.explore.impact import impact_of
+
+    failing = steps[-1].action if obs.kind in ("exception", "harness") and steps else None
+    summary = f"{summary}\nImpact: {impact_of(obs.kind, obs.invariant, failing).line}"
     return dataclasses.replace(recipe, name=name, summary=summary, signature=signature, steps=steps,
                                checks=checks, title=obs.signature)
 
