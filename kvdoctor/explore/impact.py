@@ -81,8 +81,9 @@ def impact_of(kind: str, invariant: str | None, failing_action: str | None) -> I
         return Impact(LEAK, "no error; a finished request's connector state is never released (its CPU slots "
                             "and bookkeeping stay held until restart)")
     if kind == "invariant":
-        return _INVARIANTS.get(invariant or "", (WRONG_KV, "no error; the connector's state is wrong in a way "
-                                                           "kvdoctor checks but cannot rank"))  # type: ignore[return-value]
+        kind_, client = _INVARIANTS.get(invariant or "", (WRONG_KV, "no error; the connector's state is wrong in "
+                                                                    "a way kvdoctor checks but cannot rank"))
+        return Impact(kind_, client)
     if not failing_action:
         return Impact(NO_START, "the server refuses to start with this configuration")
     if failing_action in UTILITY_ACTIONS:
