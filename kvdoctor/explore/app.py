@@ -116,8 +116,14 @@ def explore(config: Any, out_dir: Path, command: str = "",
         if on_finding is not None:
             on_finding(finding)
 
+    searched = config
+    if config.workers > 1 and config.triage:
+        # Several workers triage nothing themselves: the parent triages after them, once it has
+        # imported vLLM, in the last part of the budget.
+        searched = dataclasses.replace(config, stop_at=config.stop_at - min(0.2 * config.time_budget, 60.0))
     with hypothesis_storage():
-        result = search(config, on_progress=on_progress, on_finding=found, api=api)
+        result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+    result.config = config
     if result.errors and len(result.errors) >= config.workers:
         from kvdoctor.errors import InternalError
 

@@ -42,7 +42,7 @@ class ExploreConfig:
     seed: int = DEFAULT_SEED
     logic: str = "installed"
     max_examples: int | None = DEFAULT_MAX_EXAMPLES  # per worker; None: until the time budget is spent
-    time_budget: float = DEFAULT_TIME_BUDGET  # seconds, per worker, after its vLLM import
+    time_budget: float = DEFAULT_TIME_BUDGET  # seconds; the whole run's when stop_at is set (explore.app does)
     max_events: int = DEFAULT_MAX_EVENTS
     workers: int = 1
     shrink_grace: float = SHRINK_GRACE_S
