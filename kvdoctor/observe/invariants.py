@@ -167,8 +167,9 @@ def _content(name: str) -> Check:
 
 
 invariant("store-copies-computed-kv",
-          "a store job copies only KV slots whose bytes are what their tokens say (checked when the store "
-          "is built and again when its copy reads the GPU blocks)")(_content("store-copies-computed-kv"))
+          "a store job copies only KV slots whose bytes are what their tokens say (judged on the bytes "
+          "vLLM's worker copies, when it copies them: a store flushed before the step's forward by the "
+          "bytes it read then, not by what a new owner of its blocks wrote since)")(_content("store-copies-computed-kv"))
 invariant("reads-see-their-tokens",
           "every KV slot a forward reads holds the KV its tokens say (a stale or wrong load shows here)")(
     _content("reads-see-their-tokens"))
