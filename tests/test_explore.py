@@ -242,7 +242,7 @@ def test_every_finding_kind_writes_a_loadable_recipe():
     for obs in observations:
         written = finding_recipe(recipe, obs, "summary\nline two")
         loaded = load_recipe_text(recipe_to_toml(written), "finding.toml")
-        assert loaded.title == obs.signature and loaded.summary == "summary\nline two"
+        assert loaded.title == obs.signature and loaded.summary.startswith("summary\nline two\nImpact: ")
         if obs.kind == "check":
             assert loaded.steps == tuple(Step(s.action, s.args, loaded.steps[i].line) for i, s in enumerate(recipe.steps))
             assert [c.args["connector_state"] for c in loaded.checks] == ["released"]

@@ -90,8 +90,16 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     assert not result.harness_caused
     assert any("step_with_batch_queue" in note for note in result.reachable_notes), result.reachable_notes
     assert result.verdict == CANDIDATE
+    # The engine survives (a utility call's exception goes back to its caller), and the message's
+    # "waiting for remote KV transfer" is not what the run shows: the async batch in flight is.
+    assert result.impact.startswith("a call fails: the engine survives"), result.impact
+    assert any("already preempted every running request" in note for note in result.diagnosis), result.diagnosis
+    if "waiting for remote KV transfer" in (finding.recipe.signature.contains or ""):
+        assert any("no request was waiting for a KV transfer" in note and "async step" in note
+                   for note in result.diagnosis), result.diagnosis
     text = Path(result.report).read_text()
     assert "## Triage (kvdoctor explore)" in text and "RuntimeError" in text
+    assert "- Impact: a call fails" in text and "- Diagnosis: " in text
     no_connector = application.repro(finding.file, {"offloading": False}, "installed")
     assert no_connector.results[0].outcome is Outcome.NOT_REPRODUCED
 
@@ -115,7 +123,8 @@ def test_no_connector_setup_builds_no_connector_and_k1_needs_it(api):
         harness.shutdown()
     with_connector = application.repro("queued-abort", {}, "installed").results[0].outcome
     without = application.repro("queued-abort", {"offloading": False}, "installed").results[0]
-    assert without.outcome is Outcome.NOT_REPRODUCED, without.detail
+    # no connector, no crash site: the run cannot test K1 (not_reached), which is why it needs the connector
+    assert without.outcome is Outcome.NOT_REACHED, without.detail
     assert with_connector in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED)
 
 

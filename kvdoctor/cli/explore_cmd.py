@@ -210,11 +210,16 @@ def _summary(report: Any) -> list[Any]:
     for finding in report.findings:
         out.append(Text(f"{finding.label}: {finding.detail}"
                         + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
+        out.append(Text(f"    impact: {finding.impact.line}"))
         if finding.triage is not None:
             style = "bold" if finding.triage.report else None
             out.append(Text(f"    triage: {finding.triage.line}", style=style))
+            for note in finding.triage.diagnosis:
+                out.append(Text(f"    diagnosis: {note}"))
             if finding.triage.report:
                 out.append(Text(f"    report attachment: {finding.triage.report}"))
+    for note in report.notes:
+        out.append(Text(f"note: {note}", style="yellow"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out

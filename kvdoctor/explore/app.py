@@ -78,22 +78,50 @@ def hypothesis_storage() -> Iterator[None]:
 def explore(config: Any, out_dir: Path, command: str = "",
             on_progress: Callable[[Any], None] | None = None,
             on_finding: Callable[[Any], None] | None = None, api: Any = None) -> ExploreReport:
-    """Search (see `kvdoctor.explore.search`), then write one recipe per finding under `out_dir`."""
+    """Search (see `kvdoctor.explore.search`), writing each finding's recipe under `out_dir` (and,
+    with one worker, triaging it and writing its report) as soon as it is shrunk: a run killed at its
+    time limit keeps what it found. `--time-budget` bounds the whole run from here: vLLM's import,
+    search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
+    import dataclasses
+
     from kvdoctor.engine import compat
     from kvdoctor.explore.findings import write_findings
     from kvdoctor.explore.search import explore as search
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
              config.worker)
+    if config.stop_at is None:
+        config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
     if config.workers > 1 and api is None:
         declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
         if declared is None:
             raise compat.VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
+    if config.workers <= 1 and api is None:
+        api = compat.load()  # here, not in the search: each finding is triaged as it comes
     start = time.monotonic()
+    facts: list[Any] = []
+
+    def found(finding: Any) -> None:
+        write_findings([finding], out_dir)
+        if config.triage and api is not None and time.time() < config.stop_at:
+            from kvdoctor.explore.triage import triage
+
+            if not facts:
+                facts.append(api.engine_core_facts())
+            finding.triage = triage(api, finding, facts[0])
+        if on_finding is not None:
+            on_finding(finding)
+
+    searched = config
+    if config.workers > 1 and config.triage:
+        # Several workers triage nothing themselves: the parent triages after them, once it has
+        # imported vLLM, in the last part of the budget.
+        searched = dataclasses.replace(config, stop_at=config.stop_at - min(0.2 * config.time_budget, 60.0))
     with hypothesis_storage():
-        result = search(config, on_progress=on_progress, on_finding=on_finding, api=api)
+        result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+    result.config = config
     if result.errors and len(result.errors) >= config.workers:
         from kvdoctor.errors import InternalError
 
@@ -103,21 +131,35 @@ def explore(config: Any, out_dir: Path, command: str = "",
         if code is not None:
             error.exit_code = code
         raise error
-    write_findings(result.findings, out_dir)
+    write_findings(result.findings, out_dir)  # merged across workers: each signature's smallest
+    notes: list[str] = []
     if config.triage and result.findings:
-        triage_findings(result)
-    return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command)
+        skipped = triage_findings(result, config.stop_at)
+        if skipped:
+            notes.append(f"{skipped} finding(s) not triaged: the time budget was spent "
+                         f"(triage one with a longer --time-budget, or replay it with kvdoctor repro FILE)")
+    return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command,
+                         notes=notes)
 
 
-def triage_findings(result: Any) -> None:
-    """Triage every finding (see `kvdoctor.explore.triage`): after the budget, a few runs each."""
+def triage_findings(result: Any, stop_at: float | None = None) -> int:
+    """Triage every finding not yet triaged (see `kvdoctor.explore.triage`) while time is left before
+    `stop_at`; returns how many were left untriaged."""
     from kvdoctor.engine import compat
     from kvdoctor.explore.triage import triage
 
+    pending = [f for f in result.findings if f.triage is None]
+    if not pending:
+        return 0
+    if stop_at is not None and time.time() >= stop_at:
+        return len(pending)
     api = result.api or compat.load()  # several workers: the parent imports vLLM for this only
     facts = api.engine_core_facts()
-    for finding in result.findings:
+    for index, finding in enumerate(pending):
+        if stop_at is not None and time.time() >= stop_at:
+            return len(pending) - index
         finding.triage = triage(api, finding, facts)
+    return 0
 
 
 def exit_status(report: ExploreReport) -> int:

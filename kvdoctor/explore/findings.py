@@ -63,7 +63,16 @@ class Finding:
     @property
     def known(self) -> tuple[str, tuple[str, ...]] | None:
         """(bug, built-in recipe names) when a built-in recipe has this finding's signature."""
-        return known_bug(self.recipe.signature, actions=step_actions(self.recipe.steps))
+        return known_bug(self.recipe.signature, actions=step_actions(self.recipe.steps), setup=self.recipe.setup,
+                         detail=self.detail)
+
+    @property
+    def impact(self) -> Any:
+        """What it does to a server and its clients (`kvdoctor.explore.impact`)."""
+        from kvdoctor.explore.impact import impact_of_finding
+        from kvdoctor.explore.triage import STARTUP
+
+        return impact_of_finding(self, startup=self.triage is not None and self.triage.verdict == STARTUP)
 
     @property
     def label(self) -> str:
@@ -79,6 +88,7 @@ class Finding:
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
+            "impact": self.impact.as_dict(),
             "triage": self.triage.as_dict() if self.triage is not None else None,
         }
 
@@ -114,12 +124,34 @@ def step_actions(steps: tuple[Step, ...]) -> frozenset[str]:
     return frozenset(step.action for step in steps)
 
 
-def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] = frozenset()
+# A known bug's mechanism, beyond its signature: a finding is labelled with the bug only when its
+# run took the bug's path. An invariant names a symptom that other paths can show too (a store cursor
+# past the computed tokens, a reused block left unfenced), so its name alone labels nothing.
+# bug -> (the path in words, does the finding's setup and violation take it?)
+MECHANISMS: dict[str, tuple[str, Any]] = {
+    "K4": ("a finished request's final store", lambda setup, detail: "status FINISHED" in detail),
+    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail: "eagle" in str(setup.get("layout") or "")),
+    "K9": ("a MultiConnector", lambda setup, detail: bool(setup.get("multi_connector"))),
+    "K11": ("re-admission after a preemption", lambda setup, detail: "after a preemption" in detail),
+}
+
+
+def takes_path(bug: str | None, setup: dict[str, Any] | None, detail: str | None) -> bool:
+    """Whether a finding took `bug`'s path (True where the bug names no path beyond its signature,
+    or the caller knows nothing of the finding's run: `setup` and `detail` both None)."""
+    if bug not in MECHANISMS or (setup is None and detail is None):
+        return True
+    return bool(MECHANISMS[bug][1](setup or {}, detail or ""))
+
+
+def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] = frozenset(),
+              setup: dict[str, Any] | None = None, detail: str | None = None
               ) -> tuple[str, tuple[str, ...]] | None:
     """The known bug (and its built-in recipes) whose failure signature this one is (`haystack`: more
-    text of the failure, its source line and message, for a built-in's `contains`). Where several
-    bugs share the signature, the one whose recipes use the finding's trigger-shaping actions
-    (`actions`: the finding's step actions) comes first, then the catalogue's order."""
+    text of the failure, its source line and message, for a built-in's `contains`) and whose path the
+    finding took (`setup`: its recipe's [setup], `detail`: its failure's message; see MECHANISMS).
+    Where several bugs share the signature, the one whose recipes use the finding's trigger-shaping
+    actions (`actions`: the finding's step actions) comes first, then the catalogue's order."""
     from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
 
@@ -131,7 +163,8 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
 
     # K1 and K6 share `_build_store_jobs`' assert: a finding that withholds hashes is K6's.
     shaping = actions & TRIGGER_ACTIONS
-    matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)),
+    matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)
+                      and takes_path(r.bug, setup, detail)),
                      key=lambda r: (shaping != step_actions(r.steps) & TRIGGER_ACTIONS, bug_order(r.bug)))
     if not matches:
         return None
@@ -172,12 +205,17 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
         signature = Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
+    from kvdoctor.explore.impact import impact_of
+
+    failing = steps[-1].action if obs.kind in ("exception", "harness") and steps else None
+    summary = f"{summary}\nImpact: {impact_of(obs.kind, obs.invariant, failing).line}"
     return dataclasses.replace(recipe, name=name, summary=summary, signature=signature, steps=steps,
                                checks=checks, title=obs.signature)
 
 
 def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, round_: int, logic: str,
-                 vllm_version: str, actions: frozenset[str] = frozenset()) -> str:
+                 vllm_version: str, actions: frozenset[str] = frozenset(),
+                 setup: dict[str, Any] | None = None) -> str:
     lines = [
         f"Found by `kvdoctor explore --seed {seed} --logic {logic}` on vLLM {vllm_version} "
         f"(worker {worker}, round {round_}, hypothesis seed {example_seed}) and shrunk by hypothesis.",
@@ -186,14 +224,15 @@ def summary_text(obs: Observation, seed: int, example_seed: int, worker: int, ro
     ]
     if obs.kind == "exception" and obs.exception and obs.function:
         known = known_bug(Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs)),
-                          " ".join(filter(None, (obs.code, obs.message))), actions)
+                          " ".join(filter(None, (obs.code, obs.message))), actions, setup, obs.detail)
     elif obs.kind == "invariant":
-        known = known_bug(Signature(invariant=obs.invariant))
+        known = known_bug(Signature(invariant=obs.invariant), setup=setup, detail=obs.detail)
     else:
         known = None
     if known:
+        path = f", on its path ({MECHANISMS[known[0]][0]})" if known[0] in MECHANISMS else ""
         lines.append(f"Known bug {known[0]}: the failure signature of the built-in recipe(s) "
-                     f"{', '.join(known[1])} (`kvdoctor repro {known[1][0]}`).")
+                     f"{', '.join(known[1])}{path} (`kvdoctor repro {known[1][0]}`).")
     if obs.kind == "check":
         lines.append("After the settle tail (every transfer released, then more engine steps) the requests above "
                      "still hold connector state: `kvdoctor repro` reports the failed [[check]] as "

@@ -11,7 +11,8 @@ signature excluded (an invariant already found is no longer checked, so runs go
 on past it to whatever else breaks). Rounds stop when the example budget (`max_examples`
 generated examples, shrinking not counted) or the time budget is spent; a
 round still shrinking when time runs out gets `shrink_grace` more seconds
-and is then cut short, keeping the smallest failing example seen so far.
+(never past `stop_at`, the whole run's end) and is then cut short, keeping the
+smallest failing example seen so far.
 
 `--workers N` runs N such searches in spawned processes (one vLLM import
 each) with distinct seeds; the parent merges their findings by signature.
@@ -41,7 +42,7 @@ class ExploreConfig:
     seed: int = DEFAULT_SEED
     logic: str = "installed"
     max_examples: int | None = DEFAULT_MAX_EXAMPLES  # per worker; None: until the time budget is spent
-    time_budget: float = DEFAULT_TIME_BUDGET  # seconds, per worker, after its vLLM import
+    time_budget: float = DEFAULT_TIME_BUDGET  # seconds; the whole run's when stop_at is set (explore.app does)
     max_events: int = DEFAULT_MAX_EVENTS
     workers: int = 1
     shrink_grace: float = SHRINK_GRACE_S
@@ -49,6 +50,9 @@ class ExploreConfig:
     both_modes: bool = True  # run every sequence under sync and async scheduling (drawn mode first)
     triage: bool = True  # rerun each finding without the connector and check what the harness did
     worker: str = "simulated"  # "vllm": vLLM's worker-role connector on real KV tensors, content checked
+    # wall-clock time (time.time(), shared by spawned workers) when the whole run must end, vLLM's
+    # import and triage included: no search or shrinking runs past it (None: only time_budget counts)
+    stop_at: float | None = None
 
 
 @dataclass
@@ -147,6 +151,10 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
     deadline = start + config.time_budget
+    hard_stop = deadline + config.shrink_grace
+    if config.stop_at is not None:  # the run's end, on this process' clock
+        end = start + (config.stop_at - time.time())
+        deadline, hard_stop = min(deadline, end), min(hard_stop, end)
     last_report = 0.0
 
     def report(force: bool = False) -> None:
@@ -171,7 +179,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         def condition(raw: Any) -> bool:
             now = time.monotonic()
             shrinking = lock["signature"] is not None
-            if (not shrinking and now >= deadline) or now >= deadline + config.shrink_grace:
+            if (not shrinking and now >= deadline) or now >= hard_stop:
                 raise _StopExploring()
             if not shrinking and stats.examples >= limit:
                 raise _StopExploring()
@@ -238,7 +246,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             recipe, obs = outcome
             assert obs.signature is not None
             summary = summary_text(obs, config.seed, seed_here, worker, round_, config.logic, api.version_text,
-                                   step_actions(recipe.steps))
+                                   step_actions(recipe.steps), recipe.setup)
             finding = Finding(signature=obs.signature, kind=obs.kind, detail=obs.detail,
                               recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
                               example_seed=seed_here, worker=worker, round=round_, logic=config.logic,

@@ -62,6 +62,8 @@ class Triage:
     caveats: list[str] = field(default_factory=list)  # kvdoctor approximations the run relied on
     verdict: str = ""
     report: str | None = None  # the Markdown attachment, for a candidate
+    impact: str = ""  # what it does to a server and its clients (`kvdoctor.explore.impact`)
+    diagnosis: list[str] = field(default_factory=list)  # what the run shows of the cause, beyond the message
 
     @property
     def line(self) -> str:
@@ -77,7 +79,8 @@ class Triage:
         return {"verdict": self.verdict, "without_connector": self.without_connector,
                 "without_connector_detail": self.without_connector_detail,
                 "harness_caused": self.harness_caused, "harness_reasons": list(self.harness_reasons),
-                "reachable": list(self.reachable_notes), "caveats": list(self.caveats), "report": self.report}
+                "reachable": list(self.reachable_notes), "caveats": list(self.caveats), "report": self.report,
+                "impact": self.impact, "diagnosis": list(self.diagnosis)}
 
 
 def _setup(recipe: Any, **changes: Any) -> Any:
@@ -96,7 +99,9 @@ def without_connector(api: Any, finding: Any) -> tuple[str, str]:
     if finding.kind == "harness":
         return "not run", "the exception was kvdoctor's own"
     try:
-        setup = _setup(finding.recipe, offloading=False)
+        # No connector, nothing for vLLM's worker connector to drive: the scheduler runs with the
+        # simulated worker (the question is the scheduler's, with no KV transfer at all).
+        setup = _setup(finding.recipe, offloading=False, worker="simulated")
         result = run_scenario(api, finding.recipe, setup, finding.logic)
     except UsageError as exc:
         return "not run", f"vLLM refused the setup without a connector: {exc}"
@@ -104,6 +109,9 @@ def without_connector(api: Any, finding: Any) -> tuple[str, str]:
         return "reproduces", result.detail or f"{finding.signature} fires with no KV connector configured"
     if result.outcome is Outcome.NOT_REPRODUCED:
         return "does not reproduce", "the same steps run through with no KV connector configured"
+    if result.outcome is Outcome.NOT_REACHED:  # a connector's crash site: gone with the connector
+        return "does not reproduce", ("the same steps run through with no KV connector configured (its crash "
+                                      "site, in the connector, is never reached)")
     return "fails otherwise", f"{result.outcome.value}: {result.detail}"
 
 
@@ -191,6 +199,9 @@ def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
     result = Triage(without_connector=word, without_connector_detail=detail, harness_caused=bool(reasons),
                     harness_reasons=reasons, reachable_notes=reachable, caveats=caveats)
     result.verdict = verdict(word, reasons, finding.known)
+    finding.triage = result  # the impact reads the verdict (a start-up refusal is a server that never starts)
+    result.impact = finding.impact.line
+    result.diagnosis = diagnose_reset_failure(api, finding)
     if result.verdict == CANDIDATE:
         if finding.file:
             result.report = write_report(finding, result)
@@ -210,10 +221,52 @@ def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[st
     return CANDIDATE
 
 
+_RESET_MESSAGE = "waiting for remote KV transfer"
+
+
+def diagnose_reset_failure(api: Any, finding: Any) -> list[str]:
+    """`reset_prefix_cache(reset_running_requests=True)` raising RuntimeError whose message blames
+    requests "waiting for remote KV transfer": rerun the recipe up to the step before the reset and
+    say what the scheduler held there. vLLM preempts every running request first, then finds blocks
+    still referenced and raises before `reset_connector`; under async scheduling the batch in flight
+    still holds its blocks (its frees are deferred until its output is applied)."""
+    import dataclasses as dc
+
+    from kvdoctor.scenario import run_scenario
+
+    sig = finding.recipe.signature
+    steps = finding.recipe.steps
+    if (finding.kind != "exception" or sig.exception != "RuntimeError" or sig.function != "reset_prefix_cache"
+            or not steps or steps[-1].action != "reset_prefix_cache"
+            or not steps[-1].args.get("reset_running_requests")):
+        return []
+    setup = _setup(finding.recipe)
+    before = dc.replace(finding.recipe, steps=steps[:-1], checks=(),
+                        signature=dc.replace(sig, exception="(none)", function="(none)", contains=None))
+    result = run_scenario(api, before, setup, finding.logic)
+    waiting_remote = [s.request for s in result.requests if s.status == "WAITING_FOR_REMOTE_KVS"]
+    running = [s.request for s in result.requests if s.status == "RUNNING"]
+    _, in_flight = _in_flight_resets(steps, setup.async_scheduling)
+    notes = ["the engine survives: EngineCore returns the utility call's exception to its caller "
+             "(LLM.reset_prefix_cache raises, /reset_prefix_cache answers with an error); by then vLLM has "
+             f"already preempted every running request ({', '.join(running) or 'none'} here: they are recomputed "
+             "from the waiting queue) and the prefix cache is not reset; reset_connector, if asked, is skipped"]
+    if _RESET_MESSAGE in (sig.contains or "") and not waiting_remote:
+        cause = ("the reset came right after an async step, with that batch's output not yet applied: its "
+                 "blocks are still referenced (their frees wait for the output), so the block pool cannot be "
+                 "reset" if in_flight else "some blocks were still referenced when the pool was reset")
+        notes.append(f"the message blames requests {_RESET_MESSAGE!r}, but no request was waiting for a KV "
+                     f"transfer before the reset (none in WAITING_FOR_REMOTE_KVS): {cause}")
+    return notes
+
+
 def triage_markdown(result: Triage) -> str:
     lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
              f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
              + (f" ({result.without_connector_detail})" if result.without_connector_detail else "")]
+    if result.impact:
+        lines.append(f"- Impact: {result.impact}")
+    lines += [f"- Diagnosis: {note}" for note in result.diagnosis]
     lines += [f"- Reachable: {note}" for note in result.reachable_notes]
     lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
     lines += [f"- Caveat: {note}" for note in result.caveats]

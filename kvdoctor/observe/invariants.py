@@ -103,26 +103,39 @@ def _final_store_covers_computed(ctx: StepContext) -> list[str]:
 
 
 @invariant("readmitted-chunks-offered-again",
-           "every chunk a running request still has to compute (a re-admitted request: all it recomputes) "
-           "is offered for storing: its store cursor is not past its computed tokens (K11)")
+           "a request re-admitted after a preemption offers for storing every chunk it recomputes: its "
+           "store cursor is not past its computed tokens (K11)")
 def _readmitted_chunks_offered(ctx: StepContext) -> list[str]:
+    """K11's mechanism only: a preempted request restarts from fewer computed tokens (vLLM resets
+    `num_computed_tokens` on preemption and re-admits it from its prefix hits); where the connector
+    then finds no external hit, `update_state_after_alloc` returns early and the store cursor keeps
+    its pre-preemption chunk, so chunks below it are recomputed into new blocks and never offered.
+
+    A request never preempted is not checked: a full-prompt hit makes vLLM recompute the last token
+    (the hit is capped at `num_tokens - 1`, rounded down to a block), so `num_computed_tokens` sits a
+    chunk below the cursor that `update_state_after_alloc` set from the hit, yet that chunk was just
+    loaded from the CPU tier (or is in it): nothing is lost. Whether a request was preempted is
+    vLLM's own count (`Request.num_preemptions`)."""
     messages = []
     seen: set[tuple[str, int]] = set()
+    requests = getattr(ctx.harness, "requests", {}) if ctx.harness is not None else {}
     for call in ctx.calls:
         key = (call.req_id, call.group_idx)
         if call.request_status != "RUNNING" or key in seen:
             continue
         seen.add(key)
+        if not getattr(requests.get(call.req_id), "num_preemptions", 0):
+            continue  # never preempted: not re-admitted, so not K11's path
         # Chunks below the cursor are taken as stored; a request restarted from fewer computed
         # tokens recomputes them into new blocks, and they are never offered again.
         computed_chunks = -(-call.computed_tokens // call.tokens_per_chunk)
         if call.next_stored_chunk > computed_chunks:
             first, last = computed_chunks, call.next_stored_chunk - 1
             chunks = f"chunk {first}" if first == last else f"chunks {first}-{last}"
-            messages.append(f"{call.req_id} (group {call.group_idx}): its store cursor is at chunk "
-                            f"{call.next_stored_chunk} but it runs from {call.computed_tokens} computed tokens: "
-                            f"{chunks}, computed again into new GPU blocks, will never be offered for storing "
-                            f"(expected the cursor at or below chunk {computed_chunks})")
+            messages.append(f"{call.req_id} (group {call.group_idx}), re-admitted after a preemption: its store "
+                            f"cursor is at chunk {call.next_stored_chunk} but it runs from {call.computed_tokens} "
+                            f"computed tokens: {chunks}, computed again into new GPU blocks, will never be offered "
+                            f"for storing (expected the cursor at or below chunk {computed_chunks})")
     return messages
 
 
@@ -154,8 +167,9 @@ def _content(name: str) -> Check:
 
 
 invariant("store-copies-computed-kv",
-          "a store job copies only KV slots whose bytes are what their tokens say (checked when the store "
-          "is built and again when its copy reads the GPU blocks)")(_content("store-copies-computed-kv"))
+          "a store job copies only KV slots whose bytes are what their tokens say (judged on the bytes "
+          "vLLM's worker copies, when it copies them: a store flushed before the step's forward by the "
+          "bytes it read then, not by what a new owner of its blocks wrote since)")(_content("store-copies-computed-kv"))
 invariant("reads-see-their-tokens",
           "every KV slot a forward reads holds the KV its tokens say (a stale or wrong load shows here)")(
     _content("reads-see-their-tokens"))

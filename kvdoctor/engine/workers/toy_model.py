@@ -91,6 +91,9 @@ class ToyModel:
         self.origin: dict[int, tuple[str, int]] = {}  # prefix key -> first (request, position) written
         self.findings: list[ContentFinding] = []
         self.expectations: dict[int, _StoreExpectation] = {}
+        # store job -> layer name -> that layer's KV as the job's copy read it, for a copy made before
+        # the job's expectation was recorded (a flush in handle_preemptions / pre_forward)
+        self._copied: dict[int, dict[str, Any]] = {}
         self.checked_slots = 0
         self._reported: set[tuple[int, str, int]] = set()
 
@@ -198,12 +201,12 @@ class ToyModel:
             self.origin.setdefault(key, (rid, p))
 
     def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int | None],
-               invariant: str, job: int | None) -> None:
+               invariant: str, job: int | None, source: Any = None) -> None:
         if not len(positions):
             return
         torch = self.torch
         blocks, offs, block_list = self._locate(layer, table, positions)
-        got = layer.slots[blocks, offs]
+        got = (layer.slots if source is None else source)[blocks, offs]
         self.checked_slots += len(positions)
         device = layer.slots.device
         key_t = torch.tensor([k if k is not None else 0 for k in keys], dtype=torch.int64, device=device)
@@ -242,9 +245,11 @@ class ToyModel:
     # -- stores and loads -----------------------------------------------------
     def expect_store(self, job: int, rid: str, gpu_blocks: tuple[int, ...], group_sizes: tuple[int, ...]) -> None:
         """A store job was built: record what each slot it will copy must hold, and check it now
-        (the step's forward has run: a slot that is still wrong now was never computed)."""
+        (the step's forward has run: a slot that is still wrong now was never computed), or, where
+        vLLM's worker already copied it this step, check the bytes its copy read."""
         state = self.reqs.get(rid) or self.retired.get(rid)
         if state is None:
+            self._copied.pop(job, None)
             return
         slots: dict[int, list[tuple[int, int | None]]] = {}
         groups: dict[int, int] = {}
@@ -264,11 +269,24 @@ class ToyModel:
         self.expectations[job] = _StoreExpectation(rid, slots, groups)
         self.check_store(job)
 
+    def store_copied(self, job: int) -> None:
+        """vLLM's worker copies store `job` now. vLLM flushes a finished or preempted request's store
+        of this very step before the forward (V1 `handle_preemptions`, Model Runner V2 `pre_forward`),
+        before kvdoctor records what the store must hold (after the step): its bytes are kept as the
+        copy read them, and judged when the expectation is recorded. Judging the blocks after the
+        forward instead would see whatever a new owner of the freed blocks wrote there since."""
+        if job in self.expectations:
+            self.check_store(job)
+        else:
+            self._copied[job] = {layer.name: layer.slots.clone() for layer in self.layers}
+
     def check_store(self, job: int) -> None:
-        """The store's copy reads its GPU blocks now: every slot must still hold its tokens' KV."""
+        """The store's copy reads its GPU blocks now (or read them, for a copy made before its
+        expectation: those bytes): every slot must hold its tokens' KV."""
         expectation = self.expectations.get(job)
         if expectation is None:
             return
+        copied = self._copied.pop(job, None)
         for block, slots in expectation.slots.items():
             if sum(f.job == job for f in self.findings) >= MAX_FINDINGS_PER_CHECK:
                 return
@@ -277,7 +295,8 @@ class ToyModel:
                     continue
                 positions = range(slots[0][0], slots[-1][0] + 1)
                 self._check(layer, expectation.request, [block] * (positions.stop // layer.block_size + 1),
-                            positions, [k for _, k in slots], "store-copies-computed-kv", job)
+                            positions, [k for _, k in slots], "store-copies-computed-kv", job,
+                            None if copied is None else copied[layer.name])
 
     def positions_of(self, rid: str, block: int) -> int:
         state = self.reqs.get(rid) or self.retired.get(rid)

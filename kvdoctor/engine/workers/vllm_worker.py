@@ -55,7 +55,7 @@ class VllmWorker:
             else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
                 self.connector.register_kv_caches(self.kv_caches)
         self.model = ToyModel.over(api, self.kv_cache_config, self.kv_caches)
-        self.control.on_store_copy = lambda job, _blocks: self.model.check_store(job)
+        self.control.on_store_copy = lambda job, _blocks: self.model.store_copied(job)
         self.control.on_load_mismatch = self._load_mismatch
         self.engine = self.control.engine  # None with vLLM's own (CUDA) worker
 
