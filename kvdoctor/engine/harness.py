@@ -343,6 +343,20 @@ class Harness:
         self.step_index += 1
         events = StepEvents()
         output = self.scheduler.schedule()
+        runner_output = self.worker_step(output, events)
+        if self.setup.async_scheduling:
+            previous, self._pending_output = self._pending_output, (output, runner_output)
+            if previous is not None:
+                self.scheduler.update_from_output(*previous)
+        else:
+            self.scheduler.update_from_output(output, runner_output)
+        return events
+
+    def worker_step(self, output: Any, events: StepEvents) -> Any:
+        """The worker side of one step on a scheduler output: the jobs it carries, the blocks reused under
+        in-flight stores, the worker's copies and sampled tokens, into `events`; returns the
+        ModelRunnerOutput. Both levels run it: `step` here, vLLM's engine through the executor
+        (`engine/core`)."""
         events.scheduled_tokens = dict(output.num_scheduled_tokens)
         events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
@@ -385,14 +399,7 @@ class Harness:
         events.failed_jobs = done.failed_jobs
         events.content_findings = done.content_findings
         kv_output = done.kv_connector_output if self.connector_scheduler is not None else None
-        runner_output = self._model_runner_output(output, sampled, kv_output)
-        if self.setup.async_scheduling:
-            previous, self._pending_output = self._pending_output, (output, runner_output)
-            if previous is not None:
-                self.scheduler.update_from_output(*previous)
-        else:
-            self.scheduler.update_from_output(output, runner_output)
-        return events
+        return self._model_runner_output(output, sampled, kv_output)
 
     def _companion_jobs(self, output: Any, metas: tuple[Any, ...]) -> tuple[list[Job], set[int]]:
         """The second sub-connector's new jobs and flushes (multi_connector), as the companion worker takes them."""

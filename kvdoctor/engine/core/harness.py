@@ -22,7 +22,6 @@ from kvdoctor.engine import compat, kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import EOS_TOKEN, Harness, StepEvents, _build_pieces
 from kvdoctor.engine.setup import Setup
-from kvdoctor.engine.worker import Job
 
 
 class CoreHarness(Harness):
@@ -125,45 +124,7 @@ class CoreHarness(Harness):
         """The executor's step: kvdoctor's worker side on this scheduler output (as `Harness.step` runs it
         between `schedule()` and `update_from_output()`); returns the ModelRunnerOutput."""
         events = self._events if self._events is not None else StepEvents()
-        events.scheduled_tokens = dict(output.num_scheduled_tokens)
-        events.preempted = sorted(getattr(output, "preempted_req_ids", None) or ())
-        events.finished = sorted(output.finished_req_ids or ())
-        store_jobs, load_jobs = self.api.store_and_load_jobs(output)
-        metas = self.api.connector_metadatas(output)
-        flush = set(getattr(metas[0], "jobs_to_flush", None) or ()) if metas else set()
-        events.jobs_to_flush = sorted(flush)
-        allocated = set().union(*self.api.allocated_block_ids(
-            output, tuple(g.block_size for g in self.kv_plan.groups)))
-        companion_jobs, companion_flush = self._companion_jobs(output, metas)
-        for job in list(load_jobs.values()) + [j for j in companion_jobs if j.kind == "load"]:
-            dst = job.dst_block_ids if isinstance(job, Job) else self.api.block_ids_of(getattr(job, "dst_spec", None))
-            allocated.update(b for b in dst if b != 0)
-        for jid, job in self.worker.in_flight.items():
-            reused = sorted(set(job.src_block_ids) & allocated)
-            if reused:
-                events.reused_while_storing[jid] = reused
-        new_jobs = []
-        for jid, job in store_jobs.items():
-            events.new_store_jobs[jid] = job.req_id
-            self.store_jobs_by_request.setdefault(job.req_id, []).append(jid)
-            src = self.api.block_ids_of(getattr(job, "src_spec", None))
-            new_jobs.append(Job(jid, job.req_id, "store", self.step_index, src_block_ids=src))
-        for jid, job in load_jobs.items():
-            events.new_load_jobs[jid] = job.req_id
-            dst_spec = getattr(job, "dst_spec", None)
-            new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
-                                dst_groups=self.api.block_ids_by_group(dst_spec)))
-        sampled = self._sample(output)
-        done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
-        if self.companion is not None:
-            other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
-            done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,
-                                                                        other.kv_connector_output])
-        events.completed_jobs = done.completed_jobs
-        events.failed_jobs = done.failed_jobs
-        events.content_findings = done.content_findings
-        kv_output = done.kv_connector_output if self.connector_scheduler is not None else None
-        return self._model_runner_output(output, sampled, kv_output)
+        return self.worker_step(output, events)
 
 
 def _admission_len(kv_plan: Any, setup: Setup) -> int | None:
