@@ -221,6 +221,13 @@ class Harness:
         self.api = api
         self.setup = setup
         self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
+        self._attach_worker_side()
+        self._block_hasher = self._make_block_hasher()
+
+    def _attach_worker_side(self) -> None:
+        """What stands beside `self.scheduler` (either level's): the connector's scheduler side, the worker
+        and the per-run bookkeeping."""
+        api, setup = self.api, self.setup
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
         self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
         self.model_runner = self._choose_model_runner()
@@ -240,7 +247,6 @@ class Harness:
         # Requests whose new block hashes are withheld (delay_block_hashes): vLLM's hasher is
         # incremental, so the withheld hashes are computed when the request is released.
         self.hashes_withheld: set[str] = set()
-        self._block_hasher = self._make_block_hasher()
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the

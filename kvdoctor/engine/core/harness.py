@@ -47,20 +47,7 @@ class CoreHarness(Harness):
         self.executor = self.core.model_executor
         self._note_plan_differences()
         self.scheduler = self.core.scheduler
-        self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
-        self.model_runner = self._choose_model_runner()
-        self.worker = self._make_worker()
-        self.companion = None
-        if setup.multi_connector:
-            from kvdoctor.engine.workers.simulated import SimulatedTransfers
-
-            self.companion = SimulatedTransfers(api)
-        self.requests: dict[str, Any] = {}
-        self.step_index = 0
-        self._finish_next: set[str] = set()
-        self._pending_output = None
-        self.store_jobs_by_request: dict[str, list[int]] = {}
-        self.hashes_withheld: set[str] = set()
+        self._attach_worker_side()
         self._events: StepEvents | None = None
         self.step_fn_name = compat.engine_step_fn_name(self.core)
         self.executor.attach(self._execute)
