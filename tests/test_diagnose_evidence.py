@@ -298,19 +298,20 @@ def test_cli_pasted_text_argument_and_stdin_read_the_same(tmp_path):
 
 
 def test_progress_is_written_on_a_terminal_only():
-    from kvdoctor.cli.diagnose_cmd import _Progress
+    """diagnose hands `Progress.update` to the application (cli/diagnose_cmd.py) only when it draws."""
+    from kvdoctor.cli.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    progress = _Progress()
-    progress.stream, progress.live = Terminal(), True
-    progress("queued-abort (K1): installed logic, the recipe's geometry")
-    progress.done()
-    assert "queued-abort (K1): installed logic" in progress.stream.getvalue()
-    piped = _Progress()
-    assert piped.live is False  # pytest captures stderr: not a terminal, nothing is written
+    with Progress("diagnose", stream=Terminal()) as progress:
+        assert progress.enabled
+        progress.update("queued-abort (K1): installed logic, the recipe's geometry")
+        drawn = progress.stream.getvalue()
+    assert "queued-abort (K1): installed logic" in drawn
+    piped = Progress("diagnose", stream=io.StringIO())
+    assert piped.enabled is False
 
 
 def test_the_real_logs_hold_a_crash_or_not():

@@ -65,7 +65,7 @@ def test_a_reader_closing_stdout_early_is_not_a_failure(args, reader, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["diagnose", "/nonexistent.log", "--json"], "no such file"),
-    (["matrix", "queued-abort", "--vllm", "9.9.9", "--json"], "outside kvdoctor's supported range"),
+    (["matrix", "queued-abort", "--vllm", "9.9.9", "--json"], "is not a vLLM release in range"),
     (["repro", "queued-abort", "--bogus", "--json"], "No such option: --bogus"),
     (["repro", "queued-abort", "--block-size", "x", "--json"], "--block-size"),
     (["audit", "--json", "--logic", "fixed"], "No such option: --logic"),

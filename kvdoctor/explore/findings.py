@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions
+from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions, setup_of
 from kvdoctor.recipes.model import Recipe, Signature, Step
 
 
@@ -176,9 +176,15 @@ def slug(signature: str) -> str:
     return text[:80] or "finding"
 
 
-def cut_at_failure(steps: tuple[Step, ...], failure_index: int) -> tuple[Step, ...]:
-    """The steps up to and including the run-time step `failure_index` (1-based)."""
-    actions = expanded_actions(steps)
+def cut_at_failure(steps: tuple[Step, ...], failure_index: int, setup: Any = None) -> tuple[Step, ...]:
+    """The steps up to and including the run-time step `failure_index` (1-based). `setup`: the geometry
+    that expands a `schedule until` (a hand-written base recipe); explore's own steps repeat by count."""
+    if setup is not None:
+        from kvdoctor.recipes.compile import compile_recipe
+
+        actions = [(play.index, play.step.action) for play in compile_recipe(steps, setup).steps]
+    else:
+        actions = expanded_actions(steps)
     last_index, _ = actions[failure_index - 1]
     repeats = sum(1 for idx, _ in actions[:failure_index] if idx == last_index)
     kept = list(steps[: last_index + 1])
@@ -191,7 +197,8 @@ def cut_at_failure(steps: tuple[Step, ...], failure_index: int) -> tuple[Step, .
 def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
     name = "explore-" + slug(obs.signature or "finding")
     if obs.kind in ("exception", "harness", "invariant") and obs.failure_index:
-        steps = cut_at_failure(recipe.steps, obs.failure_index)
+        expands = any(step.args.get("until") is not None for step in recipe.steps)
+        steps = cut_at_failure(recipe.steps, obs.failure_index, setup_of(recipe) if expands else None)
     else:
         steps = recipe.steps
     checks: tuple[Step, ...] = ()

@@ -97,6 +97,7 @@ def _signature_lines(signature: Signature) -> list[str]:
                                                                          "request", "invariant"))]
     if signature.callers:
         lines.append(f"callers = {toml_value(list(signature.callers))}")
+    lines += _pairs((k, getattr(signature, k)) for k in ("site_function", "site", "site_when"))
     return lines
 
 
