@@ -55,45 +55,21 @@ class Event:
     max_tokens: int = 0
 
 
-class _Recorder:
-    """Stands where the harness does while the recipe's steps are planned into traffic."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        self.events.append(Event("add", req_id, list(prompt), max_tokens))
-
-    def step(self) -> None:
-        self.events.append(Event("step"))
-
-    def abort(self, req_id: str) -> None:
-        self.events.append(Event("abort", req_id))
-
-
 def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
-    """The recipe's add/schedule/abort steps as client events, planned exactly as the scheduler level
-    plans them (the same fill plan, prompts and repeats; `scenario.apply_to_harness`)."""
-    from kvdoctor.recipes.geometry import plan_fill, preempt_plan
-    from kvdoctor.scenario import apply_to_harness, prefill_steps
+    """The recipe's add/schedule/abort steps as client events, compiled exactly as the scheduler level
+    plays them (the same fill plan, prompts and repeats: `recipes.compile.compile_recipe`)."""
+    from kvdoctor.recipes.compile import compile_recipe
 
-    recorder = _Recorder()
-    prompts: dict[str, list[int]] = {}
-    preempt = preempt_plan(recipe.steps, setup)
-    fill_steps = 1
-    for step in recipe.steps:
-        if step.action == "expect":
-            continue
-        if step.action == "add" and step.args.get("fill_pool"):
-            fill_steps = plan_fill(setup, step.args.get("max_tokens", 8)).steps
-        repeats = step.args.get("count", 1) if step.action == "schedule" else 1
-        if step.args.get("until") == "filled":
-            repeats = fill_steps
-        elif step.args.get("until") == "prefilled":
-            repeats = prefill_steps(prompts[step.args["request"]], setup)
-        for _ in range(repeats):
-            apply_to_harness(step, recorder, setup, prompts, preempt)  # type: ignore[arg-type]
-    return recorder.events
+    events: list[Event] = []
+    for play in compile_recipe(recipe.steps, setup).steps:
+        action = play.step.action
+        if action == "add":
+            events += [Event("add", new.request, list(new.prompt), new.max_tokens) for new in play.requests]
+        elif action == "schedule":
+            events.append(Event("step"))
+        elif action == "abort":
+            events.append(Event("abort", play.step.args["request"]))
+    return events
 
 
 def free_port() -> int:
