@@ -133,7 +133,7 @@ def test_a_model_run_leaves_no_cache_shows_no_progress_when_piped_and_exits_at_o
     env, folders = _isolated(tmp_path)
     code, out, _, tail = _timed_run(["repro", "queued-abort", "--logic", "installed",
                                      "--model", "kvdoctor/models/swa-full"], env)
-    assert code in (0, 1), out
+    assert code in (0, 1, 6), out  # a verdict (6: not reached with this layout, measured on 0.34)
     assert "queued-abort" in out
     assert "\r" not in out and "\x1b" not in out and "importing vLLM" not in out, out
     assert tail < 1.0, f"the process ended {tail:.2f}s after its last output"

@@ -100,7 +100,7 @@ def test_repro_with_a_sliding_window_model_shows_two_groups() -> None:
     """The issue's check: `repro --model <shipped sliding-window config>` shows both groups (JSON, tables)."""
     model = str(kv_layout.shipped_layout_dir("swa-full"))
     done = run_cli("repro", "queued-abort", "--model", model, "--json")
-    assert done.returncode in (0, 1), done.stderr
+    assert done.returncode in (0, 1, 6), done.stderr  # 6: on 0.34 this layout's run does not reach K1's site
     doc = json.loads(done.stdout)
     groups = doc["setup"]["kv_cache"]["groups"]
     assert [(g["kind"], g["sliding_window"]) for g in groups] == [("sliding_window", 128), ("full_attention", None)]

@@ -219,8 +219,12 @@ def _call(**overrides) -> StorableCall:
     return StorableCall(**{**values, **overrides})
 
 
-def _check(name, *calls):
-    return check_all([name], StepContext(None, StepEvents(), list(calls)))
+def _check(name, *calls, preempted=("A",)):
+    """`preempted`: requests vLLM counts as preempted (`Request.num_preemptions`), as the harness holds them."""
+    from types import SimpleNamespace
+
+    harness = SimpleNamespace(requests={r: SimpleNamespace(num_preemptions=1) for r in preempted})
+    return check_all([name], StepContext(harness, StepEvents(), list(calls)))
 
 
 def test_final_store_invariant():
@@ -241,3 +245,5 @@ def test_readmitted_cursor_invariant():
     assert _check("readmitted-chunks-offered-again", _call(request_status="RUNNING", computed_tokens=20,
                                                            next_stored_chunk=2)) == []  # a partial chunk
     assert _check("readmitted-chunks-offered-again", _call(computed_tokens=0, next_stored_chunk=3)) == []
+    # never preempted (a full-prompt hit recomputing its last token): not K11's path, nothing to report
+    assert _check("readmitted-chunks-offered-again", stale, preempted=()) == []
