@@ -191,7 +191,7 @@ def test_k11_violation_names_the_skipped_chunk(reports, expected):
     for run in reproduced_runs(reports, K11, False):
         assert [v.invariant for v in run.violations] == ["readmitted-chunks-offered-again"]
         message = run.violations[0].message
-        assert "B (group 0): its store cursor is at chunk 2 but it runs from 64 computed tokens" in message
+        assert "B (group 0), re-admitted after a preemption: its store cursor is at chunk 2 but it runs from 64 computed tokens" in message
         assert "chunk 1," in message
         last = run.timeline[-1]
         assert last.failed and last.action == "schedule" and last.events.scheduled_tokens.get("B")
