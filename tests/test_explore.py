@@ -76,7 +76,8 @@ def test_k1_is_found_shrunk_and_replays(searches, release):
     outcomes = {r.logic: r.outcome for r in replay.results}
     assert outcomes["installed"] is Outcome.REPRODUCED
     assert outcomes["unpatched"] is Outcome.REPRODUCED
-    assert outcomes["fixed"] is Outcome.NOT_REPRODUCED
+    # the fixed logic's cap keeps the shrunk run off the assert (not_reached, exit 6), or it holds there
+    assert outcomes["fixed"] in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED)
 
 
 def test_nothing_k1_like_under_the_fixed_logic_but_k6s_late_keys(api, searches):

@@ -36,8 +36,7 @@ def apply_coverage(result: Any, signature: Signature) -> Any:
 
     `not_reproduced` stays only where the run executed the site and it held, or where the site is
     gone from the installed vLLM (said in the detail); a run that never executed it did not test
-    the bug: `not_reached` (except under kvdoctor's fixed logic, whose cap may keep the run off the
-    site: there it holds, said in the detail).
+    the bug: `not_reached`.
     """
     coverage = result.coverage
     if coverage is None:
@@ -47,11 +46,6 @@ def apply_coverage(result: Any, signature: Signature) -> Any:
     elif result.outcome is Outcome.NOT_REPRODUCED:
         if coverage.gone:
             result.detail = f"site gone: {coverage.gone}"
-        elif coverage.measured and not coverage.reached and getattr(result, "logic", "") == "fixed":
-            # kvdoctor's fixed logic caps storable chunks, so the path to the site may never open: that
-            # is the fix holding (the installed logic's run says whether the steps reach the site at all)
-            result.detail = (result.detail + "; " if result.detail else "") + (
-                coverage.line() + ": the fixed logic keeps the run off it")
         elif coverage.measured and not coverage.reached:
             result.outcome = Outcome.NOT_REACHED
             result.detail = coverage.line() + " on this release"
