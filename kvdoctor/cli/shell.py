@@ -1,4 +1,4 @@
-"""How the command line looks from outside: one error style, help text, a busy indicator.
+"""How the command line looks from outside: one error style, help text (progress lives in cli/progress.py).
 
 - Every usage error (an unknown option, a missing argument, a bad integer, and
   kvdoctor's own `UsageError`) is one line `kvdoctor: error: ...` and exit 2:
@@ -6,17 +6,14 @@
   raises, so Typer's boxed errors never show.
 - Flags that take no value show no `<bool>` in `--help`.
 - Serve flags that do not reach the scheduler are accepted with a one-line note.
-- A spinner on stderr (a terminal only) covers the vLLM import and the run.
 
 Cheap to import: Typer only (rich is imported when something is shown).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -201,17 +198,3 @@ def accept_serve_flags(argv: list[str]) -> list[str]:
         kept.append(arg)
         i += 1
     return kept
-
-
-# -- a busy indicator ----------------------------------------------------------------------------
-
-@contextmanager
-def working(text: str = "importing vLLM and running the recipe") -> Iterator[None]:
-    """A spinner on stderr while the application works; nothing when stderr is not a terminal."""
-    if not sys.stderr.isatty() or os.environ.get("KVDOCTOR_NO_SPINNER"):
-        yield
-        return
-    from rich.console import Console
-
-    with Console(stderr=True).status(text, spinner="dots"):
-        yield
