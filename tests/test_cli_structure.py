@@ -53,3 +53,51 @@ def test_app_registers_commands_without_late_imports():
     first_def = next(i for i, node in enumerate(tree.body) if isinstance(node, ast.FunctionDef))
     late = [node.lineno for node in tree.body[first_def:] if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert late == []
+
+
+def test_commands_are_registered_in_order_one_module_each():
+    from typer.main import get_command
+
+    from kvdoctor.cli.app import app
+
+    assert list(get_command(app).commands) == ["repro", "inspect", "audit", "explore", "matrix", "diagnose",
+                                               "version"]
+    for command in ("repro", "inspect", "audit", "diagnose", "version", "explore", "matrix"):
+        assert (CLI / f"{command}_cmd.py").is_file(), command
+    defined = [node.name for node in ast.parse((CLI / "app.py").read_text()).body
+               if isinstance(node, ast.FunctionDef)]
+    assert defined == ["_version_callback", "_main", "main"]  # the commands live in their modules
+
+
+def test_serve_flags_are_declared_once_and_taken_by_every_run_command():
+    """`ServeFlags` is the one declaration: repro, inspect and audit show the same flags in its order
+    (`--engine` included), and no command module spells one of them out again."""
+    from dataclasses import fields
+
+    from typer.main import get_command
+
+    from kvdoctor.cli.app import app
+    from kvdoctor.cli.serve_flags import ServeFlags
+
+    names = [f.name for f in fields(ServeFlags)]
+    assert "engine" in names and len(names) >= 16
+    commands = get_command(app).commands
+    for command in ("repro", "inspect", "audit"):
+        taken = [p.name for p in commands[command].params if p.name in names]
+        assert taken == names, command
+    for path in CLI.glob("*_cmd.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                spelled = {a.arg for a in node.args.args + node.args.kwonlyargs} & {"block_size", "gpu_blocks",
+                                                                                    "kv_transfer_config"}
+                assert not spelled, (path.name, node.name, spelled)
+
+
+def test_serve_flags_become_the_setup_overrides():
+    from kvdoctor.cli.serve_flags import ServeFlags, overrides
+
+    given = overrides(ServeFlags(block_size=16, gpu_blocks=64, async_scheduling=True, engine="core",
+                                 worker="simulated"))
+    assert given["block_size"] == 16 and given["gpu_blocks"] == 64 and given["async_scheduling"] is True
+    assert given["engine"] == "core" and given["worker"] == "simulated"
+    assert overrides(ServeFlags())["engine"] is None

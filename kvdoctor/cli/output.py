@@ -89,3 +89,22 @@ def write_output(path: Path, text: str, flag: str, what: str | None = None, whol
     if what is not None:
         typer.echo(f"{what} written to {path}", err=True)
     return []
+
+
+def show_result(command: str, result: Any, output_format: str, document: Any, renderables: Any,
+                svg: Path | None, report: Path | None) -> None:
+    """A run's result (repro, inspect, audit) on stdout in `--format`'s format (and as SVG), then its
+    Markdown attachment (`--report`).
+
+    An output file that cannot be written after the run (a full disk) is named on stderr and
+    the command exits 2: the verdict is printed, but what was asked for is not all there."""
+    from kvdoctor.cli.failures import raise_unwritten
+    from kvdoctor.report.formats import Shown
+    from kvdoctor.report.markdown import render_markdown
+
+    shown = Shown(renderables=lambda: renderables(result), document=lambda: document(result),
+                  markdown=lambda: render_markdown(command, result))
+    unwritten = show(shown, output_format, svg)
+    if report is not None:
+        unwritten += write_output(report, render_markdown(command, result), "--report", "report")
+    raise_unwritten(unwritten)

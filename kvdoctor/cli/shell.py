@@ -13,12 +13,14 @@ Cheap to import: Typer only (rich is imported when something is shown).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from kvdoctor.errors import ExitStatus
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # Public names only: typer >= 0.22 vendors click under a private module whose layout
 # changes between releases (its `Abort` moved to `typer.Abort`), older typer re-exports
@@ -38,6 +40,21 @@ def exit_codes_text(meanings: dict[ExitStatus, str] | None = None) -> str:
     words = meanings or {}
     shown = [s for s in ExitStatus if s is not ExitStatus.INTERRUPTED]
     return "Exit codes: " + "; ".join(f"{int(s)} {words.get(s, s.meaning)}" for s in shown) + "."
+
+
+def with_exit_codes(meanings: dict[ExitStatus, str] | None = None) -> Callable[[F], F]:
+    """Append the exit-code paragraph (`exit_codes_text(meanings)`) to a command's help (its docstring)."""
+    text = exit_codes_text(meanings)
+
+    def decorate(function: F) -> F:
+        function.__doc__ = (function.__doc__ or "").rstrip() + "\n\n    " + text
+        return function
+    return decorate
+
+
+def examples(*lines: str) -> str:
+    """An epilog of examples, kept line by line (click's \\b: no reflow)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def _without_bool_metavar(option: Any) -> Any:

@@ -1,0 +1,90 @@
+"""The serve flags (`vllm serve`'s geometry, the worker side, `--engine`), declared once.
+
+`repro`, `inspect` and `audit` take the same 17 flags. Writing them out in each
+signature let them drift (audit lacked `--engine`); here `ServeFlags` is the one
+declaration (each field's annotation is its Typer option, from `options`), and
+`with_serve_flags` puts them into a command's signature where its `serve: ServeFlags`
+parameter stands, so Typer sees ordinary options and the command gets one value.
+`overrides` turns that value into the `Setup` overrides, checked before vLLM is
+imported. Cheap to import (Typer only).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, fields
+from typing import Any, Callable, get_type_hints
+
+from kvdoctor.cli import options as opt
+
+PARAMETER = "serve"  # the parameter a command names to receive the flags
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """What the user gave (None: keep the recipe's); the order is `--help`'s."""
+
+    block_size: opt.BlockSize = None
+    blocks_per_chunk: opt.BlocksPerChunk = None
+    gpu_blocks: opt.GpuBlocks = None
+    async_scheduling: opt.AsyncScheduling = None
+    max_num_batched_tokens: opt.MaxBatchedTokens = None
+    max_num_seqs: opt.MaxNumSeqs = None
+    max_model_len: opt.MaxModelLen = None
+    enable_chunked_prefill: opt.ChunkedPrefill = None
+    enable_prefix_caching: opt.PrefixCaching = None
+    kv_transfer_config: opt.KvTransferConfig = None
+    kv_offloading_size: opt.KvOffloadingSize = None
+    kv_offloading_backend: opt.KvOffloadingBackend = None
+    model: opt.Model = None
+    worker: opt.Worker = None
+    model_runner: opt.ModelRunner = None
+    device: opt.Device = None
+    engine: opt.Engine = None
+
+
+def overrides(flags: ServeFlags) -> dict[str, Any]:
+    """The flags as `Setup` overrides (geometry, worker side, engine level), refused with a
+    `UsageError` when one is out of range."""
+    result = opt.geometry_overrides(
+        flags.block_size, flags.blocks_per_chunk, flags.gpu_blocks, flags.async_scheduling,
+        flags.max_num_batched_tokens, flags.max_num_seqs, flags.enable_chunked_prefill, flags.kv_transfer_config,
+        flags.model, enable_prefix_caching=flags.enable_prefix_caching,
+        kv_offloading_size=flags.kv_offloading_size, kv_offloading_backend=flags.kv_offloading_backend,
+        max_model_len=flags.max_model_len)
+    result.update(opt.worker_overrides(flags.worker, flags.model_runner, flags.device))
+    result.update(opt.engine_override(flags.engine))
+    return result
+
+
+def _flag_parameters() -> list[inspect.Parameter]:
+    hints = get_type_hints(ServeFlags, include_extras=True)
+    return [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                              annotation=hints[f.name]) for f in fields(ServeFlags)]
+
+
+def with_serve_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Replace `command`'s `serve: ServeFlags` parameter by the flags themselves (Typer reads the
+    signature), and hand `command` one `ServeFlags` built from what Typer parsed."""
+    signature = inspect.signature(command, eval_str=True)
+    if PARAMETER not in signature.parameters:
+        raise TypeError(f"{command.__name__} has no `{PARAMETER}: ServeFlags` parameter")
+    shared = _flag_parameters()
+    names = [p.name for p in shared]
+    clash = set(names) & set(signature.parameters)
+    if clash:
+        raise TypeError(f"{command.__name__} declares serve flags itself: {sorted(clash)}")
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        parameters.extend(shared if parameter.name == PARAMETER else [parameter])
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = ServeFlags(**{name: kwargs.pop(name, None) for name in names})
+        return command(*args, **{PARAMETER: flags}, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    del wrapper.__wrapped__  # Typer and inspect read the new signature, not the command's
+    return wrapper
