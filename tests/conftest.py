@@ -36,5 +36,8 @@ def expected_for(api, release, table: dict):
 
 
 def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`kvdoctor ARGS` as a fresh process (a full vLLM import each): for what the process itself does
+    (pipes, exit statuses, /dev/full, signals, start-up imports, teardown). Everything else:
+    `tests/cli_runner.invoke`, the same call in-process."""
     return subprocess.run([*KVDOCTOR, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **(env or {})})

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, run_cli
+from .cli_runner import invoke
+from .conftest import ROOT
 
 SECRET = "kvdoctor-test-secret-0f9a"
 K1_RECIPES = ("queued-abort", "preemption", "prefetch")
@@ -36,10 +37,10 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def audit_run(home):
+def audit_run(api, home):
     report = home / "audit.md"
     env = {"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET}
-    proc = run_cli("audit", "--json", "--report", str(report), env=env)
+    proc = invoke("audit", "--json", "--report", str(report), env=env)
     return proc, json.loads(proc.stdout), report.read_text()
 
 
@@ -85,11 +86,11 @@ def test_reports_leak_no_secret_and_no_home(audit_run, home):
 
 
 @pytest.fixture(scope="module")
-def repro_reports(home):
+def repro_reports(api, home):
     paths = []
     for i in range(2):
         md, svg = home / f"repro{i}.md", home / f"repro{i}.svg"
-        proc = run_cli("repro", "queued-abort", "--report", str(md), "--svg", str(svg),
+        proc = invoke("repro", "queued-abort", "--report", str(md), "--svg", str(svg),
                        env={"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET})
         assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr, proc.stderr
         paths.append((md, svg))
@@ -115,7 +116,7 @@ def test_svg_is_written(repro_reports):
 @pytest.mark.parametrize("name", K1_RECIPES)
 def test_exported_script_reproduces_with_vllm_only(tmp_path, name, k1_outcome):
     script = tmp_path / f"{name}.py"
-    proc = run_cli("repro", name, "--export-script", str(script))
+    proc = invoke("repro", name, "--export-script", str(script))
     assert proc.returncode == 0, proc.stderr
     source = script.read_text()
     assert "kvdoctor" not in re.sub(r"^#.*$|\"\"\"[\s\S]*?\"\"\"", "", source, flags=re.M).replace(
@@ -131,12 +132,12 @@ def test_exported_script_reproduces_with_vllm_only(tmp_path, name, k1_outcome):
         assert "no crash" in run.stdout
 
 
-def test_export_refuses_silent_bugs(tmp_path):
+def test_export_refuses_silent_bugs(api, tmp_path):
     recipe = tmp_path / "silent.toml"
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
     head, rest = text.split("[signature]\n", 1)
     recipe.write_text(head + '[signature]\ninvariant = "store-covers-computed-slots"\n\n' + rest.split("\n\n", 1)[1])
-    proc = run_cli("repro", str(recipe), "--export-script", str(tmp_path / "x.py"))
+    proc = invoke("repro", str(recipe), "--export-script", str(tmp_path / "x.py"))
     assert proc.returncode == 2 and "silent bug" in proc.stderr
 
 
@@ -157,7 +158,7 @@ SERVE_FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "512", "--max-
 
 
 def test_audit_runs_every_recipe_at_the_users_serve_flags(k1_outcome):
-    proc = run_cli("audit", "--json", *SERVE_FLAGS)
+    proc = invoke("audit", "--json", *SERVE_FLAGS)
     doc = json.loads(proc.stdout)
     rows = {row["recipe"]: row for row in doc["rows"]}
     for name, row in rows.items():

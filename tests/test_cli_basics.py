@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, run_cli
+from .cli_runner import invoke
+from .conftest import ROOT
 
 SCRIPT = shutil.which("kvdoctor", path=str(Path(sys.executable).parent)) or "kvdoctor"
 
@@ -40,7 +41,7 @@ def test_cli_import_does_not_import_vllm():
 def test_version_prints_version():
     from kvdoctor import __version__
 
-    assert run_cli("--version").stdout.strip() == f"kvdoctor {__version__}"
+    assert invoke("--version").stdout.strip() == f"kvdoctor {__version__}"
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -59,8 +60,8 @@ def test_version_prints_version():
     (["repro", "missing-file.toml"], "no such recipe file"),
     (["repro", "queued-abort", "--model", "/nonexistent/model"], "not a directory"),
 ])
-def test_bad_input_is_one_line_exit_2(args, fragment):
-    proc = run_cli(*args)
+def test_bad_input_is_one_line_exit_2(api, args, fragment):
+    proc = invoke(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.strip().splitlines()
@@ -68,12 +69,12 @@ def test_bad_input_is_one_line_exit_2(args, fragment):
 
 
 def test_unknown_recipe_lists_known_ones():
-    proc = run_cli("repro", "no-such-recipe")
+    proc = invoke("repro", "no-such-recipe")
     assert "queued-abort" in proc.stderr
 
 
 def test_list_shows_builtin_recipes_with_refs_and_signature():
-    proc = run_cli("repro", "--list", "--json")
+    proc = invoke("repro", "--list", "--json")
     assert proc.returncode == 0, proc.stderr
     recipes = {r["name"]: r for r in json.loads(proc.stdout)["recipes"]}
     assert "queued-abort" in recipes
@@ -87,8 +88,39 @@ def test_list_shows_builtin_recipes_with_refs_and_signature():
 ])
 def test_usage_lines_name_arguments_plainly(command, usage):
     """Typer writes `{log}` and `RECIPE <list[str]>`; the help names an argument as a user types it."""
-    proc = run_cli(command, "--help", env={"COLUMNS": "100"})
+    proc = invoke(command, "--help", env={"COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == f"Usage: {usage}"
     arguments = proc.stdout.split("Arguments:")[1].split("\n\n")[0]
     assert "{" not in arguments and "<str>" not in arguments and "<list[str]>" not in arguments, arguments
+
+
+# -- the injected environment (`streams.Environment`): what the CLI reads instead of sys.* / os.environ --
+
+def test_a_variable_given_to_the_command_is_read_from_its_environment_and_not_left_behind():
+    assert "VLLM_USE_SIMPLE_KV_OFFLOAD" not in os.environ
+    proc = invoke("repro", "queued-abort", "--kv-offloading-size", "1", env={"VLLM_USE_SIMPLE_KV_OFFLOAD": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("kvdoctor: error: VLLM_USE_SIMPLE_KV_OFFLOAD is set")
+    assert "VLLM_USE_SIMPLE_KV_OFFLOAD" not in os.environ
+
+
+def test_the_command_line_and_columns_come_from_the_environment():
+    from kvdoctor.cli import streams
+    from kvdoctor.cli.common import command_line
+
+    with streams.use(streams.Environment(argv=["kvdoctor", "repro", "a b"], env={"COLUMNS": "64"})):
+        assert command_line() == "kvdoctor repro 'a b'"
+        assert streams.current().width() == 64
+    narrow = invoke("repro", "--list", columns=60)
+    assert narrow.returncode == 0 and max(len(line) for line in narrow.stdout.splitlines()) <= 60, narrow.stdout
+
+
+def test_progress_draws_on_the_injected_terminal_only(api):
+    args = ("repro", "queued-abort", "--worker", "simulated", "--logic", "installed", "--json")
+    on_terminal = invoke(*args, stderr_isatty=True, env={"KVDOCTOR_NO_SPINNER": ""})
+    assert on_terminal.returncode in (0, 1), on_terminal.stderr
+    assert "\r\x1b[2Krepro" in on_terminal.stderr and on_terminal.stderr.endswith("\r\x1b[2K")
+    piped = invoke(*args)
+    assert piped.returncode == on_terminal.returncode and "\x1b" not in piped.stderr
+    assert json.loads(piped.stdout)["recipe"]["name"] == "queued-abort"

@@ -16,7 +16,8 @@ from kvdoctor.engine.serve_args import SERVE_ARG_TO_SETUP, setup_overrides_from_
 from kvdoctor.recipes.builtins import all_builtins
 from kvdoctor.recipes.loader import load_recipe_text
 
-from .conftest import ROOT, run_cli
+from .cli_runner import invoke
+from .conftest import ROOT
 
 LOGS = ROOT / "tests" / "data" / "logs"
 RECIPES = all_builtins()
@@ -281,28 +282,24 @@ def test_signature_callers_are_validated_with_lines():
 def test_cli_no_crash_exit_0(tmp_path):
     log = tmp_path / "ok.log"
     log.write_text("(APIServer pid=1) INFO 08-04 09:40:01 [api_server.py:1] vLLM API server version 0.26.0\n")
-    proc = run_cli("diagnose", str(log))
+    proc = invoke("diagnose", str(log))
     assert proc.returncode == 0, proc.stderr
     assert "no engine crash found in this log" in proc.stdout
 
 
 def test_cli_bad_path_one_line_exit_2(tmp_path):
-    proc = run_cli("diagnose", str(tmp_path / "missing.log"))
+    proc = invoke("diagnose", str(tmp_path / "missing.log"))
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no such file" in proc.stderr
-    proc = run_cli("diagnose", str(tmp_path))
+    proc = invoke("diagnose", str(tmp_path))
     assert proc.returncode == 2 and "is a directory" in proc.stderr
 
 
 def test_cli_stdin_json_and_report_without_leaks(tmp_path):
     import json
-    import subprocess
-
-    from .conftest import KVDOCTOR
 
     report = tmp_path / "r.md"
-    proc = subprocess.run([*KVDOCTOR, "diagnose", "-", "--no-run", "--json", "--report", str(report)],
-                          input=SYNTHETIC, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = invoke("diagnose", "-", "--no-run", "--json", "--report", str(report), stdin=SYNTHETIC)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     from kvdoctor import __version__
@@ -337,13 +334,13 @@ def test_cli_no_match_writes_a_starting_recipe_that_loads(tmp_path):
                      'AssertionError\n')
     recipe = tmp_path / "start.toml"
     report = tmp_path / "r.md"
-    proc = run_cli("diagnose", str(paste), "--write-recipe", str(recipe), "--report", str(report))
+    proc = invoke("diagnose", str(paste), "--write-recipe", str(recipe), "--report", str(report))
     assert proc.returncode == 7, proc.stderr  # a crash, and no known bug fits it
     assert "a crash no known bug matches: AssertionError in update_state_after_alloc" in proc.stdout
     loaded = load_recipe_text(recipe.read_text(), str(recipe))
     assert (loaded.signature.exception, loaded.signature.function) == ("AssertionError", "update_state_after_alloc")
     assert "```toml" in report.read_text() and "/opt/v" not in report.read_text()
-    proc = run_cli("diagnose", str(paste), "--report", str(tmp_path / "nodir" / "r.md"))
+    proc = invoke("diagnose", str(paste), "--report", str(tmp_path / "nodir" / "r.md"))
     assert proc.returncode == 2 and "no such directory" in proc.stderr
 
 
@@ -388,7 +385,7 @@ def test_a_log_collectors_stamp_and_separator_are_stripped():
 
 
 def test_cli_fatal_error_without_its_frames_is_said_so():
-    proc = run_cli("diagnose", str(LOGS / "vllm-18572-stamped-reraise-then-cut.log"))
+    proc = invoke("diagnose", str(LOGS / "vllm-18572-stamped-reraise-then-cut.log"))
     assert proc.returncode == 7, proc.stderr  # the engine crashed: a crash no known bug can be named from
     assert "the engine's fatal error is at line 8 of the log, but its traceback is cut short" in proc.stdout
     assert "no engine crash found" not in proc.stdout

@@ -17,7 +17,8 @@ from kvdoctor.diagnose.reader import read_log, read_stream
 from kvdoctor.diagnose.sites import load as load_sites
 from kvdoctor.recipes.builtins import all_builtins
 
-from .conftest import KVDOCTOR, ROOT, run_cli
+from .cli_runner import invoke
+from .conftest import ROOT
 from .test_diagnose import LOGS, SYNTHETIC
 
 RECIPES = all_builtins()
@@ -222,7 +223,7 @@ def test_an_unknown_assert_in_the_offloading_scheduler_is_an_unnamed_crash():
 
 
 def test_cli_unknown_assert_exits_7_and_a_log_without_a_crash_0(tmp_path):
-    proc = run_cli("diagnose", UNKNOWN, "--json")
+    proc = invoke("diagnose", UNKNOWN, "--json")
     assert proc.returncode == 7, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["unnamed_crash"] is True and doc["exit_code"] == 7
@@ -231,7 +232,7 @@ def test_cli_unknown_assert_exits_7_and_a_log_without_a_crash_0(tmp_path):
     quiet.write_text("(APIServer pid=1) INFO 08-04 09:40:01 [api_server.py:1] vLLM API server version 0.26.0\n"
                      "(APIServer pid=1) INFO:     10.0.0.1:5000 - \"POST /v1/completions HTTP/1.1\" 200 OK\n"
                      "Error: nothing went wrong, this is prose\n")
-    proc = run_cli("diagnose", str(quiet))
+    proc = invoke("diagnose", str(quiet))
     assert proc.returncode == 0, proc.stdout
     assert "no engine crash found in this log" in proc.stdout
 
@@ -283,18 +284,15 @@ def test_the_fixing_release_is_in_text_json_and_report():
 
 
 def test_cli_pasted_text_argument_and_stdin_read_the_same(tmp_path):
-    import subprocess
-
-    pasted = run_cli("diagnose", ISSUE_FRAGMENT, "--no-run", "--json")
+    pasted = invoke("diagnose", ISSUE_FRAGMENT, "--no-run", "--json")
     assert pasted.returncode == 0, pasted.stderr
-    piped = subprocess.run([*KVDOCTOR, "diagnose", "-", "--no-run", "--json"], input=ISSUE_FRAGMENT,
-                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+    piped = invoke("diagnose", "-", "--no-run", "--json", stdin=ISSUE_FRAGMENT)
     a, b = json.loads(pasted.stdout), json.loads(piped.stdout)
     assert a["log"]["source"] == "pasted text" and b["log"]["source"] == "-"
     assert a["matches"] == b["matches"] and {m["bug"] for m in a["matches"]} == {"K1", "K6"}
     assert a["matches"][0]["why"] == "strong: the statement and `_build_store_jobs`"
     # a one-line argument is still a path
-    assert run_cli("diagnose", str(tmp_path / "nope.log")).returncode == 2
+    assert invoke("diagnose", str(tmp_path / "nope.log")).returncode == 2
 
 
 def test_progress_is_written_on_a_terminal_only():

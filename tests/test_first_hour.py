@@ -9,7 +9,7 @@ import re
 
 from kvdoctor.recipes.builtins import builtin_names
 
-from .conftest import run_cli
+from .cli_runner import invoke
 
 NARROW = {"COLUMNS": "80", "LINES": "50"}
 
@@ -20,7 +20,7 @@ def _assert_fits(text: str, width: int = 80) -> None:
 
 
 def test_repro_list_is_one_whole_name_a_line_at_80_columns():
-    proc = run_cli("repro", "--list", env=NARROW)
+    proc = invoke("repro", "--list", env=NARROW)
     assert proc.returncode == 0, proc.stderr
     _assert_fits(proc.stdout)
     names = builtin_names()
@@ -30,17 +30,17 @@ def test_repro_list_is_one_whole_name_a_line_at_80_columns():
 
 
 def test_repro_list_verbose_and_one_recipe_show_refs_and_signature():
-    verbose = run_cli("repro", "--list", "--verbose", env=NARROW)
+    verbose = invoke("repro", "--list", "--verbose", env=NARROW)
     assert verbose.returncode == 0, verbose.stderr
     _assert_fits(verbose.stdout)
     assert "signature: AssertionError in _build_store_jobs" in verbose.stdout
     assert "vllm#49146 (fix: cap by allocated chunks)" in verbose.stdout
-    one = run_cli("repro", "--list", "queued-abort", env=NARROW)
+    one = invoke("repro", "--list", "queued-abort", env=NARROW)
     assert one.returncode == 0, one.stderr
     _assert_fits(one.stdout)
     assert one.stdout.startswith("queued-abort (K1)")
     assert "vllm#49146" in one.stdout and "signature" in one.stdout and "workaround" in one.stdout
-    unknown = run_cli("repro", "--list", "no-such-recipe", env=NARROW)
+    unknown = invoke("repro", "--list", "no-such-recipe", env=NARROW)
     assert unknown.returncode == 2 and "unknown recipe" in unknown.stderr
 
 
@@ -177,7 +177,7 @@ def test_progress_draws_on_a_terminal_only():
 def test_a_fractional_cpu_bytes_to_use_is_a_usage_error_not_cut():
     config = ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
               '"kv_connector_extra_config": {"cpu_bytes_to_use": 1000000.5}}')
-    proc = run_cli("repro", "queued-abort", "--kv-transfer-config", config)
+    proc = invoke("repro", "queued-abort", "--kv-transfer-config", config)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == ("kvdoctor: error: --kv-transfer-config: cpu_bytes_to_use must be a whole "
                                    "number, got 1000000.5")

@@ -14,12 +14,12 @@ import json
 import time
 
 import pytest
-from typer.testing import CliRunner
 
 from kvdoctor import app
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 
+from .cli_runner import invoke as invoke_cli
 from .conftest import ROOT, run_cli
 
 
@@ -32,18 +32,16 @@ def _boom(*_args, **_kwargs):
 
 
 def invoke(*args: str):
-    from kvdoctor.cli.app import app as cli
-
-    return CliRunner().invoke(cli, list(args))
+    return invoke_cli(*args)
 
 
 def assert_internal_error(result, json_out: bool = False) -> None:
-    assert result.exit_code == ExitStatus.INTERNAL_ERROR == 5, (result.exit_code, result.output)
+    assert result.returncode == ExitStatus.INTERNAL_ERROR == 5, (result.returncode, result.stdout + result.stderr)
     err = result.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("kvdoctor: error: internal error:") and "bug in kvdoctor" in lines[0]
-    assert "Traceback" not in result.output + err
+    assert "Traceback" not in result.stdout + err
     assert "reproduced" not in result.stdout.replace("not_reproduced", "")
     if json_out:
         doc = json.loads(result.stdout)
@@ -150,7 +148,7 @@ def test_audit_exits_4_when_a_row_ends_other_failure(api, monkeypatch):
     assert row.installed.failure is not None and row.installed.failure.in_vllm
     assert report.exit_status == ExitStatus.SETUP_OR_OTHER_FAILURE
     result = invoke("audit", "--json")
-    assert result.exit_code == 4, result.output
+    assert result.returncode == 4, result.stdout + result.stderr
     assert json.loads(result.stdout)["exit_code"] == 4
 
 
@@ -231,12 +229,12 @@ def test_unwritable_output_path_is_refused_before_vllm_is_imported():
     assert elapsed < 5, f"{elapsed:.1f} s: vLLM was imported before the path was checked"
     proc = run_cli("repro", "queued-abort", "--report", "/proc/kvdoctor-report.md", timeout=60)
     assert proc.returncode == 2 and "not writable" in proc.stderr, proc.stderr
-    proc = run_cli("explore", "--out", "/proc/kvdoctor-findings", timeout=60)
+    proc = invoke("explore", "--out", "/proc/kvdoctor-findings")
     assert proc.returncode == 2 and "--out" in proc.stderr, proc.stderr
 
 
 def test_usage_error_with_json_writes_an_error_document():
-    proc = run_cli("repro", "no-such-recipe", "--json", timeout=60)
+    proc = invoke("repro", "no-such-recipe", "--json")
     assert proc.returncode == 2
     doc = json.loads(proc.stdout)
     assert doc["error"]["exit_code"] == 2 and doc["error"]["kind"] in ("usage_error", "recipe_error")
@@ -247,7 +245,7 @@ def test_debug_shows_the_traceback(loaded, monkeypatch):
     monkeypatch.setattr("kvdoctor.scenario.explain_guards", _boom)
     monkeypatch.setenv("KVDOCTOR_DEBUG", "1")
     result = invoke("repro", "queued-abort", "--logic", "fixed")
-    assert result.exit_code == 5
+    assert result.returncode == 5
     assert "Traceback" in result.stderr and "Boom" in result.stderr
 
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from .conftest import expected_for, run_cli
+from .cli_runner import invoke
+from .conftest import expected_for
 
 IDLE_RECIPE = """
 [recipe]
@@ -29,8 +30,8 @@ count = 9
 
 
 @pytest.fixture(scope="module")
-def inspect_doc():
-    proc = run_cli("inspect", "queued-abort", "--json")
+def inspect_doc(api):
+    proc = invoke("inspect", "queued-abort", "--json")
     assert "Traceback" not in proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -71,18 +72,18 @@ def test_timeline_records_per_request_state(inspect_doc):
     assert first_schedule["events"]["new_store_jobs"]
 
 
-def test_step_option_shows_one_step(release):
-    proc = run_cli("inspect", "queued-abort", "--step", "2", "--json")
+def test_step_option_shows_one_step(api):
+    proc = invoke("inspect", "queued-abort", "--step", "2", "--json")
     doc = json.loads(proc.stdout)
     assert [e["index"] for e in doc["results"][0]["timeline"]] == [2]
-    out_of_range = run_cli("inspect", "queued-abort", "--step", "99")
+    out_of_range = invoke("inspect", "queued-abort", "--step", "99")
     assert out_of_range.returncode == 2 and "--step 99" in out_of_range.stderr
 
 
-def test_quiet_steps_fold_into_one_line(tmp_path):
+def test_quiet_steps_fold_into_one_line(api, tmp_path):
     recipe = tmp_path / "idle.toml"
     recipe.write_text(IDLE_RECIPE)
-    proc = run_cli("inspect", str(recipe))
+    proc = invoke("inspect", str(recipe))
     assert proc.returncode == 0, proc.stderr
     folded = [line for line in proc.stdout.splitlines() if "no change" in line]
     assert len(folded) == 1 and "–" in folded[0], proc.stdout

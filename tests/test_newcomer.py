@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from .cli_runner import invoke
 from .conftest import run_cli
 
 WIDTH = 80
@@ -29,7 +30,7 @@ WIDTH = 80
      "LMCacheMPConnector"),
 ])
 def test_every_usage_error_is_one_line_exit_2(args, fragment):
-    proc = run_cli(*args)
+    proc = invoke(*args)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -43,7 +44,7 @@ def test_every_usage_error_is_one_line_exit_2(args, fragment):
 def test_help_lists_exit_codes_examples_and_no_bool_metavar(command):
     from kvdoctor.errors import ExitStatus
 
-    proc = run_cli(command, "--help", env={"COLUMNS": str(WIDTH)})
+    proc = invoke(command, "--help", env={"COLUMNS": str(WIDTH)})
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     assert "<bool>" not in text and "…" not in text

@@ -10,7 +10,7 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.compat import probes
 from kvdoctor.errors import EXIT_VLLM_UNAVAILABLE
 
-from .conftest import run_cli
+from .cli_runner import invoke
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_missing_vllm_is_reported_and_exit_3(fresh_loader):
 
 
 def test_cli_version_json(api):
-    proc = run_cli("version", "--json")
+    proc = invoke("version", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["vllm"] == api.version_text and doc["kvdoctor"] and doc["torch"] and doc["python"]
@@ -70,7 +70,7 @@ def test_cli_version_json(api):
 
 def test_dash_dash_version_stays_instant():
     """`--version` prints kvdoctor's version only (no vLLM versions, no probes)."""
-    proc = run_cli("--version", timeout=60)
+    proc = invoke("--version", timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip().startswith("kvdoctor ")
     assert "vLLM" not in proc.stdout
 
@@ -78,7 +78,7 @@ def test_dash_dash_version_stays_instant():
 def test_help_generates_its_exit_codes():
     from kvdoctor.errors import ExitStatus
 
-    proc = run_cli("version", "--help", env={"COLUMNS": "100"}, timeout=60)
+    proc = invoke("version", "--help", env={"COLUMNS": "100"}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     flat = " ".join(proc.stdout.split())
     assert "0 vLLM imports and every probe holds" in flat

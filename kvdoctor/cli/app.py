@@ -80,7 +80,9 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
 
 def _version_callback(value: bool) -> None:
     if value:
-        typer.echo(f"kvdoctor {__version__}")
+        from kvdoctor.cli.streams import write_stdout
+
+        write_stdout(f"kvdoctor {__version__}\n")
         raise typer.Exit(0)
 
 

@@ -8,7 +8,6 @@ which imports them: the CLI has no import circle. Cheap to import (Typer only).
 from __future__ import annotations
 
 import shlex
-import sys
 from typing import Callable
 
 import typer
@@ -16,7 +15,9 @@ import typer
 
 def command_line() -> str:
     """The command as the user typed it, quoted for a shell (reports quote it back)."""
-    return "kvdoctor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    from kvdoctor.cli.streams import current
+
+    return "kvdoctor " + " ".join(shlex.quote(a) for a in current().arguments)
 
 
 def run(action: Callable[[], int], json_out: bool = False) -> None:

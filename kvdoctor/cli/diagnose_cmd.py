@@ -8,7 +8,7 @@ cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -50,6 +50,7 @@ def diagnose(
 
         with Progress("diagnose") as progress:
             result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=command_line(),
+                                           stdin=_stdin_bytes() if log == "-" else None,
                                            progress=progress.update if progress.enabled else None)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
@@ -72,3 +73,11 @@ def diagnose(
         return int(result.exit_status)
 
     run(action, opt.wants_json(output_format, json_out))
+
+
+def _stdin_bytes() -> Any:
+    """`diagnose -`: the bytes of the command's stdin (`streams.Environment`)."""
+    from kvdoctor.cli.streams import current
+
+    stream = current().stdin_stream
+    return getattr(stream, "buffer", stream)

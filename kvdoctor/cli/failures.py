@@ -13,23 +13,32 @@
 from __future__ import annotations
 
 import os
-import sys
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 
 BUG_REPORT = "this is a bug in kvdoctor, not a vLLM finding: please report it to kvdoctor"
-_debug = False
 
 
 def enable_debug() -> None:
-    global _debug
-    _debug = True
+    """`--debug`: for the command being run (its `streams.Environment`)."""
+    from kvdoctor.cli.streams import current
+
+    current().debug = True
 
 
 def debug_enabled() -> bool:
-    return _debug or os.environ.get("KVDOCTOR_DEBUG", "") not in ("", "0")
+    from kvdoctor.cli.streams import current
+
+    environment = current()
+    return environment.debug or (environment.getenv("KVDOCTOR_DEBUG", "") or "") not in ("", "0")
+
+
+def _stderr() -> Any:
+    from kvdoctor.cli.streams import current
+
+    return current().stderr_stream
 
 
 def error_document(kind: str, message: str, code: int) -> dict:
@@ -41,7 +50,7 @@ def error_document(kind: str, message: str, code: int) -> dict:
 
 
 def _fail(kind: str, message: str, code: int, json_out: bool) -> int:
-    print(f"kvdoctor: error: {message}", file=sys.stderr, flush=True)
+    print(f"kvdoctor: error: {message}", file=_stderr(), flush=True)
     from kvdoctor.cli import streams
 
     if json_out and not streams.document_written():
@@ -60,7 +69,7 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
         return int(action())
     except KvdoctorError as exc:
         if debug_enabled() and exc.__cause__ is not None:
-            traceback.print_exception(exc.__cause__, file=sys.stderr)
+            traceback.print_exception(exc.__cause__, file=_stderr())
         message = str(exc)
         if isinstance(exc, InternalError):
             hint = "" if debug_enabled() else " (traceback: --debug or KVDOCTOR_DEBUG=1)"
@@ -70,7 +79,7 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
         return _fail("interrupted", "interrupted", ExitStatus.INTERRUPTED, json_out)
     except Exception as exc:  # noqa: BLE001 - kvdoctor's own failure, reported as such
         if debug_enabled():
-            traceback.print_exc(file=sys.stderr)
+            traceback.print_exc(file=_stderr())
         where = _innermost(exc)
         hint = "" if debug_enabled() else " (traceback: --debug or KVDOCTOR_DEBUG=1)"
         return _fail("internal_error", f"internal error: {type(exc).__name__}: {_one_line(exc)}{where}; "
@@ -83,7 +92,7 @@ def raise_unwritten(failures: list[str]) -> None:
     if not failures:
         return
     for line in failures[:-1]:
-        print(f"kvdoctor: error: {line}", file=sys.stderr, flush=True)
+        print(f"kvdoctor: error: {line}", file=_stderr(), flush=True)
     raise UsageError(failures[-1])
 
 

@@ -100,12 +100,13 @@ def kv_offloading_transfer_config(size_gib: float | None, backend: str | None,
     `--kv-transfer-config` is the starting point, as in vLLM.
     """
     import json
-    import os
 
     if size_gib is None:
         if backend is not None:
-            typer.echo("kvdoctor: note: --kv-offloading-backend does nothing without --kv-offloading-size "
-                       "(as in vLLM); ignored", err=True)
+            from kvdoctor.cli.streams import note
+
+            note("kvdoctor: note: --kv-offloading-backend does nothing without --kv-offloading-size "
+                 "(as in vLLM); ignored")
         return kv_transfer_config
     backend = backend or "native"
     if backend == "lmcache":
@@ -113,7 +114,9 @@ def kv_offloading_transfer_config(size_gib: float | None, backend: str | None,
                          "OffloadingConnector (--kv-offloading-backend native)")
     if backend != "native":
         raise UsageError(f"--kv-offloading-backend must be native or lmcache (as vLLM takes it), got {backend!r}")
-    if os.environ.get("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") not in ("", "0"):
+    from kvdoctor.cli.streams import current
+
+    if (current().getenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") or "0") not in ("", "0"):
         raise UsageError("VLLM_USE_SIMPLE_KV_OFFLOAD is set: vLLM would build SimpleCPUOffloadConnector from "
                          "--kv-offloading-size; kvdoctor drives OffloadingConnector")
     if not size_gib > 0:

@@ -19,14 +19,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-import typer
-
 
 def console(record: bool = False) -> Any:
-    """The terminal's width, or $COLUMNS (else 80) when piped; tables that do not fit stack."""
+    """stdout as the command's `streams.Environment` has it: the terminal's width, or $COLUMNS (else 80)
+    when piped; tables that do not fit stack."""
     from rich.console import Console
 
-    return Console(record=record, highlight=False, soft_wrap=False)
+    from kvdoctor.cli.streams import current
+
+    environment = current()
+    return Console(record=record, highlight=False, soft_wrap=False, file=environment.stdout_stream,
+                   force_terminal=environment.isatty("stdout"), width=environment.width())
 
 
 def emit_document(document: dict[str, Any]) -> None:
@@ -40,10 +43,10 @@ def emit_document(document: dict[str, Any]) -> None:
 def show(shown: Any, output_format: str = "text", svg: Path | None = None) -> list[str]:
     """Write a command's result (a `report.formats.Shown`) on stdout in `--format`'s format, and the
     `--svg` file; returns what could not be written. Text on a terminal keeps rich's colours."""
-    from kvdoctor.cli.streams import write_document, write_stdout
+    from kvdoctor.cli.streams import current, write_document, write_stdout
     from kvdoctor.report.formats import SvgFormatter, formatter
 
-    width = None
+    width = current().width()
     if output_format == "text":
         shown_on = console()
         if shown_on.is_terminal:
@@ -51,11 +54,11 @@ def show(shown: Any, output_format: str = "text", svg: Path | None = None) -> li
                 shown_on.print(item)
             width = shown_on.width
         else:
-            write_stdout(formatter("text").render(shown))
+            write_stdout(formatter("text").render(shown, width))
     elif output_format == "json":
         write_document(formatter("json").render(shown).rstrip("\n"))
     else:
-        write_stdout(formatter(output_format).render(shown))
+        write_stdout(formatter(output_format).render(shown, width))
     if svg is None:
         return []
     return write_output(svg, SvgFormatter().render(shown, width), "--svg", "SVG")
@@ -87,7 +90,9 @@ def write_output(path: Path, text: str, flag: str, what: str | None = None, whol
     except OSError as exc:
         return [f"{flag} {path}: {exc.strerror or exc}"]
     if what is not None:
-        typer.echo(f"{what} written to {path}", err=True)
+        from kvdoctor.cli.streams import note
+
+        note(f"{what} written to {path}")
     return []
 
 

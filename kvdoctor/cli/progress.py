@@ -16,9 +16,7 @@ Cheap to import (stdlib only): the CLI imports it before it knows whether anythi
 
 from __future__ import annotations
 
-import os
 import shutil
-import sys
 import threading
 import time
 from typing import Any, TextIO
@@ -28,9 +26,14 @@ _CLEAR = "\r\x1b[2K"
 
 
 def enabled_for(stream: Any) -> bool:
-    """A terminal, and not turned off."""
-    if os.environ.get("KVDOCTOR_NO_SPINNER"):
+    """A terminal, and not turned off (what the command's `streams.Environment` says)."""
+    from kvdoctor.cli.streams import current
+
+    environment = current()
+    if environment.getenv("KVDOCTOR_NO_SPINNER"):
         return False
+    if stream is environment.stderr_stream:
+        return environment.isatty("stderr")
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError, OSError):
@@ -52,7 +55,11 @@ class Progress:
         self.total = total
         self.done = 0
         self.label = label
-        self.stream = stream if stream is not None else sys.stderr
+        if stream is None:
+            from kvdoctor.cli.streams import current
+
+            stream = current().stderr_stream
+        self.stream = stream
         self.enabled = enabled_for(self.stream) if enabled is None else enabled
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -94,7 +101,9 @@ class Progress:
     def _draw(self) -> None:
         if not self.enabled or self._stop.is_set():
             return
-        width = shutil.get_terminal_size((80, 24)).columns
+        from kvdoctor.cli.streams import current
+
+        width = current().width() or shutil.get_terminal_size((80, 24)).columns
         text = self.line()
         if len(text) > width - 1:
             text = text[:max(width - 2, 1)] + "…"

@@ -66,8 +66,9 @@ def repro(
                 raise UsageError("--export-script writes a script and runs nothing: drop "
                                  "--json/--format/--report/--svg")
             application.export(recipe, setup_overrides, export_script, default_worker=opt.DEFAULT_WORKER)
-            typer.echo(f"standalone script written to {export_script} (run it with: python {export_script})",
-                       err=True)
+            from kvdoctor.cli.streams import note
+
+            note(f"standalone script written to {export_script} (run it with: python {export_script})")
             return EXIT_NOT_REPRODUCED
         from kvdoctor.cli.progress import Progress
 

@@ -116,7 +116,9 @@ class KvGroup(TyperGroup):
 
     def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        argv = list(sys.argv[1:] if args is None else args)
+        from kvdoctor.cli.streams import current, note
+
+        argv = list(current().arguments if args is None else args)
         argv = accept_serve_flags(argv)
         try:
             code = super().main(argv, prog_name=prog_name or "kvdoctor", complete_var=complete_var,
@@ -124,7 +126,7 @@ class KvGroup(TyperGroup):
         except ClickException as exc:
             code = _click_error(exc, argv)
         except (typer.Abort, KeyboardInterrupt, EOFError):
-            typer.echo("kvdoctor: interrupted", err=True)
+            note("kvdoctor: interrupted")
             code = ExitStatus.INTERRUPTED
         except SystemExit as exc:
             # typer turns a BrokenPipeError that reaches it (click writing --help or --version
@@ -147,13 +149,17 @@ def _click_error(exc: Any, argv: list[str]) -> int:
     cannot open is 1, "reproduced": never that); a JSON document too under --json."""
     if type(exc).__name__ == "NoArgsIsHelpError":  # bare `kvdoctor`: the help, as before
         ctx = getattr(exc, "ctx", None)
-        typer.echo(ctx.get_help() if ctx is not None else "", err=True)
+        from kvdoctor.cli.streams import note
+
+        note(ctx.get_help() if ctx is not None else "")
         return ExitStatus.USAGE
     if getattr(exc, "exit_code", None) == ExitStatus.USAGE:  # an unknown option, a missing argument, a bad value
         line = usage_error_line(exc)
     else:  # e.g. a file option that cannot be opened
         line = f"kvdoctor: error: {' '.join(exc.format_message().split())}"
-    typer.echo(line, err=True)
+    from kvdoctor.cli.streams import note
+
+    note(line)
     if json_requested(argv):
         from kvdoctor.cli.failures import error_document
         from kvdoctor.cli.streams import write_document
@@ -194,6 +200,8 @@ _RUN_COMMANDS = ("repro", "inspect", "audit")
 
 def accept_serve_flags(argv: list[str]) -> list[str]:
     """Drop the no-effect serve flags from a `repro`/`inspect`/`audit` command line, one note each."""
+    from kvdoctor.cli.streams import note
+
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in _RUN_COMMANDS:
         return argv
@@ -205,8 +213,8 @@ def accept_serve_flags(argv: list[str]) -> list[str]:
         if name in NO_EFFECT_SERVE_FLAGS and arg != "--":
             takes_value = NO_EFFECT_SERVE_FLAGS[name]
             skip = 2 if takes_value and "=" not in arg and i + 1 < len(argv) else 1
-            typer.echo(f"kvdoctor: note: {name} does not change the run (it does not reach the scheduler "
-                       f"and its connector); ignored", err=True)
+            note(f"kvdoctor: note: {name} does not change the run (it does not reach the scheduler "
+                 f"and its connector); ignored")
             i += skip
             continue
         if arg == "--":

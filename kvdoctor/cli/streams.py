@@ -1,6 +1,13 @@
-"""kvdoctor's one way to write to stdout: a closed pipe is the reader's choice, not a failure.
+"""What the CLI reads of the world (`Environment`), and its one way to write to stdout.
 
-`kvdoctor repro --list | head -1` closes stdout early. Python would raise
+`Environment` (httpie's idea): stdin/stdout/stderr, whether each is a terminal, the
+terminal's columns, the environment variables, the command line and `--debug`. The CLI
+asks `current()` for these instead of reading `sys.*`/`os.environ` itself, so a test can
+run a command in-process with its own streams, a fake terminal and its own variables
+(`use(Environment(...))`) and a real process sees the real ones (the default reads
+`sys.*` and `os.environ` when asked, never at import).
+
+stdout: `kvdoctor repro --list | head -1` closes stdout early. Python would raise
 `BrokenPipeError` (and typer turns it into exit 1, "reproduced"); here the
 write stops quietly, stdout is pointed at /dev/null so nothing later (the
 interpreter's final flush included) raises again, and the command keeps the
@@ -12,8 +19,94 @@ the verdict (an unwritable `--report`) never adds a second document.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterator, Mapping
+
+
+@dataclass
+class Environment:
+    """The streams, terminal, variables and command line a command runs with. None: the process's own
+    (`sys.stdin/stdout/stderr`, the stream's `isatty()`, $COLUMNS, `os.environ`, `sys.argv`), read when
+    asked."""
+
+    stdin: IO[Any] | None = None
+    stdout: IO[Any] | None = None
+    stderr: IO[Any] | None = None
+    stdin_isatty: bool | None = None
+    stdout_isatty: bool | None = None
+    stderr_isatty: bool | None = None
+    columns: int | None = None
+    env: Mapping[str, str] | None = None
+    argv: list[str] | None = None
+    debug: bool = field(default=False)  # --debug (KVDOCTOR_DEBUG=1 is read from `env`)
+
+    @property
+    def stdin_stream(self) -> IO[Any]:
+        return self.stdin if self.stdin is not None else sys.stdin
+
+    @property
+    def stdout_stream(self) -> IO[Any]:
+        return self.stdout if self.stdout is not None else sys.stdout
+
+    @property
+    def stderr_stream(self) -> IO[Any]:
+        return self.stderr if self.stderr is not None else sys.stderr
+
+    @property
+    def arguments(self) -> list[str]:
+        """The command line after the program's name."""
+        return list((self.argv if self.argv is not None else sys.argv)[1:])
+
+    def getenv(self, name: str, default: str | None = None) -> str | None:
+        return (self.env if self.env is not None else os.environ).get(name, default)
+
+    def isatty(self, which: str) -> bool:
+        """Whether "stdin", "stdout" or "stderr" is a terminal."""
+        given = getattr(self, f"{which}_isatty")
+        if given is not None:
+            return given
+        try:
+            return bool(getattr(self, f"{which}_stream").isatty())
+        except (AttributeError, ValueError, OSError):
+            return False
+
+    def width(self) -> int | None:
+        """The columns given, else $COLUMNS; None: let the terminal (or rich's 80) decide."""
+        if self.columns is not None:
+            return self.columns
+        columns = self.getenv("COLUMNS", "") or ""
+        return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
+_current = Environment()
+
+
+def current() -> Environment:
+    """The environment the running command reads."""
+    return _current
+
+
+@contextlib.contextmanager
+def use(environment: Environment) -> Iterator[Environment]:
+    """Run the commands inside with `environment` (an in-process runner); the previous one after."""
+    global _current
+    before = _current
+    _current = environment
+    try:
+        yield environment
+    finally:
+        _current = before
+
+
+def note(text: str) -> None:
+    """One line on stderr (a note, a file written)."""
+    stream = current().stderr_stream
+    stream.write(text + "\n")
+    stream.flush()
+
 
 _closed = False
 _document_written = False
@@ -31,9 +124,10 @@ def write_stdout(text: str) -> None:
     global _closed
     if _closed:
         return
+    stream = current().stdout_stream
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        stream.write(text)
+        stream.flush()
     except BrokenPipeError:
         silence_stdout()
 
@@ -58,8 +152,12 @@ def silence_stdout() -> None:
     global _closed
     _closed = True
     try:
+        target = current().stdout_stream.fileno()
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (an in-process runner): drop writes only
+        return
+    try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, target)
         os.close(devnull)
-    except (OSError, ValueError):  # stdout is not a real file (an in-process runner): drop writes only
+    except OSError:
         pass

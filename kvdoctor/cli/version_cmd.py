@@ -14,17 +14,18 @@ def version(json_out: opt.Json = False) -> None:
     version only); this command imports vLLM."""
 
     def action() -> int:
+        from kvdoctor.cli.streams import write_document, write_stdout
         from kvdoctor.version_report import version_report
 
         report = version_report()
         if json_out:
             from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps
 
-            typer.echo(dumps({"schema_version": SCHEMA_VERSION, **report.as_dict()}))
+            write_document(dumps({"schema_version": SCHEMA_VERSION, **report.as_dict()}))
         else:
             from kvdoctor.report.version import version_text
 
-            typer.echo(version_text(report))
+            write_stdout(version_text(report) + "\n")
         return report.exit_code
 
     from kvdoctor.cli.failures import run_guarded
