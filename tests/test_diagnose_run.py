@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 
-from .conftest import KVDOCTOR, ROOT
 from .recipe_runs import measured
 from .test_diagnose import LOGS, MATCHES, REAL, SYNTHETIC
 
@@ -34,11 +33,16 @@ def real_51013(api):
 
 
 @pytest.fixture(scope="module")
-def synthetic_cli():
-    """The synthetic log (production geometry) on stdin, through the CLI: JSON and exit code."""
-    proc = subprocess.run([*KVDOCTOR, "diagnose", "-", "--json"], input=SYNTHETIC, capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
-    return proc
+def synthetic_cli(api):
+    """The synthetic log (production geometry) on stdin, through the command line (in this process:
+    typer's runner, stdout and stderr apart): JSON and exit code."""
+    from typer.testing import CliRunner
+
+    from kvdoctor.cli.app import app as cli
+
+    result = CliRunner().invoke(cli, ["diagnose", "-", "--json"], input=SYNTHETIC)
+    return subprocess.CompletedProcess(["kvdoctor", "diagnose", "-", "--json"], result.exit_code,
+                                       result.stdout, result.stderr)
 
 
 def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api):

@@ -11,7 +11,6 @@ import pytest
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 
-from .conftest import run_cli
 from .recipe_runs import measured
 
 GEOMETRIES = {
@@ -101,9 +100,14 @@ def test_fixed_logic_names_the_cap(reports, expected):
 
 
 def test_cli_json_document_and_exit_code(expected, release):
-    proc = run_cli("repro", "queued-abort", "--json")
-    assert proc.returncode == (1 if expected["installed"] is R else 0), proc.stderr
-    assert "Traceback" not in proc.stderr
+    """`kvdoctor repro queued-abort --json`, in this process (typer's runner, stdout and stderr apart)."""
+    from typer.testing import CliRunner
+
+    from kvdoctor.cli.app import app as cli
+
+    proc = CliRunner().invoke(cli, ["repro", "queued-abort", "--json"])
+    assert proc.exit_code == (1 if expected["installed"] is R else 0), proc.stderr
+    assert "Traceback" not in proc.stderr and (proc.exception is None or isinstance(proc.exception, SystemExit))
     doc = json.loads(proc.stdout)
     assert doc["schema_version"] == SCHEMA_VERSION and doc["recipe"]["name"] == "queued-abort"
     assert doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
