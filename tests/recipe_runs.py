@@ -1,15 +1,71 @@
-"""Reading `app.repro` reports in recipe tests: one run per logic, timeline positions, snapshots.
+"""Reading `app.repro` reports in recipe tests: one run per logic, timeline positions, snapshots;
+and what kvdoctor measured on each release (kvdoctor/data/release_outcomes.toml), the one place a
+test takes a per-release expectation from.
 
 Shared by the per-recipe test modules so each asserts on the same reading of a report.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from kvdoctor.observe.verdict import Outcome
 
 LOGICS = ("installed", "fixed", "unpatched")
+
+
+@functools.lru_cache(maxsize=1)
+def _rows() -> dict[tuple[str, str], object]:
+    from kvdoctor.matrix import data
+
+    return {(row.release, row.recipe): row for row in data.load()}
+
+
+@functools.cache
+def cli_audit():
+    """`kvdoctor audit` without flags, run in this process once per test session (a whole audit is the
+    suite's costliest run): the modules that need one (the README's examples, the release-outcomes
+    check) share it. The CLI's own path (subprocess, --json, --report) is tested elsewhere."""
+    from kvdoctor import app
+    from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
+
+    return app.audit(command="kvdoctor audit", overrides=worker_overrides(None, None, None),
+                     default_worker=DEFAULT_WORKER)
+
+
+def measured_row(api, recipe: str):
+    """The data file's row of `recipe` on the installed release; skip where it has none."""
+    row = _rows().get((api.version_text, recipe))
+    if row is None:
+        pytest.skip(f"kvdoctor/data/release_outcomes.toml has no measurement of {recipe} on vLLM "
+                    f"{api.version_text}: re-measure with kvdoctor matrix --audit --write-data")
+    return row
+
+
+def measured(api, recipe: str, logic: str = "installed", async_scheduling: bool = False) -> Outcome:
+    """The outcome kvdoctor measured for a built-in recipe at its default setup on the installed release
+    (`kvdoctor matrix --audit --write-data`: the audit's installed and fixed runs, sync and under
+    --async-scheduling); skip where that dimension was not measured.
+
+    `unpatched` (the installed method with the PR #49146 cap lifted) is compared with the installed
+    measurement: for every built-in recipe the cap is never the only guard that holds (no cap on 0.26;
+    from 0.30 PR #49285 and the later fixes hold without it), measured by these modules on 0.26.0,
+    0.30.0, 0.33.0 and 0.34.0. A release where that stops being true fails here, on purpose."""
+    row = measured_row(api, recipe)
+    value = row.outcome_for("installed" if logic == "unpatched" else logic, async_scheduling)
+    if value is None:
+        mode = "--async-scheduling" if async_scheduling else "sync scheduling"
+        pytest.skip(f"kvdoctor/data/release_outcomes.toml has no {logic}-logic outcome of {recipe} under {mode} "
+                    f"on vLLM {api.version_text}: re-measure with kvdoctor matrix --audit --write-data")
+    return Outcome(value)
+
+
+def bug_present(api, recipe: str) -> bool:
+    """Whether the installed release has the recipe's bug, as measured: the installed logic reproduces it
+    at the recipe's default setup (sync scheduling)."""
+    return measured(api, recipe) is Outcome.REPRODUCED
 
 
 def result(reports, name, mode, logic):
@@ -37,10 +93,10 @@ def snap(entry, request):
     return next(s for s in entry.requests if s.request == request)
 
 
-def assert_outcome(reports, expected, name, mode, logic):
-    """The run of `name` under `logic` ended as this release's measured table says."""
+def assert_outcome(api, reports, name, mode, logic):
+    """The run of `name` under `logic` ended as kvdoctor measured it on this release (the data file)."""
     run = result(reports, name, mode, logic)
-    want = expected[name][mode][logic]
+    want = measured(api, name, logic, mode)
     assert run.outcome is want, (
         f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
         f"{run.failure and run.failure.message}), expected {want.value}")

@@ -2,9 +2,10 @@
 
 Each recipe runs once per scheduling mode in this module (one vLLM import,
 eighteen runs: three recipes, two modes, three logic variants). The expected
-outcomes per release were measured on vLLM 0.26.0 and 0.33.0; other releases
-are skipped rather than guessed. None of these paths goes through
-`storable_chunks`' allocated-chunk cap, so the three logic variants agree.
+outcomes per release are kvdoctor's measurements in
+kvdoctor/data/release_outcomes.toml; a release or dimension not measured there
+skips. None of these paths goes through `storable_chunks`' allocated-chunk
+cap, so the three logic variants agree.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .conftest import expected_for
-from .recipe_runs import LOGICS, assert_outcome, load_described_builtins, index_of, reproduced_runs, result, snap
+from .recipe_runs import (LOGICS, assert_outcome, bug_present, index_of, load_described_builtins, reproduced_runs,
+                          result, snap)
 
 pytestmark = pytest.mark.vllm
 
@@ -31,40 +32,13 @@ MODES = (False, True)
 
 R = Outcome.REPRODUCED
 N = Outcome.NOT_REPRODUCED
-O = Outcome.OTHER_FAILURE
-# The async mode is the user's --async-scheduling: a recipe whose trigger needs synchronous scheduling is
-# untested there, naming the flag (issue 23), never not_applicable (exit 0).
-UT = Outcome.UNTESTED
+# What the data file holds for these recipes (measured 2026-12-02..04): K8, the preempt flush meets the
+# reload's load job (async: after draining the engine), fixed by PR #57810 (0.33.0); K2, request_finished
+# finalizes the request in the tiering manager before its final store, fixed by PR #49671 (0.27.0); K4,
+# sync: the final store counts the never-computed last token, fixed by PR #54288 (0.30.0). Async: K4's
+# decode step was scheduled before its EOS was seen, so its slot was computed: the recipe requires sync
+# scheduling and is untested there (test_k4_async_stores_a_computed_slot measures why).
 
-
-def same(outcome):
-    return {logic: outcome for logic in LOGICS}
-
-
-# (major, minor) -> recipe -> async_scheduling -> logic -> outcome
-EXPECTED = {
-    (0, 26): {
-        # The preempt flush meets the reload's load job (async: after draining the engine).
-        K8: {False: same(R), True: same(R)},
-        # request_finished finalizes the request in the tiering manager before its final store.
-        K2: {False: same(R), True: same(R)},
-        # Sync: the final store counts the never-computed last token. Async: that token's
-        # decode step was scheduled before its EOS was seen, so its slot was computed: the
-        # recipe requires sync scheduling (test_k4_async_stores_a_computed_slot measures why).
-        K4: {False: same(R), True: same(UT)},
-    },
-    (0, 33): {
-        K8: {False: same(N), True: same(N)},  # PR #57810 in
-        K2: {False: same(N), True: same(N)},  # PR #49671 in: the final store is built
-        K4: {False: same(N), True: same(UT)},  # PR #54288 in: no store past the commit point
-    },
-}
-EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
-EXPECTED[(0, 30)] = {  # measured on vLLM 0.30.0 (2026-12-03, by running this module there)
-    K8: {False: same(R), True: same(R)},  # PR #57810 not in yet
-    K2: {False: same(N), True: same(N)},
-    K4: {False: same(N), True: same(UT)},
-}
 
 SHM_PATTERN = "/dev/shm/vllm_offload_*.mmap"
 
@@ -80,12 +54,6 @@ def _own_offload_regions() -> set[str]:
         if target.startswith("/dev/shm/vllm_offload_") and target.endswith(".mmap"):
             held.add(target)
     return held
-
-
-@pytest.fixture(scope="module")
-def expected(api, release):
-    """`api` and `release` (the (major, minor) of the vLLM under test) come from conftest."""
-    return expected_for(api, release, EXPECTED)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +102,14 @@ def test_recipes_are_builtins():
 @pytest.mark.parametrize("logic", LOGICS)
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_outcome(reports, expected, name, mode, logic):
-    assert_outcome(reports, expected, name, mode, logic)
+def test_outcome(api, reports, name, mode, logic):
+    assert_outcome(api, reports, name, mode, logic)
 
 
 # -- K8: preempted by a cache reset and reloaded in the same step ------------
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k8_fires_in_the_step_after_the_reset(reports, expected, mode):
+def test_k8_fires_in_the_step_after_the_reset(reports, mode):
     for run in reproduced_runs(reports, K8, mode):
         assert run.failure.function == "build_connector_meta"
         assert run.failure.code == "assert self._jobs[any_jid].is_store"
@@ -157,7 +125,7 @@ def test_k8_fires_in_the_step_after_the_reset(reports, expected, mode):
             all(job.startswith("load#") for job in a.in_flight_jobs), a
 
 
-def test_k8_fixed_release_reloads_in_the_preempting_step(reports, expected, release):
+def test_k8_fixed_release_reloads_in_the_preempting_step(reports, release):
     run = result(reports, K8, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K8 reproduces on {release}")
@@ -167,7 +135,15 @@ def test_k8_fixed_release_reloads_in_the_preempting_step(reports, expected, rele
     assert not step.events.jobs_to_flush  # the new load is not flushed (PR #57810)
 
 
-def test_k8_async_needs_the_drain(reports, expected):
+def test_k4_async_is_untested_naming_the_flag(reports):
+    """K4's trigger needs synchronous scheduling: under --async-scheduling the run is untested and says why,
+    on every release (never not_applicable, exit 0)."""
+    for logic in LOGICS:
+        run = result(reports, K4, True, logic)
+        assert run.outcome is Outcome.UNTESTED and "async-scheduling" in (run.detail or ""), (logic, run.detail)
+
+
+def test_k8_async_needs_the_drain(reports):
     """Under async scheduling the recipe drains first; the reset then succeeds."""
     for logic in LOGICS:
         run = result(reports, K8, True, logic)
@@ -179,7 +155,7 @@ def test_k8_async_needs_the_drain(reports, expected):
 # -- K2: final store prepared after the tiering manager finalized the request -
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k2_fires_on_the_final_store(reports, expected, mode):
+def test_k2_fires_on_the_final_store(reports, mode):
     for run in reproduced_runs(reports, K2, mode):
         assert run.failure.exception == "KeyError" and run.failure.message == "'A'"
         assert run.failure.code == "state = self._req_state[req_context.req_id]"
@@ -192,7 +168,7 @@ def test_k2_fires_on_the_final_store(reports, expected, mode):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k2_prefill_store_was_refused_for_lack_of_cpu_space(reports, expected, mode):
+def test_k2_prefill_store_was_refused_for_lack_of_cpu_space(reports, mode):
     for logic in LOGICS:
         run = result(reports, K2, mode, logic)
         prefill = run.timeline[last_expect(run) - 1]
@@ -201,7 +177,7 @@ def test_k2_prefill_store_was_refused_for_lack_of_cpu_space(reports, expected, m
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k2_fixed_release_builds_the_final_store(reports, expected, release, mode):
+def test_k2_fixed_release_builds_the_final_store(reports, release, mode):
     run = result(reports, K2, mode, "installed")
     if run.outcome is not N:
         pytest.skip(f"K2 reproduces on {release}")
@@ -212,7 +188,7 @@ def test_k2_fixed_release_builds_the_final_store(reports, expected, release, mod
 # -- K4: the final sampled token's slot is stored (silent) ---------------------
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
+def test_k4_violation_names_the_uncomputed_slot(reports, mode):
     for run in reproduced_runs(reports, K4, mode):
         assert run.failure is None
         assert [v.invariant for v in run.violations] == ["store-covers-computed-slots"]
@@ -223,12 +199,13 @@ def test_k4_violation_names_the_uncomputed_slot(reports, expected, mode):
         assert index_of(run, "schedule", last_expect(run)) == len(run.timeline) - 1
 
 
-# Store jobs the async K4 run builds (measured per release): 0.26 stores the computed final chunk;
-# the PR #54288 clamp on 0.33 builds none.
-K4_ASYNC_STORES = {(0, 26): 1, (0, 30): 0, (0, 33): 0}  # 0.30: measured 2026-12-03
+# Store jobs the async K4 run builds: where K4's bug is (0.26 ... 0.29, measured: the sync run reproduces)
+# the computed final chunk is stored, once; PR #54288's clamp, K4's fix, builds no store past the commit
+# point (0.30 on: none). Measured 2026-12-03 on 0.26.0 (1), 0.30.0 and 0.33.0 (0).
+K4_ASYNC_STORES = {True: 1, False: 0}  # bug present -> stores
 
 
-def test_k4_async_stores_a_computed_slot(api, expected, release):
+def test_k4_async_stores_a_computed_slot(api):
     """Async scheduling computes the EOS token's slot before the EOS is seen: why K4 requires sync.
 
     Run with the recipe's sync requirement lifted, to measure what async does."""
@@ -243,10 +220,10 @@ def test_k4_async_stores_a_computed_slot(api, expected, release):
     a = snap(run.timeline[-1], "A")
     assert a.status == "FINISHED_STOPPED" and a.computed_tokens == a.num_tokens == 16
     stores = sum(len(e.events.new_store_jobs) for e in run.timeline if e.events is not None)
-    assert stores == expected_for(api, release, K4_ASYNC_STORES)
+    assert stores == K4_ASYNC_STORES[bug_present(api, K4)]
 
 
-def test_k4_fixed_release_builds_no_store(reports, expected, release):
+def test_k4_fixed_release_builds_no_store(reports, release):
     run = result(reports, K4, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K4 reproduces on {release}")

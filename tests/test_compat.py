@@ -186,42 +186,33 @@ def test_each_probe_can_fail(api, monkeypatch):
     assert all(r.holds for r in probes.run(compat.import_vllm(), worker_side=False))  # all restored
 
 
-def _cli(code: str):
-    import os
-    import subprocess
-    import sys
+def _cli(*args: str):
+    """The command line, in this process (its vLLM import is the session's): typer's runner, stdout and
+    stderr apart, as `kvdoctor ...` would print them."""
+    from typer.testing import CliRunner
 
-    from .conftest import ROOT
+    from kvdoctor.cli.app import app as cli
 
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, compat.NOTED_ENV: ""}, timeout=600)
+    return CliRunner().invoke(cli, list(args))
 
 
-def test_cli_runs_a_newer_release_with_the_note():
-    """`kvdoctor repro queued-abort` with vLLM's reported version faked to 0.35.0 (in that process)."""
-    proc = _cli("import sys; import kvdoctor.engine.compat as c\n"
-                "with c._silenced_stderr():\n    import vllm\n"
-                "vllm.__version__ = '0.35.0'; c.installed_vllm_version = lambda: '0.35.0'\n"
-                "from kvdoctor.cli.app import main; sys.argv = ['kvdoctor', 'repro', 'queued-abort']; main()")
-    assert proc.returncode in (0, 1), proc.stderr  # the verdict of the run, not a refusal
-    assert "queued-abort" in proc.stdout
-    notes = [line for line in proc.stderr.splitlines() if "newer than the newest release" in line]
+def test_cli_runs_a_newer_release_with_the_note(api, fresh_loader):
+    """`kvdoctor repro queued-abort` with vLLM's reported version faked to 0.35.0 (a scoped patch)."""
+    _fake_version(fresh_loader, api, "0.35.0")
+    result = _cli("repro", "queued-abort")
+    assert result.exit_code in (0, 1), result.stderr  # the verdict of the run, not a refusal
+    assert "queued-abort" in result.stdout
+    notes = [line for line in result.stderr.splitlines() if "newer than the newest release" in line]
     assert notes == ["kvdoctor: note: vLLM 0.35.0 is newer than the newest release kvdoctor was measured on "
-                     "(0.34.0); results are from probes that hold"], proc.stderr
+                     "(0.34.0); results are from probes that hold"], result.stderr
 
 
-def test_cli_exits_3_naming_a_broken_probe():
-    """The same command with vLLM's storable_chunks given an unknown signature (in that process)."""
-    proc = _cli("import sys; import kvdoctor.engine.compat as c\n"
-                "real = c._import\n"
-                "def patched(name):\n"
-                "    module = real(name)\n"
-                "    if name == c.OFFLOADING_SCHEDULER_MODULE:\n"
-                "        module.RequestOffloadState.storable_chunks = lambda self, chunk_spec: 0\n"
-                "    return module\n"
-                "c._import = patched\n"
-                "from kvdoctor.cli.app import main; sys.argv = ['kvdoctor', 'repro', 'queued-abort']; main()")
-    assert proc.returncode == EXIT_VLLM_UNAVAILABLE, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0, proc.stderr
-    assert "probe storable_chunks-signature failed" in proc.stderr and "chunk_spec" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_exits_3_naming_a_broken_probe(api, fresh_loader):
+    """The same command with vLLM's storable_chunks given an unknown signature (a scoped patch)."""
+    _break_storable_chunks(fresh_loader, api)
+    result = _cli("repro", "queued-abort")
+    assert result.exit_code == EXIT_VLLM_UNAVAILABLE, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "probe storable_chunks-signature failed" in result.stderr and "chunk_spec" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception

@@ -8,31 +8,21 @@ import subprocess
 
 import pytest
 
-from .conftest import KVDOCTOR, ROOT, expected_for
+from .recipe_runs import measured
 from .test_diagnose import LOGS, MATCHES, REAL, SYNTHETIC
 
 pytestmark = pytest.mark.vllm
 
-# Measured by running (installed logic / fixed logic of queued-abort, the best match of both logs).
-OUTCOMES = {
-    (0, 26): {"installed": "reproduced", "fixed": "not_reproduced", "exit": 1},
-    (0, 30): {"installed": "not_reproduced", "fixed": "not_reproduced", "exit": 0},  # measured on 0.30.0 (2026-12-03)
-    (0, 33): {"installed": "not_reproduced", "fixed": "not_reproduced", "exit": 0},
-}
-OUTCOMES[(0, 34)] = OUTCOMES[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-03): the same as 0.33.0
-# The outcomes above, per known bug, for the real logs' matches: a bug whose recipe lands in another branch
-# gets its measured row here (its logs move into test_diagnose.MATCHES).
-# K6 (offload-keys-lag-blocks), as tests/test_recipes_sched.py and release_outcomes.toml measured it:
-# the PR #49146 cap does not hold it; PR #52923 (0.30.0) does.
-K6_OUTCOMES = {(0, 26): {"installed": "reproduced", "fixed": "reproduced"},
-               (0, 30): {"installed": "not_reproduced", "fixed": "not_reproduced"},
-               (0, 33): {"installed": "not_reproduced", "fixed": "not_reproduced"},
-               (0, 34): {"installed": "not_reproduced", "fixed": "not_reproduced"}}
-# K7 (mamba-align-midblock-hit-load), the 1Cat #567 log's match: measured by `kvdoctor diagnose` on vLLM 0.26.0
-# and 0.34.0 (2026-12-04); the PR #49146 cap is a store-side change, so the fixed logic reproduces it too.
-K7_OUTCOMES = {(0, 26): {"installed": "reproduced", "fixed": "reproduced", "exit": 1},
-               (0, 34): {"installed": "not_reproduced", "fixed": "not_reproduced", "exit": 0}}
-BUG_OUTCOMES = {"K1": OUTCOMES, "K6": K6_OUTCOMES, "K7": K7_OUTCOMES}
+
+def expected_of(api, recipe: str, async_scheduling: bool = False) -> dict:
+    """What a matched recipe's run must show: its installed and fixed logic's outcomes as kvdoctor measured
+    them on this release (kvdoctor/data/release_outcomes.toml, in the run's scheduling mode; the run at a
+    log's geometry must end as at the recipe's own), and the exit status the installed outcome earns."""
+    from kvdoctor.outcome_codes import exit_code_for
+
+    installed = measured(api, recipe, "installed", async_scheduling)
+    return {"installed": installed.value, "fixed": measured(api, recipe, "fixed", async_scheduling).value,
+            "exit": int(exit_code_for(installed.value))}
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +33,20 @@ def real_51013(api):
 
 
 @pytest.fixture(scope="module")
-def synthetic_cli():
-    """The synthetic log (production geometry) on stdin, through the CLI: JSON and exit code."""
-    proc = subprocess.run([*KVDOCTOR, "diagnose", "-", "--json"], input=SYNTHETIC, capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
-    return proc
+def synthetic_cli(api):
+    """The synthetic log (production geometry) on stdin, through the command line (in this process:
+    typer's runner, stdout and stderr apart): JSON and exit code."""
+    from typer.testing import CliRunner
+
+    from kvdoctor.cli.app import app as cli
+
+    result = CliRunner().invoke(cli, ["diagnose", "-", "--json"], input=SYNTHETIC)
+    return subprocess.CompletedProcess(["kvdoctor", "diagnose", "-", "--json"], result.exit_code,
+                                       result.stdout, result.stderr)
 
 
-def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api, release):
-    expected = expected_for(api, release, OUTCOMES)
+def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api):
+    expected = expected_of(api, "queued-abort")
     report = real_51013
     # K1's simplest path and K6: the assert both bugs hit, one run each, in the catalogue's order
     assert [run.recipe.name for run in report.runs] == ["queued-abort", "offload-keys-lag-blocks"]
@@ -78,8 +73,8 @@ def test_markdown_attachment_of_the_real_log(real_51013):
     assert "/usr/local" not in text and "dist-packages" not in text
 
 
-def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api, release):
-    expected = expected_for(api, release, OUTCOMES)
+def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api):
+    expected = expected_of(api, "queued-abort", async_scheduling=True)  # the log's --async-scheduling
     proc = synthetic_cli
     assert proc.returncode == expected["exit"], proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
@@ -98,7 +93,7 @@ def test_synthetic_log_geometry_scaled_and_versions(synthetic_cli, api, release)
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
-def test_every_real_log_runs_what_it_matches(name, api, release):
+def test_every_real_log_runs_what_it_matches(name, api):
     """Each real log: the recipes of the bugs it matches run on the installed vLLM (installed and fixed
     logic), at the log's geometry when it names one; a log that matches nothing runs nothing."""
     from kvdoctor.diagnose.app import diagnose
@@ -112,13 +107,10 @@ def test_every_real_log_runs_what_it_matches(name, api, release):
         assert bool(report.starting_recipe) is bool(REAL[name].complete)
         return
     for run in report.runs:
-        outcomes = BUG_OUTCOMES.get(run.recipe.bug)
-        if outcomes is None:
-            pytest.skip(f"no measured outcomes for {run.recipe.bug} in this module: measure, then add them")
-        expected = expected_for(api, release, outcomes)
+        expected = expected_of(api, run.recipe.name, run.setup.async_scheduling)
         assert run.geometry == ("log" if REAL[name].overrides else "recipe")
         assert {r.logic: r.outcome.value for r in run.results}["fixed"] == expected["fixed"]
         assert run.installed.outcome.value == expected["installed"]
     # the best match (the catalogue's first bug) decides the exit status
-    first = expected_for(api, release, BUG_OUTCOMES[report.runs[0].recipe.bug])
-    assert int(report.exit_status) == first["exit"]
+    first = report.runs[0]
+    assert int(report.exit_status) == expected_of(api, first.recipe.name, first.setup.async_scheduling)["exit"]

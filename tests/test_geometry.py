@@ -9,7 +9,8 @@ import pytest
 
 from kvdoctor.engine.setup import Setup, parse_kv_transfer_config
 from kvdoctor.recipes.geometry import NotApplicable, plan_fill, plan_preempt
-from tests.conftest import expected_for, run_cli
+from tests.conftest import run_cli
+from tests.recipe_runs import measured
 
 ISSUE_FLAGS = ["--block-size", "16", "--num-gpu-blocks-override", "512", "--max-num-batched-tokens", "2048",
                "--max-num-seqs", "64", "--enable-chunked-prefill", "--async-scheduling", "--kv-transfer-config",
@@ -133,28 +134,23 @@ def test_kv_transfer_config_sets_the_cpu_tier():
 # chunked prefill, async scheduling, a 1 GB CPU tier).
 # K4 needs synchronous scheduling and K2 a one-chunk CPU tier: the user's --async-scheduling and 1 GiB tier
 # make them untested (exit 6), naming those flags; never not_applicable (exit 0).
-ISSUE_OUTCOMES = {
-    (0, 26): {"queued-abort": "reproduced", "prefetch": "reproduced", "preempt-reload-same-step": "reproduced",
-              "final-token-slot-stored": "untested", "finished-after-finalize": "untested",
-              "preemption": "reproduced"},
-    (0, 33): {"queued-abort": "not_reproduced", "prefetch": "not_reproduced",
-              "preempt-reload-same-step": "not_reproduced", "final-token-slot-stored": "untested",
-              "finished-after-finalize": "untested", "preemption": "not_reproduced"},
-}
+# Every other recipe ends as kvdoctor measured it at its own geometry under --async-scheduling
+# (kvdoctor/data/release_outcomes.toml): measured at the issue's flags on 0.26.0, 0.30.0, 0.33.0, 0.34.0
+# (2026-12-03/04).
+ISSUE_RECIPES = ("queued-abort", "prefetch", "preempt-reload-same-step", "final-token-slot-stored",
+                 "finished-after-finalize", "preemption")
 UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents it",
                "finished-after-finalize": "the given kv_connector_extra_config.cpu_bytes_to_use 1073741824 prevents"}
-# preemption restated at the user's geometry (2026-12-04): measured not_reproduced on 0.30.0, 0.33.0, 0.34.0
-ISSUE_OUTCOMES[(0, 34)] = ISSUE_OUTCOMES[(0, 33)]  # measured 2026-12-03: the same as 0.33.0
-ISSUE_OUTCOMES[(0, 30)] = {**ISSUE_OUTCOMES[(0, 33)], "preempt-reload-same-step": "reproduced"}  # measured 2026-12-03
 
 
 @pytest.mark.vllm
-def test_issue_geometry(api, release):
+def test_issue_geometry(api):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
     from kvdoctor.scenario import run_scenario
 
-    expected = expected_for(api, release, ISSUE_OUTCOMES)
+    expected = {name: "untested" if name in UNTESTED_BY else measured(api, name, async_scheduling=True).value
+                for name in ISSUE_RECIPES}
     overrides = dict(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64,
                      enable_chunked_prefill=True, async_scheduling=True,
                      **parse_kv_transfer_config(ISSUE_FLAGS[-1]))
@@ -170,8 +166,9 @@ def test_issue_geometry(api, release):
             assert tripping == ["B"], tripping
 
 
-# The preemption recipe restated at geometries other than its own (measured 2026-12-04 by running this
-# test: reproduced on 0.26.0, not_reproduced on 0.34.0, where PR #49285 counts 0 computed tokens).
+# The preemption recipe restated at geometries other than its own ends as measured at its own, in the
+# same scheduling mode (2026-12-04 by running this test: reproduced on 0.26.0, not_reproduced on 0.34.0,
+# where PR #49285 counts 0 computed tokens).
 RESTATED = [
     dict(block_size=16, blocks_per_chunk=4, gpu_blocks=2000, max_num_batched_tokens=2048, max_num_seqs=64,
          max_model_len=4096, async_scheduling=False),
@@ -180,17 +177,16 @@ RESTATED = [
     dict(block_size=16, blocks_per_chunk=1, gpu_blocks=100_000, max_num_batched_tokens=8192, max_num_seqs=64,
          max_model_len=131072, async_scheduling=True),
 ]
-RESTATED_OUTCOMES = {(0, 26): "reproduced", (0, 34): "not_reproduced"}
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("geometry", RESTATED, ids=["chunks-of-4", "block-size-1", "100k-blocks"])
-def test_preemption_holds_at_restated_geometries(api, release, geometry):
+def test_preemption_holds_at_restated_geometries(api, geometry):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
     from kvdoctor.scenario import run_scenario
 
-    expected = expected_for(api, release, RESTATED_OUTCOMES)
+    expected = measured(api, "preemption", async_scheduling=geometry["async_scheduling"]).value
     recipe = resolve("preemption")
     result = run_scenario(api, recipe, resolve_setup(recipe, geometry), "installed", record_timeline=True)
     assert result.outcome.value == expected, (result.outcome.value, result.detail)

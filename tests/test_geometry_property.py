@@ -1,10 +1,11 @@
 """Built-in recipes at geometries drawn at random: never a setup_error.
 
-On vLLM 0.26.0 (which carries K1, K2, K4 and K8) every K1/K2/K4/K8 recipe
+On a release that carries a recipe's bug (K1, K2, K4, K8: the recipe reproduces
+at its own geometry, as kvdoctor/data/release_outcomes.toml measured) the recipe
 either reproduces at the drawn geometry or says before running why the user's
 flags make its trigger impossible there (`untested`, naming the flag that
-prevents it and the smallest change that allows it; never an exit-0 verdict). On the newest measured
-release (0.33.0, all four fixed) none reproduces. Each example builds one
+prevents it and the smallest change that allows it; never an exit-0 verdict).
+On a release with the fix it never reproduces. Each example builds one
 harness per recipe; the number of examples is kept small so a release costs
 well under two minutes here.
 """
@@ -16,14 +17,11 @@ from hypothesis import HealthCheck, Phase, example, given, settings, strategies 
 
 from kvdoctor.app import resolve_setup
 from kvdoctor.recipes.builtins import all_builtins
-from tests.conftest import expected_for
+from tests.recipe_runs import bug_present
 
 pytestmark = pytest.mark.vllm
 
 BUGS = ("K1", "K2", "K4", "K8")
-# Measured by running this module: what each release must show for every drawn geometry.
-EXPECTED = {(0, 26): "reproduced_or_untested", (0, 33): "never_reproduced",
-            (0, 34): "never_reproduced"}  # 0.34.0: measured 2026-12-03
 
 
 @st.composite
@@ -49,8 +47,9 @@ def recipes():
 
 
 @pytest.fixture(scope="module")
-def expectation(api, release):
-    return expected_for(api, release, EXPECTED)
+def expectation(api, recipes) -> dict[str, str]:
+    """Per recipe, what every drawn geometry must show on this release (the bug measured present or not)."""
+    return {r.name: "reproduced_or_untested" if bug_present(api, r.name) else "never_reproduced" for r in recipes}
 
 
 # No shrinking: a failure names its geometry already, and shrinking would multiply the cost.
@@ -75,7 +74,7 @@ def test_recipes_hold_at_any_geometry(api, recipes, expectation, geometry):
         if outcome == "untested":  # every flag here is the user's: the reason names the one that prevents it
             assert "prevents it; the smallest change that allows it: " in detail, (name, geometry, detail)
         assert outcome != "not_applicable", (name, geometry, outcome, detail)  # 0.26+ has every feature
-        if expectation == "reproduced_or_untested":
+        if expectation[name] == "reproduced_or_untested":
             assert outcome in ("reproduced", "untested"), (name, geometry, outcome, detail)
         else:
             assert outcome != "reproduced", (name, geometry, outcome, detail)

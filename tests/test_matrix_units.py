@@ -175,6 +175,43 @@ def test_data_file_round_trips_and_merges(tmp_path):
     assert sorted((r.release, r.outcome) for r in merged) == [("0.26.0", "reproduced"), ("0.27.0", "not_reproduced")]
 
 
+def test_optional_dimensions_round_trip_and_absent_means_not_measured(tmp_path):
+    """fixed_logic_outcome / async_* are optional keys: written when measured, None (not measured) when
+    absent, so a file from before them still loads, and a schema-1 reader ignores them."""
+    import dataclasses
+
+    path = tmp_path / "outcomes.toml"
+    (old,) = _rows(("0.26.0", "a", "reproduced"))
+    new = dataclasses.replace(old, recipe="b", fixed_logic_outcome="not_reproduced", async_outcome="untested",
+                              async_fixed_logic_outcome="untested")
+    path.write_text(data.render([old, new]))
+    text = path.read_text()
+    assert text.count("fixed_logic_outcome = ") == 2 and text.count("async_outcome = ") == 1
+    assert data.load(path) == [old, new]
+    assert (old.outcome_for("fixed"), old.outcome_for("installed", async_scheduling=True)) == (None, None)
+    assert [new.outcome_for(logic, mode) for logic in ("installed", "fixed") for mode in (False, True)] == [
+        "reproduced", "untested", "not_reproduced", "untested"]
+    assert new.outcome_for("unpatched") is None  # not a dimension the audit measures
+
+
+def test_the_async_audit_lands_beside_the_sync_cells():
+    """`matrix --audit --write-data` audits each release again under --async-scheduling: its outcomes join
+    the sync cells' rows; a broken async audit leaves them unmeasured, the sync row intact."""
+    from kvdoctor.matrix.app import MatrixReport, _add_async, data_rows
+    from kvdoctor.matrix.runner import KVDOCTOR_FAILURE, Cell
+
+    report = MatrixReport(releases=["0.26.0"], recipes=["a", "b"], audit=True, bisect=False)
+    for name in ("a", "b"):
+        report.cells[("0.26.0", name)] = Cell("0.26.0", name, "reproduced", bug="K1", failure_site="x",
+                                              fixed_logic_outcome="not_reproduced", coverage="reached 1x: fired")
+    _add_async(report, "0.26.0", [Cell("0.26.0", "a", "untested", fixed_logic_outcome="untested"),
+                                  Cell("0.26.0", "b", KVDOCTOR_FAILURE)])
+    rows = {row.recipe: row for row in data_rows(report)}
+    assert (rows["a"].outcome, rows["a"].fixed_logic_outcome, rows["a"].async_outcome,
+            rows["a"].async_fixed_logic_outcome) == ("reproduced", "not_reproduced", "untested", "untested")
+    assert rows["b"].outcome == "reproduced" and rows["b"].async_outcome is None
+
+
 def test_hint_names_the_release_after_the_last_reproducing_one(tmp_path):
     path = tmp_path / "outcomes.toml"
     path.write_text(data.render(_rows(("0.26.0", "a", "reproduced"), ("0.27.0", "a", "not_reproduced"),

@@ -64,19 +64,12 @@ def example_inspect_queued_abort_step_6() -> str:
             + _render(timeline_renderables(report.results[0], 6) + [verdict_table(report)]))
 
 
-_AUDIT: list = []
-
-
 def _audit():
-    """One audit run serves both examples (it is the slowest of them)."""
-    from kvdoctor import app
+    """The session's one audit (tests/recipe_runs.cli_audit): it serves both examples and
+    tests/test_release_outcomes.py."""
+    from .recipe_runs import cli_audit
 
-    if not _AUDIT:
-        from kvdoctor.cli.options import DEFAULT_WORKER
-
-        _AUDIT.append(app.audit(command="kvdoctor audit", overrides=_cli_defaults(),
-                                default_worker=DEFAULT_WORKER))
-    return _AUDIT[0]
+    return cli_audit()
 
 
 def example_audit() -> str:

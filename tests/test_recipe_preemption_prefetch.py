@@ -2,8 +2,8 @@
 
 Every scenario runs once per module (one vLLM import, twelve runs: two recipes,
 two scheduling modes, three logic variants). The expected outcome per release
-was measured on vLLM 0.26.0 and 0.33.0; other releases are skipped rather than
-guessed.
+is kvdoctor's measurement in kvdoctor/data/release_outcomes.toml; a release or
+dimension not measured there skips.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 
-from .conftest import expected_for
+from .recipe_runs import bug_present, measured
 
 pytestmark = pytest.mark.vllm
 
@@ -25,23 +25,11 @@ LOGICS = ("installed", "fixed", "unpatched")
 R = Outcome.REPRODUCED
 N = Outcome.NOT_REPRODUCED
 
-# (major, minor) -> recipe -> logic -> outcome, the same under both scheduling modes.
-EXPECTED = {
-    # 0.26.0: no allocated-chunk cap, and an aborted request's final store counts all its
-    # tokens: both paths crash; the PR #49146 cap (fixed) prevents it.
-    (0, 26): {name: {"installed": R, "fixed": N, "unpatched": R} for name in RECIPES},
-    # 0.33.0: both fixes are in; with the cap removed (unpatched) an aborted request still
-    # counts only its computed tokens (PR #49285): 0 after preemption, the hit after a load.
-    (0, 33): {name: {"installed": N, "fixed": N, "unpatched": N} for name in RECIPES},
-}
-EXPECTED[(0, 34)] = EXPECTED[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
-EXPECTED[(0, 30)] = EXPECTED[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
-
-
-@pytest.fixture(scope="module")
-def expected(api, release):
-    """`api` and `release` (the (major, minor) of the vLLM under test) come from conftest."""
-    return expected_for(api, release, EXPECTED)
+# What the data file holds (measured 2026-12-02..04): on 0.26.0, no allocated-chunk cap, and an aborted
+# request's final store counts all its tokens: both paths crash; the PR #49146 cap (fixed) prevents it.
+# From 0.27.0 neither reproduces; on 0.30.0, 0.33.0 and 0.34.0 (measured by this module) both fixes are
+# in, and with the cap removed (unpatched) an aborted request still counts only its computed tokens
+# (PR #49285): 0 after preemption, the hit after a load.
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +80,9 @@ def test_recipe_is_a_builtin_k1_recipe(name):
 @pytest.mark.parametrize("logic", LOGICS)
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_outcome(reports, expected, name, mode, logic):
+def test_outcome(reports, api, name, mode, logic):
     run = result(reports, name, mode, logic)
-    want = expected[name][logic]
+    want = measured(api, name, logic, mode)
     assert run.outcome is want, (
         f"{name} async={mode} {logic}: {run.outcome.value} ({run.detail}; "
         f"{run.failure and run.failure.message}), expected {want.value}")
@@ -125,21 +113,20 @@ def test_surviving_runs_release_the_aborted_request(reports, name, mode):
         assert final_b.status == "FINISHED_ABORTED" and not final_b.connector_state
 
 
-# The guard kvdoctor names for B, per release (measured): on 0.26 only the PR #49146 cap (what
-# "fixed" adds) keeps the store in bounds; on 0.33 a preempted B has 0 computed tokens and every
-# variant is held by PR #49285's basis rule.
-GUARDS = {
-    (0, 26): {name: {"fixed": "PR #49146"} for name in RECIPES},
-    (0, 33): {"preemption": {logic: "PR #49285" for logic in LOGICS}},
-}
-GUARDS[(0, 34)] = GUARDS[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
-GUARDS[(0, 30)] = GUARDS[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
+# The guard kvdoctor names for B. Where K1 is (the recipe reproduces, as measured: 0.26.0) only the
+# PR #49146 cap (what "fixed" adds) keeps the store in bounds; where it is fixed a preempted B has 0
+# computed tokens and every variant is held by PR #49285's basis rule (measured on 0.30.0, 0.33.0,
+# 0.34.0; prefetch's B has its hit computed, so no guard is named for it there).
+def wanted_guards(api, name) -> dict[str, str]:
+    if bug_present(api, name):
+        return {"fixed": "PR #49146"}
+    return {logic: "PR #49285" for logic in LOGICS} if name == "preemption" else {}
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_the_guard_that_held_is_named(reports, api, release, name, mode):
-    wanted = expected_for(api, release, GUARDS).get(name)
+def test_the_guard_that_held_is_named(reports, api, name, mode):
+    wanted = wanted_guards(api, name)
     if not wanted:
         pytest.skip(f"no guard measured for {name} on this release")
     for logic, ref in wanted.items():

@@ -2,8 +2,9 @@
 
 One vLLM import for the module: every recipe runs once per scheduling mode it
 supports, under all three logic variants, timelines recorded. The expected
-outcomes per release are measurements (the same runs as the rows of
-kvdoctor/data/release_outcomes.toml); a release not measured here is skipped.
+outcomes per release are kvdoctor's measurements in
+kvdoctor/data/release_outcomes.toml (sync and --async-scheduling, installed and
+fixed logic); a release or dimension not measured there skips.
 The new invariants are also checked on synthetic steps, so a check that cannot
 fire is caught without vLLM.
 """
@@ -19,7 +20,6 @@ from kvdoctor.observe.invariants import StepContext, check_all
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .conftest import expected_for
 from .recipe_runs import LOGICS, assert_outcome, load_described_builtins, index_of, reproduced_runs, result, snap
 
 K5 = "eagle-final-chunk-unstored"
@@ -29,38 +29,10 @@ K11 = "readmitted-stale-store-cursor"
 RECIPES = (K5, K6, K9, K11)
 MODES = (False, True)
 
-R = Outcome.REPRODUCED
 N = Outcome.NOT_REPRODUCED
-# The async mode is the user's --async-scheduling: a recipe whose trigger needs synchronous scheduling is
-# untested there, naming the flag (issue 23), never not_applicable (exit 0).
-UT = Outcome.UNTESTED
-
-
-def same(outcome):
-    return {logic: outcome for logic in LOGICS}
-
-
-def both(outcome):
-    return {False: same(outcome), True: same(outcome)}
-
-
-# (major, minor) -> recipe -> async_scheduling -> logic -> outcome. Measured 2026-12-03.
-# None of these bugs is held by the PR #49146 allocated-chunk cap: the three logics agree
-# (K6: the blocks are allocated, the keys are missing; K5, K9 and K11 are not storable_chunks-bound).
-FIXED = {K5: both(N), K6: both(N), K9: both(N), K11: {False: same(N), True: same(UT)}}
-EXPECTED = {
-    (0, 26): {K5: both(R), K6: both(R), K9: both(R), K11: {False: same(R), True: same(UT)}},
-    # PR #52771 (K5), PR #52923 (K6), allocations recorded before the zero-token return (K9),
-    # the cursor rewind on restart (K11)
-    (0, 34): FIXED,
-}
-# measured on vLLM 0.30.0 (2026-12-03, by running this module there): K5 and K6 fixed, K9 and K11 not yet
-EXPECTED[(0, 30)] = {K5: both(N), K6: both(N), K9: both(R), K11: {False: same(R), True: same(UT)}}
-
-
-@pytest.fixture(scope="module")
-def expected(api, release):
-    return expected_for(api, release, EXPECTED)
+# Measured 2026-12-03 (0.26.0, 0.30.0, 0.34.0): none of these bugs is held by the PR #49146 allocated-chunk
+# cap, the three logics agree (K6: the blocks are allocated, the keys are missing; K5, K9 and K11 are not
+# storable_chunks-bound). Under --async-scheduling K11 is untested, naming the flag (issue 23).
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +65,16 @@ def test_recipes_are_builtins():
 @pytest.mark.parametrize("logic", LOGICS)
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_outcome(reports, expected, name, mode, logic):
-    assert_outcome(reports, expected, name, mode, logic)
+def test_outcome(api, reports, name, mode, logic):
+    assert_outcome(api, reports, name, mode, logic)
+
+
+def test_k11_async_is_untested_naming_the_flag(reports):
+    """K11's trigger needs synchronous scheduling: under the user's --async-scheduling the run is untested and
+    says why, on every release (never not_applicable, exit 0)."""
+    for logic in LOGICS:
+        run = result(reports, K11, True, logic)
+        assert run.outcome is Outcome.UNTESTED and "async-scheduling" in (run.detail or ""), (logic, run.detail)
 
 
 # -- K5: an EAGLE group's final chunk is never stored --------------------------
@@ -105,7 +85,7 @@ def test_k5_runs_on_an_eagle_group(reports):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k5_violation_names_the_unstored_chunk(reports, expected, mode):
+def test_k5_violation_names_the_unstored_chunk(reports, mode):
     for run in reproduced_runs(reports, K5, mode):
         assert run.failure is None
         assert [v.invariant for v in run.violations] == ["final-store-covers-computed-chunks"]
@@ -116,7 +96,7 @@ def test_k5_violation_names_the_unstored_chunk(reports, expected, mode):
         assert a.status == "FINISHED_LENGTH_CAPPED" and a.store_jobs_built == 1
 
 
-def test_k5_fixed_release_stores_the_final_chunk(reports, expected, release):
+def test_k5_fixed_release_stores_the_final_chunk(reports, release):
     run = result(reports, K5, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K5 reproduces on {release}")
@@ -127,7 +107,7 @@ def test_k5_fixed_release_stores_the_final_chunk(reports, expected, release):
 # -- K6: offload keys lag allocated blocks --------------------------------------
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k6_fires_while_the_hash_is_withheld(reports, expected, mode):
+def test_k6_fires_while_the_hash_is_withheld(reports, mode):
     for run in reproduced_runs(reports, K6, mode):
         assert run.failure.function == "_build_store_jobs" and run.failure.involved_request == "A"
         assert "len(offload_keys) == len(offload_block_ids)" in run.failure.code
@@ -139,14 +119,14 @@ def test_k6_fires_while_the_hash_is_withheld(reports, expected, mode):
         assert group.offload_keys == 1 and group.allocated_chunks >= 2 and group.next_stored_chunk == 1
 
 
-def test_k6_fixed_logic_does_not_hold_it(reports, expected):
+def test_k6_fixed_logic_does_not_hold_it(reports):
     """The PR #49146 cap bounds chunks by allocated blocks; here the blocks exist and the keys do not."""
     for mode in MODES:
         installed, fixed = (result(reports, K6, mode, logic) for logic in ("installed", "fixed"))
         assert fixed.outcome is installed.outcome
 
 
-def test_k6_fixed_release_stores_the_chunk_once_its_key_arrives(reports, expected, release):
+def test_k6_fixed_release_stores_the_chunk_once_its_key_arrives(reports, release):
     run = result(reports, K6, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K6 reproduces on {release}")
@@ -169,7 +149,7 @@ def test_k9_runs_under_a_multiconnector(reports, mode):
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["sync", "async"])
-def test_k9_violation_names_the_unfenced_store(reports, expected, mode):
+def test_k9_violation_names_the_unfenced_store(reports, mode):
     for run in reproduced_runs(reports, K9, mode):
         assert [v.invariant for v in run.violations] == ["reused-blocks-are-flushed"]
         assert "store job #0 (request A) still reads block(s) [1]" in run.violations[0].message
@@ -177,7 +157,7 @@ def test_k9_violation_names_the_unfenced_store(reports, expected, mode):
         assert snap(run.timeline[-1], "A").in_flight_jobs == ["store#0"]  # still reading block 1
 
 
-def test_k9_fixed_release_flushes_in_the_load_step(reports, expected, release):
+def test_k9_fixed_release_flushes_in_the_load_step(reports, release):
     run = result(reports, K9, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K9 reproduces on {release}")
@@ -187,7 +167,7 @@ def test_k9_fixed_release_flushes_in_the_load_step(reports, expected, release):
 
 # -- K11: stale store cursor after re-admission ----------------------------------
 
-def test_k11_violation_names_the_skipped_chunk(reports, expected):
+def test_k11_violation_names_the_skipped_chunk(reports):
     for run in reproduced_runs(reports, K11, False):
         assert [v.invariant for v in run.violations] == ["readmitted-chunks-offered-again"]
         message = run.violations[0].message
@@ -200,7 +180,7 @@ def test_k11_violation_names_the_skipped_chunk(reports, expected):
         assert snap(last, "B").status == "RUNNING"
 
 
-def test_k11_fixed_release_offers_the_chunks_again(reports, expected, release):
+def test_k11_fixed_release_offers_the_chunks_again(reports, release):
     run = result(reports, K11, False, "installed")
     if run.outcome is not N:
         pytest.skip(f"K11 reproduces on {release}")

@@ -1,8 +1,8 @@
 """The sliding-window recipes (K3, K12) on vLLM's real scheduler, under every logic variant.
 
 One vLLM import and one run per recipe for the module (sync scheduling: the recipe's steps are
-counted for it). Outcomes per release are measurements (kvdoctor repro on each release's
-environment, 2026-12-03); a release not measured here skips.
+counted for it). Outcomes and crash-site coverage per release are kvdoctor's measurements in
+kvdoctor/data/release_outcomes.toml; a release or dimension not measured there skips.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvdoctor.matrix.data import coverage_class
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .conftest import expected_for
+from .recipe_runs import measured, measured_row
 
 pytestmark = pytest.mark.vllm
 
@@ -24,37 +24,14 @@ LOGICS = ("installed", "fixed", "unpatched")
 R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 
 
-def same(outcome):
-    return {logic: outcome for logic in LOGICS}
-
-
-# (major, minor) -> recipe -> logic -> outcome. `fixed` (the PR #49146 store cap) does not touch
-# the load path, so it reproduces K3 wherever `installed` does.
-EXPECTED = {
-    (0, 26): {K3: same(R)},   # the bound is sliding_window_size_in_chunks * blocks_per_chunk
-    (0, 27): {K3: same(N)},   # PR #49052 in (bound + 1): B loads its 160-token hit and runs
-}
-# Measured 2026-12-03 on 0.27.0/0.27.1, 0.28.0 ... 0.33.0: not_reproduced, as 0.27. On 0.34.0 also
-# not_reproduced: B's hit differs there (see the recipe's summary), but the run still reaches K3's
-# case at the crash site (3 pending sliding-window blocks against a bound of 2) and the fixed bound
-# holds (COVERAGE below).
-for minor in range(28, 35):
-    EXPECTED[(0, minor)] = dict(EXPECTED[(0, 27)])
-# K12, measured 2026-12-04 (kvdoctor matrix swa-unaligned-hit-missing-chunk over every release, and
-# --logic all on 0.26.0, 0.30.0 and 0.34.0): reproduced on 0.26.0 ... 0.29.0, 'Block ... not found in
-# cache' in prepare_load; not_reproduced from 0.30.0, where the sliding-window lookup requires the
-# chunk a partial rightmost window straddles (PR #55712, initial_window_size). The store cap of
-# `fixed` does not touch the lookup.
-# Crash-site coverage (measured 2026-12-04, kvdoctor matrix --audit): on 0.30.0 prepare_load's "not found"
-# assertion is still there but the run never executes it (not_reached, not evidence of a fix); from
-# 0.31.0 the assertion is gone from the source (not_reproduced, said as "site gone").
-for minor in range(26, 35):
-    EXPECTED[(0, minor)][K12] = same(R if minor < 30 else Outcome.NOT_REACHED if minor == 30 else N)
-
-
-@pytest.fixture(scope="module")
-def expected(api, release):
-    return expected_for(api, release, EXPECTED)
+# What the data file holds for these recipes (measured 2026-12-03/04 on every release). K3: reproduced on
+# 0.26.0, where the bound is sliding_window_size_in_chunks * blocks_per_chunk; from 0.27.0 PR #49052 (bound
+# + 1) holds: B loads its 160-token hit and runs. On 0.34.0 B's hit differs (see the recipe's summary), but
+# the run still reaches K3's case at the crash site and the fixed bound holds. K12: reproduced on 0.26.0 ...
+# 0.29.0, 'Block ... not found in cache' in prepare_load; on 0.30.0 (PR #55712, initial_window_size) the
+# assertion is still there but the run never executes it (not_reached, not evidence of a fix); from 0.31.0
+# the assertion is gone from the source (not_reproduced, said as "site gone"). `fixed` (the PR #49146
+# store cap) touches neither the load path nor the lookup: it ends as `installed` does.
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +64,12 @@ def test_k12_recipe_states_its_trigger():
 
 
 
-# What the installed logic's K3 run did at its crash site (the pending-block bound with one block more
-# than sliding_window_size_in_chunks * blocks_per_chunk), measured 2026-12-04.
-COVERAGE = {(0, 26): "fired", (0, 27): "held", (0, 34): "held"}
-
-
-def test_k3_crash_site_coverage(reports, api, release):
-    want = expected_for(api, release, COVERAGE)
+def test_k3_crash_site_coverage(reports, api):
+    """What the installed logic's K3 run did at its crash site (the pending-block bound with one block more
+    than sliding_window_size_in_chunks * blocks_per_chunk), as measured on this release."""
+    want = measured_row(api, K3).coverage_class
+    if want is None:
+        pytest.skip(f"no crash-site coverage of {K3} measured on vLLM {api.version_text}")
     coverage = result(reports, K3, "installed").coverage
     assert coverage is not None and coverage_class(coverage.line()) == want, coverage and coverage.line()
     if want == "held":
@@ -115,9 +91,9 @@ FAILURE_CHECKS = {K3: _k3_failure, K12: _k12_failure}
 
 @pytest.mark.parametrize("logic", LOGICS)
 @pytest.mark.parametrize("name", (K3, K12))
-def test_outcome(reports, expected, name, logic):
+def test_outcome(reports, api, name, logic):
     run = result(reports, name, logic)
-    want = expected[name][logic]
+    want = measured(api, name, logic)
     assert run.outcome is want, f"{name} {logic}: {run.outcome.value} ({run.detail}), expected {want.value}"
     if want is R:
         FAILURE_CHECKS[name](run.failure)

@@ -19,18 +19,21 @@ from kvdoctor.matrix import data
 from kvdoctor.matrix.data import coverage_class
 from kvdoctor.matrix.runner import failure_site
 from kvdoctor.recipes.builtins import builtin_names
-from tests.conftest import run_cli
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def audit_doc() -> dict:
-    proc = run_cli("audit", "--json", timeout=1800)
-    if proc.returncode == 3:
-        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()}")
-    assert proc.returncode in (0, 1, 4), proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+def audit_doc(api) -> dict:
+    """`kvdoctor audit --json`'s document, from the session's one in-process audit (the same application
+    call and JSON builder the command uses; tests/recipe_runs.cli_audit)."""
+    from kvdoctor.report.json_doc import audit_document, dumps
+
+    from .recipe_runs import cli_audit
+
+    report = cli_audit()
+    assert int(report.exit_status) in (0, 1, 4)
+    return json.loads(dumps(audit_document(report)))
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,18 @@ def test_recipe_coverage_matches_the_measurement(recipe, measured, observed_cove
     assert coverage_class(observed_coverage[recipe]) == row.coverage_class, (
         f"{recipe} on vLLM {row.release}: measured '{row.coverage}' on {row.measured_on}, now "
         f"'{observed_coverage[recipe]}'")
+
+
+@pytest.mark.parametrize("recipe", builtin_names())
+def test_fixed_logic_outcome_matches_the_measurement(recipe, measured, audit_doc):
+    """The audit runs kvdoctor's fixed logic beside the installed one: its outcome is measured too."""
+    row = measured.get(recipe)
+    if row is None or row.fixed_logic_outcome is None:
+        pytest.skip(f"{recipe}: no fixed-logic outcome measured on this release")
+    observed = next(r["fixed_logic_outcome"] for r in audit_doc["rows"] if r["recipe"] == recipe)
+    assert observed == row.fixed_logic_outcome, (
+        f"{recipe} on vLLM {row.release}: fixed logic measured {row.fixed_logic_outcome} on {row.measured_on}, "
+        f"now {observed}")
 
 
 def test_no_measurement_of_a_recipe_that_is_gone(measured, observed):

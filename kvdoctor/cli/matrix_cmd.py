@@ -43,7 +43,8 @@ def matrix(
     report: opt.ReportFile = None,
     write_data: Annotated[Optional[Path], typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
-                             "FILE (rows of the releases measured are replaced; for kvdoctor's maintainers).",
+                             "FILE (rows of the releases measured are replaced; each release is audited "
+                             "twice, as is and under --async-scheduling; for kvdoctor's maintainers).",
         rich_help_panel=opt.OUTPUT)] = None,
 ) -> None:
     """Run recipes on several vLLM releases, each in its own uv-built environment, and tabulate
@@ -64,7 +65,8 @@ def matrix(
 
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
-                                       command=command_line(), progress=display.callbacks())
+                                       command=command_line(), progress=display.callbacks(),
+                                       audit_async=write_data is not None)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown

@@ -339,9 +339,10 @@ class Harness:
             self.scheduler.shutdown()
         except Exception:  # noqa: BLE001 - a crashed scheduler may not shut down cleanly
             pass
-        import gc
+        if self.setup.worker != "simulated":  # the simulated worker holds no KV bytes: nothing to free early
+            import gc
 
-        gc.collect()  # the worker's KV tensors sit in reference cycles with vLLM's connector objects
+            gc.collect()  # the worker's KV tensors sit in reference cycles with vLLM's connector objects
 
     # -- one engine step ------------------------------------------------
     def step(self) -> StepEvents:

@@ -82,7 +82,10 @@ def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
 
 
 def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: bool,
-           env_dir: Path | None = None, command: str = "", progress: Progress | None = None) -> MatrixReport:
+           env_dir: Path | None = None, command: str = "", progress: Progress | None = None,
+           audit_async: bool = False) -> MatrixReport:
+    """`audit_async` (with `audit`): audit each release a second time under --async-scheduling and
+    record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time)."""
     progress = progress or Progress()
     recipes = resolve_recipes(recipe_refs, audit)
     releases = parse_spec(vllm_spec)
@@ -125,6 +128,9 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
                         failed = report.cells.pop((release, AUDIT), None) or Cell(release, name, "internal_error")
                         for recipe_name in report.recipes:
                             report.cells[(release, recipe_name)] = Cell(**{**failed.as_dict(), "recipe": recipe_name})
+                    elif audit_async:
+                        progress.running(release, "audit --async-scheduling")
+                        _add_async(report, release, runner.audit(env, async_scheduling=True))
                 else:
                     progress.running(release, name)
                     cell = runner.recipe(env, ref)
@@ -146,6 +152,18 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
     return report
 
 
+def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> None:
+    """The async audit's outcomes beside the sync ones; a broken async audit leaves them unmeasured."""
+    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
+
+    for async_cell in async_cells:
+        cell = report.cells.get((release, async_cell.recipe))
+        if cell is None or async_cell.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE):
+            continue
+        cell.async_outcome = async_cell.outcome
+        cell.async_fixed_logic_outcome = async_cell.fixed_logic_outcome
+
+
 def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
     """Releases whose run broke (environment or kvdoctor failure): no measurement to keep."""
     from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
@@ -161,5 +179,7 @@ def data_rows(report: MatrixReport) -> list:
     broken = unmeasured_releases(report)
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
                        failure_site=c.failure_site if c.outcome == "reproduced" else None, coverage=c.coverage,
-                       measured_on=report.measured_on, kvdoctor_version=report.kvdoctor_version)
+                       fixed_logic_outcome=c.fixed_logic_outcome, async_outcome=c.async_outcome,
+                       async_fixed_logic_outcome=c.async_fixed_logic_outcome, measured_on=report.measured_on,
+                       kvdoctor_version=report.kvdoctor_version)
             for c in report.cells.values() if c.release not in broken]

@@ -2,7 +2,8 @@
 
 Written only from real runs (`kvdoctor matrix --audit --write-data FILE`), reviewed like
 code, and checked by tests/test_release_outcomes.py against `kvdoctor audit --json` on the
-release installed; `kvdoctor.matrix.known` reads it for the hints in `repro` and `audit`.
+release installed; `kvdoctor.matrix.known` reads it for the hints in `repro` and `audit`, and
+the test suite reads every per-release expectation from it (tests/recipe_runs.measured).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ HEADER = """\
 # runs; never edit by hand: re-measure. tests/test_release_outcomes.py fails when a release's
 # `kvdoctor audit --json` disagrees with its rows (outcome, the failure site when reproduced, and
 # whether the run reached the recipe's crash site: `coverage`). A release counts as fixed only where
-# the site was reached and held, or is gone from that release's source.
+# the site was reached and held, or is gone from that release's source. Optional keys, from the same
+# measurement (absent = not measured): `fixed_logic_outcome` (kvdoctor's fixed logic, run beside the
+# installed one), `async_outcome` and `async_fixed_logic_outcome` (`kvdoctor audit --async-scheduling`).
 """
 
 
@@ -39,6 +42,21 @@ class OutcomeRow:
     # The crash site's coverage line: "reached 2x: held (...)", "not reached: ...", "site gone: ...";
     # None for rows measured before kvdoctor counted it (they earn no "fixed").
     coverage: str | None = None
+    # Further dimensions of the same measurement, each None where not measured (older rows, or a run
+    # that broke): the outcome under kvdoctor's fixed logic (the PR #49146 cap; the audit runs it
+    # beside the installed one), and both outcomes again under the user's --async-scheduling (a
+    # second audit of the release, `kvdoctor audit --async-scheduling`).
+    fixed_logic_outcome: str | None = None
+    async_outcome: str | None = None
+    async_fixed_logic_outcome: str | None = None
+
+    def outcome_for(self, logic: str = "installed", async_scheduling: bool = False) -> str | None:
+        """The measured outcome under `logic` ("installed" | "fixed") and scheduling mode; None: not
+        measured (a reader skips, never guesses)."""
+        key = {("installed", False): "outcome", ("fixed", False): "fixed_logic_outcome",
+               ("installed", True): "async_outcome", ("fixed", True): "async_fixed_logic_outcome"}.get(
+            (logic, bool(async_scheduling)))
+        return getattr(self, key) if key else None
 
     @property
     def coverage_class(self) -> str | None:
@@ -52,6 +70,10 @@ class OutcomeRow:
         if self.outcome == "not_applicable":
             return True
         return self.outcome == "not_reproduced" and self.coverage_class in ("held", "gone")
+
+
+# Optional keys of a row (absent = not measured); a reader of schema 1 ignores them.
+OPTIONAL_OUTCOMES = ("fixed_logic_outcome", "async_outcome", "async_fixed_logic_outcome")
 
 
 def coverage_class(line: str | None) -> str | None:
@@ -74,7 +96,8 @@ def load(path: Path = DATA_FILE) -> list[OutcomeRow]:
         data = tomllib.loads(path.read_text())
         return [OutcomeRow(release=r["release"], recipe=r["recipe"], bug=r.get("bug", "-"), outcome=r["outcome"],
                            failure_site=r.get("failure_site"), measured_on=r["measured_on"],
-                           kvdoctor_version=r["kvdoctor_version"], coverage=r.get("coverage"))
+                           kvdoctor_version=r["kvdoctor_version"], coverage=r.get("coverage"),
+                           **{key: r.get(key) for key in OPTIONAL_OUTCOMES})
                 for r in data.get("outcome", [])]
     except (tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
         raise UsageError(f"{path}: not a release-outcomes file ({type(exc).__name__}: {exc})") from None
@@ -91,8 +114,8 @@ def render(rows: Iterable[OutcomeRow]) -> str:
     lines = [HEADER, f"schema_version = {DATA_SCHEMA_VERSION}", ""]
     for row in sorted(rows, key=_order):
         lines.append("[[outcome]]")
-        for key in ("release", "recipe", "bug", "outcome", "failure_site", "coverage", "measured_on",
-                    "kvdoctor_version"):
+        for key in ("release", "recipe", "bug", "outcome", "failure_site", "coverage", *OPTIONAL_OUTCOMES,
+                    "measured_on", "kvdoctor_version"):
             value = getattr(row, key)
             if value is not None:
                 lines.append(f"{key} = {toml_string(value)}")

@@ -40,6 +40,9 @@ class Cell:
     vllm_version: str | None = None
     seconds: float = 0.0
     coverage: str | None = None  # the crash site's coverage line ("reached 2x: held", "site gone: ...")
+    # The same recipe under --async-scheduling (a second audit, for --write-data); None: not measured.
+    async_outcome: str | None = None
+    async_fixed_logic_outcome: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -88,10 +91,11 @@ class Runner:
                     detail=result.get("detail"), vllm_version=doc.get("vllm_version"),
                     seconds=round(time.monotonic() - started, 1), coverage=coverage_line(result.get("coverage")))
 
-    def audit(self, env: ReleaseEnv) -> list[Cell]:
-        """`kvdoctor audit --json` on the release: one cell per built-in recipe."""
+    def audit(self, env: ReleaseEnv, async_scheduling: bool = False) -> list[Cell]:
+        """`kvdoctor audit --json` on the release (with `--async-scheduling` when asked): one cell per
+        built-in recipe."""
         started = time.monotonic()
-        code, doc, err = self._kvdoctor(env, ["audit", "--json"])
+        code, doc, err = self._kvdoctor(env, ["audit", "--json", *(["--async-scheduling"] if async_scheduling else [])])
         if doc is None or "rows" not in doc:
             return [self._failed(env, "(audit)", code, doc, err, started)]
         seconds = round((time.monotonic() - started) / max(1, len(doc["rows"])), 1)
