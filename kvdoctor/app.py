@@ -175,12 +175,17 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
 
 
 def export(recipe_ref: str, overrides: dict[str, Any], path: Any, default_worker: str | None = None) -> None:
-    """Write the recipe as a standalone script (no vLLM import here)."""
-    from kvdoctor.export.script import export_script
+    """Write the recipe as a standalone script (no vLLM import here): the scheduler level's, or with
+    `--engine serve` one that starts `vllm serve` with its two stand-ins and plays the recipe's clients."""
+    from kvdoctor.export.script import export_script, export_serve_script
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(recipe_ref)
-    text = export_script(recipe, resolve_setup(recipe, overrides, default_worker=default_worker))
+    setup = resolve_setup(recipe, overrides, default_worker=default_worker)
+    if setup.engine == "core":
+        raise UsageError("--export-script writes a scheduler-level script, or with --engine serve a `vllm serve` "
+                         "one; --engine core has no exported form")
+    text = (export_serve_script if setup.engine == "serve" else export_script)(recipe, setup)
     try:
         path.write_text(text)
     except OSError as exc:
