@@ -7,6 +7,14 @@
     PYTHONPATH=. python benchmarks/bench_engine.py inproc [--repeat N]
         the same three runs in one process after one vLLM import (the import, ~half of the command's
         time and the noisiest part on a loaded machine, left out), alternated; medians and ratio.
+    PYTHONPATH=. python benchmarks/bench_engine.py serve [--repeat N]
+        `kvdoctor repro queued-abort --engine serve --json` (the whole command: server start-up, the
+        paced traffic, the verdict from the server's log, the stop); prints each wall time and the
+        verdict (target: a verdict within 90 s on the 2-core machine).
+    PYTHONPATH=. python benchmarks/bench_engine.py export
+        `--export-script FILE --engine serve` for queued-abort, then the script run with this Python
+        (no kvdoctor on its path); prints its exit code, wall time and the exit kvdoctor's measured
+        outcome for this release implies (reproduced: 1, not_reproduced: 0).
     PYTHONPATH=. python benchmarks/bench_engine.py compare [RECIPE ...]
         every built-in recipe (or those named) at both levels in one process, installed logic,
         the CLI's default worker; prints one Markdown row per recipe (docs/engine-levels.md).
@@ -72,6 +80,53 @@ def inproc(repeat: int) -> int:
     return 0
 
 
+def serve(repeat: int) -> int:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--engine", "serve",
+                               "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        try:
+            import json
+
+            result = json.loads(proc.stdout)["results"][0]
+            verdict = f"{result['outcome']} ({(result.get('failure') or {}).get('function') or result['detail'][:80]})"
+        except (ValueError, KeyError, IndexError):
+            verdict = f"no JSON: {proc.stderr.strip()[-200:]}"
+        print(f"serve {elapsed:6.1f} s  exit {proc.returncode}  {verdict}", flush=True)
+    print(f"median {statistics.median(times):.1f} s, best {min(times):.1f} s (target: a verdict within 90 s)")
+    return 0
+
+
+def export() -> int:
+    import tempfile
+
+    from kvdoctor.engine.compat import installed_vllm_version
+    from kvdoctor.matrix import data
+
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with tempfile.TemporaryDirectory(prefix="kvdoctor-bench-export-") as folder:
+        script = os.path.join(folder, "queued_abort_serve.py")
+        subprocess.run([sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--engine", "serve",
+                        "--export-script", script], cwd=ROOT, env=env, check=True, capture_output=True)
+        plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script runs without kvdoctor
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, script], cwd=folder, env=plain, capture_output=True, text=True,
+                              timeout=900)
+        elapsed = time.perf_counter() - start
+    release = installed_vllm_version()
+    rows = [r for r in data.load() if r.release == release and r.recipe == "queued-abort"]
+    expected = {"reproduced": 1, "not_reproduced": 0}.get(rows[0].outcome) if rows else None
+    print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:])
+    print(f"vLLM {release}: exported serve script exit {proc.returncode} in {elapsed:.1f} s; kvdoctor's "
+          f"measurement implies {expected if expected is not None else '(no row)'}"
+          f"{'' if expected is None else ' (agrees)' if expected == proc.returncode else ' (DISAGREES)'}")
+    return 0
+
+
 def compare(names: list[str]) -> int:
     from kvdoctor.app import load_vllm, resolve_setup
     from kvdoctor.cli.options import worker_overrides
@@ -111,11 +166,18 @@ def main() -> int:
     r.add_argument("--repeat", type=int, default=2)
     i = sub.add_parser("inproc")
     i.add_argument("--repeat", type=int, default=3)
+    sv = sub.add_parser("serve")
+    sv.add_argument("--repeat", type=int, default=1)
+    sub.add_parser("export")
     c = sub.add_parser("compare")
     c.add_argument("recipes", nargs="*")
     args = parser.parse_args()
     if args.mode == "ratio":
         return ratio(args.repeat)
+    if args.mode == "serve":
+        return serve(args.repeat)
+    if args.mode == "export":
+        return export()
     return inproc(args.repeat) if args.mode == "inproc" else compare(args.recipes)
 
 

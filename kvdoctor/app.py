@@ -93,14 +93,11 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
     return resolve_device(setup, recipe, fallback=worker_fallback)  # audit: --device cuda falls back too
 
 
-# Steps that stop or fail a transfer at a chosen moment: only kvdoctor's copy engine (CPU tensors) can;
-# vLLM's own CUDA worker completes each transfer when the GPU does.
-COPY_ENGINE_STEPS = ("hold_transfers", "fail_transfers")
-
-
 def resolve_device(setup: Setup, recipe: Recipe, fallback: bool = False) -> Setup:
     """Where vLLM's worker keeps the KV tensors: the GPU when torch sees one, unless told, or unless the
-    recipe controls transfers (`COPY_ENGINE_STEPS`): then the CPU, and `Setup.device_fallback` says why.
+    recipe controls transfers (its steps need `Need.TRANSFER_CONTROL`: only kvdoctor's copy engine on CPU
+    tensors can hold or fail a transfer at a chosen step; vLLM's own CUDA worker completes each transfer
+    when the GPU does): then the CPU, and `Setup.device_fallback` says why.
     An explicit --device cuda on such a recipe is a usage error, except where `fallback` (audit)."""
     if setup.worker != "vllm":
         return setup
@@ -111,7 +108,10 @@ def resolve_device(setup: Setup, recipe: Recipe, fallback: bool = False) -> Setu
     has_cuda = bool(torch.cuda.is_available())
     if setup.device == "cuda" and not has_cuda:
         raise UsageError("--device cuda: torch sees no CUDA GPU on this machine (use --device cpu)")
-    controls = sorted({step.action for step in recipe.steps if step.action in COPY_ENGINE_STEPS})
+    from kvdoctor.steps import Need, kinds_needing
+
+    copy_engine_steps = kinds_needing(Need.TRANSFER_CONTROL)
+    controls = sorted({step.action for step in recipe.steps if step.action in copy_engine_steps})
     if controls and setup.device != "cpu" and (has_cuda or setup.device == "cuda"):
         why = (f"{' and '.join(controls)} need kvdoctor's copy engine on CPU tensors; vLLM's own CUDA worker "
                f"completes transfers when the GPU does")
@@ -175,12 +175,17 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
 
 
 def export(recipe_ref: str, overrides: dict[str, Any], path: Any, default_worker: str | None = None) -> None:
-    """Write the recipe as a standalone script (no vLLM import here)."""
-    from kvdoctor.export.script import export_script
+    """Write the recipe as a standalone script (no vLLM import here): the scheduler level's, or with
+    `--engine serve` one that starts `vllm serve` with its two stand-ins and plays the recipe's clients."""
+    from kvdoctor.export.script import export_script, export_serve_script
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(recipe_ref)
-    text = export_script(recipe, resolve_setup(recipe, overrides, default_worker=default_worker))
+    setup = resolve_setup(recipe, overrides, default_worker=default_worker)
+    if setup.engine == "core":
+        raise UsageError("--export-script writes a scheduler-level script, or with --engine serve a `vllm serve` "
+                         "one; --engine core has no exported form")
+    text = (export_serve_script if setup.engine == "serve" else export_script)(recipe, setup)
     try:
         path.write_text(text)
     except OSError as exc:
@@ -206,6 +211,11 @@ def environment() -> dict[str, Any]:
     }
 
 
+def engine_phrase(engine: str) -> str:
+    """' through vLLM's EngineCore' / ' through `vllm serve`'; '' at the default (scheduler) level."""
+    return {"core": " through vLLM's EngineCore", "serve": " through `vllm serve`"}.get(engine, "")
+
+
 @dataclass
 class AuditRow:
     bug: str
@@ -214,14 +224,17 @@ class AuditRow:
     installed: Any  # RunResult
     fixed: Any  # RunResult
     release_hint: Any = None  # KnownFix | None: measured on other releases, never the verdict
+    server_log: str = ""  # --engine serve: the server's own log
 
     @property
     def hint(self) -> str:
         outcome = self.installed.outcome.value
         if outcome == "reproduced":
+            fixes = [ref.split()[0] for ref in self.recipe.refs if "(fix" in ref]
+            if self.fixed.outcome.value == "not_applicable":  # serve: the fixed logic is not played
+                return ("fixed upstream by " + ", ".join(fixes)) if fixes else "no upstream fix named yet"
             if self.fixed.outcome.value == "not_reproduced":
                 return "the PR #49146 cap (kvdoctor's fixed logic) prevents it"
-            fixes = [ref.split()[0] for ref in self.recipe.refs if "(fix" in ref]
             return ("the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, fixed by "
                     + ", ".join(fixes) if fixes else
                     "the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, "
@@ -242,6 +255,7 @@ class MetricRow:
     refs: tuple[str, ...]
     value: Any  # e.g. PrefixSharingMetric; None when the measurement did not complete
     error: str | None = None  # why it did not complete (the row then counts as other_failure)
+    level: str = "scheduler"  # the audit's engine level; K10 is always measured by kvdoctor's harness
 
     @property
     def outcome(self) -> str:
@@ -252,9 +266,10 @@ class MetricRow:
         if self.error:
             return f"not measured: {self.error}"
         m = self.value
+        where = "" if self.level == "scheduler" else " (measured by kvdoctor's scheduler harness at every level)"
         return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
                 f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "
-                f"prefixes ({m.extra_steps:+d})")
+                f"prefixes ({m.extra_steps:+d}){where}")
 
 
 @dataclass
@@ -263,6 +278,23 @@ class AuditReport:
     rows: list[AuditRow] = field(default_factory=list)
     metrics: list[MetricRow] = field(default_factory=list)
     command: str = ""
+    engine: str = "scheduler"  # the engine level every row ran at (kvdoctor/engine/core/levels.py)
+
+    @property
+    def engine_phrase(self) -> str:
+        """How the reports name the level after 'vLLM X.Y.Z' (the default level stays unnamed)."""
+        return engine_phrase(self.engine)
+
+    @property
+    def level_note(self) -> str:
+        """What the summary adds at an engine level: the recipes that level cannot play (no verdict there)."""
+        if self.engine == "scheduler":
+            return ""
+        unplayed = [row.recipe.name for row in self.rows if row.installed.outcome.value == "not_applicable"]
+        if not unplayed:
+            return ""
+        return f"; {len(unplayed)} of {len(self.rows)} recipes cannot be played{engine_phrase(self.engine)} " \
+               f"(not_applicable)"
 
     @property
     def any_reproduced(self) -> bool:
@@ -300,10 +332,20 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
           default_worker: str | None = None,
           on_progress: Callable[[int, int, str], None] | None = None) -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process.
-    `on_progress(done, total, what runs now)` is called before each piece of work."""
-    from kvdoctor.recipes.builtins import all_builtins
-    from kvdoctor.scenario import run_scenario
+    `on_progress(done, total, what runs now)` is called before each piece of work.
 
+    At `--engine core` each recipe runs through vLLM's EngineCore (`run_core_scenario`), at
+    `--engine serve` through a `vllm serve` child (installed logic only; a recipe with a step the
+    serve client cannot play is not_applicable there, naming it, without starting a server). The K10
+    measurement counts scheduler steps and is taken by kvdoctor's harness at every level."""
+    from kvdoctor.recipes.builtins import all_builtins
+
+    engine = (overrides or {}).get("engine") or "scheduler"
+    if engine == "serve":
+        from kvdoctor.engine.core.serve import check_plugin
+
+        check_plugin()  # before vLLM is imported: one line, exit 2
+    run_scenario = _scenario_runner(engine)
     recipes = all_builtins()
     setups = [_audit_setup(recipe, dict(overrides or {}), default_worker) for recipe in recipes]
     refused = [setup for setup in setups if isinstance(setup, UsageError)]
@@ -315,16 +357,19 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     api = load_vllm()
     if (overrides or {}).get("spec_name"):
         check_spec_name(api, recipes[0], next(s for s in setups if not isinstance(s, UsageError)), overrides or {})
-    report = AuditReport(vllm_version=api.version_text, command=command)
+    report = AuditReport(vllm_version=api.version_text, command=command, engine=engine)
     for done, (recipe, setup) in enumerate(zip(recipes, setups)):
         progress(done, total, f"{recipe.bug or '-'} {recipe.name}")
         if isinstance(setup, UsageError):  # this recipe's needs exceed the user's settings; the rest run
             from kvdoctor.observe.verdict import Outcome
             from kvdoctor.scenario import RunResult
 
-            own = resolve_setup(recipe, {"worker": "simulated"})
+            own = resolve_setup(recipe, {"worker": "simulated", "engine": engine})
             installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup)) for logic in ("installed", "fixed"))
             report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _release_hint(recipe)))
+            continue
+        if engine == "serve":
+            report.rows.append(_serve_row(recipe, setup))
             continue
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
@@ -336,10 +381,34 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     title = "Concurrent loads of one prefix serialise: overlapping requests wait for the first load"
     progress(len(recipes), total, "K10 measuring concurrent prefix loads")
     try:
-        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), measure_prefix_sharing(api)))
+        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), measure_prefix_sharing(api),
+                                        level=engine))
     except MeasurementIncomplete as exc:
-        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), None, error=str(exc)))
+        report.metrics.append(MetricRow("K10", title, ("vllm#44294 (issue)",), None, error=str(exc), level=engine))
     return report
+
+
+def _scenario_runner(engine: str) -> Callable[..., Any]:
+    """The scenario run of an engine level (serve has none in-process: `_serve_row`)."""
+    if engine == "core":
+        from kvdoctor.engine.core.runner import run_core_scenario
+
+        return run_core_scenario
+    from kvdoctor.scenario import run_scenario
+
+    return run_scenario
+
+
+def _serve_row(recipe: Recipe, setup: Setup) -> AuditRow:
+    """One recipe through a `vllm serve` child; the fixed logic cannot be played there."""
+    from kvdoctor.engine.core.serve import UNPATCHED, run_serve, serve_setup
+    from kvdoctor.observe.verdict import Outcome
+    from kvdoctor.scenario import RunResult
+
+    setup = serve_setup(setup)
+    installed, log_text = run_serve(recipe, setup)
+    fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
+    return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, _release_hint(recipe), server_log=log_text)
 
 
 def check_spec_name(api: Any, recipe: Recipe, setup: Setup, overrides: dict[str, Any]) -> None:

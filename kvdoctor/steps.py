@@ -30,6 +30,7 @@ class Need(str, Enum):
 
     ENGINE_INPUT = "engine_input"
     ENGINE_STEP = "engine_step"
+    IN_FLIGHT_OUTPUT = "in_flight_output"
     MODEL_OUTPUT = "model_output"
     TRANSFER_CONTROL = "transfer_control"
     SCHEDULER_CONTROL = "scheduler_control"
@@ -43,8 +44,9 @@ class Need(str, Enum):
 
 _MEANINGS = {
     Need.ENGINE_INPUT: "requests enter and leave through the engine's input path (add a request, abort one)",
-    Need.ENGINE_STEP: "the engine runs its scheduler: schedule() and update_from_output(), or applies the "
-                      "output still in flight (async scheduling)",
+    Need.ENGINE_STEP: "the engine runs one step of its scheduler: schedule() and update_from_output()",
+    Need.IN_FLIGHT_OUTPUT: "apply the output of the batch still in flight (async scheduling) between steps, "
+                           "without scheduling",
     Need.MODEL_OUTPUT: "choose the token the model samples for a request (EOS, to finish it)",
     Need.TRANSFER_CONTROL: "hold, complete or fail the worker's KV transfers at a chosen step",
     Need.SCHEDULER_CONTROL: "an intervention inside the scheduler, with no request-level API (block hashes "
@@ -86,6 +88,11 @@ def step_kind(name: str, *needs: Need, summary: str) -> Callable[[Handler], Hand
         REGISTRY[name] = StepKind(name, tuple(needs), summary, handler)
         return handler
     return register
+
+
+def kinds_needing(need: Need) -> tuple[str, ...]:
+    """The step kinds that declare `need` (e.g. TRANSFER_CONTROL: what only kvdoctor's copy engine can play)."""
+    return tuple(name for name, kind in REGISTRY.items() if need in kind.needs)
 
 
 def play(step: ConcreteStep, target: StepTarget) -> StepEvents | None:
@@ -140,7 +147,7 @@ def _schedule(target: StepTarget, step: ConcreteStep) -> StepEvents:
     return target.harness.step()
 
 
-@step_kind("drain", Need.ENGINE_STEP, summary="apply the output still in flight, without scheduling")
+@step_kind("drain", Need.IN_FLIGHT_OUTPUT, summary="apply the output still in flight, without scheduling")
 def _drain(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.drain()
 

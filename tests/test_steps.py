@@ -59,7 +59,7 @@ class _Recorder:
 
     NEEDS = {
         "add": Need.ENGINE_INPUT, "abort": Need.ENGINE_INPUT,
-        "step": Need.ENGINE_STEP, "drain": Need.ENGINE_STEP,
+        "step": Need.ENGINE_STEP, "drain": Need.IN_FLIGHT_OUTPUT,
         "finish_by_eos": Need.MODEL_OUTPUT,
         "hold": Need.TRANSFER_CONTROL, "complete": Need.TRANSFER_CONTROL, "fail": Need.TRANSFER_CONTROL,
         "delay_block_hashes": Need.SCHEDULER_CONTROL, "release_block_hashes": Need.SCHEDULER_CONTROL,

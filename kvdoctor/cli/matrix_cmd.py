@@ -38,6 +38,7 @@ def matrix(
         help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
+    engine: opt.Engine = None,
     json_out: opt.Json = False,
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
@@ -56,8 +57,12 @@ def matrix(
         from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out)
+        level = opt.engine_override(engine)["engine"] or "scheduler"
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
+        if write_data is not None and level != "scheduler":
+            raise UsageError(f"--write-data records scheduler-level measurements (what kvdoctor's release table "
+                             f"holds): drop --engine {level}")
         for path, flag in ((report, "--report"), (write_data, "--write-data")):
             if path is not None and not path.resolve().parent.is_dir():
                 raise UsageError(f"{flag} {path}: no such directory {path.resolve().parent}")
@@ -66,7 +71,7 @@ def matrix(
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
                                        command=command_line(), progress=display.callbacks(),
-                                       audit_async=write_data is not None)
+                                       audit_async=write_data is not None, engine=level)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown

@@ -32,8 +32,15 @@ class MatrixReport:
     bisections: list[Bisection] = field(default_factory=list)
     environments: dict[str, str] = field(default_factory=dict)  # release -> "cached" | "built" | "lent"
     command: str = ""
+    engine: str = "scheduler"  # the engine level every child ran at (--engine, passed to each child command)
     kvdoctor_version: str = __version__
     measured_on: str = field(default_factory=lambda: datetime.date.today().isoformat())
+
+    @property
+    def engine_phrase(self) -> str:
+        from kvdoctor.app import engine_phrase
+
+        return engine_phrase(self.engine)
 
     def cell(self, release: str, recipe: str) -> Cell | None:
         return self.cells.get((release, recipe))
@@ -83,7 +90,7 @@ def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
 
 def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: bool,
            env_dir: Path | None = None, command: str = "", progress: Progress | None = None,
-           audit_async: bool = False) -> MatrixReport:
+           audit_async: bool = False, engine: str = "scheduler") -> MatrixReport:
     """`audit_async` (with `audit`): audit each release a second time under --async-scheduling and
     record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time)."""
     progress = progress or Progress()
@@ -93,7 +100,7 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
         raise UsageError(f"--env-dir {env_dir}: not a directory")
     store = EnvStore(env_dir=env_dir)
     report = MatrixReport(releases=releases, recipes=[name for name, _ in recipes], audit=audit, bisect=bisect,
-                          command=command)
+                          command=command, engine=engine)
     envs: dict[str, ReleaseEnv] = {}
     to_build = store.missing(releases) if not bisect else []  # bisect builds only what it tests
 
@@ -115,7 +122,7 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
             envs[release] = ready
         return envs[release]
 
-    with Runner() as runner:
+    with Runner(engine=engine) as runner:
         def run(release: str, name: str, ref: str) -> Cell:
             if (release, name) not in report.cells:
                 env = env_for(release)

@@ -67,6 +67,7 @@ class Runner:
     """Runs kvdoctor commands in release environments; one temporary PYTHONPATH folder."""
 
     timeout_s: float = 1800.0
+    engine: str = "scheduler"  # --engine of every child command (the default level is not passed)
     _pythonpath: tempfile.TemporaryDirectory | None = field(default=None, init=False)
 
     def __enter__(self) -> "Runner":
@@ -81,7 +82,8 @@ class Runner:
     def recipe(self, env: ReleaseEnv, recipe_ref: str) -> Cell:
         """`kvdoctor repro RECIPE --logic installed --json` on the release."""
         started = time.monotonic()
-        code, doc, err = self._kvdoctor(env, ["repro", recipe_ref, "--logic", "installed", "--json"])
+        code, doc, err = self._kvdoctor(env, ["repro", recipe_ref, "--logic", "installed", "--json",
+                                              *self._engine_args()])
         name = Path(recipe_ref).stem if recipe_ref.endswith(".toml") else recipe_ref
         if doc is None or "results" not in doc:
             return self._failed(env, name, code, doc, err, started)
@@ -95,7 +97,8 @@ class Runner:
         """`kvdoctor audit --json` on the release (with `--async-scheduling` when asked): one cell per
         built-in recipe."""
         started = time.monotonic()
-        code, doc, err = self._kvdoctor(env, ["audit", "--json", *(["--async-scheduling"] if async_scheduling else [])])
+        code, doc, err = self._kvdoctor(env, ["audit", "--json", *self._engine_args(),
+                                              *(["--async-scheduling"] if async_scheduling else [])])
         if doc is None or "rows" not in doc:
             return [self._failed(env, "(audit)", code, doc, err, started)]
         seconds = round((time.monotonic() - started) / max(1, len(doc["rows"])), 1)
@@ -105,6 +108,9 @@ class Runner:
                      fixed_logic_outcome=row.get("fixed_logic_outcome"), vllm_version=doc.get("vllm_version"),
                      seconds=seconds, coverage=coverage_line(row.get("coverage")))
                 for row in doc["rows"]]
+
+    def _engine_args(self) -> list[str]:
+        return [] if self.engine == "scheduler" else ["--engine", self.engine]
 
     def _failed(self, env: ReleaseEnv, name: str, code: int, doc: dict | None, err: str,
                 started: float) -> Cell:

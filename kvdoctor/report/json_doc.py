@@ -75,6 +75,7 @@ def audit_document(report: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": __version__,
         "vllm_version": report.vllm_version,
+        "engine": getattr(report, "engine", "scheduler"),  # the level every row ran at (rows: setup.engine)
         "any_reproduced": report.any_reproduced,
         "exit_code": int(report.exit_status),
         "summary": audit_summary(report),

@@ -182,7 +182,8 @@ def render_markdown(command: str, report: Any) -> str:
 
 
 def render_audit_markdown(report: Any) -> str:
-    lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}",
+    lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}"
+                    f"{getattr(report, 'engine_phrase', '')}",
                     report.command or "kvdoctor audit")
     lines += ["## Results", "", "| bug | recipe | upstream | what it breaks | installed logic | what to do next |",
               "|---|---|---|---|---|---|"]

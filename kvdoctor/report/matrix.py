@@ -41,7 +41,7 @@ def matrix_renderables(report: Any) -> list[Any]:
     from kvdoctor.report.tables import OUTCOME_STYLE
 
     title = "kvdoctor matrix: " + ("every built-in recipe" if report.audit else ", ".join(report.recipes)) \
-            + " under the installed logic"
+            + " under the installed logic" + getattr(report, "engine_phrase", "")
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("vLLM", style="bold")
     recipes = report.recipes
@@ -64,6 +64,7 @@ def matrix_document(report: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": report.kvdoctor_version,
         "command": report.command,
+        "engine": getattr(report, "engine", "scheduler"),  # the level every cell ran at
         "releases": report.releases,
         "recipes": report.recipes,
         "environments": report.environments,
@@ -83,7 +84,7 @@ def matrix_markdown(report: Any) -> str:
     lines = [f"# kvdoctor matrix: {', '.join(report.recipes) if not report.audit else 'audit'}", "",
              f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by kvdoctor "
              f"{report.kvdoctor_version}_", "", "## Command", "", "```", report.command or "kvdoctor matrix", "```", "",
-             "## Outcome under the installed logic", "",
+             f"## Outcome under the installed logic{getattr(report, 'engine_phrase', '')}", "",
              "| vLLM | " + " | ".join(report.recipes) + " |", "|---|" + "---|" * len(report.recipes)]
     for release in (report.tested_releases if report.bisect else report.releases):
         cells = [_cell_text(report.cell(release, n)).replace("|", "\\|") for n in report.recipes]

@@ -12,13 +12,10 @@ from kvdoctor.engine.compat.imports import _import, _require
 
 
 def default_kv_cache_layouts() -> list[str]:
-    """0.33+ asks each worker for its KV cache layouts, most preferred first: vLLM's own default
-    preference (a private constant), or NHD where this release has none."""
-    try:
-        from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
-    except ImportError:
-        return ["NHD"]
-    return [layout.name for layout in _DEFAULT_LAYOUT_PREFERENCE]
+    """0.33+ asks each worker for its KV cache layouts (`portable`: an exported serve script shares it)."""
+    from kvdoctor.engine.compat.portable import default_kv_cache_layouts as layouts
+
+    return layouts()
 
 
 def engine_core_class() -> Any:

@@ -39,3 +39,13 @@ def kv_cache_tensor(kv_cache_tensor_cls, size, layer, page_bytes, num_blocks):
         return kv_cache_tensor_cls(size=size, layers=[layer], layer_stride=page_bytes * num_blocks,
                                    block_stride=page_bytes)
     raise TypeError(f"KVCacheTensor has unknown fields {sorted(names)}")
+
+
+def default_kv_cache_layouts():
+    """0.33+ asks each worker for its KV cache layouts, most preferred first: vLLM's own default
+    preference (a private constant), or NHD where this release has none."""
+    try:
+        from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
+    except ImportError:
+        return ["NHD"]
+    return [layout.name for layout in _DEFAULT_LAYOUT_PREFERENCE]

@@ -1,93 +1,144 @@
-"""Which recipe step each engine level can express, and why not where it cannot (no vLLM import).
+"""Which needs each engine level can meet, and why not where it cannot (no vLLM import).
 
-`scheduler` is kvdoctor calling `Scheduler.schedule()` / `update_from_output()` itself; `core` is
-vLLM's `EngineCore` in-process; `serve` is a `vllm serve` child driven over HTTP. A recipe with a
-step its level cannot express is `not_applicable` at that level, naming the step
-(`unexpressible`). `docs/engine-levels.md` shows this table (`markdown_table`).
+The step kinds and what each needs are `kvdoctor.steps`' registry, the one source: this module
+adds only the levels. `scheduler` is kvdoctor calling `Scheduler.schedule()` /
+`update_from_output()` itself; `core` is vLLM's `EngineCore` in-process; `serve` is a
+`vllm serve` child driven over HTTP. Each level answers every `Need`: met, or the reason it is
+not. A recipe with a step whose needs its level cannot meet is `not_applicable` there, naming
+the step (`unexpressible`). `docs/engine-levels.md` shows the tables (`markdown_table`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
+from kvdoctor.errors import InternalError
+from kvdoctor.steps import REGISTRY, Need
+
 DEFAULT_LEVEL = "scheduler"
 
-# step action -> {level: None (expressible, how) | reason it is not}; how is said in HOW.
-_YES = None
-STEP_LEVELS: dict[str, dict[str, str | None]] = {
-    "add": {"core": _YES, "serve": _YES},
-    "schedule": {"core": _YES, "serve": _YES},
-    "abort": {"core": _YES, "serve": _YES},
-    "expect": {"core": _YES,
-               "serve": "the server's scheduler state cannot be read from outside the process"},
-    "finish": {"core": _YES,
-               "serve": "the served executor samples no EOS on request (only max_tokens ends a request)"},
-    "hold_transfers": {"core": _YES, "serve": "the served executor completes every transfer when issued"},
-    "complete_transfers": {"core": _YES, "serve": "the served executor completes every transfer when issued"},
-    "fail_transfers": {"core": _YES, "serve": "the served executor completes every transfer when issued"},
-    "drain": {"core": "under async scheduling the engine keeps a batch in flight (step_with_batch_queue); "
-                      "only its own steps apply it, a client cannot ask for that between steps",
-              "serve": "a client cannot apply the in-flight batch between engine steps"},
-    "reset_prefix_cache": {"core": _YES,
-                           "serve": "not played by kvdoctor's serve client yet (POST /reset_prefix_cache "
-                                    "races with the busy loop)"},
-    "delay_block_hashes": {"core": "block hashes are computed by the engine's own request_block_hasher; "
-                                   "withholding them is a scheduler-side intervention",
-                           "serve": "a scheduler-side intervention"},
-    "release_block_hashes": {"core": "a scheduler-side intervention (see delay_block_hashes)",
-                             "serve": "a scheduler-side intervention"},
+
+@dataclass(frozen=True)
+class Level:
+    """One engine level: the needs it meets, and for each it does not, why."""
+
+    name: str
+    title: str  # who calls the scheduler, as messages name it
+    meets: frozenset[Need]
+    cannot: dict[Need, str] = field(default_factory=dict)
+    # needs met under sync scheduling only: why not under async scheduling
+    sync_only: dict[Need, str] = field(default_factory=dict)
+
+    def why_not(self, need: Need, async_scheduling: bool = False) -> str | None:
+        """None when this level meets `need` (under this scheduling mode); otherwise the reason."""
+        if need in self.cannot:
+            return self.cannot[need]
+        if need not in self.meets:
+            raise InternalError(f"engine level {self.name!r} gives no answer for need {need.value!r} "
+                                f"(kvdoctor/engine/core/levels.py)")
+        return self.sync_only.get(need) if async_scheduling else None
+
+
+_SCHEDULER_SIDE = ("an intervention inside the scheduler: vLLM's engine computes block hashes with its own "
+                   "request_block_hasher and offers no way to withhold them")
+_NO_TRANSFER_CONTROL = "the served executor completes every transfer when issued"
+
+LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
+    Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need)),
+    Level("core", "vLLM's EngineCore",
+          meets=frozenset(Need) - {Need.SCHEDULER_CONTROL},
+          cannot={Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE},
+          sync_only={Need.IN_FLIGHT_OUTPUT: "under async scheduling the engine keeps a batch in flight "
+                                            "(step_with_batch_queue); only its own steps apply it, a client "
+                                            "cannot ask for that between steps"}),
+    Level("serve", "vllm serve",
+          meets=frozenset({Need.ENGINE_INPUT, Need.ENGINE_STEP}),
+          cannot={
+              Need.IN_FLIGHT_OUTPUT: "a client cannot apply the in-flight batch between engine steps",
+              Need.MODEL_OUTPUT: "the served executor samples no EOS on request (only max_tokens ends a request)",
+              Need.TRANSFER_CONTROL: _NO_TRANSFER_CONTROL,
+              Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE,
+              Need.ENGINE_UTILITY: "not played by kvdoctor's serve client yet (POST /reset_prefix_cache races "
+                                   "with the busy loop)",
+              Need.SCHEDULER_STATE: "the server's scheduler state cannot be read from outside the process (the "
+                                    "serve client reads only whether an aborted request was still queued, from "
+                                    "the executor's step log)",
+          }),
+)}
+
+# How each level meets a need (the docs' table; the code is the harness of each level).
+HOW: dict[Need, str] = {
+    Need.ENGINE_INPUT: "core: EngineCore.preprocess_add_request + add_request, abort_requests; serve: POST "
+                       "/v1/completions with a token-id prompt, a client disconnect",
+    Need.ENGINE_STEP: "core: the engine's step_fn (step / step_with_batch_queue) + post_step; serve: a paced "
+                      "engine step of waiting",
+    Need.IN_FLIGHT_OUTPUT: "core, sync scheduling: nothing is in flight between engine steps (a no-op)",
+    Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request",
+    Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs",
+    Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache",
+    Need.SCHEDULER_STATE: "core: the engine's Scheduler, read between steps",
 }
 
-HOW: dict[str, str] = {
-    "add": "EngineCore.preprocess_add_request + add_request (serve: POST /v1/completions, token-id prompt)",
-    "schedule": "the engine's step_fn (step / step_with_batch_queue) + post_step",
-    "abort": "EngineCore.abort_requests (serve: the client disconnects)",
-    "expect": "the engine's Scheduler, read between steps",
-    "finish": "kvdoctor's executor samples EOS for the request",
-    "hold_transfers": "kvdoctor's executor holds the worker's jobs",
-    "complete_transfers": "kvdoctor's executor releases them",
-    "fail_transfers": "kvdoctor's executor reports them failed",
-    "drain": "sync scheduling: a no-op (nothing in flight between engine steps)",
-    "reset_prefix_cache": "EngineCore.reset_prefix_cache",
-}
+
+def level(name: str) -> Level:
+    try:
+        return LEVEL_TABLE[name]
+    except KeyError:
+        raise InternalError(f"unknown engine level {name!r}") from None
 
 
-def why_not(action: str, level: str, args: dict[str, Any] | None = None, async_scheduling: bool = False) -> str | None:
-    """None when `level` can play this step; otherwise the reason."""
-    if level == DEFAULT_LEVEL:
-        return None
-    row = STEP_LEVELS.get(action)
-    if row is None:
-        return f"kvdoctor does not know how to play step kind {action!r} at the {level} level"
-    if action == "drain" and level == "core" and not async_scheduling:
-        return None
-    return row.get(level, f"no {level} form")
+def why_not(action: str, level_name: str, args: dict[str, Any] | None = None,  # noqa: ARG001 - per-step args
+            async_scheduling: bool = False) -> str | None:
+    """None when `level_name` can play this step kind; otherwise why not (its first unmet need)."""
+    kind = REGISTRY.get(action)
+    if kind is None:
+        raise InternalError(f"step kind {action!r} has no handler in kvdoctor.steps")
+    for need in kind.needs:
+        why = level(level_name).why_not(need, async_scheduling)
+        if why is not None:
+            return why
+    return None
 
 
-def unexpressible(steps: list[Any], level: str, async_scheduling: bool) -> list[str]:
+def unexpressible(steps: list[Any], level_name: str, async_scheduling: bool) -> list[str]:
     """One line per step kind this level cannot play: 'step N (line L) `kind`: why'."""
     reasons: list[str] = []
     seen: set[str] = set()
+    title = level(level_name).title
     for index, step in enumerate(steps, 1):
-        why = why_not(step.action, level, step.args, async_scheduling)
+        why = why_not(step.action, level_name, step.args, async_scheduling)
         if why and step.action not in seen:
             seen.add(step.action)
             reasons.append(f"step {index} (line {step.line}) `{step.action}` cannot be played through "
-                           f"vLLM's {'EngineCore' if level == 'core' else 'vllm serve'}: {why}")
+                           f"{title}: {why}")
     return reasons
 
 
+def _cell(lvl: Level, needs: tuple[Need, ...]) -> str:
+    whys = [lvl.why_not(need) for need in needs]
+    if any(whys):
+        return "no: " + "; ".join(w for w in whys if w)
+    sync = [lvl.sync_only[need] for need in needs if need in lvl.sync_only]
+    return "sync scheduling only: " + "; ".join(sync) if sync else "yes"
+
+
 def markdown_table() -> str:
-    """Step kind x level, from `STEP_LEVELS` (docs/engine-levels.md embeds it)."""
-    lines = ["| step | scheduler | core | serve |", "|---|---|---|---|"]
-    for action, row in STEP_LEVELS.items():
-        cells = []
-        for level in ("core", "serve"):
-            why = row.get(level)
-            if action == "drain" and level == "core":
-                cells.append("sync scheduling only: " + why)
-            else:
-                cells.append("yes" if why is None else "no: " + why)
-        lines.append(f"| `{action}` | yes | {cells[0]} | {cells[1]} |")
+    """Need x level, then step kind x level (from the step registry); docs/engine-levels.md embeds it."""
+    from kvdoctor.recipes.model import ACTIONS
+
+    names = list(LEVELS)
+    head = " | ".join(names)
+    lines = [f"| need | {head} | how |", "|---|" + "---|" * len(names) + "---|"]
+    for need in Need:
+        cells = " | ".join(_cell(LEVEL_TABLE[n], (need,)) for n in names)
+        lines.append(f"| `{need.value}` | {cells} | {HOW.get(need, '')} |")
+    lines += ["", f"| step | needs | {head} |", "|---|---|" + "---|" * len(names)]
+    order = {name: i for i, name in enumerate(ACTIONS)}
+    for kind in sorted(REGISTRY.values(), key=lambda k: (order.get(k.name, len(order)), k.name)):
+        needs = ", ".join(f"`{need.value}`" for need in kind.needs)
+        cells = " | ".join("yes" if _cell(LEVEL_TABLE[n], kind.needs) == "yes" else
+                           _cell(LEVEL_TABLE[n], kind.needs).split(":")[0] for n in names)
+        lines.append(f"| `{kind.name}` | {needs} | {cells} |")
     return "\n".join(lines)

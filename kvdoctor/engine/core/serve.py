@@ -126,6 +126,14 @@ def plugin_registered() -> bool:
                for ep in entry_points(group="vllm.platform_plugins"))
 
 
+def check_plugin() -> None:
+    """A usage error (before vLLM is imported) where the serve level cannot start its server."""
+    if not plugin_registered():
+        raise UsageError("--engine serve: kvdoctor's vLLM platform plugin is not registered in this environment "
+                         "(the entry point `vllm.platform_plugins: kvdoctor_cpu` of kvdoctor's pyproject); "
+                         "reinstall kvdoctor here (pip install -e . / uv sync)")
+
+
 class Server:
     """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
 
@@ -358,10 +366,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
         return result, ""
-    if not plugin_registered():
-        raise UsageError("--engine serve: kvdoctor's vLLM platform plugin is not registered in this environment "
-                         "(the entry point `vllm.platform_plugins: kvdoctor_cpu` of kvdoctor's pyproject); "
-                         "reinstall kvdoctor here (pip install -e . / uv sync)")
+    check_plugin()
     events = plan_traffic(recipe, setup)
     aborted = [e.request for e in events if e.kind == "abort"]
     workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
@@ -447,15 +452,23 @@ def _tail(lines: list[str], count: int = 5) -> str:
     return " | ".join(line.strip() for line in lines[-count:])
 
 
+def serve_setup(setup: Any) -> Any:
+    """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor."""
+    return dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
+                               worker_fallback=(None if setup.worker == "simulated" else
+                                                "the serve level runs kvdoctor's simulated worker inside the "
+                                                "server's executor"))
+
+
+UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fixed logic is not played at serve"
+
+
 def repro_serve(recipe: Any, setup: Any, command: str = "", release_hint: Any = None) -> Any:
     """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
     from kvdoctor.app import ReproReport
     from kvdoctor.engine.compat import installed_vllm_version
 
-    setup = dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
-                                worker_fallback=(None if setup.worker == "simulated" else
-                                                 "the serve level runs kvdoctor's simulated worker inside the "
-                                                 "server's executor"))
+    setup = serve_setup(setup)
     result, log_text = run_serve(recipe, setup)
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=installed_vllm_version() or "?", command=command,
                          release_hint=release_hint)

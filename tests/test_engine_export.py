@@ -1,0 +1,95 @@
+"""`--export-script FILE --engine serve`: a script a maintainer runs without kvdoctor.
+
+Running the script takes a whole `vllm serve` start-up (~45-100 s on 2 cores), so this suite
+checks its text (cheap): the script and the two stand-ins it writes import only vLLM and the
+standard library, and they carry kvdoctor's own serve-level flags and traffic.
+`benchmarks/bench_engine.py export` runs the script and compares its exit with kvdoctor's verdict
+(measured: exit 1 on vLLM 0.26.0, 0 on 0.34.0).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+
+import pytest
+
+from tests.conftest import run_cli
+
+ALLOWED = set(sys.stdlib_module_names) | {"vllm", "__future__"}
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def _assigned(tree: ast.Module, name: str) -> str:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"the script assigns no {name}")
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("export") / "queued_abort_serve.py"
+    proc = run_cli("repro", "queued-abort", "--engine", "serve", "--export-script", str(path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return path.read_text()
+
+
+def test_the_script_and_its_stand_ins_import_only_vllm_and_the_standard_library(script: str) -> None:
+    tree = ast.parse(script)
+    assert _imports(tree) <= set(sys.stdlib_module_names), _imports(tree) - set(sys.stdlib_module_names)
+    for name in ("PLATFORM_SOURCE", "EXECUTOR_SOURCE"):
+        source = ast.parse(_assigned(tree, name))
+        assert "vllm" in _imports(source)
+        assert _imports(source) <= ALLOWED, (name, _imports(source) - ALLOWED)
+
+
+def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
+    tree = ast.parse(script)
+    platform = _assigned(tree, "PLATFORM_SOURCE")
+    assert "class KvdoctorCpuPlatform(Platform)" in platform and "def register()" in platform
+    assert 'os.environ.get("KVREPRO_STANDIN") != "1"' in platform  # declines unless the script asked
+    executor = _assigned(tree, "EXECUTOR_SOURCE")
+    assert "class StandInExecutor(Executor)" in executor
+    assert "def default_kv_cache_layouts" in executor  # the adapter's one definition, copied in
+    assert "[vllm.platform_plugins]" in script and "kvrepro_standin.executor.StandInExecutor" in script
+
+
+def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
+    """The same flags (less host/port/executor, which the script picks) and traffic as `--engine serve`."""
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.engine.core import serve
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve("queued-abort")
+    assignment = next(node for node in ast.parse(script).body
+                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "RECIPE")
+    data = json.loads(assignment.value.args[0].value)  # RECIPE = json.loads(r"""...""")
+    setup = serve.serve_setup(resolve_setup(recipe, {"engine": "serve"}))
+    assert [e["kind"] for e in data["events"]] == [e.kind for e in serve.plan_traffic(recipe, setup)]
+    assert data["aborted"] == ["B"]
+    assert "--distributed-executor-backend" not in data["serve_args"] and "--port" not in data["serve_args"]
+    assert data["serve_args"][data["serve_args"].index("--num-gpu-blocks-override") + 1] == str(setup.gpu_blocks)
+    assert data["signature"] == {"exception": "AssertionError", "function": "_build_store_jobs"}
+
+
+@pytest.mark.parametrize("args, words", [
+    (("preemption", "--engine", "serve"), "`hold_transfers` cannot be played through vllm serve"),
+    (("queued-abort", "--engine", "core"), "--engine core has no exported form"),
+])
+def test_an_unexportable_level_is_one_line_exit_2(tmp_path, args, words) -> None:
+    proc = run_cli("repro", *args, "--export-script", str(tmp_path / "x.py"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and words in lines[0], proc.stderr
+    assert not (tmp_path / "x.py").exists()
