@@ -72,8 +72,12 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
         import dataclasses
 
         names = {f.name for f in dataclasses.fields(setup)}
-        refusal = dataclasses.replace(setup, **{k: v for k, v in overrides.items()
-                                                if k in names and v is not None}).vllm_worker_refusal()
+        asked = dataclasses.replace(setup, **{k: v for k, v in overrides.items() if k in names and v is not None})
+        refusal = asked.vllm_worker_refusal()
+        memory = refusal and not worker_fallback and asked.device != "cuda" and asked.worker_memory_refusal()
+        if memory:  # the user's own sizes, not the setup's kind: refused (audit makes that recipe untested)
+            raise UsageError(f"vLLM's worker (the default) cannot run this geometry here: {memory} "
+                             f"(--worker simulated runs it without KV bytes)")
         if refusal:
             overrides.update(worker=None, device=None)
             setup = dataclasses.replace(setup, worker="simulated", device=None, worker_fallback=refusal)

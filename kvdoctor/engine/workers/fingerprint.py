@@ -32,6 +32,7 @@ class FingerprintPlan:
     real_layers: int
     kept_layers: int
     real_page_bytes: int  # the scheduler's page of one block over every layer
+    tier_bytes: int  # the CPU tier the user asked for (cpu_bytes_to_use)
 
     @property
     def gpu_bytes(self) -> int:
@@ -54,10 +55,10 @@ class FingerprintPlan:
                     f"{available / 2**30:.1f} GiB are available")
         total = total_memory_bytes()
         if total is not None and self.cpu_bytes > total:
-            return (f"its CPU tier of {self.cpu_slots:,} slots (--kv-offloading-size / "
-                    f"kv_connector_extra_config.cpu_bytes_to_use over {self.real_page_bytes * self.blocks_per_chunk:,}-"
-                    f"byte chunks) would map {self.cpu_bytes / 2**30:,.1f} GiB of fingerprints, and this machine has "
-                    f"{total / 2**30:.1f} GiB of memory and swap")
+            return (f"a CPU tier of {self.tier_bytes / 2**30:,.1f} GiB (--kv-offloading-size / "
+                    f"kv_connector_extra_config.cpu_bytes_to_use) is {self.cpu_slots:,} slots of "
+                    f"{self.real_page_bytes * self.blocks_per_chunk:,}-byte chunks, {self.cpu_bytes / 2**30:,.1f} GiB "
+                    f"even as fingerprints, and this machine has {total / 2**30:.1f} GiB of memory and swap")
         return None
 
     def refuse_beyond_memory(self) -> None:
@@ -85,7 +86,7 @@ def fingerprint_plan(api: Any, vllm_config: Any, kv_cache_config: Any) -> Finger
     blocks_per_chunk = max(1, int(extra.get("block_size") or block_size) // block_size)
     return FingerprintPlan(config, page, int(kv_cache_config.num_blocks), columns,
                            api.offloading_cpu_blocks(vllm_config, kv_cache_config), blocks_per_chunk,
-                           len(specs), len(real), len(specs), real_page)
+                           len(specs), len(real), len(specs), real_page, int(extra.get("cpu_bytes_to_use") or 0))
 
 
 def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: int,
@@ -103,4 +104,4 @@ def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: in
     real_page = layout.page_bytes(block_size)
     cpu_slots = cpu_bytes_to_use // max(1, real_page * blocks_per_chunk)
     return FingerprintPlan(None, FINGERPRINT_SLOT_BYTES * widest_block, gpu_blocks, 1, cpu_slots, blocks_per_chunk,
-                           len(kinds), len(layout.layers), len(kinds), real_page)
+                           len(kinds), len(layout.layers), len(kinds), real_page, cpu_bytes_to_use)
