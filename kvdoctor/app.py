@@ -74,8 +74,9 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
         names = {f.name for f in dataclasses.fields(setup)}
         asked = dataclasses.replace(setup, **{k: v for k, v in overrides.items() if k in names and v is not None})
         refusal = asked.vllm_worker_refusal()
-        memory = refusal and not worker_fallback and asked.device != "cuda" and asked.worker_memory_refusal()
-        if memory:  # the user's own sizes, not the setup's kind: refused (audit makes that recipe untested)
+        # the user's own sizes (not the setup's kind) past this machine: refused; audit makes that recipe untested
+        memory = refusal if refusal and not worker_fallback and asked.device != "cuda" else None
+        if memory and memory == asked.worker_memory_refusal():
             raise UsageError(f"vLLM's worker (the default) cannot run this geometry here: {memory} "
                              f"(--worker simulated runs it without KV bytes)")
         if refusal:

@@ -150,16 +150,17 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.layout or self.model:  # the config.json is read here, before vLLM is imported
+            from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+
+            layout = resolve_layout(self.model, self.layout, self.sliding_window)
+            if any(layer.kind == MAMBA for layer in layout.layers):
+                named = f"layout {self.layout}" if self.layout else f"--model {self.model}"
+                return f"{named} has a Mamba layer, and kvdoctor's toy model writes attention KV only"
         if self.device != "cuda":  # kvdoctor's copy engine on CPU tensors (on a GPU the memory is the GPU's)
             memory = self.worker_memory_refusal()
             if memory:
                 return memory
-        if self.layout:  # a shipped layout's config.json is read here, before vLLM is imported
-            from kvdoctor.engine.kv_layout import MAMBA, read_layout, shipped_layout_dir
-
-            if any(layer.kind == MAMBA for layer in read_layout(shipped_layout_dir(self.layout)).layers):
-                return (f"layout {self.layout} has a Mamba layer, and kvdoctor's toy model writes attention "
-                        f"KV only")
         return None
 
     def device_described(self) -> str | None:
