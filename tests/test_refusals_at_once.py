@@ -111,4 +111,3 @@ def test_the_default_worker_is_vllms_at_a_real_models_geometry():
     setup = resolve_setup(resolve("queued-abort"), {"model": LLAMA, "block_size": 16, "gpu_blocks": 20_000,
                                                     "cpu_bytes_to_use": 64 << 30}, default_worker="vllm")
     assert setup.worker == "vllm" and setup.worker_fallback is None
-    assert "fingerprints" in setup.worker_described()

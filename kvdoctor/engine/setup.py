@@ -173,9 +173,6 @@ class Setup:
         """`worker` as reports show it: the fallback and its reason where there was one."""
         if self.worker_fallback:
             return f"{self.worker} ({self.worker_fallback})"
-        if self.worker == "vllm" and self.device != "cuda":  # engine/workers/fingerprint.py
-            return (f"{self.worker} (its KV bytes are fingerprints, 16 bytes a token slot, one layer a KV cache "
-                    f"group; the scheduler plans with the model's real pages)")
         return self.worker
 
     def validate(self) -> "Setup":
