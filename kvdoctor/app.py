@@ -72,8 +72,13 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
         import dataclasses
 
         names = {f.name for f in dataclasses.fields(setup)}
-        refusal = dataclasses.replace(setup, **{k: v for k, v in overrides.items()
-                                                if k in names and v is not None}).vllm_worker_refusal()
+        asked = dataclasses.replace(setup, **{k: v for k, v in overrides.items() if k in names and v is not None})
+        refusal = asked.vllm_worker_refusal()
+        # the user's own sizes (not the setup's kind) past this machine: refused; audit makes that recipe untested
+        memory = refusal if refusal and not worker_fallback and asked.device != "cuda" else None
+        if memory and memory == asked.worker_memory_refusal():
+            raise UsageError(f"vLLM's worker (the default) cannot run this geometry here: {memory} "
+                             f"(--worker simulated runs it without KV bytes)")
         if refusal:
             overrides.update(worker=None, device=None)
             setup = dataclasses.replace(setup, worker="simulated", device=None, worker_fallback=refusal)

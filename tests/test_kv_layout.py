@@ -155,6 +155,16 @@ def test_kv_page_sizes_of_real_configs() -> None:
     assert kv_layout.read_layout(CONFIGS / "deepseek-v3").page_bytes(16) == 61 * 576 * 2 * 16
 
 
+def test_deepseek_mtp_draft_layers_are_named_not_silently_dropped() -> None:
+    """DeepSeek-V3's config has one MTP layer (num_nextn_predict_layers); a server builds its KV only with a
+    speculative config. The layout has the 61 target layers and says why the draft layer is not among them."""
+    layout = kv_layout.read_layout(CONFIGS / "deepseek-v3")
+    assert len(layout.layers) == 61 and not any(layer.draft for layer in layout.layers)
+    assert len(layout.notes) == 1 and "1 MTP draft layer(s)" in layout.notes[0]
+    assert "speculative config" in layout.notes[0]
+    assert kv_layout.read_layout(CONFIGS / "llama-3.1-8b").notes == ()
+
+
 def test_an_architecture_kvdoctor_cannot_map_is_one_line_exit_2(tmp_path: Path) -> None:
     import time
 
@@ -191,5 +201,24 @@ def test_real_configs_give_the_groups_vllm_builds(api, release, name: str) -> No
     harness = Harness(api, Setup(model=str(CONFIGS / name), block_size=16, gpu_blocks=64, mamba_cache_mode=mode))
     try:
         assert [(g.kind, g.block_size, len(g.layers)) for g in harness.kv_plan.groups] == REAL_GROUPS[name]
+        assert any("MTP draft layer" in note for note in harness.kv_plan.notes) == (name == "deepseek-v3")
     finally:
         harness.shutdown()
+
+
+def test_a_mamba_model_runs_in_the_cache_mode_vllm_picks_with_prefix_caching() -> None:
+    """Qwen3-Next (linear attention) with no Mamba cache mode given: vLLM's MambaModelConfig picks `align` with
+    prefix caching (state a block); left unset, the planner's Mamba block (max_model_len) did not divide the
+    hash block and the run was other_failure (exit 4). vLLM's worker gives way to the simulated one, saying why."""
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.recipes.builtins import resolve
+
+    model = str(CONFIGS / "qwen3-next-80b-a3b")
+    setup = resolve_setup(resolve("queued-abort"), {"model": model, "block_size": 16, "gpu_blocks": 500},
+                          default_worker="vllm")
+    assert setup.mamba_cache_mode == "align"
+    assert any(d.startswith("mamba_cache_mode: None -> align") for d in setup.derived), setup.derived
+    assert setup.worker == "simulated" and "has a Mamba layer" in setup.worker_fallback
+    off = resolve_setup(resolve("queued-abort"), {"model": model, "block_size": 16, "gpu_blocks": 500,
+                                                  "enable_prefix_caching": False}, default_worker="vllm")
+    assert off.mamba_cache_mode is None  # vLLM keeps `none` without prefix caching

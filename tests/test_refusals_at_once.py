@@ -34,16 +34,19 @@ def _refused(*args: str, within: float = NO_VLLM_S) -> str:
 
 
 def test_a_cpu_tier_the_machine_cannot_map_is_refused_at_once():
-    # was: exit 5 ("bug in kvdoctor", torch's allocation failure) after 90 s
-    err = _refused("repro", "queued-abort", "--kv-offloading-size", "100000", "--worker", "vllm")
-    assert "--kv-offloading-size" in err and "100,000.0 GiB" in err
+    # was: exit 5 ("bug in kvdoctor", torch's allocation failure) after 90 s; then the default worker fell back
+    # to the simulated one. Even as fingerprints (16 bytes a token slot) 100,000 GiB of 256-byte chunks is too much.
+    for worker in ((), ("--worker", "vllm")):
+        err = _refused("repro", "queued-abort", "--kv-offloading-size", "100000", *worker)
+        assert "--kv-offloading-size" in err and "100,000.0 GiB" in err and "fingerprints" in err
 
 
-def test_kv_pages_the_machine_cannot_hold_are_refused_before_vllm(tmp_path):
-    # was: grown to 21.8 GB and OOM-killed (exit 137): Llama-3.1-8B's pages are 2 MiB a 16-token block
-    err = _refused("repro", "queued-abort", "--model", LLAMA, "--block-size", "16", "--num-gpu-blocks-override",
-                   "2000000", "--kv-offloading-size", "1", "--worker", "vllm", within=WITH_MODEL_S)
-    assert "2,000,000 blocks x 2,097,152 bytes" in err and "--num-gpu-blocks-override" in err
+def test_fingerprint_pages_the_machine_cannot_hold_are_refused_before_vllm(tmp_path):
+    # was: grown to 21.8 GB and OOM-killed (exit 137): vLLM's worker held Llama-3.1-8B's 2 MiB pages. It now holds
+    # a 16-byte fingerprint a token slot; 3,000,000 blocks of 4096 tokens are still 183 GiB of them.
+    err = _refused("repro", "queued-abort", "--model", LLAMA, "--block-size", "4096", "--num-gpu-blocks-override",
+                   "3000000", within=WITH_MODEL_S)
+    assert "3,000,000 blocks x 65,536 bytes" in err and "--num-gpu-blocks-override" in err
 
 
 def test_a_recipe_size_past_any_context_is_refused_at_load_naming_file_and_line(tmp_path):
@@ -98,13 +101,13 @@ def test_audit_runs_the_rest_when_one_recipe_needs_more_than_the_users_settings(
     print(f"audit --kv-offloading-size 64: {len(ran)} of {len(rows)} recipes ran in {took:.0f} s")
 
 
-def test_the_default_worker_gives_way_where_vllms_cannot_hold_the_geometry():
-    """Issue 23's Llama-3.1-8B run (20,000 blocks of 2 MiB, a 64 GiB tier): vLLM's worker would need ~39 GiB of KV
-    pages here, so the CLI's default worker falls back to the simulated one and says why; only an explicit
-    --worker vllm is refused (above). benchmarks/bench_model_memory.py runs it and measures peak RSS."""
+def test_the_default_worker_is_vllms_at_a_real_models_geometry():
+    """Issue 23's Llama-3.1-8B run (20,000 blocks of 2 MiB, a 64 GiB tier): vLLM's worker holds fingerprints, not
+    the model's pages, so the CLI's default worker runs it (it fell back to the simulated one before).
+    tests/test_memory_bound.py runs it and measures peak RSS."""
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
 
     setup = resolve_setup(resolve("queued-abort"), {"model": LLAMA, "block_size": 16, "gpu_blocks": 20_000,
                                                     "cpu_bytes_to_use": 64 << 30}, default_worker="vllm")
-    assert setup.worker == "simulated" and "20,000 blocks x 2,097,152 bytes" in setup.worker_fallback
+    assert setup.worker == "vllm" and setup.worker_fallback is None

@@ -57,6 +57,7 @@ class KvLayout:
     num_kv_heads: int = 1
     head_size: int = 8
     dtype: str = "float16"
+    notes: tuple[str, ...] = ()  # what the config has that this layout leaves out, and why (MTP draft layers)
 
     @property
     def is_hybrid(self) -> bool:
@@ -202,7 +203,20 @@ def _read_with_transformers(directory: Path, config: dict[str, Any], source: str
     if not layers:
         raise UsageError(f"{where}: no layer keeps a KV cache")
     layers = _with_global_geometry(layers, text.to_dict(), directory)
-    return KvLayout(source or f"{directory} (read by transformers' {how})", tuple(layers), int(heads), int(head_size))
+    return KvLayout(source or f"{directory} (read by transformers' {how})", tuple(layers), int(heads), int(head_size),
+                    notes=_draft_layers_left_out(text))
+
+
+def _draft_layers_left_out(text: Any) -> tuple[str, ...]:
+    """DeepSeek's multi-token-prediction layers (`num_nextn_predict_layers`) keep KV only where vLLM is given a
+    speculative config (method `deepseek_mtp` / `mtp`), which loads them as a draft model: a server without
+    one builds the target model's layers alone, and so does kvdoctor (it takes no speculative config)."""
+    count = getattr(text, "num_nextn_predict_layers", None)
+    if not isinstance(count, int) or count < 1:
+        return ()
+    return (f"the config's {count} MTP draft layer(s) (num_nextn_predict_layers) are not planned: vLLM builds "
+            f"their KV cache only under a speculative config (method deepseek_mtp), which kvdoctor does not take; "
+            f"these are the groups of a server without one",)
 
 
 def _with_global_geometry(layers: list[LayerKind], text: dict[str, Any], directory: Path) -> list[LayerKind]:
@@ -370,7 +384,7 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     """Build the setup's layout and let vLLM group and place it; returns (plan, scheduler KVCacheConfig,
     scheduler block size, hash block size)."""
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
-    notes = []
+    notes = list(layout.notes)
     note = api.enable_hybrid_kv_cache_manager(vllm_config)
     if note:
         notes.append(note)

@@ -150,16 +150,17 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.layout or self.model:  # the config.json is read here, before vLLM is imported
+            from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+
+            layout = resolve_layout(self.model, self.layout, self.sliding_window)
+            if any(layer.kind == MAMBA for layer in layout.layers):
+                named = f"layout {self.layout}" if self.layout else f"--model {self.model}"
+                return f"{named} has a Mamba layer, and kvdoctor's toy model writes attention KV only"
         if self.device != "cuda":  # kvdoctor's copy engine on CPU tensors (on a GPU the memory is the GPU's)
             memory = self.worker_memory_refusal()
             if memory:
                 return memory
-        if self.layout:  # a shipped layout's config.json is read here, before vLLM is imported
-            from kvdoctor.engine.kv_layout import MAMBA, read_layout, shipped_layout_dir
-
-            if any(layer.kind == MAMBA for layer in read_layout(shipped_layout_dir(self.layout)).layers):
-                return (f"layout {self.layout} has a Mamba layer, and kvdoctor's toy model writes attention "
-                        f"KV only")
         return None
 
     def device_described(self) -> str | None:
@@ -232,24 +233,16 @@ class Setup:
         return self
 
     def worker_memory_refusal(self) -> str | None:
-        """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds
-        the model's real KV pages for every GPU block and maps its CPU tier whole; the simulated worker
-        holds neither. Judged before vLLM is imported (else the kernel kills the run)."""
+        """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds a
+        fingerprint page per GPU block and CPU slot (`engine/workers/fingerprint.py`), never the model's real
+        pages; the simulated worker holds neither. Judged before vLLM is imported (else the kernel kills the
+        run), and again, exactly, once vLLM has planned the groups."""
         from kvdoctor.engine.kv_layout import resolve_layout
+        from kvdoctor.engine.workers.fingerprint import estimate
 
-        page = resolve_layout(self.model, self.layout, self.sliding_window).page_bytes(self.block_size)
-        kv_bytes = self.gpu_blocks * page
-        available = available_memory_bytes()
-        if available is not None and kv_bytes > available:
-            return (f"it would hold the model's KV pages, {self.gpu_blocks:,} blocks x {page:,} bytes = "
-                    f"{kv_bytes / 2**30:.1f} GiB, and {available / 2**30:.1f} GiB are available "
-                    f"(--num-gpu-blocks-override)")
-        total = total_memory_bytes()
-        if total is not None and self.cpu_bytes_to_use > total:
-            return (f"it would map the CPU tier whole, {self.cpu_bytes_to_use / 2**30:,.1f} GiB "
-                    f"(--kv-offloading-size / kv_connector_extra_config.cpu_bytes_to_use), and this machine has "
-                    f"{total / 2**30:.1f} GiB of memory and swap")
-        return None
+        layout = resolve_layout(self.model, self.layout, self.sliding_window)
+        return estimate(layout, self.block_size, self.blocks_per_chunk, self.gpu_blocks,
+                        self.cpu_bytes_to_use).refusal()
 
     def with_overrides(self, **overrides: Any) -> "Setup":
         """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are

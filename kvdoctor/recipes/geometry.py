@@ -662,6 +662,7 @@ def plan_setup(recipe, setup: Setup) -> Setup:
     from kvdoctor.engine.setup import PLANNED_FIELDS
 
     fixed = set(setup.fixed) | (set() if recipe.builtin else set(recipe.setup) & set(PLANNED_FIELDS))
+    setup, mamba = _server_mamba_cache_mode(setup)
     start = setup
     preferred: dict[str, Any] = {}
     for need in _preferences(recipe, setup):
@@ -674,7 +675,7 @@ def plan_setup(recipe, setup: Setup) -> Setup:
         if not found:
             derived = tuple(f"{name}: {getattr(start, name)} -> {getattr(setup, name)}" for name in PLANNED_FIELDS
                             if getattr(start, name) != getattr(setup, name))
-            return dataclasses.replace(setup, derived=derived, untested=None)
+            return dataclasses.replace(setup, derived=mamba + derived, untested=None)
         changes: dict[str, Any] = {}
         for problem in found:
             open_needs = [need for need in problem.needs if not need.holds(setup)]
@@ -694,6 +695,22 @@ def plan_setup(recipe, setup: Setup) -> Setup:
                                                        f"enforces at the given flags: {exc}")
     return dataclasses.replace(setup, untested="; ".join(p.message for p in problems(recipe, setup))
                                + " (kvdoctor found no geometry for this trigger within the given flags)")
+
+
+def _server_mamba_cache_mode(setup: Setup) -> tuple[Setup, tuple[str, ...]]:
+    """A `--model` with Mamba layers runs in the Mamba cache mode vLLM's `MambaModelConfig` picks where none is
+    given: with prefix caching, `align` (Mamba state a block) for a model class without Mamba prefix-caching
+    support (`all` for one with it, which a recipe's [setup] mamba_cache_mode chooses); kvdoctor builds no
+    model class, and left unset its Mamba groups' block (max_model_len) would not divide the hash block."""
+    if setup.model is None or setup.mamba_cache_mode is not None or not setup.enable_prefix_caching:
+        return setup, ()
+    from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+
+    if not any(layer.kind == MAMBA for layer in resolve_layout(setup.model, None, setup.sliding_window).layers):
+        return setup, ()
+    return dataclasses.replace(setup, mamba_cache_mode="align"), (
+        "mamba_cache_mode: None -> align (vLLM's pick with prefix caching for a model class without Mamba "
+        "prefix-caching support)",)
 
 
 # A preempting fill takes every usable block in prompts at the step budget; a budget that takes it in

@@ -49,3 +49,19 @@ def default_kv_cache_layouts():
     except ImportError:
         return ["NHD"]
     return [layout.name for layout in _DEFAULT_LAYOUT_PREFERENCE]
+
+
+def aliased_kv_cache_tensors(kv_cache_tensor_cls, group_layers, page_bytes, num_blocks):
+    """KVCacheTensors for `group_layers` (per group, its layers), placed as vLLM places a hybrid model's:
+    layer j of every group aliases the same bytes. Until 0.32 one tensor per j (`shared_by`); from 0.33 one
+    tensor per group over a single backing allocation (`layers`, strides), the groups overlaid."""
+    names = {f.name for f in dataclasses.fields(kv_cache_tensor_cls)}
+    columns = max(len(layers) for layers in group_layers)
+    region = page_bytes * num_blocks
+    if "shared_by" in names:
+        return [kv_cache_tensor_cls(size=region, shared_by=[layers[j] for layers in group_layers if j < len(layers)])
+                for j in range(columns)]
+    if {"layers", "layer_stride", "block_stride"} <= names:
+        return [kv_cache_tensor_cls(size=region * columns, layers=list(layers), layer_stride=region,
+                                    block_stride=page_bytes) for layers in group_layers]
+    raise TypeError(f"KVCacheTensor has unknown fields {sorted(names)}")

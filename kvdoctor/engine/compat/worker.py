@@ -7,12 +7,14 @@ simulated path costs nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from kvdoctor.engine.compat import portable
 from kvdoctor.engine.compat.imports import _import, _require, _silenced_stderr
 from kvdoctor.errors import IncompatibleVllmError
 
@@ -280,6 +282,43 @@ class WorkerGlue:
                 kv[layer] = raw[: n * page].view(n, page)
         return kv
 
+    def fingerprint_kv_cache_config(self, kv_cache_config: Any, slot_bytes: int,
+                                    layers_per_group: int = 1) -> Any:
+        """The worker side's KVCacheConfig: the scheduler's groups, block sizes and block count, each group
+        keeping its first `layers_per_group` layers, every page shrunk to `slot_bytes` per token slot of the
+        largest block size (the toy model's fingerprint, not the model's head size). Tensors are placed as
+        vLLM places a hybrid model's: layer j of every group aliases the same bytes (a block id belongs to
+        one group at a time). The scheduler keeps the real config: page sizes, CPU blocks, groups."""
+        groups = kv_cache_config.kv_cache_groups
+        kept = [list(group.layer_names[:max(1, layers_per_group)]) for group in groups]
+        specs = [self._group_layer_specs(group) for group in groups]
+        page = fingerprint_page_bytes(slot_bytes, [int(group.kv_cache_spec.block_size) for group in groups])
+        new_groups = []
+        for group, names, per_layer in zip(groups, kept, specs):
+            shrunk = {name: _shrink_spec(per_layer[name], page) for name in names}
+            spec = group.kv_cache_spec
+            if getattr(spec, "kv_cache_specs", None) is not None:  # UniformTypeKVCacheSpecs
+                spec = dataclasses.replace(spec, kv_cache_specs=shrunk)
+            else:
+                spec = shrunk[names[0]]
+            new_groups.append(dataclasses.replace(group, layer_names=names, kv_cache_spec=spec))
+        cls = self.cls("kv_cache_interface", "KVCacheTensor")
+        tensors = portable.aliased_kv_cache_tensors(cls, kept, page, int(kv_cache_config.num_blocks))
+        return dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, kv_cache_groups=new_groups)
+
+    @staticmethod
+    def _group_layer_specs(group: Any) -> dict[str, Any]:
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        return {name: per_layer.get(name, group.kv_cache_spec) for name in group.layer_names}
+
+    def offloading_cpu_blocks(self, vllm_config: Any, kv_cache_config: Any) -> int:
+        """The CPU-tier slots the connector's spec computes for this KV cache config (from its real page
+        sizes and `cpu_bytes_to_use`), built as `OffloadingConnector.__init__` builds its spec."""
+        module = _import("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector")
+        build = _require(module, "build_offloading_config", "offloading_connector")
+        factory = _require(_import("vllm.v1.kv_offload.factory"), "OffloadingSpecFactory", "vllm.v1.kv_offload.factory")
+        return self.spec_cpu_blocks(factory.create_spec(build(vllm_config, kv_cache_config)))
+
     def kv_pages(self, kv_tensor: Any, num_blocks: int, page_bytes: int) -> Any:
         """An int8 (num_blocks, page) view of one layer's KV: block b's page is row b.
 
@@ -307,3 +346,33 @@ class WorkerGlue:
         """The `OffloadingWorker` a worker-role connector's spec built (None before registration)."""
         worker_side = _require(connector, "connector_worker", type(connector).__name__)
         return getattr(worker_side, "worker", None) if worker_side is not None else None
+
+
+def fingerprint_page_bytes(slot_bytes: int, block_sizes: list[int]) -> int:
+    """One fingerprint page: `slot_bytes` for every token slot of the largest block (groups share a page
+    size, as vLLM's planner makes them, so a smaller block gets wider slots)."""
+    return slot_bytes * max(block_sizes)
+
+
+def _shrink_spec(spec: Any, page: int) -> Any:
+    """An attention spec of the same class and block size whose page is `page` bytes: one KV head, the head
+    size that fills the page (padded where the page is not a multiple of one head's bytes)."""
+    names = {f.name for f in dataclasses.fields(spec)}
+    if not {"num_kv_heads", "head_size"} <= names:
+        return spec  # not attention KV (Mamba state): the toy model refuses such a layer before this
+    pad = {"page_size_padded": None} if "page_size_padded" in names else {}
+
+    def sized(head: int) -> Any:  # V's head size (0.26+ `head_size_v`) follows K's, as a plain model's does
+        value = {"head_size_v": head} if "head_size_v" in names else {}
+        return dataclasses.replace(spec, num_kv_heads=1, head_size=head, **value, **pad)
+
+    one, two = sized(1).page_size_bytes, sized(2).page_size_bytes
+    per_dim, fixed = two - one, 2 * one - two
+    head = max(1, (page - fixed) // per_dim) if per_dim > 0 else 1
+    shrunk = sized(head)
+    if shrunk.page_size_bytes != page:
+        if "page_size_padded" not in names or shrunk.page_size_bytes > page:
+            raise IncompatibleVllmError(f"{type(spec).__name__}: no head size gives a {page}-byte page "
+                                        f"(kvdoctor's fingerprint KV)")
+        shrunk = dataclasses.replace(shrunk, page_size_padded=page)
+    return shrunk

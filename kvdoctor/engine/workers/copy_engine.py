@@ -51,6 +51,9 @@ class TransferControl:
         self.on_store_copy: Callable[[int, dict[int, Any]], None] | None = None
         self.on_load_mismatch: Callable[[int, int, int, str], None] | None = None
         self.engine: Any = None  # the CopyEngineWorker vLLM's spec built, once registered
+        # CPU-tier slots as the scheduler's spec computed them from the model's real pages (the worker's spec
+        # sees fingerprint pages, see workers/fingerprint.py); None: the worker spec's own count
+        self.cpu_slots: int | None = None
 
 
 class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[misc]

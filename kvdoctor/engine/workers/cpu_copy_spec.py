@@ -33,8 +33,9 @@ def _make(base_name: str) -> type:
             api = compat.load()
             extra = api.spec_extra_config(self)
             control = CONTROLS[str(extra[CONTROL_KEY])]
-            self._kvdoctor_worker = CopyEngineWorker(kv_caches, api.spec_blocks_per_chunk(self),
-                                                     api.spec_cpu_blocks(self), control)
+            # The scheduler's CPU slot count (this spec computed its own from the fingerprint pages)
+            slots = control.cpu_slots if control.cpu_slots is not None else api.spec_cpu_blocks(self)
+            self._kvdoctor_worker = CopyEngineWorker(kv_caches, api.spec_blocks_per_chunk(self), slots, control)
             control.engine = self._kvdoctor_worker
         return self._kvdoctor_worker
 

@@ -206,7 +206,10 @@ class ToyModel:
             return
         torch = self.torch
         blocks, offs, block_list = self._locate(layer, table, positions)
-        got = (layer.slots if source is None else source)[blocks, offs]
+        got = layer.slots[blocks, offs]
+        if source is not None and all(b in source[0] for b in block_list):  # the rows a copy read earlier
+            remap, rows = source
+            got = rows[torch.tensor([remap[b] for b in block_list], dtype=torch.int64, device=rows.device), offs]
         self.checked_slots += len(positions)
         device = layer.slots.device
         key_t = torch.tensor([k if k is not None else 0 for k in keys], dtype=torch.int64, device=device)
@@ -269,7 +272,7 @@ class ToyModel:
         self.expectations[job] = _StoreExpectation(rid, slots, groups)
         self.check_store(job)
 
-    def store_copied(self, job: int) -> None:
+    def store_copied(self, job: int, blocks: Any = None) -> None:
         """vLLM's worker copies store `job` now. vLLM flushes a finished or preempted request's store
         of this very step before the forward (V1 `handle_preemptions`, Model Runner V2 `pre_forward`),
         before kvdoctor records what the store must hold (after the step): its bytes are kept as the
@@ -277,8 +280,13 @@ class ToyModel:
         forward instead would see whatever a new owner of the freed blocks wrote there since."""
         if job in self.expectations:
             self.check_store(job)
-        else:
-            self._copied[job] = {layer.name: layer.slots.clone() for layer in self.layers}
+            return
+        # only the job's blocks (a whole layer's clone per early copy grew with the pool)
+        ids = sorted({int(b) for b in blocks}) if blocks is not None else list(range(len(self.layers[0].slots)))
+        index = self.torch.tensor(ids, dtype=self.torch.int64)
+        remap = {b: i for i, b in enumerate(ids)}
+        self._copied[job] = {layer.name: (remap, layer.slots[index.to(layer.slots.device)].clone())
+                             for layer in self.layers}
 
     def check_store(self, job: int) -> None:
         """The store's copy reads its GPU blocks now (or read them, for a copy made before its

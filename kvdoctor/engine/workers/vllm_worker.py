@@ -11,6 +11,7 @@ on a CPU (`copy_engine.py`, loaded by vLLM itself as `Kvdoctor<spec>`) or, with
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
 from kvdoctor.engine.workers.copy_engine import TransferControl
+from kvdoctor.engine.workers.fingerprint import fingerprint_plan
 from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel, check_attention_only
 from kvdoctor.errors import UsageError
 
@@ -43,9 +45,20 @@ class VllmWorker:
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         extra[CONTROL_KEY] = self.control_id
         check_attention_only(api, self.kv_cache_config)  # before vLLM's connector sees the caches
-        self.kv_caches = api.allocate_kv_caches(self.kv_cache_config, device, POISON_BYTE,
+        # The worker's KV tensors hold fingerprints (FINGERPRINT_SLOT_BYTES a token slot, one layer per group)
+        # where a GPU holds the model's pages: the content checks need to tell a slot's tokens apart, not its
+        # keys. The scheduler plans with the real config (page sizes, groups, blocks, CPU blocks); the CPU tier
+        # keeps the scheduler's slot count, each slot fingerprint-sized.
+        # With --device cuda, vLLM's own CUDA worker runs over the model's real pages (the GPU's memory).
+        self.fingerprint = None if device == "cuda" else fingerprint_plan(api, self.vllm_config, self.kv_cache_config)
+        self.worker_kv_cache_config = self.kv_cache_config
+        if self.fingerprint is not None:
+            self.fingerprint.refuse_beyond_memory()  # one line, exit 2, before anything is allocated
+            self.worker_kv_cache_config = self.fingerprint.config
+            self.control.cpu_slots = self.fingerprint.cpu_slots
+        self.kv_caches = api.allocate_kv_caches(self.worker_kv_cache_config, device, POISON_BYTE,
                                                 api.required_kv_cache_layout(scheduler))
-        self.connector = api.create_worker_connector(self.vllm_config, self.kv_cache_config)
+        self.connector = api.create_worker_connector(self.vllm_config, self.worker_kv_cache_config)
         self._v2 = None
         with api.active_worker_connector(self.connector):
             if model_runner == "v2":
@@ -54,8 +67,8 @@ class VllmWorker:
                 self._v2 = api.v2_connector(self.vllm_config, self.kv_caches)
             else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
                 self.connector.register_kv_caches(self.kv_caches)
-        self.model = ToyModel.over(api, self.kv_cache_config, self.kv_caches)
-        self.control.on_store_copy = lambda job, _blocks: self.model.store_copied(job)
+        self.model = ToyModel.over(api, self.worker_kv_cache_config, self.kv_caches)
+        self.control.on_store_copy = lambda job, blocks: self.model.store_copied(job, blocks)
         self.control.on_load_mismatch = self._load_mismatch
         self.engine = self.control.engine  # None with vLLM's own (CUDA) worker
 
@@ -149,7 +162,8 @@ class VllmWorker:
                   else "vLLM's CPUOffloadingWorker (CUDA copies)")
         glue = "ActiveKVConnector" if self._v2 is not None else "KVConnectorModelRunnerMixin"
         return (f"vLLM worker-role OffloadingConnector via model runner {self.model_runner} ({glue}), "
-                f"KV tensors on {self.device}, transfers by {copies}")
+                f"KV tensors on {self.device}, transfers by {copies}"
+                + (f"; {self.fingerprint.describe()}" if self.fingerprint is not None else ""))
 
     def shutdown(self) -> None:
         try:
@@ -161,3 +175,4 @@ class VllmWorker:
         # next variant allocates its own (kept, three variants of a real model's pool tripled the peak).
         self.control.engine = None
         self.engine = self.model = self.kv_caches = self.connector = self._v2 = None
+        gc.collect()  # the copy engine and vLLM's worker hold each other: free the tensors before the next run
