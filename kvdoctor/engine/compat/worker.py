@@ -14,7 +14,7 @@ import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from kvdoctor.engine.compat import portable
+import kvdoctor.engine.compat.portable as portable
 from kvdoctor.engine.compat.imports import _import, _require, _silenced_stderr
 from kvdoctor.errors import IncompatibleVllmError
 
