@@ -13,8 +13,9 @@ write stops quietly, stdout is pointed at /dev/null so nothing later (the
 interpreter's final flush included) raises again, and the command keeps the
 exit code it earned.
 
-It also remembers whether a JSON document already went out, so an error after
-the verdict (an unwritable `--report`) never adds a second document.
+It also remembers (on the command's Environment) whether a JSON document already
+went out, so an error after the verdict (an unwritable `--report`) never adds a
+second document.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Environment:
     env: Mapping[str, str] | None = None
     argv: list[str] | None = None
     debug: bool = field(default=False)  # --debug (KVDOCTOR_DEBUG=1 is read from `env`)
+    stdout_closed: bool = field(default=False)  # the reader went away: later writes are dropped
+    document_written: bool = field(default=False)  # a JSON document went out: never a second one
 
     @property
     def stdin_stream(self) -> IO[Any]:
@@ -108,21 +111,16 @@ def note(text: str) -> None:
     stream.flush()
 
 
-_closed = False
-_document_written = False
-
-
 def begin_command() -> None:
-    """Forget the previous command's stdout state (an in-process runner invokes many in one process)."""
-    global _closed, _document_written
-    _closed = False
-    _document_written = False
+    """Forget a previous command's stdout state (one process may run several on one Environment)."""
+    environment = current()
+    environment.stdout_closed = False
+    environment.document_written = False
 
 
 def write_stdout(text: str) -> None:
     """Write `text` (a newline is not added) to stdout and flush it."""
-    global _closed
-    if _closed:
+    if current().stdout_closed:
         return
     stream = current().stdout_stream
     try:
@@ -134,23 +132,21 @@ def write_stdout(text: str) -> None:
 
 def write_document(text: str) -> None:
     """Write one JSON document (and its newline) on stdout."""
-    global _document_written
-    _document_written = True
+    current().document_written = True
     write_stdout(text + "\n")
 
 
 def document_written() -> bool:
-    return _document_written
+    return current().document_written
 
 
 def stdout_closed() -> bool:
-    return _closed
+    return current().stdout_closed
 
 
 def silence_stdout() -> None:
     """The reader went away: send the rest of stdout to /dev/null (the usual BrokenPipeError pattern)."""
-    global _closed
-    _closed = True
+    current().stdout_closed = True
     try:
         target = current().stdout_stream.fileno()
     except (OSError, ValueError, AttributeError):  # stdout is not a real file (an in-process runner): drop writes only
