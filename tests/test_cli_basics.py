@@ -124,13 +124,3 @@ def test_progress_draws_on_the_injected_terminal_only(api):
     piped = invoke(*args)
     assert piped.returncode == on_terminal.returncode and "\x1b" not in piped.stderr
     assert json.loads(piped.stdout)["recipe"]["name"] == "queued-abort"
-
-
-@pytest.mark.parametrize("level", ["core", "serve"])
-def test_audit_refuses_an_engine_level_it_does_not_run_yet(level):
-    """`audit` takes the shared `--engine` flag but runs the scheduler level only: one line, exit 2, never a
-    scheduler-level audit passed off as another level's. (Goes with the refusal in cli/audit_cmd.py.)"""
-    proc = invoke("audit", "--engine", level)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == f"kvdoctor: error: audit --engine {level}: not supported yet\n"
-    assert proc.stdout == ""

@@ -33,14 +33,10 @@ def audit(
     (--tensor-parallel-size, ...) are accepted and ignored, with a note."""
 
     def action() -> int:
-        from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg)
         setup_overrides = overrides(serve)
-        # Until `kvdoctor.app.audit` honours `setup.engine`, it would run the scheduler level whatever
-        # --engine says: refuse another level (one line, deleted when it does).
-        if serve.engine not in (None, "scheduler"): raise UsageError(f"audit --engine {serve.engine}: not supported yet")  # noqa: E701
         from kvdoctor import app as application
         from kvdoctor.cli.progress import Progress
 
