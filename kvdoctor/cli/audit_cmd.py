@@ -33,7 +33,6 @@ def audit(
     (--tensor-parallel-size, ...) are accepted and ignored, with a note."""
 
     def action() -> int:
-
         fmt = opt.output_format(output_format, json_out, svg)
         opt.check_output_paths(report=report, svg=svg)
         setup_overrides = overrides(serve)
