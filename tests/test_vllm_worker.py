@@ -197,3 +197,46 @@ def test_async_recipes_end_as_with_the_simulated_worker(api, name):
     assert real.outcome is simulated.outcome, (real.detail, simulated.detail)
     assert real.outcome in (REPRODUCED, NOT), real.detail
     assert not [v for v in real.violations if v.invariant in CONTENT_INVARIANTS], real.violations
+
+
+CONFIGS = ROOT / "tests" / "data" / "configs"
+
+
+@pytest.mark.parametrize("name,groups", [("llama-3.1-8b", 1), ("gemma-3-27b", 7)])
+def test_the_worker_holds_fingerprints_at_the_schedulers_geometry(api, name, groups):
+    """Issue 23: vLLM's worker runs over the scheduler's groups, block sizes and block count, one layer a group
+    at 16 bytes a token slot (Gemma 3's seven groups alias one tensor, as vLLM places a hybrid's); the CPU tier
+    keeps the slots the scheduler computes from the real pages; bytes still move and loads return them."""
+    recipe = resolve("queued-abort")
+    tier = 1 << 30
+    setup = app.resolve_setup(recipe, {**VLLM_CPU, "model": str(CONFIGS / name), "block_size": 16,
+                                       "gpu_blocks": 64, "cpu_bytes_to_use": tier})
+    harness = Harness(api, setup)
+    try:
+        worker = harness.worker
+        real, fp = worker.kv_cache_config, worker.worker_kv_cache_config
+        assert len(fp.kv_cache_groups) == len(real.kv_cache_groups) == groups
+        assert fp.num_blocks == real.num_blocks
+        assert [g.kv_cache_spec.block_size for g in fp.kv_cache_groups] == [
+            g.kv_cache_spec.block_size for g in real.kv_cache_groups]
+        assert all(len(g.layer_names) == 1 for g in fp.kv_cache_groups)
+        pages = {int(spec.page_size_bytes) for _, spec in api.kv_layer_specs(fp).values()}
+        assert pages == {16 * 16}
+        storages = {t.untyped_storage().data_ptr() for t in worker.kv_caches.values()}
+        assert len(storages) == 1  # the groups alias one allocation
+        if name == "llama-3.1-8b":  # one group: a CPU chunk is a block of every layer, 2 MiB
+            assert worker.fingerprint.cpu_slots == tier // (2 << 20)
+        assert worker.engine.cpu_tensors[0].shape[0] == worker.fingerprint.cpu_slots
+        prompt = list(range(100, 164))
+        harness.add("A", prompt, 2)
+        for _ in range(4):
+            harness.step()
+        assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+        harness.add("B", prompt + [7, 8], 2)
+        findings = []
+        for _ in range(5):
+            findings += harness.step().content_findings
+        assert {kind for kind, _ in worker.engine.submitted} == {"store", "load"}, worker.engine.submitted
+        assert worker.model.checked_slots > len(prompt) and findings == []
+    finally:
+        harness.shutdown()

@@ -31,8 +31,9 @@ class FingerprintPlan:
     cpu_tensors: int  # CPU-tier tensors the copy engine allocates (one per canonical GPU tensor, at most)
     real_layers: int
     kept_layers: int
-    real_page_bytes: int  # the scheduler's page of one block over every layer
+    real_page_bytes: int  # the real KV of one block over the layers (what a CPU chunk holds a block)
     tier_bytes: int  # the CPU tier the user asked for (cpu_bytes_to_use)
+    layer_page_bytes: int  # the real page of one block of one layer (the largest)
 
     @property
     def gpu_bytes(self) -> int:
@@ -69,8 +70,8 @@ class FingerprintPlan:
     def describe(self) -> str:
         return (f"KV bytes are fingerprints ({self.page_bytes:,}-byte pages, "
                 f"{FINGERPRINT_SLOT_BYTES}+ bytes a token slot, {self.kept_layers} of the model's "
-                f"{self.real_layers} layers: one a KV cache group) where a GPU holds {self.real_page_bytes:,}-byte "
-                f"pages; the scheduler plans with the real pages ({self.cpu_slots:,} CPU slots)")
+                f"{self.real_layers} layers: one a KV cache group) where a GPU holds {self.layer_page_bytes:,} bytes "
+                f"a block a layer; the scheduler plans with the real pages ({self.cpu_slots:,} CPU slots)")
 
 
 def fingerprint_plan(api: Any, vllm_config: Any, kv_cache_config: Any) -> FingerprintPlan:
@@ -80,13 +81,14 @@ def fingerprint_plan(api: Any, vllm_config: Any, kv_cache_config: Any) -> Finger
     page = max(int(spec.page_size_bytes) for _, spec in specs.values())
     columns = max(len(group.layer_names) for group in config.kv_cache_groups)
     real = api.kv_layer_specs(kv_cache_config)
-    real_page = sum(int(spec.page_size_bytes) for _, spec in real.values())
+    real_pages = [int(spec.page_size_bytes) for _, spec in real.values()]
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     block_size = int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
     blocks_per_chunk = max(1, int(extra.get("block_size") or block_size) // block_size)
     return FingerprintPlan(config, page, int(kv_cache_config.num_blocks), columns,
                            api.offloading_cpu_blocks(vllm_config, kv_cache_config), blocks_per_chunk,
-                           len(specs), len(real), len(specs), real_page, int(extra.get("cpu_bytes_to_use") or 0))
+                           len(specs), len(real), len(specs), sum(real_pages) // len(kv_cache_config.kv_cache_groups),
+                           int(extra.get("cpu_bytes_to_use") or 0), max(real_pages))
 
 
 def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: int,
@@ -102,6 +104,10 @@ def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: in
     kinds = {(layer.kind, layer.sliding_window, layer.draft, layer.num_kv_heads, layer.head_size)
              for layer in layout.layers}
     real_page = layout.page_bytes(block_size)
+    # a hybrid's groups alias their pages, so vLLM counts fewer bytes a block (more slots): checked exactly again
+    # once vLLM has planned the groups (fingerprint_plan)
     cpu_slots = cpu_bytes_to_use // max(1, real_page * blocks_per_chunk)
+    layer_page = real_page // len(layout.layers)
     return FingerprintPlan(None, FINGERPRINT_SLOT_BYTES * widest_block, gpu_blocks, 1, cpu_slots, blocks_per_chunk,
-                           len(kinds), len(layout.layers), len(kinds), real_page, cpu_bytes_to_use)
+                           len(kinds), len(layout.layers), len(kinds), real_page, cpu_bytes_to_use, layer_page)
+

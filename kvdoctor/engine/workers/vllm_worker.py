@@ -11,7 +11,6 @@ on a CPU (`copy_engine.py`, loaded by vLLM itself as `Kvdoctor<spec>`) or, with
 
 from __future__ import annotations
 
-import gc
 import itertools
 from typing import Any
 
@@ -173,6 +172,7 @@ class VllmWorker:
         CONTROLS.pop(self.control_id, None)
         # This run's KV tensors (a page per block per layer, and the copy engine's CPU tier) go with it: the
         # next variant allocates its own (kept, three variants of a real model's pool tripled the peak).
+        if self.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
+            self.engine.gpu_tensors, self.engine.cpu_tensors, self.engine.stored = [], [], {}
         self.control.engine = None
         self.engine = self.model = self.kv_caches = self.connector = self._v2 = None
-        gc.collect()  # the copy engine and vLLM's worker hold each other: free the tensors before the next run
