@@ -5,11 +5,11 @@ Runs, each in a fresh process, on the CLI's default worker (vLLM's worker-role c
   repro queued-abort --model <Llama-3.1-8B config> --block-size 16 --num-gpu-blocks-override N
         --kv-offloading-size 64 --kv-offloading-backend native
 (the issue's command as given: every logic variant, each freeing its KV tensors before the next)
-for N in 20,000 and 1,000,000, then Qwen3-0.6B at 1,000 blocks with --logic all (three variants, each freeing
-its KV tensors before the next), and prints the outcome, exit code, worker, wall time and peak RSS.
+for N in 20,000 and 1,000,000, the same with Gemma-3-27B (sliding + full: 7 groups) at 1,000,000, then
+Qwen3-0.6B at 1,000 blocks with --logic all, and prints the outcome, exit code, worker, wall time and peak RSS.
 Target: peak RSS under 2 GB; an OOM kill (exit 137) is the defect this guards against.
 Measured on 0.26.0 (2 loaded cores): 20,000 blocks 1.02 GB, 10^6 blocks 1.46 GB (1.30 GB with --logic installed),
-Qwen3-0.6B --logic all 1.02 GB (before: OOM-killed at 21.8 GB, and 4.7 GB).
+Gemma-3-27B 10^6 blocks 1.46 GB, Qwen3-0.6B --logic all 1.02 GB (before: OOM-killed at 21.8 GB, and 4.7 GB).
 
     PYTHONPATH=. python benchmarks/bench_model_memory.py [--blocks 20000,1000000]
 """
@@ -29,6 +29,7 @@ TARGET_BYTES = 2 << 30
 
 
 QWEN = ROOT / "tests" / "data" / "configs" / "qwen3-0.6b"
+GEMMA = ROOT / "tests" / "data" / "configs" / "gemma-3-27b"
 
 
 def measure(blocks: int, model: Path = LLAMA, extra: tuple[str, ...] = ("--kv-offloading-size", "64",
@@ -54,6 +55,9 @@ def main() -> int:
         row = measure(blocks)
         worst = max(worst, row["peak_rss_mb"] << 20)
         print(row, flush=True)
+    row = measure(1_000_000, GEMMA)  # a hybrid: 7 KV cache groups, their fingerprints aliasing one allocation
+    worst = max(worst, row["peak_rss_mb"] << 20)
+    print(row, flush=True)
     row = measure(1000, QWEN, ("--logic", "all"))
     worst = max(worst, row["peak_rss_mb"] << 20)
     print(row, flush=True)

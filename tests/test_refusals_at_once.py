@@ -77,6 +77,17 @@ def test_a_spec_name_this_vllm_lacks_names_the_field():
 
 
 @pytest.mark.vllm
+def test_a_recipes_spec_name_this_vllm_lacks_names_its_file_and_line(tmp_path):
+    # the same refusal from a recipe's [setup]: its file and line, before any scenario runs
+    source = (ROOT / "repros" / "queued-abort.toml").read_text()
+    path = tmp_path / "spec.toml"
+    path.write_text(source.replace("gpu_blocks = 8", 'gpu_blocks = 8\nspec_name = "NoSuchSpec"', 1))
+    at = path.read_text().splitlines().index('spec_name = "NoSuchSpec"') + 1
+    err = _refused("repro", str(path), "--worker", "simulated", within=120)
+    assert f"spec.toml:{at}: spec_name 'NoSuchSpec'" in err
+
+
+@pytest.mark.vllm
 def test_audit_runs_the_rest_when_one_recipe_needs_more_than_the_users_settings(api):
     """--kv-offloading-size 64: the tiering recipe would map a 64 GiB tier (untested, with the reason); the
     others run (on the simulated worker where vLLM's cannot map it here, saying so). Was: exit 2, nothing run."""

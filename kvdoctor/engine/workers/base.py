@@ -1,7 +1,7 @@
 """The worker seam: what the harness asks of whatever stands where vLLM's GPU worker runs.
 
 Two implementations: `SimulatedTransfers` (bookkeeping only, the fast mode for explore)
-and `VllmWorker` (vLLM's worker-role connector, real KV bytes, kvdoctor's copy engine).
+and `VllmWorker` (vLLM's worker-role connector, KV bytes as fingerprints, kvdoctor's copy engine).
 The harness talks to this protocol only: it hands each step's scheduler output over and
 gets back the `KVConnectorOutput` for `ModelRunnerOutput`, plus what the step did.
 Recipe steps use the hold / complete / fail capabilities.

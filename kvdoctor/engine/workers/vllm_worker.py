@@ -1,4 +1,4 @@
-"""vLLM's worker side for real: the WORKER-role OffloadingConnector on real KV tensors.
+"""vLLM's worker side for real: the WORKER-role OffloadingConnector on KV tensors of fingerprints.
 
 Each step goes through the connector calls of the model runner a deployment would use:
 V1 `GPUModelRunner` (`handle_preemptions`, then `KVConnectorModelRunnerMixin`'s
@@ -7,6 +7,7 @@ Runner V2's `ActiveKVConnector` (`pre_forward` / `post_forward` / `no_forward`).
 forward is kvdoctor's toy model (`toy_model.py`); transfers are kvdoctor's copy engine
 on a CPU (`copy_engine.py`, loaded by vLLM itself as `Kvdoctor<spec>`) or, with
 `--device cuda`, vLLM's own `CPUOffloadingSpec` worker doing CUDA copies, unchanged.
+On a CPU the KV bytes are fingerprints sized by what the content checks need (`fingerprint.py`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,9 @@ class VllmWorker:
         extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
         extra[CONTROL_KEY] = self.control_id
         check_attention_only(api, self.kv_cache_config)  # before vLLM's connector sees the caches
-        # The worker's KV tensors hold fingerprints (FINGERPRINT_SLOT_BYTES a token slot, one layer per group)
-        # where a GPU holds the model's pages: the content checks need to tell a slot's tokens apart, not its
-        # keys. The scheduler plans with the real config (page sizes, groups, blocks, CPU blocks); the CPU tier
-        # keeps the scheduler's slot count, each slot fingerprint-sized.
-        # With --device cuda, vLLM's own CUDA worker runs over the model's real pages (the GPU's memory).
+        # The worker's KV tensors hold fingerprints (16 bytes a token slot, one layer a group) where a GPU holds
+        # the model's pages; the scheduler plans with the real config and the CPU tier keeps its slot count
+        # (fingerprint.py). With --device cuda, vLLM's own CUDA worker runs over the real pages (GPU memory).
         self.fingerprint = None if device == "cuda" else fingerprint_plan(api, self.vllm_config, self.kv_cache_config)
         self.worker_kv_cache_config = self.kv_cache_config
         if self.fingerprint is not None:
@@ -170,8 +169,8 @@ class VllmWorker:
         except Exception:  # noqa: BLE001 - a crashed run may not shut down cleanly
             pass
         CONTROLS.pop(self.control_id, None)
-        # This run's KV tensors (a page per block per layer, and the copy engine's CPU tier) go with it: the
-        # next variant allocates its own (kept, three variants of a real model's pool tripled the peak).
+        # This run's KV tensors (a fingerprint page per block, and the copy engine's CPU tier) go with it: the
+        # next variant allocates its own (kept, three variants of a pool tripled the peak).
         if self.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
             self.engine.gpu_tensors, self.engine.cpu_tensors, self.engine.stored = [], [], {}
         self.control.engine = None
