@@ -207,3 +207,19 @@ def test_a_release_counts_as_fixed_only_where_a_run_earned_it():
     for row in _rows():
         if row.coverage_class == "not_reached":
             assert not row.earns_fixed, row
+
+
+def test_audit_summary_gives_no_verdict_only_to_a_bug_no_recipe_decided():
+    """K7 on 0.27.0: one recipe not_reached, the other reproduced. The bug has its verdict (it reproduces);
+    the summary's "no verdict" is for a bug none of whose recipes reached its site."""
+    from kvdoctor.report.tables import audit_summary
+
+    def row(bug, outcome):
+        return SimpleNamespace(bug=bug, installed=SimpleNamespace(outcome=Outcome(outcome)))
+
+    report = SimpleNamespace(rows=[row("K7", "not_reached"), row("K7", "reproduced"), row("K12", "not_reached")],
+                             reproducing={"K7": ["mamba-swa-diverged-hit-load"]}, vllm_version="0.27.0",
+                             upgrade_hint=None)
+    text = audit_summary(report)
+    assert text.startswith("1 of 2 known bugs reproduce on vLLM 0.27.0")
+    assert text.endswith("; no verdict: K12 not_reached") and "K7 not_reached" not in text

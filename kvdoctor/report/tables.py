@@ -376,8 +376,9 @@ def audit_summary(report: Any) -> str:
     if hint is not None:
         left = hint.still_reproducing
         text += f"; upgrading to {hint.release} fixes " + ("all" if not left else "all but " + ", ".join(left))
+    # a bug another of its recipes reproduced has its verdict; only one without any is "no verdict"
     unsure = [f"{row.bug} {row.installed.outcome.value}" for row in report.rows
-              if row.installed.outcome.value in _INCONCLUSIVE]
+              if row.installed.outcome.value in _INCONCLUSIVE and row.bug not in reproducing]
     if unsure:
         text += "; no verdict: " + ", ".join(unsure)
     return text
