@@ -405,12 +405,13 @@ class SiteTracer:
         """A global trace function that gives each frame of a site code object its own line tracer: one
         closure per call, holding the statement it is in, so a line event outside the site costs one
         dict lookup and no other call (the tracer runs on every line of the site's function)."""
-        starts = self.site.starts
+        # keyed by id: a code object's own hash walks its constants, and this runs on every call
+        starts = {id(code): lines for code, lines in self.site.starts.items()}
         hit = self._hit
 
         def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
             code = frame.f_code
-            lines = starts.get(code)
+            lines = starts.get(id(code))
             if lines is None:
                 return previous(frame, event, arg) if previous is not None else None
             current: int | None = None  # first line of the site statement this frame is in
