@@ -161,3 +161,66 @@ def test_every_builtin_recipe_names_a_crash_site():
     from kvdoctor.recipes.builtins import builtin_names, load_builtin
 
     assert all(load_builtin(name).signature.crash_site() for name in builtin_names())
+
+
+# -- the measured release table (kvdoctor/data/release_outcomes.toml): pure data, no vLLM -----------
+
+def _rows():
+    from kvdoctor.matrix import data
+
+    return data.load()
+
+
+def test_no_measured_recipe_ends_not_reproduced_without_reaching_its_site():
+    """On every release in the table, a `not_reproduced` row is one whose run reached the recipe's crash
+    site and it held, or whose site is gone from that release's source: never a run that did not get
+    there (that is `not_reached`)."""
+    rows = _rows()
+    assert rows, "kvdoctor/data/release_outcomes.toml holds no measurements"
+    unearned = [f"{r.release} {r.recipe}: {r.coverage}" for r in rows
+                if r.outcome == "not_reproduced" and r.coverage_class not in ("held", "gone")]
+    assert not unearned, unearned
+
+
+def test_every_measured_row_records_coverage_that_agrees_with_its_outcome():
+    """Each row carries its run's coverage line, and the line agrees with the outcome: reproduced where
+    the site fired, not_reached where the run never reached it (and only there)."""
+    agree = {"reproduced": {"fired"}, "not_reproduced": {"held", "gone"}, "not_reached": {"not_reached"},
+             "other_failure": {"fired", "held", "not_reached", "gone"},
+             "setup_error": {"held", "not_reached", "gone"}, "not_applicable": {None, "not_reached", "gone"}}
+    wrong = [f"{r.release} {r.recipe}: {r.outcome} with '{r.coverage}'" for r in _rows()
+             if r.coverage_class not in agree.get(r.outcome, set())]
+    assert not wrong, wrong
+
+
+def test_a_release_counts_as_fixed_only_where_a_run_earned_it():
+    """The upgrade hint counts a bug fixed at a release only where every one of its recipes reached its
+    site and held there, or the site is gone (`earns_fixed`); a not_reached row never earns it."""
+    from kvdoctor.matrix.data import OutcomeRow
+
+    base = dict(release="0.27.0", recipe="r", bug="K7", failure_site=None, measured_on="2026-12-04",
+                kvdoctor_version="0")
+    assert OutcomeRow(outcome="not_reproduced", coverage="reached 2x: held (closest: 64 <= 64)", **base).earns_fixed
+    assert OutcomeRow(outcome="not_reproduced", coverage="site gone: no statement", **base).earns_fixed
+    assert not OutcomeRow(outcome="not_reached", coverage="not reached: the run executed x 2x", **base).earns_fixed
+    assert not OutcomeRow(outcome="not_reproduced", coverage=None, **base).earns_fixed
+    for row in _rows():
+        if row.coverage_class == "not_reached":
+            assert not row.earns_fixed, row
+
+
+def test_audit_summary_gives_no_verdict_only_to_a_bug_no_recipe_decided():
+    """K7 on 0.27.0: one recipe not_reached, the other reproduced. The bug has its verdict (it reproduces);
+    the summary's "no verdict" is for a bug none of whose recipes reached its site."""
+    from kvdoctor.report.tables import audit_summary
+
+    def row(bug, outcome):
+        return SimpleNamespace(bug=bug, installed=SimpleNamespace(outcome=Outcome(outcome)))
+
+    report = SimpleNamespace(rows=[row("K7", "not_reached"), row("K7", "reproduced"), row("K12", "not_reached"),
+                                   row("K12", "not_reached")],
+                             reproducing={"K7": ["mamba-swa-diverged-hit-load"]}, vllm_version="0.27.0",
+                             upgrade_hint=None)
+    text = audit_summary(report)
+    assert text.startswith("1 of 2 known bugs reproduce on vLLM 0.27.0")
+    assert text.endswith("; no verdict: K12 not_reached") and "K7 not_reached" not in text  # once a bug

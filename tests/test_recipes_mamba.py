@@ -1,5 +1,6 @@
-"""The Mamba "align" recipe (K7) on vLLM's real scheduler, under every logic variant and both
-scheduling modes, and the `prefix_match_unit` setup key it needs.
+"""The Mamba "align" recipes (K7) on vLLM's real scheduler: the mid-block hit under every logic variant
+and both scheduling modes, and the `prefix_match_unit` setup key it needs; the diverged hit on a Mamba +
+sliding-window hybrid (mamba-swa-diverged-hit-load), against the measured release table.
 
 One vLLM import and one `repro --logic all` per scheduling mode for the module. Outcomes per
 release are measurements (kvdoctor repro on each release's environment, 2026-12-04); a release
@@ -13,6 +14,7 @@ import pytest
 from kvdoctor import app
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import RecipeError, UsageError
+from kvdoctor.matrix import data
 from kvdoctor.matrix.data import coverage_class
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes import requirements
@@ -22,6 +24,7 @@ from kvdoctor.recipes.loader import load_recipe_text
 from .conftest import expected_for
 
 K7 = "mamba-align-midblock-hit-load"
+K7_DIVERGED = "mamba-swa-diverged-hit-load"
 LOGICS = ("installed", "fixed", "unpatched")
 MODES = (False, True)
 R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
@@ -69,6 +72,38 @@ def test_k7_recipe_states_its_trigger():
     assert set(recipe.requires) == {"setup:own_geometry", "cache_config_field:prefix_match_unit"}
     assert (recipe.signature.exception, recipe.signature.function) == ("AssertionError", "update_state_after_alloc")
     assert recipe.signature.callers == ("schedule",)
+
+
+def test_k7_diverged_recipe_states_its_trigger():
+    recipe = load_builtin(K7_DIVERGED)
+    assert recipe.bug == "K7" and any("52807" in ref for ref in recipe.refs)
+    assert recipe.setup["layout"] == "mamba-swa-hybrid" and recipe.setup["mamba_cache_mode"] == "align"
+    assert (recipe.setup["block_size"], recipe.setup["blocks_per_chunk"], recipe.setup["gpu_blocks"]) == (64, 1, 14)
+    assert recipe.requires == ("setup:own_geometry",)
+    assert recipe.signature.crash_site() == ("update_state_after_alloc", "num_locally_computed_tokens <= "
+                                             "num_locally_computed_gpu_blocks * tokens_per_block")
+    # the summary says why no path reaches K7's case where the run ends not_reached
+    assert "supports_divergent_local_hybrid_hits" in recipe.summary
+
+
+def test_k7_counts_fixed_only_where_every_recipe_earned_it():
+    """K7 reproduces on 0.26.0-0.27.0 (by one recipe or the other): audit's upgrade hint names a release as
+    fixing K7 only where both K7 recipes reached the scan and held, or the scan is gone there; a release
+    where either run ended not_reached is never that release."""
+    from kvdoctor.matrix.known import first_release_not_reproducing, upgrade_hint
+
+    rows = data.load()
+    k7 = {name: {r.release: r for r in rows if r.recipe == name} for name in (K7, K7_DIVERGED)}
+    if not all(k7.values()):
+        pytest.skip("the release table holds no K7 measurements")
+    for installed in sorted({r.release for r in rows if r.bug == "K7" and r.outcome == "reproduced"}):
+        hint = upgrade_hint({"K7": [K7, K7_DIVERGED]}, installed)
+        if hint is None or "K7" in hint.still_reproducing:
+            continue
+        assert all(k7[name][hint.release].earns_fixed for name in k7), (installed, hint)
+    for name in k7:
+        fix = first_release_not_reproducing(name)
+        assert fix is None or k7[name][fix.release].earns_fixed, (name, fix)
 
 
 _BASE = """[recipe]
@@ -181,3 +216,29 @@ def test_k7_with_vllms_worker_is_refused_in_one_line(api):
     with pytest.raises(UsageError, match="layout mamba-hybrid has a Mamba layer, and kvdoctor's toy model writes "
                                          "attention KV only"):
         app.repro(K7, {"worker": "vllm", "device": "cpu"}, "installed")
+
+
+# -- the diverged hit (mamba-swa-diverged-hit-load): one run, checked against the measured table ------
+
+@pytest.fixture(scope="module")
+def diverged(api):
+    return app.repro(K7_DIVERGED, {}, "installed").results[0]
+
+
+@pytest.mark.vllm
+def test_k7_diverged_hit_matches_the_release_table(diverged, api):
+    """The run ends as kvdoctor measured it on this release (outcome and what it did at the scan): where it
+    reproduces, the sliding-window group's fresh block below the 256-token mark fired the assertion."""
+    rows = [r for r in data.load() if r.release == api.version_text and r.recipe == K7_DIVERGED]
+    if not rows:
+        pytest.skip(f"kvdoctor/data/release_outcomes.toml has no {K7_DIVERGED} row for vLLM {api.version_text}")
+    row, run = rows[0], diverged
+    assert run.outcome.value == row.outcome, f"{run.outcome.value} ({run.detail}), measured {row.outcome}"
+    assert run.coverage is not None and coverage_class(run.coverage.line()) == row.coverage_class, run.coverage.line()
+    if run.outcome is R:
+        assert run.failure.function == "update_state_after_alloc"
+        assert run.coverage.closest == "256 <= 192"  # index 3 of the sliding-window group, below 256
+    elif run.outcome is Outcome.NOT_REACHED:
+        assert "sliding_window_size_in_chunks is not None" in run.detail
+    else:
+        assert run.outcome is N and run.detail.startswith(("site gone: ", "reached "))

@@ -309,7 +309,7 @@ class SiteTracer:
         self._tool: int | None = None
         self._hooked: list[tuple[type, Any]] = []
 
-    # one line event in a site code object
+    # one line event in a site code object (3.12+: sys.monitoring gives no per-frame state to keep it in)
     def _line(self, frame: FrameType, code: CodeType, lineno: int) -> None:
         start = self.site.starts[code].get(lineno)
         key = id(frame)
@@ -319,6 +319,10 @@ class SiteTracer:
         if self._last.get(key) == start:
             return  # another line of the statement being executed
         self._last[key] = start
+        self._hit(frame, code, start)
+
+    # the site statement starting at `start` begins to execute in `frame`
+    def _hit(self, frame: FrameType, code: CodeType, start: int) -> None:
         self.coverage.executed += 1
         if self.site.when is not None:
             try:
@@ -398,23 +402,31 @@ class SiteTracer:
             setattr(klass, self.site.function, functools.wraps(original)(traced))
 
     def _global_trace_function(self, previous: Any) -> Any:
-        codes = self._codes
-        on_line = self._line
-        last = self._last
+        """A global trace function that gives each frame of a site code object its own line tracer: one
+        closure per call, holding the statement it is in, so a line event outside the site costs one
+        dict lookup and no other call (the tracer runs on every line of the site's function)."""
+        # keyed by id: a code object's own hash walks its constants, and this runs on every call
+        starts = {id(code): lines for code, lines in self.site.starts.items()}
+        hit = self._hit
 
-        def local(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line":
-                on_line(frame, frame.f_code, frame.f_lineno)
-            elif event == "return":
-                last.pop(id(frame), None)
+        def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
+            code = frame.f_code
+            lines = starts.get(id(code))
+            if lines is None:
+                return previous(frame, event, arg) if previous is not None else None
+            current: int | None = None  # first line of the site statement this frame is in
+
+            def local(frame: FrameType, event: str, arg: Any) -> Any:
+                nonlocal current
+                if event == "line":
+                    start = lines.get(frame.f_lineno)
+                    if start is not None and start != current:
+                        hit(frame, code, start)
+                    current = start
+                return local
+
             return local
 
-        if previous is None:
-            def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
-                return local if frame.f_code in codes else None
-        else:
-            def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
-                return local if frame.f_code in codes else previous(frame, event, arg)
         return global_trace
 
     # 3.11 where the site's function cannot be hooked (a staticmethod, a wrapped function): a global trace

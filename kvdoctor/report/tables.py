@@ -377,8 +377,9 @@ def audit_summary(report: Any) -> str:
         left = hint.still_reproducing
         text += f"; upgrading to {hint.release} fixes " + ("all" if not left else "all but " + ", ".join(left))
     text += getattr(report, "level_note", "")  # --engine core|serve: the recipes that level cannot play
-    unsure = [f"{row.bug} {row.installed.outcome.value}" for row in report.rows
-              if row.installed.outcome.value in _INCONCLUSIVE]
+    # a bug another of its recipes reproduced has its verdict; only one without any is "no verdict"
+    unsure = list(dict.fromkeys(f"{row.bug} {row.installed.outcome.value}" for row in report.rows
+                                if row.installed.outcome.value in _INCONCLUSIVE and row.bug not in reproducing))
     if unsure:
         text += "; no verdict: " + ", ".join(unsure)
     return text
