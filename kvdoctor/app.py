@@ -25,7 +25,7 @@ class ReproReport:
     results: list[Any] = field(default_factory=list)  # RunResult
     command: str = ""
     # From kvdoctor's release measurements (kvdoctor.matrix.known), shown as a hint, never the verdict.
-    release_hint: Any = None  # KnownFix | None
+    fixed_in: Any = None  # FixedIn | None
 
     @property
     def kv_plan(self) -> Any:
@@ -160,7 +160,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
                              f"runs --logic installed only)")
         from kvdoctor.engine.core.serve import repro_serve
 
-        return repro_serve(recipe, setup, command=command, release_hint=_release_hint(recipe))
+        return repro_serve(recipe, setup, command=command, fixed_in=_fixed_in(recipe))
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")
     api = load_vllm()
@@ -171,7 +171,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
         from kvdoctor.engine.core.runner import run_core_scenario as run_scenario  # noqa: F811
 
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command,
-                         release_hint=_release_hint(recipe))
+                         fixed_in=_fixed_in(recipe))
     for done, variant in enumerate(variants):
         progress(done, len(variants), f"{recipe.name} under the {variant} logic")
         report.results.append(run_scenario(api, recipe, setup, variant, record_timeline=record_timeline))
@@ -228,7 +228,7 @@ class AuditRow:
     setup: Setup
     installed: Any  # RunResult
     fixed: Any  # RunResult
-    release_hint: Any = None  # KnownFix | None: measured on other releases, never the verdict
+    fixed_in: Any = None  # FixedIn | None: measured on other releases, never the verdict
     server_log: str = ""  # --engine serve: the server's own log
 
     @property
@@ -371,7 +371,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
 
             own = resolve_setup(recipe, {"worker": "simulated", "engine": engine})
             installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup)) for logic in ("installed", "fixed"))
-            report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _release_hint(recipe)))
+            report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _fixed_in(recipe)))
             continue
         if engine == "serve":
             report.rows.append(_serve_row(recipe, setup))
@@ -379,7 +379,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
         installed = run_scenario(api, recipe, setup, "installed", record_timeline=True)
         fixed = run_scenario(api, recipe, setup, "fixed")
         report.rows.append(AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]),
-                                    installed, fixed, _release_hint(recipe)))
+                                    installed, fixed, _fixed_in(recipe)))
     report.rows.sort(key=lambda row: (bug_order(row.bug), row.recipe.name))
     from kvdoctor.observe.metrics import MeasurementIncomplete, measure_prefix_sharing
 
@@ -413,7 +413,7 @@ def _serve_row(recipe: Recipe, setup: Setup) -> AuditRow:
     setup = serve_setup(setup)
     installed, log_text = run_serve(recipe, setup)
     fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
-    return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, _release_hint(recipe), server_log=log_text)
+    return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, _fixed_in(recipe), server_log=log_text)
 
 
 def check_spec_name(api: Any, recipe: Recipe, setup: Setup, overrides: dict[str, Any]) -> None:
@@ -442,12 +442,12 @@ def _audit_setup(recipe: Recipe, overrides: dict[str, Any], default_worker: str 
         return exc
 
 
-def _release_hint(recipe: Recipe) -> Any:
+def _fixed_in(recipe: Recipe) -> Any:
     """The first release where kvdoctor measured a built-in recipe stop reproducing, if any."""
     if not recipe.builtin:
         return None
-    from kvdoctor.matrix.known import first_release_not_reproducing
+    from kvdoctor.matrix.known import fixed_in
 
-    return first_release_not_reproducing(recipe.name)
+    return fixed_in(recipe.name)
 
 

@@ -265,12 +265,12 @@ def test_a_fragment_without_a_whole_traceback_gets_a_starting_recipe():
 
 def test_the_fixing_release_is_in_text_json_and_report():
     from kvdoctor.diagnose.app import diagnose
-    from kvdoctor.matrix.known import first_release_not_reproducing
+    from kvdoctor.matrix.known import fixed_in
     from kvdoctor.report.diagnose import diagnose_document, match_lines, render_diagnose_markdown
 
     # what the release-outcomes data says (kvdoctor's own matrix runs), looked up by recipe name
-    k1 = first_release_not_reproducing("queued-abort")
-    k6 = first_release_not_reproducing("offload-keys-lag-blocks")
+    k1 = fixed_in("queued-abort")
+    k6 = fixed_in("offload-keys-lag-blocks")
     assert (k1.release, k1.last_reproducing) == ("0.27.0", "0.26.0")
     assert (k6.release, k6.last_reproducing) == ("0.30.0", "0.29.0")
     report = diagnose(str(LOGS / "vllm-51013-k1-tail.log"), run=False)

@@ -58,7 +58,7 @@ def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api):
     assert report.installed_vllm == api.version_text
     assert "RECIPE = json.loads" in report.script  # the exported standalone reproducer
     # the fixing release, from kvdoctor's matrix measurements (release_outcomes.toml), on every run
-    fixes = {name: (fix.release, fix.last_reproducing) for name, fix in report.first_release_not_reproducing.items()}
+    fixes = {name: (fix.release, fix.last_reproducing) for name, fix in report.fixed_in.items()}
     assert fixes["queued-abort"] == ("0.27.0", "0.26.0") and fixes["offload-keys-lag-blocks"] == ("0.30.0", "0.29.0")
 
 

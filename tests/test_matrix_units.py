@@ -218,11 +218,11 @@ def test_hint_names_the_release_after_the_last_reproducing_one(tmp_path):
                                       ("0.28.0", "a", "not_reproduced"), ("0.26.0", "b", "reproduced"),
                                       ("0.34.0", "b", "reproduced"), ("0.26.0", "c", "not_reproduced"),
                                       ("0.26.0", "d", "reproduced"), ("0.27.0", "d", "other_failure"))))
-    assert known.first_release_not_reproducing("a", path) == ("0.27.0", "0.26.0", "2026-12-02", "0.1.0")
-    assert known.first_release_not_reproducing("b", path) is None  # still reproduces on the newest measured
-    assert known.first_release_not_reproducing("c", path) is None  # never reproduced
-    assert known.first_release_not_reproducing("d", path) is None  # no honest answer after it
-    assert known.first_release_not_reproducing("never-measured", path) is None
+    assert known.fixed_in("a", path) == ("0.27.0", "0.26.0", "2026-12-02", "0.1.0")
+    assert known.fixed_in("b", path) is None  # still reproduces on the newest measured
+    assert known.fixed_in("c", path) is None  # never reproduced
+    assert known.fixed_in("d", path) is None  # no honest answer after it
+    assert known.fixed_in("never-measured", path) is None
 
 
 def test_hint_only_where_the_next_release_reached_the_site_and_held(tmp_path):
@@ -237,9 +237,9 @@ def test_hint_only_where_the_next_release_reached_the_site_and_held(tmp_path):
             + _rows(("0.27.0", "c", "not_reproduced"), coverage={}))
     path.write_text(data.render(rows))
     assert sorted(data.load(path), key=repr) == sorted(rows, key=repr)
-    assert known.first_release_not_reproducing("a", path) is None
-    assert known.first_release_not_reproducing("b", path).release == "0.27.0"
-    assert known.first_release_not_reproducing("c", path) is None
+    assert known.fixed_in("a", path) is None
+    assert known.fixed_in("b", path).release == "0.27.0"
+    assert known.fixed_in("c", path) is None
 
 
 def test_the_shipped_data_file_loads_and_names_known_releases():
@@ -253,8 +253,8 @@ def test_shipped_data_hints_where_queued_abort_stops():
     measured = {r.release for r in data.load() if r.recipe == "queued-abort"}
     if not {"0.26.0", "0.27.0"} <= measured:
         pytest.skip("queued-abort not measured on both 0.26.0 and 0.27.0")
-    hint = known.first_release_not_reproducing("queued-abort")
+    hint = known.fixed_in("queued-abort")
     assert (hint.release, hint.last_reproducing) == ("0.27.0", "0.26.0")
-    from kvdoctor.report.tables import release_hint_text
+    from kvdoctor.report.tables import fixed_in_text
 
-    assert release_hint_text(hint).startswith("upgrade hint: stops reproducing in vLLM 0.27.0 (last reproducing 0.26.0;")
+    assert fixed_in_text(hint).startswith("upgrade hint: stops reproducing in vLLM 0.27.0 (last reproducing 0.26.0;")

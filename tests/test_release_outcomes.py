@@ -116,11 +116,11 @@ def test_no_measured_not_reproduced_without_reaching_the_site(row):
 
 def test_fixed_in_only_where_earned():
     """The audit hint "stops reproducing in X" names a release whose run reached the site and held."""
-    from kvdoctor.matrix.known import first_release_not_reproducing
+    from kvdoctor.matrix.known import fixed_in
 
     rows = data.load()
     for name in builtin_names():
-        fix = first_release_not_reproducing(name)
+        fix = fixed_in(name)
         if fix is not None:
             row = next(r for r in rows if r.recipe == name and r.release == fix.release)
             assert row.earns_fixed, (name, row)

@@ -96,7 +96,7 @@ def test_audit_row_says_which_worker_ran_a_fallback_recipe():
     recipe = load_builtin(K9)
     setup = resolve_setup(recipe, {"worker": "vllm", "device": "cpu"}, worker_fallback=True)
     result = SimpleNamespace(outcome=Outcome.REPRODUCED, detail="")
-    row = SimpleNamespace(recipe=recipe, setup=setup, installed=result, fixed=result, release_hint=None, hint="")
+    row = SimpleNamespace(recipe=recipe, setup=setup, installed=result, fixed=result, fixed_in=None, hint="")
     label, text = row_next_steps(row)[-1]
     assert label == "worker" and text.startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
     row.setup = resolve_setup(recipe, {})

@@ -48,7 +48,7 @@ class DiagnoseReport:
     runs: list[RecipeRun] = field(default_factory=list)
     installed_vllm: str | None = None
     vllm_error: str = ""
-    first_release_not_reproducing: dict[str, Any] = field(default_factory=dict)  # recipe -> KnownFix | None
+    fixed_in: dict[str, Any] = field(default_factory=dict)  # recipe -> FixedIn | None
     starting_recipe: str = ""  # TOML, when no known bug matches a complete crash
     script: str = ""  # the exported standalone script of the best match
     command: str = ""
@@ -103,9 +103,9 @@ def _installed_version() -> str | None:
 def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
     """Per recipe: the first measured release where it stops reproducing and the last where it does
     (`kvdoctor matrix` measurements, `kvdoctor/data/release_outcomes.toml`); None when unknown."""
-    from kvdoctor.matrix.known import first_release_not_reproducing
+    from kvdoctor.matrix.known import fixed_in
 
-    return {recipe.name: first_release_not_reproducing(recipe.name) for recipe in recipes}
+    return {recipe.name: fixed_in(recipe.name) for recipe in recipes}
 
 
 def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str],
@@ -216,7 +216,7 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
                             installed_vllm=_installed_version())
-    report.first_release_not_reproducing = fixing_releases([c.recipe for c in match.candidates])
+    report.fixed_in = fixing_releases([c.recipe for c in match.candidates])
     if not match.candidates:
         if summary.crash is not None and not summary.crash.cut_short and innermost_vllm(summary.crash):
             report.starting_recipe = starting_recipe_toml(summary, overrides)

@@ -284,7 +284,7 @@ def _layers_of(config: dict[str, Any], directory: Path, window_override: int | N
 
 
 @dataclass
-class KvGroup:
+class KvCacheGroup:
     """One KV cache group as vLLM's planner made it (a compact, release-neutral description)."""
 
     index: int
@@ -312,7 +312,7 @@ class KvPlan:
     """What the planner built, and what kvdoctor had to say about it."""
 
     layout: KvLayout
-    groups: list[KvGroup]
+    groups: list[KvCacheGroup]
     num_blocks: int
     scheduler_block_size: int
     hash_block_size: int
@@ -401,7 +401,7 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
         notes.append(f"the pool of {setup.gpu_blocks} blocks is below what vLLM's start-up check asks for "
                      f"max_model_len={setup.max_model_len} (a server would refuse to start); planned with "
                      f"the check at max_model_len={checked_len}")
-    groups = [KvGroup(**api.describe_group(i, g)) for i, g in enumerate(scheduler_config.kv_cache_groups)]
+    groups = [KvCacheGroup(**api.describe_group(i, g)) for i, g in enumerate(scheduler_config.kv_cache_groups)]
     kinds = {(layer.kind, layer.sliding_window) for layer in layout.layers}
     if len(kinds) > 1 and len(groups) < len({k for k, _ in kinds}):
         notes.append(f"vLLM's planner merged {len(kinds)} layer kinds into {len(groups)} group(s): "

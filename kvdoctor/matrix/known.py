@@ -14,14 +14,14 @@ from kvdoctor.releases import KNOWN_RELEASES
 
 
 
-class KnownFix(NamedTuple):
+class FixedIn(NamedTuple):
     release: str  # first measured release where the recipe no longer reproduces
     last_reproducing: str  # the measured release before it, where it still does
     measured_on: str
     kvdoctor_version: str
 
 
-def first_release_not_reproducing(recipe_name: str, path: Path | None = None) -> KnownFix | None:
+def fixed_in(recipe_name: str, path: Path | None = None) -> FixedIn | None:
     """The first measured release after the last one where `recipe_name` reproduces (installed
     logic), when that release earned "fixed" (its run reached the crash site and it held, or the
     site is gone there); None when never measured, never reproducing, reproducing up to the newest
@@ -36,14 +36,14 @@ def first_release_not_reproducing(recipe_name: str, path: Path | None = None) ->
         return None
     for row in rows[last + 1:]:
         if row.earns_fixed:
-            return KnownFix(row.release, rows[last].release, row.measured_on, row.kvdoctor_version)
+            return FixedIn(row.release, rows[last].release, row.measured_on, row.kvdoctor_version)
         return None  # not reached, an error or setup_error right after: no honest answer
     return None
 
 
 class UpgradeHint(NamedTuple):
     """The measured release to upgrade to: the earliest newer release where the fewest of the
-    bugs reproducing here still reproduce (kvdoctor's measurements, a hint like KnownFix)."""
+    bugs reproducing here still reproduce (kvdoctor's measurements, a hint like FixedIn)."""
 
     release: str
     still_reproducing: tuple[str, ...]  # bug ids, catalogue order; () = it fixes all of them

@@ -169,7 +169,7 @@ def match_lines(report: Any) -> list[str]:
             out.append(f"  - {reason}")
         if first.gaps:
             out.append(f"  not confirmed: {'; '.join(first.gaps)}")
-        out.append(f"  {fix_text(report.first_release_not_reproducing.get(first.recipe.name))}")
+        out.append(f"  {fix_text(report.fixed_in.get(first.recipe.name))}")
     bugs = m.best_bugs
     if len(m.best) > 1 and len(bugs) == 1:
         out.append(f"the best matches are one bug ({bugs[0]}) reached by different paths; the simplest is run "
@@ -207,7 +207,7 @@ def run_lines(report: Any) -> list[str]:
             out.append(f"  {run.log_geometry_problem}")
         for result in run.results:
             out.append(f"  {result.logic:<10} {result.outcome.value:<15} {_why(result)}")
-        out.append(f"  {fix_text(report.first_release_not_reproducing.get(run.recipe.name))}")
+        out.append(f"  {fix_text(report.fixed_in.get(run.recipe.name))}")
     return out
 
 
@@ -241,7 +241,7 @@ def next_lines(report: Any) -> list[str]:
         return out
     recipe = report.runs[0].recipe if report.runs else report.match.best[0].recipe
     issues, fixes = _refs(recipe)
-    out = [f"{recipe.bug or recipe.name}: {fix_text(report.first_release_not_reproducing.get(recipe.name))}"]
+    out = [f"{recipe.bug or recipe.name}: {fix_text(report.fixed_in.get(recipe.name))}"]
     for ref in issues:
         out.append(f"upstream issue: {ref} {_ref_link(ref)}".rstrip())
     for ref in fixes:
@@ -324,7 +324,7 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         },
         "matches": [{"recipe": c.recipe.name, "bug": c.recipe.bug, "strength": c.strength, "why": c.why,
                      "score": c.score, "reasons": c.reasons, "not_confirmed": c.gaps, "wording": c.wording or None,
-                     "found_in": c.unit, **_fix_doc(report.first_release_not_reproducing.get(c.recipe.name))}
+                     "found_in": c.unit, **_fix_doc(report.fixed_in.get(c.recipe.name))}
                     for c in report.match.candidates],
         "no_match_reason": report.match.why_none or None,
         "holds_crash": report.summary.holds_crash,
@@ -338,7 +338,7 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         "runs": [{"recipe": r.recipe.name, "bug": r.recipe.bug, "geometry": r.geometry, "setup": r.setup.as_dict(),
                   "log_geometry_problem": r.log_geometry_problem or None,
                   "results": [{"logic": x.logic, "outcome": x.outcome.value, "why": _why(x)} for x in r.results],
-                  **_fix_doc(report.first_release_not_reproducing.get(r.recipe.name))}
+                  **_fix_doc(report.fixed_in.get(r.recipe.name))}
                  for r in report.runs],
         "vllm_error": report.vllm_error or None,
         "next": next_lines(report),

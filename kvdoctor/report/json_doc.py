@@ -47,7 +47,7 @@ def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
         "recipe": recipe_dict(report.recipe),
         "setup": setup_dict(report.setup, report.kv_plan),
         "results": [result_dict(r, with_timeline) for r in report.results],
-        "release_hint": release_hint_dict(getattr(report, "release_hint", None)),
+        "fixed_in": fixed_in_dict(getattr(report, "fixed_in", None)),
     }
 
 
@@ -56,7 +56,7 @@ def setup_dict(setup: Any, kv_plan: Any) -> dict[str, Any]:
     return {**setup.as_dict(), "kv_cache": kv_plan.as_dict() if kv_plan is not None else None}
 
 
-def release_hint_dict(hint: Any) -> dict[str, Any] | None:
+def fixed_in_dict(hint: Any) -> dict[str, Any] | None:
     """kvdoctor's measurement on other releases (a hint; the verdict is `results`)."""
     if hint is None:
         return None
@@ -88,7 +88,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
-                "release_hint": release_hint_dict(row.release_hint),
+                "fixed_in": fixed_in_dict(row.fixed_in),
             }
             for row in report.rows
         ],

@@ -168,7 +168,7 @@ def render_markdown(command: str, report: Any) -> str:
     decisive = report.decisive
     fixed = next((r for r in report.results if r.logic == "fixed"), None)
     cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
-    lines += _next_steps_section(next_steps(recipe, decisive.outcome.value, getattr(report, "release_hint", None),
+    lines += _next_steps_section(next_steps(recipe, decisive.outcome.value, getattr(report, "fixed_in", None),
                                             cap, decisive.detail))
     lines += _reproduce_section(report, command_line)
     for result in report.results:

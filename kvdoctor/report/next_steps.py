@@ -2,7 +2,7 @@
 
 Built from the recipe's own data (its `refs` and `workaround`) and, where the
 app carries it, the measured first release that no longer reproduces the bug
-(`first_fixed`, from `kvdoctor matrix`). Formatting only: nothing here decides
+(`fixed_in`, from `kvdoctor matrix`). Formatting only: nothing here decides
 an outcome, and no value is made up when the data has none.
 """
 
@@ -42,7 +42,7 @@ def upstream_text(recipe: Any) -> str:
     return "; ".join(parts)
 
 
-def first_fixed_text(value: Any) -> str:
+def fixed_in_line(value: Any) -> str:
     """The measured first release that stops reproducing it, as the app data carries it."""
     if value is None:
         return ""
@@ -65,12 +65,12 @@ def report_command(recipe: Any, command: str = "repro") -> str:
     return f"kvdoctor {command} {_recipe_ref(recipe)} --report issue.md"
 
 
-def next_steps(recipe: Any, outcome: str, first_fixed: Any = None, cap_prevents: bool | None = None,
+def next_steps(recipe: Any, outcome: str, fixed_in: Any = None, cap_prevents: bool | None = None,
                detail: str = "") -> list[tuple[str, str]]:
     """(label, text) lines for one verdict of one recipe; empty labels are never produced."""
     steps: list[tuple[str, str]] = []
     upstream = upstream_text(recipe)
-    fixed_in = first_fixed_text(first_fixed)
+    fixed_text = fixed_in_line(fixed_in)
     if outcome == "reproduced":
         if cap_prevents is True:
             steps.append(("fixed logic", "the PR #49146 cap prevents it"))
@@ -81,8 +81,8 @@ def next_steps(recipe: Any, outcome: str, first_fixed: Any = None, cap_prevents:
                           "the PR #49146 cap does not prevent it: a different bug (no upstream fix named yet)"))
         if upstream:
             steps.append(("upstream", upstream))
-        if fixed_in:
-            steps.append(("fixed in", fixed_in))
+        if fixed_text:
+            steps.append(("fixed in", fixed_text))
         if recipe.workaround:
             steps.append(("workaround", recipe.workaround))
         steps.append(("report it", f"{report_command(recipe)} (Markdown for the upstream issue: "

@@ -69,8 +69,8 @@ def why_lines(result: Any) -> list[str]:
     return parts or ["ran through; no failure"]
 
 
-def release_hint_text(hint: Any) -> str:
-    """A KnownFix as one line; says where it comes from, since it is not this run's verdict."""
+def fixed_in_text(hint: Any) -> str:
+    """A FixedIn as one line; says where it comes from, since it is not this run's verdict."""
     return (f"upgrade hint: stops reproducing in vLLM {hint.release} (last reproducing {hint.last_reproducing}; "
             f"kvdoctor {hint.kvdoctor_version} measurements of {hint.measured_on})")
 
@@ -230,7 +230,7 @@ def repro_renderables(report: Any) -> list[Any]:
     decisive = report.decisive
     fixed = next((r for r in report.results if r.logic == "fixed"), None)
     cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
-    steps = next_steps(report.recipe, decisive.outcome.value, getattr(report, "release_hint", None), cap,
+    steps = next_steps(report.recipe, decisive.outcome.value, getattr(report, "fixed_in", None), cap,
                        decisive.detail)
     rendered = next_steps_renderable(steps)
     if rendered is not None:
@@ -404,7 +404,7 @@ def audit_compact_renderables(report: Any) -> list[Any]:
              style="dim")]
     for row in report.rows:
         outcome = row.installed.outcome.value
-        hint = getattr(row, "release_hint", None)
+        hint = getattr(row, "fixed_in", None)
         fixed_in = hint.release if hint is not None and outcome == "reproduced" else ""
         items.append(Text.assemble(f"  {row.bug:<{bug_width}}  {row.recipe.name:<{name_width}}  ",
                                    outcome_text(outcome), " " * (outcome_width - len(outcome) + 2), fixed_in))
@@ -472,7 +472,7 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
 
     outcome = row.installed.outcome.value
     cap = row.fixed.outcome.value != "reproduced" if row.fixed is not None else None
-    steps = next_steps(row.recipe, outcome, getattr(row, "release_hint", None), cap, row.installed.detail)
+    steps = next_steps(row.recipe, outcome, getattr(row, "fixed_in", None), cap, row.installed.detail)
     if outcome == "reproduced":  # one "report one" line under the table instead of one per row
         steps = [(label, text) for label, text in steps if label != "report it"]
     fallback = getattr(getattr(row, "setup", None), "worker_fallback", None)

@@ -463,7 +463,7 @@ def serve_setup(setup: Any) -> Any:
 UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fixed logic is not played at serve"
 
 
-def repro_serve(recipe: Any, setup: Any, command: str = "", release_hint: Any = None) -> Any:
+def repro_serve(recipe: Any, setup: Any, command: str = "", fixed_in: Any = None) -> Any:
     """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
     from kvdoctor.app import ReproReport
     from kvdoctor.engine.compat import installed_vllm_version
@@ -471,7 +471,7 @@ def repro_serve(recipe: Any, setup: Any, command: str = "", release_hint: Any = 
     setup = serve_setup(setup)
     result, log_text = run_serve(recipe, setup)
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=installed_vllm_version() or "?", command=command,
-                         release_hint=release_hint)
+                         fixed_in=fixed_in)
     report.results.append(result)
     report.server_log = log_text  # type: ignore[attr-defined]
     return report
