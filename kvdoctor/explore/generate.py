@@ -127,7 +127,11 @@ class Geometry:
                if self.sync_load_budget_bytes else {}),
             **({"kv_transfer_fields": fields} if (fields := self.kv_transfer_fields()) else {}),
             **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
-            **({"multi_connector": True} if self.multi_connector else {}),
+            # the second connector's tier as small as the first's: the tiering spec maps its tier whole,
+            # and kvdoctor's 64 MiB default timed out in vLLM's mmap wait (measured on 0.34.0)
+            **({"multi_connector": True, "second_cpu_bytes_to_use": self.cpu_bytes_to_use}
+               if self.multi_connector and self.cpu_bytes_to_use else
+               {"multi_connector": True} if self.multi_connector else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
