@@ -22,6 +22,13 @@ setup's VllmConfig and KV cache plan as explore does (`BuildCache`). Part of
 explore's lead over the fresh-build loop is that reuse, not less overhead.
 
     .venv/bin/python benchmarks/bench_explore.py [--examples 400] [--seed 0] [--logic installed] [--repeat 5]
+
+`--vocabulary SECONDS` measures something else: one in-process search (one worker) for that long on the
+installed vLLM, with the vocabulary this release draws (the extension byte where it has sync loads), then
+prints examples, steps/s, and per feature how many runs drew it, their engine steps and the findings
+whose shrunk recipe has it (each finding also triaged, through vLLM's EngineCore too):
+
+    .venv-vllm-0.34/bin/python benchmarks/bench_explore.py --vocabulary 540 --seed 1
 """
 
 from __future__ import annotations
@@ -72,8 +79,66 @@ def bare_replay(api, traffic, cached_builds: bool = False) -> tuple[int, float]:
     return steps, time.perf_counter() - start
 
 
+FEATURES = {  # feature -> does a recipe's [setup] draw it?
+    "sync loads": lambda s: bool((s.get("extra_connector_config") or {}).get("sync_load_budget_bytes")),
+    "recompute policy": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_load_failure_policy") == "recompute",
+    "prefix_match_unit": lambda s: bool(s.get("prefix_match_unit")),
+    "MultiConnector": lambda s: bool(s.get("multi_connector")),
+    "kv_consumer": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_role") == "kv_consumer",
+    "kv_producer": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_role") == "kv_producer",
+    "tiering spec": lambda s: s.get("spec_name") == "TieringOffloadingSpec",
+    "swa-full": lambda s: s.get("layout") == "swa-full",
+    "mamba-hybrid": lambda s: s.get("layout") == "mamba-hybrid",
+    "eagle-pair": lambda s: s.get("layout") == "eagle-pair",
+    "async": lambda s: bool(s.get("async_scheduling")),
+}
+
+
+def vocabulary(seconds: float, seed: int, logic: str) -> int:
+    """One bounded search: examples, steps/s and, per feature, runs, steps and findings."""
+    import tempfile
+    from pathlib import Path
+
+    from kvdoctor.engine import compat
+    from kvdoctor.explore.search import ExploreConfig, available_features, warm_up, worker_search
+
+    api = compat.load()
+    warm_up(api)
+    features = sorted(available_features(api))
+    traffic: list = []
+    start = time.perf_counter()
+    findings, stats = worker_search(api, ExploreConfig(seed=seed, logic=logic, time_budget=seconds), trace=traffic)
+    wall = time.perf_counter() - start
+    print(f"vLLM {api.version_text}, seed {seed}, logic {logic}, one worker, {seconds:g} s budget "
+          f"({wall:.0f} s wall); probed features: {', '.join(features) or 'none'}")
+    print(f"{stats.examples} examples (+{stats.shrink_examples} while shrinking), {stats.runs} runs, "
+          f"{stats.scheduler_steps:,} engine steps = {stats.scheduler_steps / wall:,.0f} steps/s, "
+          f"{stats.invalid} refused by vLLM, {len(findings)} findings")
+    print(f"{'feature':18} {'runs':>6} {'steps':>8} findings")
+    for name, has in FEATURES.items():
+        runs = [(r, o) for r, o, _ in traffic if has(r.setup)]
+        found = [f.signature for f in findings if has(f.recipe.setup)]
+        print(f"{name:18} {len(runs):6d} {sum(o.scheduler_steps for _, o in runs):8,d} {', '.join(found) or '-'}")
+    if findings:
+        from kvdoctor.explore.triage import triage
+
+        facts = api.engine_core_facts()
+        with tempfile.TemporaryDirectory() as out:
+            from kvdoctor.explore.findings import write_findings
+
+            write_findings(findings, Path(out))
+            for finding in findings:
+                result = triage(api, finding, facts)
+                print(f"finding: {finding.label} ({finding.steps} steps, after {finding.elapsed_s:.0f} s)")
+                print(f"    triage: {result.line}")
+                print("    " + finding.recipe.summary.splitlines()[1] if finding.recipe.summary else "")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocabulary", type=float, default=None, metavar="SECONDS",
+                        help="one bounded search: examples, steps/s and findings per feature")
     parser.add_argument("--examples", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logic", default="installed")
@@ -81,6 +146,8 @@ def main() -> int:
     parser.add_argument("--no-freeze", dest="freeze", action="store_false",
                         help="skip gc.freeze() after the warm-up")
     args = parser.parse_args()
+    if args.vocabulary is not None:
+        return vocabulary(args.vocabulary, args.seed, args.logic)
 
     from kvdoctor.engine import compat
     from kvdoctor.explore.search import ExploreConfig, worker_search

@@ -1,9 +1,11 @@
 """explore's wider vocabulary and its triage, on the real scheduler: the tiering spec brings K2 into
 reach, a finding is rerun without the offloading connector, and its steps are checked against what
-vLLM's engine core can produce. Each search here is a few seconds."""
+vLLM's engine core can produce and replayed through vLLM's EngineCore. Each search here is a few
+seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from kvdoctor import app as application
 from kvdoctor.explore.generate import LAYOUTS, SPECS, TIERING, Example, Geometry, decode_geometry, to_recipe
 from kvdoctor.explore.search import ExploreConfig
-from kvdoctor.explore.triage import CANDIDATE, CORE, HARNESS, KNOWN, STARTUP, verdict
+from kvdoctor.explore.triage import CANDIDATE, CORE, HARNESS, KNOWN, SCHEDULER_ONLY, STARTUP, verdict
 from kvdoctor.observe.verdict import Outcome
 
 K2 = "KeyError in prepare_store"
@@ -80,16 +82,21 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     """vLLM defers block frees under async scheduling only with a KV-consumer connector, so the reset
     fails with it and not without it; EngineCore handles the utility call between batches, so a server
     can do this: a candidate upstream report, with its attachment."""
+    from kvdoctor.cli.explore_cmd import write_attachment
     from kvdoctor.explore.triage import triage
 
     wanted = expected(release)
     obs, finding = reset_finding(api, tmp_path)
     assert (obs.signature == RESET) == wanted[RESET], obs.detail
-    result = triage(api, finding)
+    result = triage(api, finding, write_attachment=write_attachment)
     assert result.without_connector == "does not reproduce"
     assert not result.harness_caused
     assert any("step_with_batch_queue" in note for note in result.reachable_notes), result.reachable_notes
     assert result.verdict == CANDIDATE
+    # vLLM's own EngineCore, stepping with its batch queue, fails the same utility call (measured on
+    # 0.26.0 and 0.34.0): the finding is the engine's, not only the scheduler harness'.
+    assert result.engine_core == "reproduced", result.engine_core_detail
+    assert "reproduced through vLLM's EngineCore" in result.line
     # The engine survives (a utility call's exception goes back to its caller), and the message's
     # "waiting for remote KV transfer" is not what the run shows: the async batch in flight is.
     assert result.impact.startswith("a call fails: the engine survives"), result.impact
@@ -100,6 +107,7 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     text = Path(result.report).read_text()
     assert "## Triage (kvdoctor explore)" in text and "RuntimeError" in text
     assert "- Impact: a call fails" in text and "- Diagnosis: " in text
+    assert "- Through vLLM's EngineCore (`--engine core`): reproduced through vLLM's EngineCore" in text
     no_connector = application.repro(finding.file, {"offloading": False}, "installed")
     assert no_connector.results[0].outcome is Outcome.NOT_REPRODUCED
 
@@ -110,6 +118,56 @@ def test_every_finding_is_triaged_in_the_json_document(search):
         doc = finding.as_dict()["triage"]
         assert doc["without_connector"] in ("reproduces", "does not reproduce", "fails otherwise", "not run")
         assert doc["verdict"]
+        assert doc["engine_core"] in ("reproduced", "not reproduced", "not playable", "not run", "fails otherwise")
+        assert "engine core can produce every step" not in finding.triage.line  # the unmeasured claim is gone
+
+
+def k1_finding(api, out: Path, logic: str = "installed"):
+    """K1's shrunk recipe as explore writes it (seed 0 on 0.26.0): one 1-token request on 1-token
+    blocks, aborted while queued, then one engine step."""
+    from kvdoctor.explore.findings import Finding, finding_recipe, write_findings
+    from kvdoctor.explore.runner import observe
+
+    recipe = to_recipe(Example(Geometry(1, 1, 4, 16, 256, False),
+                               (("add", ("tokens", 1), 1, None), ("abort", 0), ("schedule", 1))))
+    obs = observe(api, recipe, "installed")
+    finding = Finding(obs.signature or "", obs.kind, obs.detail, finding_recipe(recipe, obs, "test"), 0, 0, 0, 1,
+                      logic, api.version_text, 0, 0.0)
+    if obs.signature is not None:
+        write_findings([finding], out)
+    return obs, finding
+
+
+def test_k1_finding_is_replayed_through_vllms_engine_core(api, release, tmp_path):
+    """Triage replays a finding with --engine core: K1's shrunk recipe fails in vLLM's EngineCore as at
+    the scheduler level; under the fixed logic (its cap keeps the run off the assert) the engine core
+    runs it through, which triage says is not reproduced there."""
+    from kvdoctor.explore.triage import NOT_REPRODUCED_AT_CORE, REPRODUCED_AT_CORE, through_engine_core
+
+    if tuple(release) != (0, 26):
+        pytest.skip(f"K1's shrunk recipe is measured on vLLM 0.26 (the release with K1), not {release}")
+    obs, finding = k1_finding(api, tmp_path)
+    assert obs.signature == "AssertionError in _build_store_jobs", obs.detail
+    word, detail = through_engine_core(api, finding)
+    assert word == REPRODUCED_AT_CORE, detail
+    fixed = dataclasses.replace(finding, logic="fixed")
+    word, detail = through_engine_core(api, fixed)
+    assert word == NOT_REPRODUCED_AT_CORE, detail
+
+
+def test_a_step_the_engine_core_cannot_play_is_named(api, tmp_path):
+    """A drain under async scheduling is a scheduler-side liberty: the EngineCore replay is not
+    applicable, naming the step (decided before vLLM builds anything)."""
+    from kvdoctor.explore.findings import Finding
+    from kvdoctor.explore.triage import NOT_PLAYABLE_AT_CORE, Triage, through_engine_core
+
+    recipe = to_recipe(Example(Geometry(4, 1, 8, 16, 256, True),
+                               (("add", ("tokens", 5), 2, None), ("schedule", 1), ("drain",))))
+    finding = Finding("invariant x", "invariant", "", recipe, 0, 0, 0, 1, "installed", api.version_text, 0, 0.0)
+    word, detail = through_engine_core(api, finding)
+    assert (word, detail) == (NOT_PLAYABLE_AT_CORE, "`drain`")
+    label = Triage("does not reproduce", engine_core=word, engine_core_detail=detail).engine_core_label
+    assert label == "not playable at core: `drain`"
 
 
 def test_no_connector_setup_builds_no_connector_and_k1_needs_it(api):
@@ -161,6 +219,12 @@ def test_verdict_order():
     assert verdict("does not reproduce", [], None) == CANDIDATE
     assert verdict("does not reproduce", ["vLLM raised while building the scheduler and its connector"],
                    None) == STARTUP
+    # The EngineCore replay: an unknown finding the engine core plays and does not reproduce is the
+    # scheduler level's alone; a known bug keeps its label; a step it cannot play decides nothing.
+    assert verdict("does not reproduce", [], None, "not reproduced") == SCHEDULER_ONLY
+    assert verdict("does not reproduce", [], known, "not reproduced") == f"{KNOWN} K1 (queued-abort)"
+    assert verdict("does not reproduce", [], None, "not playable") == CANDIDATE
+    assert verdict("does not reproduce", [], None, "reproduced") == CANDIDATE
 
 
 def test_hybrid_geometries_fit_a_whole_length_request_in_both_groups():

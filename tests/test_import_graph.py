@@ -129,16 +129,5 @@ def _formatter_imports() -> list[Import]:
             if i.module == "kvdoctor.report" or i.module.startswith("kvdoctor.report.")]
 
 
-# explore/triage.py's `write_report` renders a Markdown attachment itself; its writing is moving
-# out to the CLI. Listed by file, so any other violation fails the test below.
-KNOWN = "kvdoctor/explore/triage.py"
-
-
 def test_application_code_never_imports_the_formatters():
-    assert [f"{i.file}:{i.line} imports {i.module}" for i in _formatter_imports() if i.file != KNOWN] == []
-
-
-@pytest.mark.xfail(strict=True, reason="explore2 moves it: explore/triage.py:write_report imports "
-                                       "kvdoctor.report.markdown; drop this marker when that lands")
-def test_explore_triage_imports_no_formatter():
-    assert [f"{i.file}:{i.line} imports {i.module}" for i in _formatter_imports() if i.file == KNOWN] == []
+    assert [f"{i.file}:{i.line} imports {i.module}" for i in _formatter_imports()] == []

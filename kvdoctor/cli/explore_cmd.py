@@ -48,8 +48,9 @@ def explore(
                          "real KV tensors, every run also checked for KV content.",
         rich_help_panel=SEARCH)] = "simulated",
     triage: Annotated[bool, typer.Option(
-        "--triage/--no-triage", help="Rerun each finding without the offloading connector and check that a real "
-                                     "engine core can produce its steps (on by default).",
+        "--triage/--no-triage", help="Rerun each finding without the offloading connector and through vLLM's "
+                                     "EngineCore, and check its steps against what an engine core can produce "
+                                     "(on by default).",
         rich_help_panel=SEARCH)] = True,
     out: Annotated[Path, typer.Option(
         "--out", help="Folder for the shrunk recipes, one file per failure signature.",
@@ -70,9 +71,10 @@ def explore(
     a known recipe's is labelled with that bug (K1, K4, ...).
 
     Each finding is then triaged: rerun without the offloading connector (a failure there too is
-    vLLM's core scheduler's), and its steps checked against what vLLM's engine core can produce. One
-    that survives both and is no known bug is a candidate upstream report, with its `repro --report`
-    attachment written beside its recipe."""
+    vLLM's core scheduler's), its steps checked against what vLLM's engine core can produce, and
+    replayed through vLLM's EngineCore (--engine core). One that survives all three and is no known
+    bug is a candidate upstream report, with its `repro --report` attachment written beside its
+    recipe."""
     def action() -> int:
         from kvdoctor.explore import app as explore_app
         from kvdoctor.explore.search import ExploreConfig
@@ -85,7 +87,8 @@ def explore(
         display = _Display(config, quiet_lines=fmt == "json")
         with display:
             report = explore_app.explore(config, out, command=command_line(),
-                                         on_progress=display.progress, on_finding=display.finding)
+                                         on_progress=display.progress, on_finding=display.finding,
+                                         write_attachment=write_attachment)
         from kvdoctor.cli import output
         from kvdoctor.report.formats import Shown
 
@@ -223,3 +226,36 @@ def _summary(report: Any) -> list[Any]:
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out
+
+
+def triage_markdown(result: Any) -> str:
+    """A finding's triage (`kvdoctor.explore.triage.Triage`) as the attachment's last section."""
+    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
+             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
+             + (f" ({result.without_connector_detail})" if result.without_connector_detail else ""),
+             f"- Through vLLM's EngineCore (`--engine core`): {result.engine_core_label}"]
+    if result.impact:
+        lines.append(f"- Impact: {result.impact}")
+    lines += [f"- Diagnosis: {note}" for note in result.diagnosis]
+    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
+    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
+    lines += [f"- Caveat: {note}" for note in result.caveats]
+    return "\n".join(lines) + "\n"
+
+
+def write_attachment(finding: Any, result: Any) -> str | None:
+    """`kvdoctor repro FILE --report` for a candidate finding's recipe, with its triage, written beside
+    the recipe (`<name>.report.md`); explore's application calls it, the formatting stays here."""
+    from kvdoctor import app as application
+    from kvdoctor.report.markdown import render_markdown
+
+    path = Path(finding.file)
+    target = path.with_suffix(".report.md")
+    replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
+    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
+    try:
+        target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
+                          encoding="utf-8")
+    except OSError:
+        return None
+    return str(target)

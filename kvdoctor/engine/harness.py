@@ -395,7 +395,7 @@ class Harness:
             events.new_load_jobs[jid] = job.req_id
             dst_spec = getattr(job, "dst_spec", None)
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
-                                dst_groups=self.api.block_ids_by_group(dst_spec)))
+                                dst_groups=self.api.block_ids_by_group(dst_spec), sync=self.api.load_is_sync(job)))
         sampled = self._sample(output)
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
         if self.companion is not None:
@@ -419,7 +419,7 @@ class Harness:
         for jid, job in loads.items():
             dst_spec = getattr(job, "dst_spec", None)
             jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
-                            dst_groups=self.api.block_ids_by_group(dst_spec)))
+                            dst_groups=self.api.block_ids_by_group(dst_spec), sync=self.api.load_is_sync(job)))
         flush = self.api.jobs_to_flush(metas[1]) if len(metas) > 1 else set()
         return jobs, flush
 

@@ -22,6 +22,9 @@ class Job:
     dst_block_ids: tuple[int, ...] = ()  # loads: the GPU blocks written (all groups: they share one pool)
     src_block_ids: tuple[int, ...] = ()  # stores: the GPU blocks read
     dst_groups: tuple[tuple[int, ...], ...] = ()  # loads: the same blocks, per KV cache group
+    # A sync load (vLLM 0.33+, `sync_load_budget_bytes`): vLLM's worker waits for it within the step that
+    # issued it and reports no finished_recving for it (its request already runs this step).
+    sync: bool = False
 
 
 @dataclass
@@ -46,7 +49,7 @@ class WorkerReport:
 
     @property
     def finished_recving(self) -> set[str]:
-        return {job.req_id for job in self.completed + self.failed if job.kind == "load"}
+        return {job.req_id for job in self.completed + self.failed if job.kind == "load" and not job.sync}
 
     @property
     def failed_loads(self) -> set[str]:
@@ -116,7 +119,9 @@ class SimulatedWorker:
         """Accept step `step`'s jobs and decide what its output reports."""
         for job in new_jobs:
             self.in_flight[job.job_id] = job
-            if not self.is_held(job):
+            if job.sync:  # waited for in its own step, as vLLM's worker does: never held
+                self._to_complete.add(job.job_id)
+            elif not self.is_held(job):
                 latency = self.load_latency_steps if job.kind == "load" else 0
                 self._due[job.job_id] = job.issued_step + latency
         self._to_complete.update(jid for jid, due in self._due.items() if due <= step)

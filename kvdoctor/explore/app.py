@@ -77,10 +77,13 @@ def hypothesis_storage() -> Iterator[None]:
 
 def explore(config: Any, out_dir: Path, command: str = "",
             on_progress: Callable[[Any], None] | None = None,
-            on_finding: Callable[[Any], None] | None = None, api: Any = None) -> ExploreReport:
+            on_finding: Callable[[Any], None] | None = None, api: Any = None,
+            write_attachment: Callable[[Any, Any], str | None] | None = None) -> ExploreReport:
     """Search (see `kvdoctor.explore.search`), writing each finding's recipe under `out_dir` (and,
     with one worker, triaging it and writing its report) as soon as it is shrunk: a run killed at its
-    time limit keeps what it found. `--time-budget` bounds the whole run from here: vLLM's import,
+    time limit keeps what it found. `write_attachment(finding, triage)`: writes a candidate's report
+    attachment beside its recipe (the CLI supplies it; formatting is not this module's job).
+    `--time-budget` bounds the whole run from here: vLLM's import,
     search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
     import dataclasses
 
@@ -110,7 +113,7 @@ def explore(config: Any, out_dir: Path, command: str = "",
 
             if not facts:
                 facts.append(api.engine_core_facts())
-            finding.triage = triage(api, finding, facts[0])
+            finding.triage = triage(api, finding, facts[0], write_attachment)
         if on_finding is not None:
             on_finding(finding)
 
@@ -134,7 +137,7 @@ def explore(config: Any, out_dir: Path, command: str = "",
     write_findings(result.findings, out_dir)  # merged across workers: each signature's smallest
     notes: list[str] = []
     if config.triage and result.findings:
-        skipped = triage_findings(result, config.stop_at)
+        skipped = triage_findings(result, config.stop_at, write_attachment)
         if skipped:
             notes.append(f"{skipped} finding(s) not triaged: the time budget was spent "
                          f"(triage one with a longer --time-budget, or replay it with kvdoctor repro FILE)")
@@ -142,7 +145,8 @@ def explore(config: Any, out_dir: Path, command: str = "",
                          notes=notes)
 
 
-def triage_findings(result: Any, stop_at: float | None = None) -> int:
+def triage_findings(result: Any, stop_at: float | None = None,
+                    write_attachment: Callable[[Any, Any], str | None] | None = None) -> int:
     """Triage every finding not yet triaged (see `kvdoctor.explore.triage`) while time is left before
     `stop_at`; returns how many were left untriaged."""
     from kvdoctor.engine import compat
@@ -158,7 +162,7 @@ def triage_findings(result: Any, stop_at: float | None = None) -> int:
     for index, finding in enumerate(pending):
         if stop_at is not None and time.time() >= stop_at:
             return len(pending) - index
-        finding.triage = triage(api, finding, facts)
+        finding.triage = triage(api, finding, facts, write_attachment)
     return 0
 
 

@@ -30,6 +30,19 @@ or a shipped hybrid one: swa-full with a drawn window, mamba-hybrid, eagle-pair)
 With two groups in one pool, the model length is what a request's blocks in both
 groups fit.
 
+Where the installed vLLM has the newest load machinery (synchronous loads,
+probed: `search.available_features`), one more geometry byte draws it and its
+neighbours, each through vLLM's own configuration path: the step's sync-load
+budget (`kv_connector_extra_config.sync_load_budget_bytes`: none, one chunk's
+KV, everything), `kv_load_failure_policy = "recompute"` (KVTransferConfig),
+a `prefix_match_unit` finer than the block (CacheConfig; two-group layouts
+only, where vLLM takes it: partial-tail hits), and the connector's deployment
+(a MultiConnector, or a P/D `kv_role` of kv_consumer / kv_producer). A release
+without sync loads draws none of it, so its examples (and the seeds measured on
+it) stay what they were. A sync load is never held or failed: the simulated
+worker, as vLLM's, completes it in the step that issued it and reports no
+finished_recving for it.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
@@ -72,6 +85,12 @@ class Geometry:
     # its hash and indexes hashes that have not arrived (cache_full_blocks), so an engine whose
     # hashes arrive late runs without GPU prefix caching (as K6's recipe does).
     enable_prefix_caching: bool = True
+    # The extension byte (`decode_extension`), drawn only where the release has sync loads:
+    sync_load_budget_bytes: int | None = None  # kv_connector_extra_config.sync_load_budget_bytes
+    kv_load_failure_policy: str | None = None  # KVTransferConfig.kv_load_failure_policy ("recompute")
+    prefix_match_unit: int | None = None  # CacheConfig.prefix_match_unit (two-group layouts)
+    multi_connector: bool = False  # vLLM's MultiConnector: the watched OffloadingConnector and another
+    kv_role: str | None = None  # KVTransferConfig.kv_role (None: kv_both)
 
     @property
     def groups(self) -> int:
@@ -89,6 +108,10 @@ class Geometry:
     def chunk_tokens(self) -> int:
         return self.block_size * self.blocks_per_chunk
 
+    def kv_transfer_fields(self) -> dict[str, Any]:
+        fields = {"kv_load_failure_policy": self.kv_load_failure_policy, "kv_role": self.kv_role}
+        return {key: value for key, value in fields.items() if value is not None}
+
     def setup_dict(self) -> dict[str, Any]:
         optional = {"cpu_bytes_to_use": self.cpu_bytes_to_use, "spec_name": self.spec_name, "layout": self.layout,
                     "sliding_window": self.sliding_window, "mamba_cache_mode": self.mamba_cache_mode}
@@ -100,6 +123,15 @@ class Geometry:
             **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
             **({} if self.enable_prefix_caching else {"enable_prefix_caching": False}),
+            **({"extra_connector_config": {"sync_load_budget_bytes": self.sync_load_budget_bytes}}
+               if self.sync_load_budget_bytes else {}),
+            **({"kv_transfer_fields": fields} if (fields := self.kv_transfer_fields()) else {}),
+            **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
+            # the second connector's tier as small as the first's: the tiering spec maps its tier whole,
+            # and kvdoctor's 64 MiB default timed out in vLLM's mmap wait (measured on 0.34.0)
+            **({"multi_connector": True, "second_cpu_bytes_to_use": self.cpu_bytes_to_use}
+               if self.multi_connector and self.cpu_bytes_to_use else
+               {"multi_connector": True} if self.multi_connector else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -137,6 +169,53 @@ WINDOW_BLOCKS = (4, 3, 6, 8, 2)  # swa-full's sliding window, in GPU blocks (una
 MAMBA_MODES = ("align",)
 GAPS = (0, 0, 1, 1, 2, 3, 5, 8)  # engine steps a server runs after an event, before the next one
 MIN_GPU_BLOCKS, MAX_GPU_BLOCKS = 4, 24
+
+# Features of the installed vLLM the extension byte draws (probed by `search.available_features`).
+SYNC_LOADS = "sync_load_budget_bytes"  # the offloading scheduler's config reads it from the extra config
+RECOMPUTE = "kv_load_failure_policy"  # a KVTransferConfig field
+PREFIX_MATCH_UNIT = "prefix_match_unit"  # a CacheConfig field
+EXTENSION_GATE = SYNC_LOADS  # the extension byte is drawn only where the release has this
+# The sync-load budget: none, one chunk's KV (a hit beyond it loads asynchronously), or everything.
+SYNC_BUDGETS = (None, "chunk", "all", None)
+ALL_BYTES = 1 << 40
+PREFIX_MATCH_DIVISORS = (None, 2, 4, None)  # prefix_match_unit = block_size / divisor
+ROLES = (None, "multi", "kv_consumer", "kv_producer")
+
+
+def kv_bytes_per_token(geometry: "Geometry") -> int:
+    """KV bytes one token takes in the geometry's layout (the sync-load budget is counted in them, as
+    the offloading scheduler counts its loads: tokens x kv_bytes_per_token)."""
+    from kvdoctor.engine.kv_layout import resolve_layout
+
+    layout = resolve_layout(None, geometry.layout, geometry.sliding_window)
+    return max(1, layout.page_bytes(geometry.block_size) // geometry.block_size)
+
+
+def decode_extension(geometry: "Geometry", byte: int, features: frozenset[str], worker: str = "simulated"
+                     ) -> "Geometry":
+    """The extension byte (bits: 0-1 the sync-load budget, 2 the recompute policy, 3-4 the
+    prefix_match_unit divisor, 5-6 the connector's deployment); 0 is the plain geometry, and a
+    feature the release lacks (or the geometry cannot take) is drawn as its default."""
+    changes: dict[str, Any] = {}
+    budget = SYNC_BUDGETS[byte & 3]
+    if budget is not None and SYNC_LOADS in features:
+        changes["sync_load_budget_bytes"] = (ALL_BYTES if budget == "all"
+                                             else geometry.chunk_tokens * kv_bytes_per_token(geometry))
+    if byte >> 2 & 1 and RECOMPUTE in features:
+        changes["kv_load_failure_policy"] = "recompute"
+    divisor = PREFIX_MATCH_DIVISORS[byte >> 3 & 3]
+    # vLLM takes a prefix_match_unit only with several KV cache groups, dividing every group's block
+    # size (a single group's hits land on its block: it refuses any other unit at start-up); swa-full's
+    # groups share the block size, Mamba's align mode grows its own block (not drawn).
+    if (divisor and PREFIX_MATCH_UNIT in features and geometry.layout == "swa-full"
+            and geometry.block_size % divisor == 0):
+        changes["prefix_match_unit"] = geometry.block_size // divisor
+    role = ROLES[byte >> 5 & 3]
+    if role == "multi" and worker == "simulated":  # vLLM's worker does not drive kvdoctor's second connector
+        changes["multi_connector"] = True
+    elif role in ("kv_consumer", "kv_producer"):
+        changes["kv_role"] = role
+    return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
 def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None) -> Geometry:
@@ -225,9 +304,11 @@ def event_fields(raw: bytes) -> tuple[int, int, int, int]:
 
 
 @lru_cache(maxsize=None)
-def raw_examples(max_events: int) -> st.SearchStrategy[Any]:
-    """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`."""
-    return st.tuples(st.binary(min_size=len(GEOMETRY_RANGES), max_size=len(GEOMETRY_RANGES)),
+def raw_examples(max_events: int, extended: bool = False) -> st.SearchStrategy[Any]:
+    """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
+    geometry byte, the extension (`decode_extension`), after the others."""
+    size = len(GEOMETRY_RANGES) + (1 if extended else 0)
+    return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=EVENT_BYTES, max_size=EVENT_BYTES),
                               min_size=1, max_size=max_events))
 
@@ -238,28 +319,36 @@ class Example:
     events: tuple[tuple[Any, ...], ...]
 
     @classmethod
-    def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated") -> "Example":
-        """The example hypothesis drew (`raw_examples`)."""
+    def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated",
+               features: frozenset[str] = frozenset()) -> "Example":
+        """The example hypothesis drew (`raw_examples`; an extension byte after the geometry's where
+        `features` holds the gate)."""
         geometry, events = raw
-        return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker)
+        extension = geometry[len(GEOMETRY_RANGES)] if len(geometry) > len(GEOMETRY_RANGES) else 0
+        return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
+                               features, extension)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, int, int, int]],
-                    specs: frozenset[str] | None = None, worker: str = "simulated") -> "Example":
-        """The example of these field values (`decode_geometry`'s and `decode_event`'s)."""
+                    specs: frozenset[str] | None = None, worker: str = "simulated",
+                    features: frozenset[str] = frozenset(), extension: int = 0) -> "Example":
+        """The example of these field values (`decode_geometry`'s, `decode_extension`'s and
+        `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
         if worker != "simulated":
             decoded_geometry = dataclasses.replace(decoded_geometry, worker=worker)
+        if extension:
+            decoded_geometry = decode_extension(decoded_geometry, extension, features, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
         return cls(decoded_geometry, decoded)
 
 
-def examples(max_events: int) -> st.SearchStrategy[Any]:
+def examples(max_events: int, extended: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events)
+    return raw_examples(max_events, extended)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
-from kvdoctor.explore.generate import Example, examples, mode_variants, to_recipe
+from kvdoctor.explore.generate import EXTENSION_GATE, Example, examples, mode_variants, to_recipe
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
 
@@ -145,8 +145,9 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
-    strategy = examples(config.max_events)
     specs = available_specs(api)
+    features = available_features(api)
+    strategy = examples(config.max_events, extended=EXTENSION_GATE in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
@@ -184,7 +185,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             if not shrinking and stats.examples >= limit:
                 raise _StopExploring()
             runs: list[tuple[Any, Observation]] = []
-            for example in mode_variants(Example.decode(raw, specs, config.worker), config.both_modes):
+            for example in mode_variants(Example.decode(raw, specs, config.worker, features), config.both_modes):
                 recipe = to_recipe(example)
                 t0 = time.perf_counter()
                 try:
@@ -270,6 +271,27 @@ def available_specs(api: Any) -> frozenset[str]:
     from kvdoctor.explore.generate import SPECS
 
     return frozenset(name for name in SPECS if name is not None and api.has_offloading_spec(name))
+
+
+def available_features(api: Any) -> frozenset[str]:
+    """The extension byte's features this vLLM has, read off its configuration classes (feature probes,
+    never version numbers): sync loads where the offloading scheduler's config has a
+    `sync_load_budget_bytes` field (it reads the extra-config key of that name), the recompute policy
+    where KVTransferConfig has `kv_load_failure_policy`, `prefix_match_unit` where CacheConfig has it."""
+    import dataclasses as dc
+
+    from kvdoctor.explore.generate import PREFIX_MATCH_UNIT, RECOMPUTE, SYNC_LOADS
+
+    found = set()
+    offload_config = getattr(api.mods.get("offload_scheduler"), "SchedulerOffloadConfig", None)
+    if SYNC_LOADS in getattr(offload_config, "__annotations__", {}):
+        found.add(SYNC_LOADS)
+    transfer = api.cls("config", "KVTransferConfig")
+    if dc.is_dataclass(transfer) and RECOMPUTE in {f.name for f in dc.fields(transfer)}:
+        found.add(RECOMPUTE)
+    if api.cache_config_has_field(PREFIX_MATCH_UNIT):
+        found.add(PREFIX_MATCH_UNIT)
+    return frozenset(found)
 
 
 # -- several processes ---------------------------------------------------------------------------

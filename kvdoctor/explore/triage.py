@@ -1,6 +1,6 @@
-"""Triage of a finding before it is reported: is it the offloading connector's, and could a real engine get there?
+"""Triage of a finding before it is reported: is it the offloading connector's, and does a real engine get there?
 
-Two questions, each answered by running or by reading vLLM, never assumed:
+Three questions, each answered by running or by reading vLLM, never assumed:
 
 (a) *Without the connector.* The shrunk recipe runs again with `offloading =
     false` (no KV connector: a server without --kv-transfer-config). A failure
@@ -31,18 +31,30 @@ Two questions, each answered by running or by reading vLLM, never assumed:
     Adds, schedules, aborts, EOS, held or completed transfers and drains are
     what an engine does between and during its steps.
 
-A finding that survives both (not also without the connector, nothing the
-harness did that an engine cannot) and is not a known bug is a *candidate
-upstream report*: its `kvdoctor repro FILE --report` attachment is written next
-to its recipe.
+(c) *Through vLLM's EngineCore.* The shrunk recipe is replayed with `--engine
+    core` (`kvdoctor.engine.core.runner.run_core_scenario`: vLLM's own
+    EngineCore calls the scheduler, kvdoctor only hosts the executor). It is
+    "reproduced through vLLM's EngineCore", "not reproduced through EngineCore
+    (scheduler-level only)", or, for a recipe with a step the engine core
+    cannot play (a scheduler-side intervention such as withheld block hashes,
+    a drain under async scheduling), "not playable at core" naming the step.
+    A finding the engine core plays and does not reproduce is not a candidate:
+    the scheduler-level run did something the engine does not (a finding about
+    kvdoctor's harness until shown otherwise).
+
+A finding that survives all three (not also without the connector, nothing the
+harness did that an engine cannot, not refuted by EngineCore) and is not a
+known bug is a *candidate upstream report*: the caller's `write_attachment`
+(the CLI's: the `kvdoctor repro FILE --report` Markdown, with this triage)
+writes its attachment next to its recipe. Formatting stays on the CLI side:
+nothing in this package imports the report formatters.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 CANDIDATE = "candidate upstream report"
 KNOWN = "known bug"
@@ -50,6 +62,15 @@ CORE = "not the connector's"
 HARNESS = "harness artifact"
 STARTUP = "start-up refusal: a server with this configuration does not start"
 _STARTUP_REASON = "vLLM raised while building the scheduler"
+SCHEDULER_ONLY = ("scheduler-level only: vLLM's EngineCore plays these steps and does not fail this way "
+                  "(a finding about kvdoctor's harness until shown otherwise)")
+
+# What the EngineCore replay said (`through_engine_core`'s word) -> the label triage shows.
+REPRODUCED_AT_CORE = "reproduced"
+NOT_REPRODUCED_AT_CORE = "not reproduced"
+NOT_PLAYABLE_AT_CORE = "not playable"
+NOT_RUN_AT_CORE = "not run"
+OTHERWISE_AT_CORE = "fails otherwise"
 
 
 @dataclass
@@ -64,6 +85,21 @@ class Triage:
     report: str | None = None  # the Markdown attachment, for a candidate
     impact: str = ""  # what it does to a server and its clients (`kvdoctor.explore.impact`)
     diagnosis: list[str] = field(default_factory=list)  # what the run shows of the cause, beyond the message
+    # The replay through vLLM's EngineCore (`through_engine_core`): its word and what it showed.
+    engine_core: str = NOT_RUN_AT_CORE
+    engine_core_detail: str = ""
+
+    @property
+    def engine_core_label(self) -> str:
+        if self.engine_core == REPRODUCED_AT_CORE:
+            return "reproduced through vLLM's EngineCore"
+        if self.engine_core == NOT_REPRODUCED_AT_CORE:
+            return "not reproduced through EngineCore (scheduler-level only)"
+        if self.engine_core == NOT_PLAYABLE_AT_CORE:
+            return f"not playable at core: {self.engine_core_detail}"
+        if self.engine_core == OTHERWISE_AT_CORE:
+            return f"through EngineCore it fails otherwise ({self.engine_core_detail})"
+        return f"not replayed through EngineCore ({self.engine_core_detail or 'not run'})"
 
     @property
     def line(self) -> str:
@@ -71,16 +107,19 @@ class Triage:
                      "does not reproduce": "not without the connector",
                      "fails otherwise": "without the connector it fails otherwise",
                      "not run": "not rerun without the connector"}[self.without_connector]
-        harness = ("the harness may have caused it: " + "; ".join(self.harness_reasons) if self.harness_caused
-                   else "a real engine core can produce every step")
-        return f"{self.verdict} ({connector}; {harness})"
+        parts = [connector, self.engine_core_label]
+        if self.harness_caused:
+            parts.append("the harness may have caused it: " + "; ".join(self.harness_reasons))
+        return f"{self.verdict} ({'; '.join(parts)})"
 
     def as_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "without_connector": self.without_connector,
                 "without_connector_detail": self.without_connector_detail,
                 "harness_caused": self.harness_caused, "harness_reasons": list(self.harness_reasons),
                 "reachable": list(self.reachable_notes), "caveats": list(self.caveats), "report": self.report,
-                "impact": self.impact, "diagnosis": list(self.diagnosis)}
+                "impact": self.impact, "diagnosis": list(self.diagnosis),
+                "engine_core": self.engine_core, "engine_core_label": self.engine_core_label,
+                "engine_core_detail": self.engine_core_detail}
 
 
 def _setup(recipe: Any, **changes: Any) -> Any:
@@ -113,6 +152,37 @@ def without_connector(api: Any, finding: Any) -> tuple[str, str]:
         return "does not reproduce", ("the same steps run through with no KV connector configured (its crash "
                                       "site, in the connector, is never reached)")
     return "fails otherwise", f"{result.outcome.value}: {result.detail}"
+
+
+def through_engine_core(api: Any, finding: Any) -> tuple[str, str]:
+    """Replay the shrunk recipe with `--engine core` (vLLM's EngineCore calls the scheduler): (word, detail).
+
+    Reproduced means the outcome the scheduler level gives the recipe (its signature fires:
+    `reproduced`; a leak finding's [[check]] fails: `other_failure`, the same check) comes out of the
+    engine core too. A step the engine core cannot play makes the recipe `not_applicable` there,
+    before vLLM builds anything; the steps it names are the detail."""
+    import re
+
+    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.errors import KvdoctorError
+    from kvdoctor.observe.verdict import Outcome
+
+    if finding.kind == "harness":
+        return NOT_RUN_AT_CORE, "the exception was kvdoctor's own"
+    try:
+        setup = _setup(finding.recipe, engine="core")
+        result = run_core_scenario(api, finding.recipe, setup, finding.logic)
+    except KvdoctorError as exc:  # a setup the engine level refuses (kvdoctor's own refusal, one line)
+        return NOT_PLAYABLE_AT_CORE, str(exc)
+    if result.outcome is Outcome.NOT_APPLICABLE:
+        steps = re.findall(r"`([a-z_]+)` cannot be played", result.detail or "")
+        return NOT_PLAYABLE_AT_CORE, (", ".join(f"`{step}`" for step in steps) if steps else result.detail)
+    wanted = Outcome.OTHER_FAILURE if finding.kind == "check" else Outcome.REPRODUCED
+    if result.outcome is wanted and (wanted is Outcome.REPRODUCED or "check" in (result.detail or "")):
+        return REPRODUCED_AT_CORE, result.detail or ""
+    if result.outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED):
+        return NOT_REPRODUCED_AT_CORE, f"{result.outcome.value}: {result.detail}"
+    return OTHERWISE_AT_CORE, f"{result.outcome.value}: {result.detail}"
 
 
 def _in_flight_resets(steps: tuple[Any, ...], async_scheduling: bool) -> tuple[list[Any], list[Any]]:
@@ -189,27 +259,38 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
     return reasons, reachable, caveats
 
 
-def triage(api: Any, finding: Any, facts: Any | None = None) -> Triage:
-    """Both checks, the verdict, and (for a candidate) the report attachment next to the recipe."""
+# Writes a candidate's attachment beside its recipe and returns its path (None: not written). The
+# CLI supplies it (`kvdoctor.cli.explore_cmd.write_attachment`): formatting is the CLI's.
+WriteAttachment = Callable[[Any, "Triage"], "str | None"]
+
+
+def triage(api: Any, finding: Any, facts: Any | None = None,
+           write_attachment: WriteAttachment | None = None) -> Triage:
+    """The three checks, the verdict, and (for a candidate, through `write_attachment`) the report
+    attachment next to the recipe."""
     from kvdoctor.engine import compat
 
     facts = facts or compat.load().engine_core_facts()
     word, detail = without_connector(api, finding)
     reasons, reachable, caveats = harness_check(api, finding, facts)
+    core, core_detail = through_engine_core(api, finding)
     result = Triage(without_connector=word, without_connector_detail=detail, harness_caused=bool(reasons),
-                    harness_reasons=reasons, reachable_notes=reachable, caveats=caveats)
-    result.verdict = verdict(word, reasons, finding.known)
+                    harness_reasons=reasons, reachable_notes=reachable, caveats=caveats, engine_core=core,
+                    engine_core_detail=core_detail)
+    result.verdict = verdict(word, reasons, finding.known, core)
     finding.triage = result  # the impact reads the verdict (a start-up refusal is a server that never starts)
     result.impact = finding.impact.line
     result.diagnosis = diagnose_reset_failure(api, finding)
-    if result.verdict == CANDIDATE:
-        if finding.file:
-            result.report = write_report(finding, result)
+    if result.verdict == CANDIDATE and finding.file and write_attachment is not None:
+        result.report = write_attachment(finding, result)
     return result
 
 
-def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[str, ...]] | None) -> str:
-    """What the two checks make of a finding (harness first: a step no engine takes decides nothing)."""
+def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[str, ...]] | None,
+            engine_core: str = NOT_RUN_AT_CORE) -> str:
+    """What the checks make of a finding (harness first: a step no engine takes decides nothing; a
+    known bug stays labelled whatever the engine core says; an unknown one that the engine core plays
+    without failing is the scheduler level's alone)."""
     if any(reason.startswith(_STARTUP_REASON) for reason in harness_reasons):
         return STARTUP
     if harness_reasons:
@@ -218,6 +299,8 @@ def verdict(without: str, harness_reasons: list[str], known: tuple[str, tuple[st
         return f"{CORE}: vLLM's scheduler fails this way with no KV connector"
     if known:
         return f"{KNOWN} {known[0]} ({', '.join(known[1])})"
+    if engine_core == NOT_REPRODUCED_AT_CORE:
+        return SCHEDULER_ONLY
     return CANDIDATE
 
 
@@ -258,33 +341,3 @@ def diagnose_reset_failure(api: Any, finding: Any) -> list[str]:
         notes.append(f"the message blames requests {_RESET_MESSAGE!r}, but no request was waiting for a KV "
                      f"transfer before the reset (none in WAITING_FOR_REMOTE_KVS): {cause}")
     return notes
-
-
-def triage_markdown(result: Triage) -> str:
-    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
-             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
-             + (f" ({result.without_connector_detail})" if result.without_connector_detail else "")]
-    if result.impact:
-        lines.append(f"- Impact: {result.impact}")
-    lines += [f"- Diagnosis: {note}" for note in result.diagnosis]
-    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
-    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
-    lines += [f"- Caveat: {note}" for note in result.caveats]
-    return "\n".join(lines) + "\n"
-
-
-def write_report(finding: Any, result: Triage) -> str | None:
-    """`kvdoctor repro FILE --report` for the finding's recipe, written beside it (`<name>.report.md`)."""
-    from kvdoctor import app as application
-    from kvdoctor.report.markdown import render_markdown
-
-    path = Path(finding.file)
-    target = path.with_suffix(".report.md")
-    replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
-    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
-    try:
-        target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
-                          encoding="utf-8")
-    except OSError:
-        return None
-    return str(target)

@@ -495,6 +495,12 @@ class VllmApi(WorkerGlue):
         return dict(getattr(meta, "store_jobs", {}) or {}), dict(getattr(meta, "load_jobs", {}) or {})
 
     @staticmethod
+    def load_is_sync(load_job: Any) -> bool:
+        """0.33+: a load job entry's `sync` (a sync load, within the `sync_load_budget_bytes` of its step:
+        vLLM's worker waits for it in that step and reports no finished_recving); before: always async."""
+        return bool(getattr(load_job, "sync", False))
+
+    @staticmethod
     def block_ids_of(spec: Any) -> tuple[int, ...]:
         """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
         ids = getattr(spec, "block_ids", None)
