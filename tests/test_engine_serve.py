@@ -121,3 +121,27 @@ def test_interrupted_serve_run_leaves_no_child_and_frees_the_port(serve_env: dic
         time.sleep(0.5)
     assert _gone(pid), f"server process group {pid} still alive"
     assert _port_free(port)
+
+
+def test_a_server_that_is_not_ready_in_time_is_stopped_and_named(serve_env: dict[str, str]) -> None:
+    """The start-up limit (KVDOCTOR_SERVE_STARTUP_S) runs out while the child still imports vLLM: the
+    run says so (other_failure, exit 4: no verdict about the bug), and no child or port is left."""
+    started = time.monotonic()
+    proc = subprocess.run([*KVDOCTOR, "repro", "queued-abort", "--engine", "serve", "--json"], cwd=ROOT,
+                          env={**serve_env, "KVDOCTOR_SERVE_STARTUP_S": "2"}, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
+    match = PID_LINE.search(proc.stderr)
+    assert match, proc.stderr[-3000:]
+    pid, port = int(match.group(1)), int(match.group(2))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)["results"][0]
+    assert result["outcome"] == "other_failure"
+    assert "did not become ready within 2 s" in result["detail"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (_gone(pid) and _port_free(port)):
+        time.sleep(0.5)
+    assert _gone(pid), f"server process group {pid} still alive"
+    assert _port_free(port)
+    assert time.monotonic() - started < 120  # bounded: the limit, the stop, not the server's own start-up
