@@ -25,20 +25,26 @@ RESET = "RuntimeError in reset_prefix_cache"
 # reset failure, K1's assert, K4 and K2 (K2 after 252 examples). On 0.34.0 seed 1 at 300 examples finds
 # the reset failure alone. The time budget is not what bounds this search (300 examples are): a loaded
 # machine must not change its findings.
-FINDS = {(0, 26): {K2: True, RESET: True}, (0, 34): {K2: False, RESET: True}}
+# Whether the search must find K2 is whether the release has K2 as kvdoctor measured it
+# (finished-after-finalize reproduces; kvdoctor/data/release_outcomes.toml): the same KeyError in the
+# tiering manager's prepare_store, which this seed and budget reach on 0.26.0, the one release with K2.
+#
+# The reset failure is explore's own finding, not a built-in recipe, so the data file holds nothing on
+# it: measured here by running this module, it fails on 0.26.0 and on 0.34.0; other releases skip.
+RESET_FAILS = {(0, 26): True, (0, 34): True}
 
 
-def expected(release):
-    if tuple(release) not in FINDS:
-        pytest.skip(f"explore's findings measured on vLLM 0.26 and 0.34 only, not {release}")
-    return FINDS[tuple(release)]
+def k2_expected(api) -> bool:
+    from .recipe_runs import bug_present
+
+    return bug_present(api, "finished-after-finalize")
 
 
 @pytest.fixture(scope="module")
-def search(api, release, tmp_path_factory):
+def search(api, tmp_path_factory):
     from kvdoctor.explore.app import explore
 
-    wanted = expected(release)
+    wanted = k2_expected(api)
     out = tmp_path_factory.mktemp("findings")
     config = ExploreConfig(seed=1, max_examples=300, time_budget=600)
     report = explore(config, out, api=api)
@@ -47,8 +53,8 @@ def search(api, release, tmp_path_factory):
 
 def test_tiering_spec_brings_k2_in_reach_shrunk_and_replayable(search):
     wanted, findings = search
-    assert (K2 in findings) == wanted[K2], sorted(findings)
-    if not wanted[K2]:
+    assert (K2 in findings) == wanted, sorted(findings)
+    if not wanted:
         return
     finding = findings[K2]
     assert finding.known and finding.known[0] == "K2"
@@ -85,9 +91,10 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     from kvdoctor.cli.explore_cmd import write_attachment
     from kvdoctor.explore.triage import triage
 
-    wanted = expected(release)
+    if tuple(release) not in RESET_FAILS:
+        pytest.skip(f"the reset failure was measured on vLLM 0.26 and 0.34 only, not {api.version_text}")
     obs, finding = reset_finding(api, tmp_path)
-    assert (obs.signature == RESET) == wanted[RESET], obs.detail
+    assert (obs.signature == RESET) == RESET_FAILS[tuple(release)], obs.detail
     result = triage(api, finding, write_attachment=write_attachment)
     assert result.without_connector == "does not reproduce"
     assert not result.harness_caused
@@ -138,14 +145,18 @@ def k1_finding(api, out: Path, logic: str = "installed"):
     return obs, finding
 
 
-def test_k1_finding_is_replayed_through_vllms_engine_core(api, release, tmp_path):
+def test_k1_finding_is_replayed_through_vllms_engine_core(api, tmp_path):
     """Triage replays a finding with --engine core: K1's shrunk recipe fails in vLLM's EngineCore as at
     the scheduler level; under the fixed logic (its cap keeps the run off the assert) the engine core
     runs it through, which triage says is not reproduced there."""
     from kvdoctor.explore.triage import NOT_REPRODUCED_AT_CORE, REPRODUCED_AT_CORE, through_engine_core
 
-    if tuple(release) != (0, 26):
-        pytest.skip(f"K1's shrunk recipe is measured on vLLM 0.26 (the release with K1), not {release}")
+    from .recipe_runs import bug_present
+
+    # K1's shrunk recipe fails where the release has K1, as kvdoctor measured it (queued-abort
+    # reproduces; kvdoctor/data/release_outcomes.toml): on 0.26.0, where it was written and measured.
+    if not bug_present(api, "queued-abort"):
+        pytest.skip(f"vLLM {api.version_text} does not have K1 (queued-abort measured not reproducing)")
     obs, finding = k1_finding(api, tmp_path)
     assert obs.signature == "AssertionError in _build_store_jobs", obs.detail
     word, detail = through_engine_core(api, finding)
@@ -235,7 +246,10 @@ def test_hybrid_geometries_fit_a_whole_length_request_in_both_groups():
 
 
 # Measured: the generated K6 sequence below fails in _build_store_jobs on 0.26.0; on 0.34.0 (PR #52923
-# caps storable chunks by the offload keys there) it runs through, as K6's own recipe does.
+# caps storable chunks by the offload keys there) it runs through, as K6's own recipe does. Not read
+# from K6's row in the data file: this sequence (hashes withheld while a one-chunk prompt decodes into
+# a second chunk) is explore's, not offload-keys-lag-blocks' trigger, and is measured on these two
+# releases only; a fix may cover one trigger before the other.
 LATE_HASHES_FAIL = {(0, 26): True, (0, 34): False}
 
 
