@@ -30,8 +30,9 @@ RESET = "RuntimeError in reset_prefix_cache"
 # tiering manager's prepare_store, which this seed and budget reach on 0.26.0, the one release with K2.
 #
 # The reset failure is explore's own finding, not a built-in recipe, so the data file holds nothing on
-# it: measured here by running this module, it fails on 0.26.0 and on 0.34.0; other releases skip.
-RESET_FAILS = {(0, 26): True, (0, 34): True}
+# it: these are the releases where its shrunk sequence (reset_finding) was run and failed (2026-12-05,
+# every release in kvdoctor's range); a release not listed skips.
+RESET_FAILS_ON = ("0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 
 
 def k2_expected(api) -> bool:
@@ -84,17 +85,17 @@ def reset_finding(api, out: Path):
     return obs, finding
 
 
-def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_report(api, release, tmp_path):
+def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_report(api, tmp_path):
     """vLLM defers block frees under async scheduling only with a KV-consumer connector, so the reset
     fails with it and not without it; EngineCore handles the utility call between batches, so a server
     can do this: a candidate upstream report, with its attachment."""
     from kvdoctor.cli.explore_cmd import write_attachment
     from kvdoctor.explore.triage import triage
 
-    if tuple(release) not in RESET_FAILS:
-        pytest.skip(f"the reset failure was measured on vLLM 0.26 and 0.34 only, not {api.version_text}")
+    if api.version_text not in RESET_FAILS_ON:
+        pytest.skip(f"the reset failure was measured on vLLM {', '.join(RESET_FAILS_ON)}, not {api.version_text}")
     obs, finding = reset_finding(api, tmp_path)
-    assert (obs.signature == RESET) == RESET_FAILS[tuple(release)], obs.detail
+    assert obs.signature == RESET, obs.detail
     result = triage(api, finding, write_attachment=write_attachment)
     assert result.without_connector == "does not reproduce"
     assert not result.harness_caused
@@ -245,15 +246,15 @@ def test_hybrid_geometries_fit_a_whole_length_request_in_both_groups():
     assert "fill_pool" not in str(to_recipe(Example(swa, (("add", ("fill",), 2, None),))).steps)
 
 
-# Measured: the generated K6 sequence below fails in _build_store_jobs on 0.26.0; on 0.34.0 (PR #52923
-# caps storable chunks by the offload keys there) it runs through, as K6's own recipe does. Not read
-# from K6's row in the data file: this sequence (hashes withheld while a one-chunk prompt decodes into
-# a second chunk) is explore's, not offload-keys-lag-blocks' trigger, and is measured on these two
-# releases only; a fix may cover one trigger before the other.
-LATE_HASHES_FAIL = {(0, 26): True, (0, 34): False}
+# Whether the generated K6 sequence below fails in _build_store_jobs is whether the release has K6 as
+# kvdoctor measured it (offload-keys-lag-blocks reproduces; kvdoctor/data/release_outcomes.toml): the
+# same bug (a store pass pairing more blocks than offload keys, at the same assertion) from explore's
+# events, and the same fix (PR #52923 caps storable chunks by the offload keys). Measured 2026-12-05 on
+# every release in kvdoctor's range, 0.26.0-0.34.0: this sequence fails exactly where K6's row says
+# reproduced (0.26.0-0.29.0) and runs through from 0.30.0; a release where the two part ways fails here.
 
 
-def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_caveat(api, release, tmp_path):
+def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_caveat(api, tmp_path):
     """K6's state from explore's own events (a one-chunk prompt, decode offloaded, its hashes delayed
     while it decodes a second chunk): the store pass pairs more blocks than keys. The recipe written
     for it replays with `repro FILE`; triage reads the delay as reachable (P/D, hybrid) with a caveat,
@@ -262,8 +263,9 @@ def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_ca
     from kvdoctor.explore.runner import observe
     from kvdoctor.explore.triage import triage
 
-    if tuple(release) not in LATE_HASHES_FAIL:
-        pytest.skip(f"measured on vLLM 0.26 and 0.34 only, not {release}")
+    from .recipe_runs import bug_present
+
+    fails = bug_present(api, "offload-keys-lag-blocks")
     # 4-token blocks, one per chunk, 8 GPU blocks, decoded tokens offloaded; as `Example.decode` sets it
     geometry = Geometry(4, 1, 8, 16, 256, False, offload_prompt_only=False, enable_prefix_caching=False)
     events = (("add", ("chunks", 1), 16, None), ("schedule", 1), ("delay", 0), ("schedule", 8))
@@ -273,7 +275,6 @@ def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_ca
     assert "delay_block_hashes" in actions and "release_block_hashes" in actions  # released before the tail
     assert recipe.setup["enable_prefix_caching"] is False
     obs = observe(api, recipe, "installed")
-    fails = LATE_HASHES_FAIL[tuple(release)]
     assert (obs.signature == "AssertionError in _build_store_jobs") == fails, obs.detail
     if not fails:
         return
