@@ -17,17 +17,19 @@ from .conftest import ROOT
 
 SECRET = "kvdoctor-test-secret-0f9a"
 K1_RECIPES = ("queued-abort", "preemption", "prefetch")
-# The installed logic's outcome on the K1 recipes (measured per release).
-K1_OUTCOME = {(0, 26): "reproduced", (0, 33): "not_reproduced"}
-K1_OUTCOME[(0, 34)] = K1_OUTCOME[(0, 33)]  # measured on vLLM 0.34.0 (2026-12-02): the same as 0.33.0
-K1_OUTCOME[(0, 30)] = K1_OUTCOME[(0, 33)]  # measured on vLLM 0.30.0 (2026-12-03, by running this module there): the same as 0.33.0
 
 
 @pytest.fixture(scope="module")
-def k1_outcome(api, release):
-    from .conftest import expected_for
+def k1_outcome(api):
+    """The installed logic's outcome on the K1 recipes, as kvdoctor measured it on this release
+    (kvdoctor/data/release_outcomes.toml: `kvdoctor matrix --audit`, the same audit at its defaults).
+    The three recipes share one fix (PR #49118), so their rows must agree; a data file where they
+    disagree fails here rather than picking one."""
+    from .recipe_runs import measured
 
-    return expected_for(api, release, K1_OUTCOME)
+    outcomes = {name: measured(api, name).value for name in K1_RECIPES}
+    assert len(set(outcomes.values())) == 1, f"the K1 recipes' measured outcomes disagree: {outcomes}"
+    return next(iter(outcomes.values()))
 
 
 @pytest.fixture(scope="module")

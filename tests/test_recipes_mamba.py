@@ -3,8 +3,8 @@ and both scheduling modes, and the `prefix_match_unit` setup key it needs; the d
 sliding-window hybrid (mamba-swa-diverged-hit-load), against the measured release table.
 
 One vLLM import and one `repro --logic all` per scheduling mode for the module. Outcomes per
-release are measurements (kvdoctor repro on each release's environment, 2026-12-04); a release
-not measured here skips.
+release are kvdoctor's measurements (kvdoctor/data/release_outcomes.toml); a release or a
+dimension not measured there skips.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvdoctor.recipes import requirements
 from kvdoctor.recipes.builtins import load_builtin
 from kvdoctor.recipes.loader import load_recipe_text
 
-from .conftest import expected_for
+from .recipe_runs import measured, measured_row
 
 K7 = "mamba-align-midblock-hit-load"
 K7_DIVERGED = "mamba-swa-diverged-hit-load"
@@ -30,35 +30,18 @@ MODES = (False, True)
 R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 
 
-def same(outcome):
-    return {logic: outcome for logic in LOGICS}
-
-
-def both(outcome):
-    return {False: same(outcome), True: same(outcome)}
-
-
-# (major, minor) -> recipe -> async_scheduling -> logic -> outcome. Measured 2026-12-04.
-# `fixed` (the PR #49146 store cap) does not touch the load path: the three logics agree.
-EXPECTED = {
-    # B hits 80 tokens locally: the attention group's block 1 is the unhashed copy-on-write block,
-    # so update_state_after_alloc asserts 80 <= 1 * 64
-    (0, 26): {K7: both(R)},
-    # the connector is asked from the 64-token block boundary and the load-boundary scan starts at the
-    # computed boundary; on 0.30.0 B also finds no CPU hit (no load is built), on 0.34.0 it loads 176 tokens
-    (0, 30): {K7: both(N)},
-    (0, 34): {K7: both(N)},
-}
-# The other releases were measured under the installed logic and sync scheduling only (kvdoctor
-# matrix --audit; kvdoctor/data/release_outcomes.toml); this table asks every logic in both modes,
-# so they skip here. Their crash-site coverage is asserted below (COVERAGE).
-
-# (major, minor) -> what the installed logic's run did at K7's crash site (update_state_after_alloc's
-# load-boundary assertion, with a local hit ending inside a block). Measured 2026-12-04:
-# 0.26.0 reaches it and the assertion fires; on 0.27.0 the scan and its assertion are still there but
-# B's local hit is block-aligned (64 tokens), so the run never reaches K7's case: not_reached, never
-# "fixed"; on 0.34.0 the assertion is gone from the installed source (PR #52807).
-COVERAGE = {(0, 26): "fired", (0, 27): "not_reached", (0, 34): "gone"}
+# Expected outcomes are kvdoctor's measurements of the K7 recipes in kvdoctor/data/release_outcomes.toml
+# (`kvdoctor matrix --audit`: installed and fixed logic, sync and --async-scheduling; `unpatched` is
+# compared with the installed measurement, see recipe_runs.measured). The audit runs K7 with the
+# simulated worker (vLLM's refuses a Mamba layout), as `app.repro` here does. `fixed` (the PR #49146
+# store cap) does not touch the load path, so the measured logics agree on every release; what each
+# release does at K7's crash site (update_state_after_alloc's load-boundary assertion, with a local hit
+# ending inside a block) is the row's coverage: 0.26.0 reaches it and the assertion fires (B hits 80
+# tokens locally: the attention group's block 1 is the unhashed copy-on-write block, so
+# update_state_after_alloc asserts 80 <= 1 * 64); on 0.27.0-0.29.0 the scan and its assertion are still
+# there but B's local hit is block-aligned (64 tokens), so the run never reaches K7's case: not_reached,
+# never "fixed"; from 0.30.0 the assertion is gone from the installed source (PR #52807): the connector
+# is asked from the 64-token block boundary (on 0.30.0 B finds no CPU hit, on 0.34.0 it loads 176 tokens).
 
 
 # -- without vLLM: the setup key and the requirement form ---------------------------------------
@@ -157,11 +140,6 @@ def test_cache_config_field_requirement_is_judged_by_the_adapter():
 # -- on the installed vLLM ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def expected(api, release):
-    return expected_for(api, release, EXPECTED)
-
-
-@pytest.fixture(scope="module")
 def reports(api):
     return {mode: app.repro(K7, {"async_scheduling": mode}, "all", record_timeline=True) for mode in MODES}
 
@@ -182,9 +160,9 @@ def test_k7_layout_hashes_finer_than_its_blocks(reports):
 @pytest.mark.vllm
 @pytest.mark.parametrize("mode", MODES, ids=("sync", "async"))
 @pytest.mark.parametrize("logic", LOGICS)
-def test_k7_outcome(reports, expected, mode, logic):
+def test_k7_outcome(reports, api, mode, logic):
     run = result(reports, mode, logic)
-    want = expected[K7][mode][logic]
+    want = measured(api, K7, logic, mode)
     assert run.outcome is want, f"{K7} {logic} async={mode}: {run.outcome.value} ({run.detail}), expected {want.value}"
     if want is R:
         assert run.failure.function == "update_state_after_alloc"
@@ -192,10 +170,10 @@ def test_k7_outcome(reports, expected, mode, logic):
 
 
 @pytest.mark.vllm
-def test_k7_crash_site_coverage(reports, api, release):
+def test_k7_crash_site_coverage(reports, api):
     """K7 reproduces only where its run reached the assertion in K7's case; where it does not reproduce,
     the run reached the site and it held, or the site is gone, or the outcome says not_reached."""
-    want = expected_for(api, release, COVERAGE)
+    want = measured_row(api, K7).coverage_class
     run = result(reports, False, "installed")
     coverage = run.coverage
     assert coverage is not None and coverage.function == "update_state_after_alloc"
