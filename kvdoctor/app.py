@@ -73,12 +73,13 @@ def resolve_setup(recipe: Recipe, overrides: dict[str, Any], worker_fallback: bo
 
         names = {f.name for f in dataclasses.fields(setup)}
         asked = dataclasses.replace(setup, **{k: v for k, v in overrides.items() if k in names and v is not None})
-        refusal = asked.vllm_worker_refusal()
+        unsupported = asked.vllm_worker_unsupported()
+        memory = None if unsupported else asked.vllm_worker_memory_refusal()
         # the user's own sizes (not the setup's kind) past this machine: refused; audit makes that recipe untested
-        memory = refusal if refusal and not worker_fallback and asked.device != "cuda" else None
-        if memory and memory == asked.worker_memory_refusal():
+        if memory and not worker_fallback:
             raise UsageError(f"vLLM's worker (the default) cannot run this geometry here: {memory} "
                              f"(--worker simulated runs it without KV bytes)")
+        refusal = unsupported or memory
         if refusal:
             overrides.update(worker=None, device=None)
             setup = dataclasses.replace(setup, worker="simulated", device=None, worker_fallback=refusal)
@@ -165,11 +166,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
     progress(0, 0, "importing vLLM")
     api = load_vllm()
     check_spec_name(api, recipe, setup, overrides)
-    from kvdoctor.scenario import run_scenario
-
-    if setup.engine == "core":
-        from kvdoctor.engine.core.runner import run_core_scenario as run_scenario  # noqa: F811
-
+    run_scenario = _scenario_runner(setup.engine)
     report = ReproReport(recipe=recipe, setup=setup, vllm_version=api.version_text, command=command,
                          fixed_in=_fixed_in(recipe))
     for done, variant in enumerate(variants):

@@ -85,7 +85,7 @@ def test_audit_at_core_matches_the_scheduler_level_measurements(core_audit) -> N
     if not measured:
         pytest.skip(f"kvdoctor/data/release_outcomes.toml has no measurements for vLLM {release}")
     assert doc["engine"] == "core"
-    differ = []
+    differ, compared = [], 0
     for row in doc["rows"]:
         assert row["setup"]["engine"] == "core", row["recipe"]
         if row["outcome"] == "not_applicable":  # a step (or a setup) the engine cannot play, named
@@ -94,10 +94,12 @@ def test_audit_at_core_matches_the_scheduler_level_measurements(core_audit) -> N
             continue
         site = failure_site(row["failure"], row["violations"]) if row["outcome"] == "reproduced" else None
         want = measured[row["recipe"]]
+        compared += 1
         if (row["outcome"], site) != (want.outcome, want.failure_site):
             differ.append(f"{row['recipe']}: scheduler {want.outcome} ({want.failure_site}), core "
                           f"{row['outcome']} ({site})")
     assert not differ, f"vLLM {release}: " + "; ".join(differ)
+    assert compared > len(doc["rows"]) // 2, f"only {compared} of {len(doc['rows'])} recipes played at --engine core"
 
 
 @pytest.mark.vllm

@@ -101,8 +101,9 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     assert not result.harness_caused
     assert any("step_with_batch_queue" in note for note in result.reachable_notes), result.reachable_notes
     assert result.verdict == CANDIDATE
-    # vLLM's own EngineCore, stepping with its batch queue, fails the same utility call (measured on
-    # 0.26.0 and 0.34.0): the finding is the engine's, not only the scheduler harness'.
+    # vLLM's own EngineCore, stepping with its batch queue, fails the same utility call (this test
+    # passed on 0.26.0, 0.27.0, 0.30.0, 0.33.0 and 0.34.0, 2026-12-05): the finding is the engine's,
+    # not only the scheduler harness'.
     assert result.engine_core == "reproduced", result.engine_core_detail
     assert "reproduced through vLLM's EngineCore" in result.line
     # The engine survives (a utility call's exception goes back to its caller), and the message's

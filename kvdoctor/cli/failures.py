@@ -50,8 +50,9 @@ def error_document(kind: str, message: str, code: int) -> dict:
 
 
 def _fail(kind: str, message: str, code: int, json_out: bool) -> int:
-    print(f"kvdoctor: error: {message}", file=_stderr(), flush=True)
     from kvdoctor.cli import streams
+
+    streams.note(f"kvdoctor: error: {message}")
 
     if json_out and not streams.document_written():
         from kvdoctor.report.json_doc import dumps
@@ -91,8 +92,10 @@ def raise_unwritten(failures: list[str]) -> None:
     one line; the command exits 2 (an unwritable output path is a usage error), the verdict printed."""
     if not failures:
         return
+    from kvdoctor.cli.streams import note
+
     for line in failures[:-1]:
-        print(f"kvdoctor: error: {line}", file=_stderr(), flush=True)
+        note(f"kvdoctor: error: {line}")
     raise UsageError(failures[-1])
 
 

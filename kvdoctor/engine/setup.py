@@ -145,6 +145,15 @@ class Setup:
 
     def vllm_worker_refusal(self) -> str | None:
         """Why vLLM's worker-role connector cannot run this setup; None where it can."""
+        return self.vllm_worker_unsupported() or self.vllm_worker_memory_refusal()
+
+    def vllm_worker_memory_refusal(self) -> str | None:
+        """Memory past this machine for kvdoctor's copy engine on CPU tensors (on a GPU the memory is the
+        GPU's): None under --device cuda."""
+        return None if self.device == "cuda" else self.worker_memory_refusal()
+
+    def vllm_worker_unsupported(self) -> str | None:
+        """Why vLLM's worker cannot drive this kind of setup at all, whatever its sizes."""
         if self.multi_connector:
             return ("vLLM's worker does not drive MultiConnector here: kvdoctor's second sub-connector is a "
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
@@ -157,10 +166,6 @@ class Setup:
             if any(layer.kind == MAMBA for layer in layout.layers):
                 named = f"layout {self.layout}" if self.layout else f"--model {self.model}"
                 return f"{named} has a Mamba layer, and kvdoctor's toy model writes attention KV only"
-        if self.device != "cuda":  # kvdoctor's copy engine on CPU tensors (on a GPU the memory is the GPU's)
-            memory = self.worker_memory_refusal()
-            if memory:
-                return memory
         return None
 
     def device_described(self) -> str | None:

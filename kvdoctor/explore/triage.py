@@ -175,7 +175,10 @@ def through_engine_core(api: Any, finding: Any) -> tuple[str, str]:
     except KvdoctorError as exc:  # a setup the engine level refuses (kvdoctor's own refusal, one line)
         return NOT_PLAYABLE_AT_CORE, str(exc)
     if result.outcome is Outcome.NOT_APPLICABLE:
-        steps = re.findall(r"`([a-z_]+)` cannot be played", result.detail or "")
+        from kvdoctor.engine.core.levels import why_not
+
+        steps = list(dict.fromkeys(step.action for step in finding.recipe.steps
+                                   if why_not(step.action, "core", setup.async_scheduling)))
         return NOT_PLAYABLE_AT_CORE, (", ".join(f"`{step}`" for step in steps) if steps else result.detail)
     wanted = Outcome.OTHER_FAILURE if finding.kind == "check" else Outcome.REPRODUCED
     if result.outcome is wanted and (wanted is Outcome.REPRODUCED or "check" in (result.detail or "")):

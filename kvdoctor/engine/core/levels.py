@@ -89,8 +89,7 @@ def level(name: str) -> Level:
         raise InternalError(f"unknown engine level {name!r}") from None
 
 
-def why_not(action: str, level_name: str, args: dict[str, Any] | None = None,  # noqa: ARG001 - per-step args
-            async_scheduling: bool = False) -> str | None:
+def why_not(action: str, level_name: str, async_scheduling: bool = False) -> str | None:
     """None when `level_name` can play this step kind; otherwise why not (its first unmet need)."""
     kind = REGISTRY.get(action)
     if kind is None:
@@ -108,7 +107,7 @@ def unexpressible(steps: list[Any], level_name: str, async_scheduling: bool) -> 
     seen: set[str] = set()
     title = level(level_name).title
     for index, step in enumerate(steps, 1):
-        why = why_not(step.action, level_name, step.args, async_scheduling)
+        why = why_not(step.action, level_name, async_scheduling)
         if why and step.action not in seen:
             seen.add(step.action)
             reasons.append(f"step {index} (line {step.line}) `{step.action}` cannot be played through "
@@ -138,7 +137,6 @@ def markdown_table() -> str:
     order = {name: i for i, name in enumerate(ACTIONS)}
     for kind in sorted(REGISTRY.values(), key=lambda k: (order.get(k.name, len(order)), k.name)):
         needs = ", ".join(f"`{need.value}`" for need in kind.needs)
-        cells = " | ".join("yes" if _cell(LEVEL_TABLE[n], kind.needs) == "yes" else
-                           _cell(LEVEL_TABLE[n], kind.needs).split(":")[0] for n in names)
+        cells = " | ".join(_cell(LEVEL_TABLE[n], kind.needs).split(":")[0] for n in names)
         lines.append(f"| `{kind.name}` | {needs} | {cells} |")
     return "\n".join(lines)

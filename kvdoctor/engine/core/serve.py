@@ -44,7 +44,6 @@ STEP_SECONDS = float(os.environ.get("KVDOCTOR_SERVE_STEP_SECONDS", "1.0"))  # en
 STARTUP_LIMIT_S = float(os.environ.get("KVDOCTOR_SERVE_STARTUP_S", "420"))
 STOP_LIMIT_S = 20.0
 REQUEST_LIMIT_S = 120.0
-SERVE_STEPS = ("add", "schedule", "abort", "expect")  # what this client plays (expect: from the step log)
 
 
 @dataclass
