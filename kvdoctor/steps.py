@@ -138,8 +138,9 @@ def check_expectation(step: Any, snapshots: list[RequestSnapshot]) -> tuple[bool
 
 @step_kind("add", Need.ENGINE_INPUT, summary="admit a request (a fill admits several)")
 def _add(target: StepTarget, step: ConcreteStep) -> None:
+    extra = {key: step.args[key] for key in ("kv_transfer_params", "priority") if key in step.args}
     for request in step.requests:
-        target.harness.add(request.request, list(request.prompt), request.max_tokens)
+        target.harness.add(request.request, list(request.prompt), request.max_tokens, **extra)
 
 
 @step_kind("schedule", Need.ENGINE_STEP, summary="one engine step (repeated `count` / `until` times)")

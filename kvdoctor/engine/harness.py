@@ -136,6 +136,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
         is_encoder_decoder=False,
         enable_chunked_prefill=setup.enable_chunked_prefill,
         async_scheduling=setup.async_scheduling,
+        **({"policy": setup.scheduling_policy} if setup.scheduling_policy else {}),
     )
     kv_transfer_config = (api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields,
                                                  setup.second_connector_extra_config())
@@ -143,7 +144,9 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
     if setup.mamba_cache_mode is not None:
         cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
-    cache_kwargs.update(api.cache_config_kwargs({"prefix_match_unit": setup.prefix_match_unit}))
+    cache_kwargs.update(api.cache_config_kwargs({"prefix_match_unit": setup.prefix_match_unit,
+                                                 "prefix_cache_retention_interval":
+                                                     setup.prefix_cache_retention_interval}))
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,
@@ -174,6 +177,14 @@ def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPla
     kv_plan.notes.append(f"the groups' block sizes differ ({', '.join(str(s) for s in sorted(sizes))} tokens): the "
                          f"connector gets blocks_per_chunk={setup.blocks_per_chunk}, so each group's chunk is "
                          f"{setup.blocks_per_chunk} of its own blocks")
+
+
+def sampling_params(api: VllmApi, max_tokens: int, kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    """A request's SamplingParams: stop at kvdoctor's EOS; `kv_transfer_params` in extra_args, where vLLM's
+    Request (and the engine's input path) reads a client's."""
+    SamplingParams = api.cls("sampling_params", "SamplingParams")
+    extra = {"extra_args": {"kv_transfer_params": dict(kv_transfer_params)}} if kv_transfer_params else {}
+    return SamplingParams(max_tokens=max_tokens, stop_token_ids=[EOS_TOKEN], **extra)
 
 
 @dataclass
@@ -285,15 +296,18 @@ class Harness:
         return request_block_hasher
 
     # -- requests --------------------------------------------------------
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+            priority: int = 0) -> None:
+        """`kv_transfer_params` travel as a client's do (the sampling params' extra_args, which vLLM's Request
+        reads); `priority` is the Request's own (read by the scheduler under the priority policy)."""
         Request = self.api.cls("request", "Request")
-        SamplingParams = self.api.cls("sampling_params", "SamplingParams")
         request = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens, stop_token_ids=[EOS_TOKEN]),
+            sampling_params=sampling_params(self.api, max_tokens, kv_transfer_params),
             pooling_params=None,
             block_hasher=self._block_hasher,
+            **({"priority": priority} if priority else {}),
         )
         self.requests[req_id] = request
         self.scheduler.add_request(request)

@@ -17,7 +17,8 @@ from kvdoctor.errors import UsageError
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
 ENGINE_LEVELS = ("scheduler", "core", "serve")  # who calls vLLM's scheduler (`Setup.engine`; kvdoctor/engine/core)
-WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
+WORKERS = ("simulated", "vllm")
+SCHEDULING_POLICIES = (None, "fcfs", "priority")  # vLLM's SchedulerConfig.policy values  # who stands where vLLM's GPU worker runs (`Setup.worker`)
 # `Setup` field metadata: False where a recipe's [setup] cannot name the field (a flag's only, spelled
 # otherwise in a recipe, or set by kvdoctor's setup resolution); the recipe loader reads it.
 RECIPE_KEY = "recipe_key"
@@ -76,6 +77,11 @@ class Setup:
     # CacheConfig.prefix_match_unit: the block-hash granularity (tokens) of a hybrid layout's groups,
     # finer than their block size (None: vLLM's default, the GCD of the groups' block sizes)
     prefix_match_unit: int | None = None
+    # CacheConfig.prefix_cache_retention_interval (0.34+): tokens between the sliding-window / Mamba
+    # prefix-cache checkpoints kept, a multiple of the scheduler block size (None: vLLM's default, 0)
+    prefix_cache_retention_interval: int | None = None
+    # SchedulerConfig.policy (`vllm serve --scheduling-policy`): "fcfs" or "priority" (None: vLLM's, fcfs)
+    scheduling_policy: str | None = None
     # a recipe spells it [setup] kv_connector_extra_config, as `vllm serve` does
     extra_connector_config: dict[str, Any] = field(default_factory=dict, metadata=_NOT_A_RECIPE_KEY)
     # Other `KVTransferConfig` fields given with --kv-transfer-config (kv_role, engine_id, ...),
@@ -193,6 +199,14 @@ class Setup:
                                                    or isinstance(self.prefix_match_unit, bool)
                                                    or self.prefix_match_unit < 1):
             raise UsageError(f"prefix_match_unit must be a positive integer, got {self.prefix_match_unit!r}")
+        if self.prefix_cache_retention_interval is not None and (
+                not isinstance(self.prefix_cache_retention_interval, int)
+                or isinstance(self.prefix_cache_retention_interval, bool) or self.prefix_cache_retention_interval < 1):
+            raise UsageError(f"prefix_cache_retention_interval must be a positive integer, "
+                             f"got {self.prefix_cache_retention_interval!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise UsageError(f"scheduling_policy must be one of {'|'.join(p for p in SCHEDULING_POLICIES if p)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.engine not in ENGINE_LEVELS:
             raise UsageError(f"engine must be one of {'|'.join(ENGINE_LEVELS)}, got {self.engine!r}")
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:

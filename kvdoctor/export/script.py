@@ -58,6 +58,7 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
             "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
             "enable_chunked_prefill": setup.enable_chunked_prefill, "async_scheduling": setup.async_scheduling,
             "enable_prefix_caching": setup.enable_prefix_caching,
+            **({"scheduling_policy": setup.scheduling_policy} if setup.scheduling_policy else {}),
             "kv_connector_extra_config": setup.kv_connector_extra_config(),
         },
         "steps": steps,

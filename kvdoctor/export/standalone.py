@@ -58,7 +58,8 @@ def build_scheduler(setup):
         scheduler_config=SchedulerConfig(
             max_num_seqs=setup["max_num_seqs"], max_num_batched_tokens=setup["max_num_batched_tokens"],
             max_model_len=setup["max_model_len"], is_encoder_decoder=False,
-            enable_chunked_prefill=setup["enable_chunked_prefill"], async_scheduling=setup["async_scheduling"]),
+            enable_chunked_prefill=setup["enable_chunked_prefill"], async_scheduling=setup["async_scheduling"],
+            **({"policy": setup["scheduling_policy"]} if setup.get("scheduling_policy") else {})),
         kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                             kv_connector_extra_config=setup["kv_connector_extra_config"]),
         device_config=DeviceConfig("cpu"),
@@ -194,10 +195,13 @@ def main():
     for number, (action, args) in enumerate(((s["action"], s["args"]) for s in RECIPE["steps"]), start=1):
         print(f"step {number}: {action} {json.dumps(args) if args else ''}")
         if action == "add":
+            # a client's kv_transfer_params travel in the sampling params' extra_args, where vLLM reads them
+            extra = ({"extra_args": {"kv_transfer_params": args["kv_transfer_params"]}}
+                     if args.get("kv_transfer_params") else {})
             req = Request(request_id=args["request"], prompt_token_ids=args["prompt"],
                           sampling_params=SamplingParams(max_tokens=args.get("max_tokens", 8),
-                                                         stop_token_ids=[EOS_TOKEN]),
-                          pooling_params=None, block_hasher=hasher)
+                                                         stop_token_ids=[EOS_TOKEN], **extra),
+                          pooling_params=None, block_hasher=hasher, priority=args.get("priority", 0))
             requests[req.request_id] = req
             scheduler.add_request(req)
         elif action == "schedule":

@@ -29,6 +29,11 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
         # geometry-relative sizes: a prompt_chunks prompt N tokens short; a prefix of N chunks
         "trim_tokens": ((int,), False),
         "shared_prefix_chunks": ((int,), False),
+        # what a client sends with the request: vLLM's `kv_transfer_params` (0.34's offloading connector
+        # reads max_load_tokens / max_offload_tokens from it) and its priority (lower is served first,
+        # under [setup] scheduling_policy = "priority")
+        "kv_transfer_params": ((dict,), False),
+        "priority": ((int,), False),
     },
     # until = "filled": as many steps as the fill_pool before it needs at this geometry
     # until = "prefilled" (with request): ceil(its prompt / max_num_batched_tokens) steps

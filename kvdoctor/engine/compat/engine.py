@@ -31,7 +31,7 @@ def resolve_executor_class(vllm_config: Any) -> Any:
     return executor_base_class().get_class(vllm_config)
 
 
-def engine_core_request(request_id: str, prompt: list[int], sampling_params: Any) -> Any:
+def engine_core_request(request_id: str, prompt: list[int], sampling_params: Any, priority: int = 0) -> Any:
     """An `EngineCoreRequest` as an in-process client sends it (token ids, no multimodal input).
 
     Only the fields this release's struct declares are passed (feature probe: 0.26-0.34 share the
@@ -41,7 +41,7 @@ def engine_core_request(request_id: str, prompt: list[int], sampling_params: Any
     cls = _require(_import("vllm.v1.engine"), "EngineCoreRequest", "vllm.v1.engine")
     wanted: dict[str, Any] = dict(request_id=request_id, prompt_token_ids=list(prompt), mm_features=None,
                                   sampling_params=sampling_params, pooling_params=None, arrival_time=time.time(),
-                                  lora_request=None, cache_salt=None, data_parallel_rank=None)
+                                  lora_request=None, cache_salt=None, data_parallel_rank=None, priority=priority)
     fields = set(getattr(cls, "__struct_fields__", ()) or wanted)
     return cls(**{k: v for k, v in wanted.items() if k in fields})
 

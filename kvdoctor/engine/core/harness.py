@@ -20,7 +20,7 @@ from typing import Any
 
 from kvdoctor.engine import compat, kv_layout
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.harness import EOS_TOKEN, Harness, StepEvents, _build_pieces
+from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
 from kvdoctor.engine.setup import Setup
 
 
@@ -62,10 +62,10 @@ class CoreHarness(Harness):
                                       f"kvdoctor's scheduler level plans {expected[0]} in {expected[1]}")
 
     # -- requests: the engine's input path ------------------------------------------------------
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
-        SamplingParams = self.api.cls("sampling_params", "SamplingParams")
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[EOS_TOKEN])
-        request, wave = self.core.preprocess_add_request(compat.engine_core_request(req_id, prompt, params))
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
+            priority: int = 0) -> None:
+        params = sampling_params(self.api, max_tokens, kv_transfer_params)
+        request, wave = self.core.preprocess_add_request(compat.engine_core_request(req_id, prompt, params, priority))
         self.requests[req_id] = request
         self.core.add_request(request, wave)
 

@@ -52,6 +52,7 @@ class Event:
     request: str = ""
     prompt: list[int] = field(default_factory=list)
     max_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # the add's kv_transfer_params / priority, as a client sends
 
 
 def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
@@ -63,7 +64,8 @@ def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
     for play in compile_recipe(recipe.steps, setup).steps:
         action = play.step.action
         if action == "add":
-            events += [Event("add", new.request, list(new.prompt), new.max_tokens) for new in play.requests]
+            extra = {key: play.step.args[key] for key in ("kv_transfer_params", "priority") if key in play.step.args}
+            events += [Event("add", new.request, list(new.prompt), new.max_tokens, extra) for new in play.requests]
         elif action == "schedule":
             events.append(Event("step"))
         elif action == "abort":
@@ -101,7 +103,10 @@ def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
             "--enable-chunked-prefill" if setup.enable_chunked_prefill else "--no-enable-chunked-prefill",
             "--async-scheduling" if setup.async_scheduling else "--no-async-scheduling",
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", QUALNAME]
+            "--distributed-executor-backend", QUALNAME,
+            *(["--scheduling-policy", setup.scheduling_policy] if setup.scheduling_policy else []),
+            *(["--prefix-cache-retention-interval", str(setup.prefix_cache_retention_interval)]
+              if setup.prefix_cache_retention_interval else [])]
 
 
 def serve_env(setup: Any) -> dict[str, str]:
@@ -236,7 +241,7 @@ async def _play(port: int, model: str, events: list[Event], step_seconds: float)
             pending_steps = 0
         if event.kind == "add":
             body = {"model": model, "prompt": event.prompt, "max_tokens": event.max_tokens, "ignore_eos": True,
-                    "temperature": 0.0}
+                    "temperature": 0.0, **event.extra}
             tasks[event.request] = asyncio.create_task(_http(port, "POST", "/v1/completions", body,
                                                              {"X-Request-Id": request_tag(event.request)},
                                                              REQUEST_LIMIT_S))
