@@ -13,8 +13,8 @@ from pathlib import Path
 
 from kvdoctor import app as application
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, PREFIX_MATCH_UNIT, RECOMPUTE, SYNC_LOADS, Example, Geometry, decode_extension, examples,
-    to_recipe,
+    GEOMETRY_RANGES, LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS, Example, Geometry,
+    decode_event, decode_extension, decode_second_extension, event_steps, examples, to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.loader import load_recipe_text
@@ -126,3 +126,129 @@ def test_a_sync_load_completes_in_its_step_with_no_finished_recving(api, feature
         assert any(job.sync for job in seen), [(job.job_id, job.sync) for job in seen]
     else:
         assert not any(job.sync for job in seen)
+
+
+# -- the second extension byte and each event's fifth byte (where the connector reads per-request caps) --
+
+ALL2 = ALL | {LOAD_CAPS, RETENTION, PRIORITY}
+MAMBA = Geometry(8, 1, 16, 16, 256, False, layout="mamba-hybrid", mamba_cache_mode="align")
+# (base geometry, second byte) -> the [setup] key it draws (bits: 0-1 retention in chunks, 2 the priority policy)
+SECOND_DRAWS = {("swa", 1): "prefix_cache_retention_interval", ("mamba", 2): "prefix_cache_retention_interval",
+                ("plain", 4): "scheduling_policy", ("swa", 6): "scheduling_policy"}
+BASES = {"swa": SWA, "mamba": MAMBA, "plain": PLAIN}
+# adds with the fifth byte's (max_load_tokens, max_offload_tokens, priority): caps on and off chunk boundaries
+CAPPED_EVENTS = (("add", ("chunks", 2), 3, None), ("schedule", 2),
+                 ("add", ("chunks", 3), 2, (0, None), ("chunk+1", 0, -1)), ("schedule", 3), ("hold", None, None),
+                 ("add", ("chunks", 1), 4, (1, None), (0, "chunk-1", 1)), ("schedule", 2), ("fail", None, "load"),
+                 ("add", ("tokens", 5), 2, (2, None), ("block", "chunk", 2)), ("finish", 0), ("schedule", 2))
+
+
+def test_second_extension_zero_is_the_geometry_and_an_absent_feature_its_default():
+    for geometry in BASES.values():
+        assert decode_second_extension(geometry, 0, ALL2) == geometry
+        assert all(decode_second_extension(geometry, byte, ALL) == geometry for byte in range(256))
+    # vLLM refuses a positive retention interval without a sliding-window or Mamba group: never drawn there
+    assert all(decode_second_extension(PLAIN, byte, ALL2).prefix_cache_retention_interval is None
+               for byte in range(256))
+    assert decode_second_extension(SWA, 2, ALL2).prefix_cache_retention_interval == 2 * SWA.chunk_tokens
+    # the fifth byte: 0 draws nothing (an add as before), caps resolve against the geometry's chunk
+    assert decode_event(1, 0, 0, 0, 0) == decode_event(1, 0, 0, 0)
+    assert decode_event(1, 0, 0, 0, 0b10_101_110)[0][-1] == ("chunk", "chunk-1", -1)
+    steps = event_steps(Example(PLAIN, CAPPED_EVENTS))
+    caps = [s.args.get("kv_transfer_params") for s in steps if s.action == "add"]
+    assert caps == [None, {"max_load_tokens": 9, "max_offload_tokens": 0},  # PLAIN: 8-token blocks and chunks
+                    {"max_load_tokens": 0, "max_offload_tokens": 7}, {"max_load_tokens": 8, "max_offload_tokens": 8}]
+    assert not any("priority" in s.args for s in steps)  # fcfs: vLLM ignores a priority, none is written
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(examples(12, extended=True, second=True))
+def test_second_extension_examples_are_recipes_the_loader_reads_back(raw):
+    example = Example.decode(raw, features=ALL2)
+    assert len(raw[0]) == len(GEOMETRY_RANGES) + 2 and all(len(event) == 5 for event in raw[1])
+    recipe = to_recipe(example)
+    loaded = load_recipe_text(recipe_to_toml(recipe), "generated.toml")
+    assert loaded.setup == recipe.setup
+    assert [(s.action, s.args) for s in loaded.steps] == [(s.action, s.args) for s in recipe.steps]
+
+
+@pytest.mark.parametrize("draw", sorted(SECOND_DRAWS))
+def test_each_second_draw_runs_on_the_real_scheduler_and_replays_from_its_file(api, features, draw, tmp_path):
+    from kvdoctor.explore.runner import observe
+
+    key = SECOND_DRAWS[draw]
+    if LOAD_CAPS not in features:
+        pytest.skip("this vLLM's offloading connector reads no per-request caps (max_load_tokens): "
+                    "the second extension byte is not drawn")
+    assert RETENTION in features and PRIORITY in features  # measured: every release with the caps has both
+    geometry = decode_second_extension(BASES[draw[0]], draw[1], features)
+    recipe = to_recipe(Example(geometry, CAPPED_EVENTS))
+    assert key in recipe.setup, recipe.setup
+    assert any("kv_transfer_params" in s.args for s in recipe.steps)
+    assert any("priority" in s.args for s in recipe.steps) == (geometry.scheduling_policy == "priority")
+    obs = observe(api, recipe, "installed")
+    # vLLM takes every drawn configuration (no start-up refusal) and kvdoctor raises nothing of its own
+    assert not (obs.signature or "").startswith("kvdoctor"), obs.detail
+    assert obs.failure_index != 0 and obs.scheduler_steps > 0, obs.detail
+    path = tmp_path / "draw.toml"
+    path.write_text(recipe_to_toml(recipe))
+    replay = application.repro(str(path), {}, "installed")
+    assert replay.results[0].outcome is not Outcome.SETUP_ERROR, replay.results[0].detail
+    assert getattr(replay.setup, key) == getattr(geometry, key)
+
+
+def _capped_run(api, setup, cap_b=None, cap_a=None):
+    """A stores its prompt; B, with A's prompt, arrives after the GPU prefix cache is reset: the jobs each
+    request got (its kv_transfer_params sent as a client's)."""
+    from kvdoctor.engine.harness import Harness
+
+    harness = Harness(api, setup)
+    jobs: dict[str, list[str]] = {"A": [], "B": []}
+    try:
+        prompt = list(range(10, 10 + 4 * setup.offloaded_block_size))
+        harness.add("A", prompt, 2, kv_transfer_params=cap_a)
+        for _ in range(4):
+            events = harness.step()
+            jobs["A"] += ["store" for rid in events.new_store_jobs.values() if rid == "A"]
+        harness.reset_prefix_cache(False, False)
+        harness.add("B", prompt, 2, kv_transfer_params=cap_b)
+        for _ in range(3):
+            events = harness.step()
+            jobs["B"] += ["load" for rid in events.new_load_jobs.values() if rid == "B"]
+    finally:
+        harness.shutdown()
+    return jobs
+
+
+def test_vllm_honours_the_per_request_caps_sent_as_a_client_sends_them(api, features):
+    """The caps travel where vLLM reads a client's (the sampling params' extra_args -> Request.kv_transfer_params
+    -> the connector's request state): max_offload_tokens = 0 stores nothing, max_load_tokens = 0 loads nothing,
+    where the same run without them stores and loads."""
+    from kvdoctor.engine.setup import Setup
+
+    if LOAD_CAPS not in features:
+        pytest.skip("this vLLM's offloading connector reads no per-request caps (max_load_tokens)")
+    setup = Setup(block_size=4, gpu_blocks=16, max_model_len=60)
+    plain = _capped_run(api, setup)
+    assert plain["A"] and plain["B"], plain
+    assert not _capped_run(api, setup, cap_a={"max_offload_tokens": 0})["A"]
+    assert not _capped_run(api, setup, cap_b={"max_load_tokens": 0})["B"]
+
+
+def test_the_priority_policy_preempts_the_least_urgent_running_request(api):
+    """Under `scheduling_policy = "priority"` a running request that needs a block preempts the running request
+    with the largest priority value (A, admitted first); under fcfs the last admitted (B) goes. Both admitted
+    with three blocks each into a seven-block pool: A's first decode takes the last free block, B's has none."""
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.setup import Setup
+
+    preempted = {}
+    for policy in ("fcfs", "priority"):
+        harness = Harness(api, Setup(block_size=4, gpu_blocks=8, max_model_len=28, scheduling_policy=policy))
+        try:
+            harness.add("A", list(range(10, 22)), 8, priority=1)
+            harness.add("B", list(range(40, 52)), 8, priority=-1)
+            preempted[policy] = [rid for _ in range(4) for rid in harness.step().preempted]
+        finally:
+            harness.shutdown()
+    assert preempted["priority"][:1] == ["A"] and preempted["fcfs"][:1] == ["B"], preempted

@@ -43,6 +43,17 @@ it) stay what they were. A sync load is never held or failed: the simulated
 worker, as vLLM's, completes it in the step that issued it and reports no
 finished_recving for it.
 
+Where the installed offloading connector reads per-request caps from a request's
+`kv_transfer_params` (`max_load_tokens` / `max_offload_tokens`, probed), a second
+extension byte and a fifth byte per event draw 0.34's remaining vocabulary, again
+through vLLM's own paths: each add's caps (none, 0, a block, a chunk, one token
+either side of a chunk: sent as a client sends them), `prefix_cache_retention_interval`
+(CacheConfig; one or two chunks, only with a sliding-window or Mamba group, where
+vLLM takes it) and the priority policy (SchedulerConfig.policy, with each add's
+priority: a more urgent arrival preempts running requests while their stores or
+loads are in flight). A release without the caps draws none of it, so its seeds
+stay as they were.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
@@ -91,6 +102,9 @@ class Geometry:
     prefix_match_unit: int | None = None  # CacheConfig.prefix_match_unit (two-group layouts)
     multi_connector: bool = False  # vLLM's MultiConnector: the watched OffloadingConnector and another
     kv_role: str | None = None  # KVTransferConfig.kv_role (None: kv_both)
+    # The second extension byte (`decode_second_extension`), drawn only where the connector reads caps:
+    prefix_cache_retention_interval: int | None = None  # CacheConfig (sliding-window / Mamba layouts)
+    scheduling_policy: str | None = None  # SchedulerConfig.policy ("priority"; None: fcfs)
 
     @property
     def groups(self) -> int:
@@ -127,6 +141,9 @@ class Geometry:
                if self.sync_load_budget_bytes else {}),
             **({"kv_transfer_fields": fields} if (fields := self.kv_transfer_fields()) else {}),
             **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
+            **({"prefix_cache_retention_interval": self.prefix_cache_retention_interval}
+               if self.prefix_cache_retention_interval else {}),
+            **({"scheduling_policy": self.scheduling_policy} if self.scheduling_policy else {}),
             # the second connector's tier as small as the first's: the tiering spec maps its tier whole,
             # and kvdoctor's 64 MiB default timed out in vLLM's mmap wait (measured on 0.34.0)
             **({"multi_connector": True, "second_cpu_bytes_to_use": self.cpu_bytes_to_use}
@@ -175,6 +192,17 @@ SYNC_LOADS = "sync_load_budget_bytes"  # the offloading scheduler's config reads
 RECOMPUTE = "kv_load_failure_policy"  # a KVTransferConfig field
 PREFIX_MATCH_UNIT = "prefix_match_unit"  # a CacheConfig field
 EXTENSION_GATE = SYNC_LOADS  # the extension byte is drawn only where the release has this
+LOAD_CAPS = "max_load_tokens"  # the offloading connector reads it (and max_offload_tokens) per request
+RETENTION = "prefix_cache_retention_interval"  # a CacheConfig field
+PRIORITY = "priority"  # SchedulerConfig.policy takes "priority" (every supported release)
+# The second extension byte and each event's fifth byte are drawn only where the release has this:
+SECOND_GATE = LOAD_CAPS
+# A per-request cap (max_load_tokens / max_offload_tokens) in tokens: none, 0, a block, a chunk and
+# one token either side of a chunk (a cap not on a chunk boundary).
+CAPS = (None, None, None, 0, "block", "chunk-1", "chunk", "chunk+1")
+PRIORITIES = (0, 1, -1, 2)  # an add's priority under the priority policy (lower is served first)
+RETENTION_CHUNKS = (None, 1, 2, None)  # prefix_cache_retention_interval in chunks
+RETAINING_LAYOUTS = ("swa-full", "mamba-hybrid")  # vLLM refuses a positive interval without such a group
 # The sync-load budget: none, one chunk's KV (a hit beyond it loads asynchronously), or everything.
 SYNC_BUDGETS = (None, "chunk", "all", None)
 ALL_BYTES = 1 << 40
@@ -218,6 +246,27 @@ def decode_extension(geometry: "Geometry", byte: int, features: frozenset[str], 
     return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
+def decode_second_extension(geometry: "Geometry", byte: int, features: frozenset[str]) -> "Geometry":
+    """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy); 0 is
+    the geometry as it was, and a feature the release lacks (or the layout cannot take) its default."""
+    changes: dict[str, Any] = {}
+    chunks = RETENTION_CHUNKS[byte & 3]
+    if chunks and RETENTION in features and geometry.layout in RETAINING_LAYOUTS:
+        changes["prefix_cache_retention_interval"] = chunks * geometry.chunk_tokens
+    if byte >> 2 & 1 and PRIORITY in features:
+        changes["scheduling_policy"] = "priority"
+    return dataclasses.replace(geometry, **changes) if changes else geometry
+
+
+def cap_tokens(geometry: "Geometry", choice: str | int | None) -> int | None:
+    """A CAPS entry in tokens at this geometry."""
+    if choice is None or isinstance(choice, int):
+        return choice
+    chunk = geometry.chunk_tokens
+    return {"block": geometry.block_size, "chunk-1": max(1, chunk - 1), "chunk": chunk,
+            "chunk+1": chunk + 1}[choice]
+
+
 def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None) -> Geometry:
     """`specs`: the offloading specs the installed vLLM has (None: every one drawn is taken)."""
     (block_size, blocks_per_chunk, gpu_blocks, seqs, batched, is_async, cpu_tier, decode_offload,
@@ -242,7 +291,7 @@ def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None
                     if layout_name == "mamba-hybrid" else None)
 
 
-def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...]:
+def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[Any, ...], ...]:
     """One abstract event (as `event_steps` reads it), then the engine steps that run before
     the next event, from a row of EVENT_TABLE and three bytes:
 
@@ -251,7 +300,9 @@ def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...
       tokens = 1 + a % 64, chunks = 1 + a % 8, pool = (1 + a % 8) eighths of the longest
       admissible prompt); b = max_tokens - 1 (b % 16) and the gap (b // 32); c = the shared
       prefix (c < 128: none; else with request (c // 8) % 16, for 1-7 chunks (c % 8 < 7) or
-      that request's whole prompt)
+      that request's whole prompt); d (drawn only where the connector reads per-request caps) =
+      max_load_tokens (CAPS[d & 7]), max_offload_tokens (CAPS[d >> 3 & 7]), the priority
+      (PRIORITIES[d >> 6], played only under the priority policy)
     - abort, finish: a = the request (a % 16); b = the gap
     - hold / complete / fail transfers: a = the request (a % 6: 0 every request, else
       request a % 6 - 1); b = the kind (any, store, load); c = the gap
@@ -272,6 +323,8 @@ def decode_event(row: int, a: int, b: int, c: int) -> tuple[tuple[Any, ...], ...
         size = ("fill",) if kind == "fill" else (kind, 1 + (a % 64 if kind == "tokens" else a % 8))
         prefix = None if c < 128 else ((c // 8) % 16, None if c % 8 == 7 else c % 8 + 1)
         event, gap = ("add", size, 1 + b % 16, prefix), GAPS[b // 32]
+        if d:
+            event += ((CAPS[d & 7], CAPS[d >> 3 & 7], PRIORITIES[d >> 6]),)
     elif action in ("abort", "finish", "delay", "release"):
         event, gap = (action, a % 16), GAPS[b % 8]
     elif action in ("hold", "complete", "fail"):
@@ -299,17 +352,20 @@ def geometry_fields(raw: bytes) -> tuple[int, ...]:
     return tuple(scaled(byte, n) for byte, n in zip(raw, GEOMETRY_RANGES))
 
 
-def event_fields(raw: bytes) -> tuple[int, int, int, int]:
-    return scaled(raw[0], len(EVENT_TABLE)), raw[1], raw[2], raw[3]
+def event_fields(raw: bytes) -> tuple[int, ...]:
+    """(row, a, b, c), and d where the event has a fifth byte (`raw_examples(second=True)`)."""
+    return (scaled(raw[0], len(EVENT_TABLE)), *raw[1:])
 
 
 @lru_cache(maxsize=None)
-def raw_examples(max_events: int, extended: bool = False) -> st.SearchStrategy[Any]:
+def raw_examples(max_events: int, extended: bool = False, second: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
-    geometry byte, the extension (`decode_extension`), after the others."""
-    size = len(GEOMETRY_RANGES) + (1 if extended else 0)
+    geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
+    the second extension byte after it (`decode_second_extension`) and a fifth byte per event."""
+    size = len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
+    event_size = EVENT_BYTES + (1 if extended and second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
-                     st.lists(st.binary(min_size=EVENT_BYTES, max_size=EVENT_BYTES),
+                     st.lists(st.binary(min_size=event_size, max_size=event_size),
                               min_size=1, max_size=max_events))
 
 
@@ -324,14 +380,16 @@ class Example:
         """The example hypothesis drew (`raw_examples`; an extension byte after the geometry's where
         `features` holds the gate)."""
         geometry, events = raw
-        extension = geometry[len(GEOMETRY_RANGES)] if len(geometry) > len(GEOMETRY_RANGES) else 0
+        base = len(GEOMETRY_RANGES)
+        extension = geometry[base] if len(geometry) > base else 0
+        second = geometry[base + 1] if len(geometry) > base + 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension)
+                               features, extension, second)
 
     @classmethod
-    def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, int, int, int]],
+    def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
-                    features: frozenset[str] = frozenset(), extension: int = 0) -> "Example":
+                    features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0) -> "Example":
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s and
         `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -339,16 +397,18 @@ class Example:
             decoded_geometry = dataclasses.replace(decoded_geometry, worker=worker)
         if extension:
             decoded_geometry = decode_extension(decoded_geometry, extension, features, worker)
+        if second:
+            decoded_geometry = decode_second_extension(decoded_geometry, second, features)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
         return cls(decoded_geometry, decoded)
 
 
-def examples(max_events: int, extended: bool = False) -> st.SearchStrategy[Any]:
+def examples(max_events: int, extended: bool = False, second: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended)
+    return raw_examples(max_events, extended, second)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:
@@ -389,7 +449,7 @@ def event_steps(example: Example) -> list[Step]:
         if action == "schedule":
             schedule(event[1])
         elif action == "add":
-            _, size, max_tokens, prefix = event
+            _, size, max_tokens, prefix, *caps = event
             rid = request_name(len(names))
             args: dict[str, Any] = {"request": rid}
             if size[0] == "fill" and g.gpu_blocks >= 3 and g.groups == 1:  # plan_fill plans one group
@@ -413,6 +473,15 @@ def event_steps(example: Example) -> list[Step]:
                 if shared >= 1:
                     args["shared_prefix_with"] = other
                     args["shared_prefix_tokens"] = shared
+            if caps:  # (max_load_tokens, max_offload_tokens, priority): the fifth byte's
+                load_cap, offload_cap, priority = caps[0]
+                params = {key: value for key, value in (("max_load_tokens", cap_tokens(g, load_cap)),
+                                                        ("max_offload_tokens", cap_tokens(g, offload_cap)))
+                          if value is not None}
+                if params:
+                    args["kv_transfer_params"] = params
+                if priority and g.scheduling_policy == "priority":  # vLLM ignores it under fcfs
+                    args["priority"] = priority
             names.append(rid)
             lengths[rid] = length
             steps.append(Step("add", args, 0))

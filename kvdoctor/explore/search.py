@@ -29,7 +29,9 @@ from typing import Any, Callable
 
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
-from kvdoctor.explore.generate import EXTENSION_GATE, Example, examples, mode_variants, to_recipe
+from kvdoctor.explore.generate import (
+    EXTENSION_GATE, SECOND_GATE, Example, examples, mode_variants, to_recipe,
+)
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
 
@@ -147,7 +149,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     found: dict[str, Finding] = {}
     specs = available_specs(api)
     features = available_features(api)
-    strategy = examples(config.max_events, extended=EXTENSION_GATE in features)
+    strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
@@ -274,24 +276,22 @@ def available_specs(api: Any) -> frozenset[str]:
 
 
 def available_features(api: Any) -> frozenset[str]:
-    """The extension byte's features this vLLM has, read off its configuration classes (feature probes,
-    never version numbers): sync loads where the offloading scheduler's config has a
-    `sync_load_budget_bytes` field (it reads the extra-config key of that name), the recompute policy
-    where KVTransferConfig has `kv_load_failure_policy`, `prefix_match_unit` where CacheConfig has it."""
-    import dataclasses as dc
+    """The extension bytes' features this vLLM has, as the adapter probes them (never version numbers):
+    sync loads where the offloading scheduler's config reads `sync_load_budget_bytes`, the recompute
+    policy where KVTransferConfig has `kv_load_failure_policy`, `prefix_match_unit` and
+    `prefix_cache_retention_interval` where CacheConfig has them, per-request caps where the offloading
+    scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it."""
+    from kvdoctor.explore.generate import (
+        LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
+    )
 
-    from kvdoctor.explore.generate import PREFIX_MATCH_UNIT, RECOMPUTE, SYNC_LOADS
-
-    found = set()
-    offload_config = getattr(api.mods.get("offload_scheduler"), "SchedulerOffloadConfig", None)
-    if SYNC_LOADS in getattr(offload_config, "__annotations__", {}):
-        found.add(SYNC_LOADS)
-    transfer = api.cls("config", "KVTransferConfig")
-    if dc.is_dataclass(transfer) and RECOMPUTE in {f.name for f in dc.fields(transfer)}:
-        found.add(RECOMPUTE)
-    if api.cache_config_has_field(PREFIX_MATCH_UNIT):
-        found.add(PREFIX_MATCH_UNIT)
-    return frozenset(found)
+    probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
+              RECOMPUTE: api.kv_transfer_config_has_field(RECOMPUTE),
+              PREFIX_MATCH_UNIT: api.cache_config_has_field(PREFIX_MATCH_UNIT),
+              RETENTION: api.cache_config_has_field(RETENTION),
+              LOAD_CAPS: api.offload_request_reads(LOAD_CAPS),
+              PRIORITY: PRIORITY in api.scheduler_policies()}
+    return frozenset(name for name, present in probes.items() if present)
 
 
 # -- several processes ---------------------------------------------------------------------------

@@ -435,6 +435,37 @@ class VllmApi(WorkerGlue):
         cls = self.cls("config", "CacheConfig")
         return name in {f.name for f in dataclasses.fields(cls)}
 
+    def offload_config_reads(self, name: str) -> bool:
+        """Whether the offloading scheduler's config has this field (`sync_load_budget_bytes`: it reads
+        the `kv_connector_extra_config` key of that name; 0.33+)."""
+        offload_config = getattr(self.mods.get("offload_scheduler"), "SchedulerOffloadConfig", None)
+        return name in getattr(offload_config, "__annotations__", {})
+
+    def offload_request_reads(self, name: str) -> bool:
+        """Whether the offloading scheduler's per-request state has this field (`max_load_tokens` /
+        `max_offload_tokens`: it reads them from the request's `kv_transfer_params`; 0.34+)."""
+        cls = self.RequestOffloadState
+        fields = ({f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls)
+                  else set(getattr(cls, "__annotations__", {})))
+        return name in fields
+
+    def kv_transfer_config_has_field(self, name: str) -> bool:
+        """Whether vLLM's `KVTransferConfig` takes this field (`kv_load_failure_policy`)."""
+        cls = self.cls("config", "KVTransferConfig")
+        return dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}
+
+    def scheduler_policies(self) -> tuple[str, ...]:
+        """The values vLLM's `SchedulerConfig.policy` takes (its Literal type: "fcfs", "priority")."""
+        import typing
+
+        cls = self.cls("config", "SchedulerConfig")
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if "policy" not in fields:
+            return ()
+        hints = typing.get_type_hints(cls) if isinstance(fields["policy"].type, str) else {}
+        kind = hints.get("policy", fields["policy"].type)
+        return tuple(str(value) for value in typing.get_args(kind)) or ("fcfs",)
+
     def cache_config_kwargs(self, setup_fields: dict[str, Any]) -> dict[str, Any]:
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
         A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
