@@ -148,6 +148,7 @@ class ScenarioRun:
     """One recipe, one variant, one fresh scheduler."""
 
     harness_class: Any = Harness  # the engine level swaps in its EngineCore harness (kvdoctor.engine.core)
+    level = "scheduler"  # the engine level playing the steps (a step it cannot play: not_applicable)
 
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
                  extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
@@ -182,6 +183,10 @@ class ScenarioRun:
         except NotApplicable as exc:
             untested = [str(exc)]
         lacking = missing(self.api, self.recipe.requires)
+        if not lacking:  # a step only an engine plays (pause/resume) is not this level's: say why
+            from kvdoctor.engine.core.levels import unexpressible
+
+            lacking = unexpressible(self.recipe.steps, self.level, self.setup.async_scheduling)
         if lacking or untested:
             self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
             self.result.detail = "; ".join(lacking or untested)

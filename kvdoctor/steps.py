@@ -36,6 +36,7 @@ class Need(str, Enum):
     SCHEDULER_CONTROL = "scheduler_control"
     ENGINE_UTILITY = "engine_utility"
     SCHEDULER_STATE = "scheduler_state"
+    ENGINE_PAUSE = "engine_pause"
 
     @property
     def meaning(self) -> str:
@@ -53,6 +54,8 @@ _MEANINGS = {
                             "withheld from a request, then released)",
     Need.ENGINE_UTILITY: "one of the engine's utility calls (reset_prefix_cache)",
     Need.SCHEDULER_STATE: "read the scheduler's and connector's per-request state (a precondition)",
+    Need.ENGINE_PAUSE: "the engine pauses and resumes its scheduler (EngineCore.pause_scheduler / "
+                       "resume_scheduler: requests queue while paused, caches optionally cleared)",
 }
 
 
@@ -203,6 +206,17 @@ def _delay_block_hashes(target: StepTarget, step: ConcreteStep) -> None:
 @step_kind("release_block_hashes", Need.SCHEDULER_CONTROL, summary="the withheld block hashes arrive")
 def _release_block_hashes(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.release_block_hashes(step.args["request"])
+
+
+@step_kind("pause", Need.ENGINE_PAUSE,
+           summary="pause the engine's scheduler (mode keep or abort; clear_cache resets the caches)")
+def _pause(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.pause(step.args.get("mode", "keep"), step.args.get("clear_cache", False))
+
+
+@step_kind("resume", Need.ENGINE_PAUSE, summary="resume the paused scheduler (queued requests flow again)")
+def _resume(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.resume()
 
 
 def markdown_table() -> str:

@@ -25,7 +25,8 @@ def test_every_level_answers_every_need_once() -> None:
             f"{set(Need) - level.meets - set(level.cannot)}"
         assert all(reason.strip() for reason in level.cannot.values())
         assert set(level.sync_only) <= level.meets, level.name
-    assert LEVEL_TABLE["scheduler"].meets == frozenset(Need)
+    # kvdoctor's scheduler harness meets every need but the engine's own pause (EngineCore.pause_scheduler)
+    assert LEVEL_TABLE["scheduler"].meets == frozenset(Need) - {Need.ENGINE_PAUSE}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -252,3 +252,112 @@ def test_the_priority_policy_preempts_the_least_urgent_running_request(api):
         finally:
             harness.shutdown()
     assert preempted["priority"][:1] == ["A"] and preempted["fcfs"][:1] == ["B"], preempted
+
+
+# -- engine events: pause / resume, through vLLM's EngineCore (`--engine core`) ----------------------------
+
+def test_pause_and_resume_go_through_the_engine_and_the_scheduler_level_says_why_not(api, tmp_path):
+    """`pause` / `resume` call EngineCore.pause_scheduler / resume_scheduler: under mode "keep" a request added
+    while paused gets no tokens until the resume, and mode "abort" with clear_cache aborts A and releases its
+    connector state. The scheduler level has no engine around the scheduler: not_applicable, naming why."""
+    from kvdoctor.engine.core.harness import CoreHarness
+    from kvdoctor.engine.setup import Setup
+
+    harness = CoreHarness(api, Setup(block_size=4, gpu_blocks=16, max_model_len=60))
+    try:
+        harness.add("A", list(range(10, 34)), 8)
+        assert harness.step().scheduled_tokens.get("A") == 24
+        harness.pause("keep", False)
+        harness.add("B", list(range(40, 52)), 2)
+        paused = [harness.step().scheduled_tokens for _ in range(2)]
+        assert paused == [{}, {}], paused  # PAUSED_ALL: the engine's step schedules nothing
+        harness.resume()
+        resumed = harness.step().scheduled_tokens
+        assert resumed.get("B") == 12 and resumed.get("A") == 1, resumed
+        harness.pause("abort", True)
+        assert harness.core.scheduler.get_num_unfinished_requests() == 0
+        harness.resume()
+        harness.step()  # the aborts' finished ids reach the connector
+        assert not api.request_states(harness.connector_scheduler), api.request_states(harness.connector_scheduler)
+    finally:
+        harness.shutdown()
+    recipe = tmp_path / "pause.toml"
+    recipe.write_text(PAUSE_RECIPE)
+    result = application.repro(str(recipe), {}, "installed").results[0]
+    assert result.outcome is Outcome.NOT_APPLICABLE and "play it with --engine core" in result.detail, result.detail
+    core = application.repro(str(recipe), {"engine": "core"}, "installed").results[0]
+    assert core.outcome is Outcome.NOT_REPRODUCED and core.failure is None, core.detail
+
+
+PAUSE_RECIPE = """
+[recipe]
+name = "pause-resume"
+summary = "the engine pauses while A's stores are held, B queues, an abort-pause clears the caches, C arrives"
+
+[setup]
+block_size = 4
+gpu_blocks = 16
+max_model_len = 60
+worker = "simulated"
+
+[signature]
+exception = "AssertionError"
+function = "(none)"
+
+[[step]]
+action = "add"
+request = "A"
+prompt_tokens = 24
+max_tokens = 4
+
+[[step]]
+action = "hold_transfers"
+kind = "store"
+
+[[step]]
+action = "schedule"
+count = 2
+
+[[step]]
+action = "pause"
+mode = "keep"
+
+[[step]]
+action = "add"
+request = "B"
+prompt_tokens = 24
+shared_prefix_with = "A"
+shared_prefix_tokens = 24
+max_tokens = 2
+
+[[step]]
+action = "schedule"
+count = 2
+
+[[step]]
+action = "resume"
+
+[[step]]
+action = "schedule"
+
+[[step]]
+action = "pause"
+mode = "abort"
+clear_cache = true
+
+[[step]]
+action = "resume"
+
+[[step]]
+action = "complete_transfers"
+
+[[step]]
+action = "add"
+request = "C"
+prompt_tokens = 24
+max_tokens = 2
+
+[[step]]
+action = "schedule"
+count = 6
+"""

@@ -63,7 +63,7 @@ class _Recorder:
         "finish_by_eos": Need.MODEL_OUTPUT,
         "hold": Need.TRANSFER_CONTROL, "complete": Need.TRANSFER_CONTROL, "fail": Need.TRANSFER_CONTROL,
         "delay_block_hashes": Need.SCHEDULER_CONTROL, "release_block_hashes": Need.SCHEDULER_CONTROL,
-        "reset_prefix_cache": Need.ENGINE_UTILITY,
+        "reset_prefix_cache": Need.ENGINE_UTILITY, "pause": Need.ENGINE_PAUSE, "resume": Need.ENGINE_PAUSE,
         "snapshot": Need.SCHEDULER_STATE,
     }
 

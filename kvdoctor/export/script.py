@@ -76,6 +76,10 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
 
     # the script plays requests, engine steps and transfers; scheduler-side interventions it cannot
     late = sorted({s.action for s in recipe.steps if Need.SCHEDULER_CONTROL in REGISTRY[s.action].needs})
+    paused = sorted({s.action for s in recipe.steps if Need.ENGINE_PAUSE in REGISTRY[s.action].needs})
+    if paused:  # the script drives the scheduler; pausing is the engine's
+        raise UsageError(f"--export-script cannot reproduce an engine pause ({', '.join(paused)}): it drives "
+                         f"vLLM's scheduler, not its EngineCore; attach `kvdoctor repro --engine core --report`")
     if late or setup.multi_connector:
         what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")

@@ -23,7 +23,7 @@ from kvdoctor.errors import RecipeError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
 from kvdoctor.recipes.model import (
-    ACTIONS, CONNECTOR_STATES, EXPECT_FIELDS, STEP_FIELDS, TRANSFER_KINDS, Recipe, Signature, Step,
+    ACTIONS, CONNECTOR_STATES, EXPECT_FIELDS, PAUSE_MODES, STEP_FIELDS, TRANSFER_KINDS, Recipe, Signature, Step,
 )
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
@@ -568,6 +568,9 @@ def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, wher
             raise r.fail(line, f"{where} (schedule) takes 'request' with until = \"prefilled\", and only then")
     elif action == "schedule" and "request" in args:
         raise r.fail(at("request"), f"{where} (schedule) takes 'request' only with until = \"prefilled\"")
+    if action == "pause" and args.get("mode", "keep") not in PAUSE_MODES:
+        raise r.fail(at("mode"), f"{where} (pause) mode must be one of {', '.join(PAUSE_MODES)}, "
+                                 f"got {_show(args['mode'])}")
     if "kind" in args and args["kind"] not in TRANSFER_KINDS:
         raise r.fail(at("kind"), f"{where} ({action}) kind must be one of {', '.join(TRANSFER_KINDS)}, "
                                  f"got {_show(args['kind'])}")

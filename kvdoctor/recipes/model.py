@@ -12,6 +12,7 @@ from typing import Any
 ACTIONS = (
     "add", "schedule", "drain", "abort", "finish", "complete_transfers", "hold_transfers",
     "fail_transfers", "reset_prefix_cache", "expect", "delay_block_hashes", "release_block_hashes",
+    "pause", "resume",
 )
 
 # The fields each action accepts: name -> (python type(s), required)
@@ -49,6 +50,10 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     # block hashes (and so offload keys) that arrive later than blocks, as in P/D and hybrid deployments
     "delay_block_hashes": {"request": ((str,), True)},
     "release_block_hashes": {"request": ((str,), True)},
+    # the engine pauses its scheduler (EngineCore.pause_scheduler): "keep" its requests or "abort" them;
+    # clear_cache resets the prefix cache (and the connector's) as vLLM's pause does
+    "pause": {"mode": ((str,), False), "clear_cache": ((bool,), False)},
+    "resume": {},
 }
 
 # State a step of kind `expect` (a precondition) or a `[[check]]` (a post-condition) can assert.
@@ -67,6 +72,8 @@ EXPECT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 STEP_FIELDS["expect"] = EXPECT_FIELDS
 
 TRANSFER_KINDS = ("store", "load")
+# pause modes an in-process EngineCore takes ("wait" is refused there: it needs the engine's own loop)
+PAUSE_MODES = ("keep", "abort")
 CONNECTOR_STATES = ("present", "released")
 
 

@@ -85,6 +85,18 @@ class CoreHarness(Harness):
                 self.companion.forget()
         return bool(ok) if ok is not None else True
 
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        """EngineCore.pause_scheduler as an in-process client calls it (its other arguments vLLM's defaults:
+        clearing the caches resets the connector's too, so the worker's jobs are gone with them)."""
+        self.core.pause_scheduler(mode=mode, clear_cache=clear_cache)
+        if clear_cache:
+            self.worker.forget()
+            if self.companion is not None:
+                self.companion.forget()
+
+    def resume(self) -> None:
+        self.core.resume_scheduler()
+
     def drain(self) -> bool:
         """Sync scheduling: nothing is in flight between engine steps (the runner refuses async drains)."""
         return False

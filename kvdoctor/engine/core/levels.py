@@ -46,7 +46,9 @@ _SCHEDULER_SIDE = ("an intervention inside the scheduler: vLLM's engine computes
 _NO_TRANSFER_CONTROL = "the served executor completes every transfer when issued"
 
 LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
-    Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need)),
+    Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need) - {Need.ENGINE_PAUSE},
+          cannot={Need.ENGINE_PAUSE: "pausing is the engine's (EngineCore.pause_scheduler gates its own step "
+                                     "loop and clears its caches); play it with --engine core"}),
     Level("core", "vLLM's EngineCore",
           meets=frozenset(Need) - {Need.SCHEDULER_CONTROL},
           cannot={Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE},
@@ -60,6 +62,8 @@ LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
               Need.MODEL_OUTPUT: "the served executor samples no EOS on request (only max_tokens ends a request)",
               Need.TRANSFER_CONTROL: _NO_TRANSFER_CONTROL,
               Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE,
+              Need.ENGINE_PAUSE: "not played by kvdoctor's serve client (vllm serve pauses only in its "
+                                 "development mode)",
               Need.ENGINE_UTILITY: "not played by kvdoctor's serve client yet (POST /reset_prefix_cache races "
                                    "with the busy loop)",
               Need.SCHEDULER_STATE: "the server's scheduler state cannot be read from outside the process (the "
@@ -79,6 +83,7 @@ HOW: dict[Need, str] = {
     Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs",
     Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache",
     Need.SCHEDULER_STATE: "core: the engine's Scheduler, read between steps",
+    Need.ENGINE_PAUSE: "core: EngineCore.pause_scheduler (mode, clear_cache) / resume_scheduler",
 }
 
 

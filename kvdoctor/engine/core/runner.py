@@ -14,6 +14,8 @@ from kvdoctor.scenario import RunResult, ScenarioRun
 
 
 class CoreScenarioRun(ScenarioRun):
+    level = "core"
+
     @property
     def harness_class(self) -> Any:  # type: ignore[override]
         from kvdoctor.engine.core.harness import CoreHarness
