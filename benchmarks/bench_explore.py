@@ -24,7 +24,8 @@ explore's lead over the fresh-build loop is that reuse, not less overhead.
     .venv/bin/python benchmarks/bench_explore.py [--examples 400] [--seed 0] [--logic installed] [--repeat 5]
 
 `--vocabulary SECONDS` measures something else: one in-process search (one worker) for that long on the
-installed vLLM, with the vocabulary this release draws (the extension byte where it has sync loads), then
+installed vLLM, with the vocabulary this release draws (the extension bytes where it has sync loads and
+per-request caps), then
 prints examples, steps/s, and per feature how many runs drew it, their engine steps and the findings
 whose shrunk recipe has it (each finding also triaged, through vLLM's EngineCore too):
 
@@ -79,18 +80,27 @@ def bare_replay(api, traffic, cached_builds: bool = False) -> tuple[int, float]:
     return steps, time.perf_counter() - start
 
 
-FEATURES = {  # feature -> does a recipe's [setup] draw it?
-    "sync loads": lambda s: bool((s.get("extra_connector_config") or {}).get("sync_load_budget_bytes")),
-    "recompute policy": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_load_failure_policy") == "recompute",
-    "prefix_match_unit": lambda s: bool(s.get("prefix_match_unit")),
-    "MultiConnector": lambda s: bool(s.get("multi_connector")),
-    "kv_consumer": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_role") == "kv_consumer",
-    "kv_producer": lambda s: (s.get("kv_transfer_fields") or {}).get("kv_role") == "kv_producer",
-    "tiering spec": lambda s: s.get("spec_name") == "TieringOffloadingSpec",
-    "swa-full": lambda s: s.get("layout") == "swa-full",
-    "mamba-hybrid": lambda s: s.get("layout") == "mamba-hybrid",
-    "eagle-pair": lambda s: s.get("layout") == "eagle-pair",
-    "async": lambda s: bool(s.get("async_scheduling")),
+def _adds(recipe, key):
+    return any(key in step.args for step in recipe.steps if step.action == "add")
+
+
+FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fields)
+    "sync loads": lambda r: bool((r.setup.get("extra_connector_config") or {}).get("sync_load_budget_bytes")),
+    "recompute policy": lambda r: (r.setup.get("kv_transfer_fields") or {}).get("kv_load_failure_policy")
+    == "recompute",
+    "prefix_match_unit": lambda r: bool(r.setup.get("prefix_match_unit")),
+    "MultiConnector": lambda r: bool(r.setup.get("multi_connector")),
+    "kv_consumer": lambda r: (r.setup.get("kv_transfer_fields") or {}).get("kv_role") == "kv_consumer",
+    "kv_producer": lambda r: (r.setup.get("kv_transfer_fields") or {}).get("kv_role") == "kv_producer",
+    "request caps": lambda r: _adds(r, "kv_transfer_params"),
+    "retention": lambda r: bool(r.setup.get("prefix_cache_retention_interval")),
+    "priority policy": lambda r: r.setup.get("scheduling_policy") == "priority",
+    "priorities": lambda r: _adds(r, "priority"),
+    "tiering spec": lambda r: r.setup.get("spec_name") == "TieringOffloadingSpec",
+    "swa-full": lambda r: r.setup.get("layout") == "swa-full",
+    "mamba-hybrid": lambda r: r.setup.get("layout") == "mamba-hybrid",
+    "eagle-pair": lambda r: r.setup.get("layout") == "eagle-pair",
+    "async": lambda r: bool(r.setup.get("async_scheduling")),
 }
 
 
@@ -116,8 +126,8 @@ def vocabulary(seconds: float, seed: int, logic: str) -> int:
           f"{stats.invalid} refused by vLLM, {len(findings)} findings")
     print(f"{'feature':18} {'runs':>6} {'steps':>8} findings")
     for name, has in FEATURES.items():
-        runs = [(r, o) for r, o, _ in traffic if has(r.setup)]
-        found = [f.signature for f in findings if has(f.recipe.setup)]
+        runs = [(r, o) for r, o, _ in traffic if has(r)]
+        found = [f.signature for f in findings if has(f.recipe)]
         print(f"{name:18} {len(runs):6d} {sum(o.scheduler_steps for _, o in runs):8,d} {', '.join(found) or '-'}")
     if findings:
         from kvdoctor.explore.triage import triage

@@ -75,6 +75,12 @@ def test_features_are_probed_and_the_extension_drawn_only_with_sync_loads(api, f
                                                      "extra_connector_config"} & set(recipe.setup)]
     # drawn where the release has sync loads (20 examples, ~7 of 8 extension bytes draw something)
     assert bool(extended) == (SYNC_LOADS in features), [r.setup for r in extended[:1]]
+    # the second byte and the events' fifth, where the connector reads per-request caps (half the geometries
+    # draw the priority policy, five in eight adds a cap); elsewhere the same bytes as before
+    second = [recipe for recipe, _, _ in trace
+              if {"scheduling_policy", "prefix_cache_retention_interval"} & set(recipe.setup)
+              or any("kv_transfer_params" in step.args or "priority" in step.args for step in recipe.steps)]
+    assert bool(second) == (LOAD_CAPS in features and SYNC_LOADS in features), [r.setup for r in second[:1]]
 
 
 @pytest.mark.parametrize("byte", sorted(DRAWS))
