@@ -17,8 +17,8 @@ from kvdoctor.errors import UsageError
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_mode values
 ENGINE_LEVELS = ("scheduler", "core", "serve")  # who calls vLLM's scheduler (`Setup.engine`; kvdoctor/engine/core)
-WORKERS = ("simulated", "vllm")
-SCHEDULING_POLICIES = (None, "fcfs", "priority")  # vLLM's SchedulerConfig.policy values  # who stands where vLLM's GPU worker runs (`Setup.worker`)
+WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
+SCHEDULING_POLICIES = (None, "fcfs", "priority")  # vLLM's SchedulerConfig.policy values
 # `Setup` field metadata: False where a recipe's [setup] cannot name the field (a flag's only, spelled
 # otherwise in a recipe, or set by kvdoctor's setup resolution); the recipe loader reads it.
 RECIPE_KEY = "recipe_key"
