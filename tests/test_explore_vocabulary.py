@@ -367,3 +367,20 @@ max_tokens = 2
 action = "schedule"
 count = 6
 """
+
+
+@pytest.mark.parametrize("line, words", [
+    ('scheduling_policy = "lifo"', "scheduling_policy must be one of fcfs|priority"),
+    ("prefix_cache_retention_interval = 0", "prefix_cache_retention_interval must be a positive integer"),
+])
+def test_new_setup_keys_are_refused_in_one_line_before_vllm_is_imported(tmp_path, line, words):
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    path = tmp_path / "bad.toml"
+    path.write_text(PAUSE_RECIPE.replace('worker = "simulated"', f'worker = "simulated"\n{line}'))
+    done = subprocess.run([sys.executable, "-m", "kvdoctor", "repro", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
