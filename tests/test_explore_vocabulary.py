@@ -384,3 +384,24 @@ def test_new_setup_keys_are_refused_in_one_line_before_vllm_is_imported(tmp_path
     done = subprocess.run([sys.executable, "-m", "kvdoctor", "repro", str(path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_exported_script_carries_caps_priorities_and_the_policy():
+    """A generated recipe with per-request caps under the priority policy exports to a vLLM-only script that
+    sends them as the harness does (kv_transfer_params in extra_args, Request.priority, SchedulerConfig.policy).
+    Not run here (its ModelConfig build alone took 26 s on the loaded 2-core machine); measured by hand: such a
+    script runs through on 0.26.0 and 0.34.0."""
+    from kvdoctor.explore.runner import setup_of
+    from kvdoctor.export.script import export_script, recipe_data
+
+    geometry = decode_second_extension(PLAIN, 4, ALL2)
+    recipe = to_recipe(Example(geometry, CAPPED_EVENTS))
+    data = recipe_data(recipe, setup_of(recipe))
+    assert data["setup"]["scheduling_policy"] == "priority"
+    adds = [step["args"] for step in data["steps"] if step["action"] == "add"]
+    assert [a.get("kv_transfer_params") for a in adds] == [s.args.get("kv_transfer_params")
+                                                           for s in recipe.steps if s.action == "add"]
+    assert [a.get("priority", 0) for a in adds] == [0, -1, 1, 2]
+    script = export_script(recipe, setup_of(recipe))
+    assert '"extra_args": {"kv_transfer_params"' in script and "priority=args.get(\"priority\", 0)" in script
+    assert '"policy": setup["scheduling_policy"]' in script
