@@ -90,6 +90,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
 
 
 _SERVE_TEMPLATE = Path(__file__).with_name("standalone_serve.py")
+_CORE = Path(__file__).resolve().parents[1] / "engine" / "core"  # the stand-ins' one source, embedded verbatim
 _SERVE_LINES = {
     "recipe": 'RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")'
               '  # replaced on export',
@@ -160,8 +161,8 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")
-    platform = (Path(__file__).resolve().parents[1] / "engine" / "core" / "cpu_platform.py").read_text()
-    executor = inline_portable(Path(__file__).with_name("serve_executor.py").read_text())
+    platform = (_CORE / "cpu_platform.py").read_text()
+    executor = inline_portable((_CORE / "standin_executor.py").read_text())
     payload = json.dumps(data, indent=1)
     text = (template.replace(_SERVE_LINES["recipe"], f'RECIPE = json.loads(r"""{payload}""")')
             .replace(_SERVE_LINES["platform"], _raw("PLATFORM_SOURCE", platform.rstrip("\n") + _REGISTER))

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvdoctor.engine.core.levels import unexpressible
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
-from kvdoctor.engine.core.standalone import STEP_LOG_PREFIX
+from kvdoctor.engine.core.names import STEP_LOG_PREFIX
 from kvdoctor.errors import UsageError
 
 STEP_SECONDS = float(os.environ.get("KVDOCTOR_SERVE_STEP_SECONDS", "1.0"))  # engine step pacing
