@@ -123,12 +123,8 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     import dataclasses
 
     from kvdoctor.engine.core import serve
-    from kvdoctor.engine.core.levels import unexpressible
 
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
-        reasons = ["the serve script checks its precondition only for aborted requests (queued-abort shaped "
-                   "recipes)"]
+    reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
         raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: {reasons[0]}")
     if setup.multi_connector or setup.model is not None or setup.layout is not None:

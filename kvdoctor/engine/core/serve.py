@@ -347,6 +347,16 @@ def _failure_from_log(crash: Any) -> Any:
                    code=frame.code if frame else None, vllm_frames=frames, in_vllm=frame is not None)
 
 
+def unplayable(recipe: Any, setup: Any, client: str) -> list[str]:
+    """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
+    the exported serve script alike. `expect` is not played: the client checks its own precondition (that an
+    aborted request was still queued, from the executor's step log), so a recipe without an abort is refused."""
+    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
+    if not reasons and not any(s.action == "abort" for s in recipe.steps):
+        reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
+    return reasons
+
+
 def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
     from kvdoctor.diagnose.reader import read_stream
@@ -357,10 +367,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
                      "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
-        reasons = ["kvdoctor's serve client verifies its precondition only for aborted requests (queued-abort "
-                   "shaped recipes)"]
+    reasons = unplayable(recipe, setup, "kvdoctor's serve client")
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
