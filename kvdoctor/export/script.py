@@ -16,6 +16,23 @@ from kvdoctor.recipes.model import Recipe
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
 _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export'
+_CONFIG_LINE = "CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export"
+
+
+def _raw(name: str, text: str) -> str:
+    """`NAME = r'''text'''`, refusing text that would not survive the literal (kvdoctor's bug)."""
+    if "'''" in text or text.endswith("\\"):
+        raise RuntimeError(f"{name}: the text cannot be embedded in a raw string")
+    return f"{name} = r'''{text}'''"
+
+
+def _with_tiny_config(template: str) -> str:
+    """The template with kvdoctor's one tiny-model config.json (`engine.tiny_model`) embedded as text."""
+    from kvdoctor.engine.tiny_model import config_json
+
+    if _CONFIG_LINE not in template:  # pragma: no cover - guards the template itself
+        raise RuntimeError("standalone template lost its CONFIG_JSON line")
+    return template.replace(_CONFIG_LINE, _raw("CONFIG_JSON", config_json()))
 
 
 def recipe_data(recipe: Recipe, setup: Setup) -> dict:
@@ -80,7 +97,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     from kvdoctor.engine.compat import inline_portable
 
-    template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
+    template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its RECIPE line")
     payload = json.dumps(recipe_data(recipe, setup), indent=1)
@@ -109,13 +126,6 @@ def register():
         return None
     return "kvrepro_standin.platform.KvdoctorCpuPlatform"
 """
-
-
-def _raw(name: str, text: str) -> str:
-    """`NAME = r'''text'''`, refusing text that would not survive the literal (kvdoctor's bug)."""
-    if "'''" in text or text.endswith("\\"):
-        raise RuntimeError(f"{name}: the stand-in's source cannot be embedded in a raw string")
-    return f"{name} = r'''{text}'''"
 
 
 def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
@@ -153,7 +163,7 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
     data = serve_recipe_data(recipe, setup)
-    template = _SERVE_TEMPLATE.read_text()
+    template = _with_tiny_config(_SERVE_TEMPLATE.read_text())
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")

@@ -34,12 +34,7 @@ STANDIN = "kvrepro_standin"
 STEP_LOG_PREFIX = "kvdoctor-engine step"
 STARTUP_LIMIT_S = float(os.environ.get("KVREPRO_STARTUP_S", "420"))
 STOP_LIMIT_S = 20.0
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-    "torch_dtype": "float16",
-}
+CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
 def write_standins(folder):
@@ -213,7 +208,7 @@ def main():
     write_standins(folder)
     model_dir = tempfile.mkdtemp(prefix="kvrepro-model-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(TINY_CONFIG, f)
+        f.write(CONFIG_JSON)
     log_path = os.path.join(model_dir, "server.log")
     port = free_port()
     env = dict(os.environ)

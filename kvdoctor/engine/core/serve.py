@@ -360,7 +360,7 @@ def unplayable(recipe: Any, setup: Any, client: str) -> list[str]:
 def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.engine.harness import tiny_model_dir
+    from kvdoctor.engine.tiny_model import tiny_model_dir
     from kvdoctor.observe.verdict import Outcome, matches_exception
     from kvdoctor.scenario import RunResult
 
