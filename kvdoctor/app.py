@@ -213,11 +213,6 @@ def environment() -> dict[str, Any]:
     }
 
 
-def engine_phrase(engine: str) -> str:
-    """' through vLLM's EngineCore' / ' through `vllm serve`'; '' at the default (scheduler) level."""
-    return {"core": " through vLLM's EngineCore", "serve": " through `vllm serve`"}.get(engine, "")
-
-
 @dataclass
 class AuditRow:
     bug: str
@@ -281,22 +276,6 @@ class AuditReport:
     metrics: list[MetricRow] = field(default_factory=list)
     command: str = ""
     engine: str = "scheduler"  # the engine level every row ran at (kvdoctor/engine/core/levels.py)
-
-    @property
-    def engine_phrase(self) -> str:
-        """How the reports name the level after 'vLLM X.Y.Z' (the default level stays unnamed)."""
-        return engine_phrase(self.engine)
-
-    @property
-    def level_note(self) -> str:
-        """What the summary adds at an engine level: the recipes that level cannot play (no verdict there)."""
-        if self.engine == "scheduler":
-            return ""
-        unplayed = [row.recipe.name for row in self.rows if row.installed.outcome.value == "not_applicable"]
-        if not unplayed:
-            return ""
-        return f"; {len(unplayed)} of {len(self.rows)} recipes cannot be played{engine_phrase(self.engine)} " \
-               f"(not_applicable)"
 
     @property
     def any_reproduced(self) -> bool:

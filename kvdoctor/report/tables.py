@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvdoctor.report.engine_level import level_note, report_engine_phrase
 from kvdoctor.report.layout import Cut, Fit, Items
 
 OUTCOME_STYLE = {
@@ -67,12 +68,6 @@ def why_lines(result: Any) -> list[str]:
     if passed:
         parts.append("checks held: " + "; ".join(passed))
     return parts or ["ran through; no failure"]
-
-
-def fixed_in_text(hint: Any) -> str:
-    """A FixedIn as one line; says where it comes from, since it is not this run's verdict."""
-    return (f"upgrade hint: stops reproducing in vLLM {hint.release} (last reproducing {hint.last_reproducing}; "
-            f"kvdoctor {hint.kvdoctor_version} measurements of {hint.measured_on})")
 
 
 def why(result: Any) -> str:
@@ -366,7 +361,7 @@ def audit_summary(report: Any) -> str:
     """`3 of 11 known bugs reproduce on vLLM 0.26.0; upgrade to 0.30.0 fixes all but K9, K11`."""
     bugs = list(dict.fromkeys(row.bug for row in report.rows if row.bug and row.bug != "-"))
     reproducing = list(report.reproducing)
-    where = f"vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}"
+    where = f"vLLM {report.vllm_version}{report_engine_phrase(report)}"
     if reproducing:
         text = (f"{len(reproducing)} of {len(bugs)} known bugs reproduce on {where}"
                 if len(reproducing) > 1 or len(bugs) > 1 else f"the known bug reproduces on {where}")
@@ -376,7 +371,7 @@ def audit_summary(report: Any) -> str:
     if hint is not None:
         left = hint.still_reproducing
         text += f"; upgrading to {hint.release} fixes " + ("all" if not left else "all but " + ", ".join(left))
-    text += getattr(report, "level_note", "")  # --engine core|serve: the recipes that level cannot play
+    text += level_note(report)  # --engine core|serve: the recipes that level cannot play
     # a bug another of its recipes reproduced has its verdict; only one without any is "no verdict"
     unsure = list(dict.fromkeys(f"{row.bug} {row.installed.outcome.value}" for row in report.rows
                                 if row.installed.outcome.value in _INCONCLUSIVE and row.bug not in reproducing))
@@ -399,7 +394,7 @@ def audit_compact_renderables(report: Any) -> list[Any]:
     bug_width = max([len(row.bug) for row in report.rows] + [len(m.bug) for m in report.metrics] + [3])
     outcome_width = max([len(row.installed.outcome.value) for row in report.rows] + [len("outcome")])
     items: list[Any] = [
-        Text(f"known KV-offload bugs on vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}", style="bold"),
+        Text(f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}", style="bold"),
         Text(f"  {'bug':<{bug_width}}  {'recipe':<{name_width}}  {'outcome':<{outcome_width}}  fixed in",
              style="dim")]
     for row in report.rows:
@@ -442,7 +437,7 @@ def audit_detail_renderables(report: Any) -> list[Any]:
 def audit_table(report: Any) -> Any:
     from kvdoctor.report.next_steps import FIXED_LOGIC
 
-    title = f"known KV-offload bugs on vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}"
+    title = f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}"
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption=FIXED_LOGIC,
                   caption_justify="left")
     for column in ("bug", "recipe", "upstream", "what it breaks", "installed logic", "what to do next"):
