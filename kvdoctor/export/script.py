@@ -162,8 +162,10 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
+    from kvdoctor.engine.core import serve_client
+
     data = serve_recipe_data(recipe, setup)
-    template = _with_tiny_config(_SERVE_TEMPLATE.read_text())
+    template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")

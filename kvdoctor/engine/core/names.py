@@ -3,6 +3,3 @@
 EXECUTOR_QUALNAME = "kvdoctor.engine.core.executor.KvdoctorExecutor"  # vLLM resolves it by this name
 STEP_SECONDS_ENV = "KVDOCTOR_ENGINE_STEP_SECONDS"  # serve: pace the steps so client events land between them
 ADMISSION_ENV = "KVDOCTOR_ENGINE_ADMISSION_LEN"  # serve: the max_model_len of the start-up admission check
-# The stand-in executor logs one line per step under this prefix (it imports only vLLM, so
-# `standin_executor` and the exported serve script spell it again; tests/test_engine_export.py checks all three agree)
-STEP_LOG_PREFIX = "kvdoctor-engine step"

@@ -37,7 +37,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from kvdoctor.engine.compat.portable import default_kv_cache_layouts, runner_output_takes_req_id_to_index
 
 logger = init_logger("vllm.kvrepro.executor")  # under "vllm": the server's own log handler
-STEP_LOG_PREFIX = "kvdoctor-engine step"
+STEP_LOG_PREFIX = "kvdoctor-engine step"  # the serve client reads it (serve_client.py; tests check both agree)
 DECODE_TOKEN = 7
 
 
