@@ -223,25 +223,6 @@ class AuditRow:
     fixed_in: Any = None  # FixedIn | None: measured on other releases, never the verdict
     server_log: str = ""  # --engine serve: the server's own log
 
-    @property
-    def hint(self) -> str:
-        outcome = self.installed.outcome.value
-        if outcome == "reproduced":
-            fixes = [ref.split()[0] for ref in self.recipe.refs if "(fix" in ref]
-            if self.fixed.outcome.value == "not_applicable":  # serve: the fixed logic is not played
-                return ("fixed upstream by " + ", ".join(fixes)) if fixes else "no upstream fix named yet"
-            if self.fixed.outcome.value == "not_reproduced":
-                return "the PR #49146 cap (kvdoctor's fixed logic) prevents it"
-            return ("the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, fixed by "
-                    + ", ".join(fixes) if fixes else
-                    "the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, "
-                    "no upstream fix named yet")
-        if outcome == "not_reproduced":
-            coverage = self.installed.coverage
-            site = [self.installed.detail if coverage.gone else "crash site " + coverage.line()] if coverage else []
-            return "; ".join(site + self.installed.guards) or "this vLLM handles the trigger"
-        return self.installed.detail
-
 
 @dataclass
 class MetricRow:
@@ -257,16 +238,6 @@ class MetricRow:
     @property
     def outcome(self) -> str:
         return "other_failure" if self.error else "measured"
-
-    @property
-    def summary(self) -> str:
-        if self.error:
-            return f"not measured: {self.error}"
-        m = self.value
-        where = "" if self.level == "scheduler" else " (measured by kvdoctor's scheduler harness at every level)"
-        return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
-                f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "
-                f"prefixes ({m.extra_steps:+d}){where}")
 
 
 @dataclass

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
 from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields
@@ -190,7 +191,8 @@ def render_audit_markdown(report: Any) -> str:
               "|---|---|---|---|---|---|"]
     for row in report.rows:
         steps = row_next_steps(row)
-        todo = "<br>".join(f"{label}: {_cell(github_refs(text))}" for label, text in steps) or _cell(row.hint or "")
+        todo = ("<br>".join(f"{label}: {_cell(github_refs(text))}" for label, text in steps)
+                or _cell(row_hint(row) or ""))
         lines.append(f"| {row.bug} | {row.recipe.name} | {github_refs(', '.join(row.recipe.refs))} "
                      f"| {row.recipe.title or ''} | **{row.installed.outcome.value}** | {_scrub(todo)} |")
     lines += ["", f"_{FIXED_LOGIC}._", ""]
@@ -200,7 +202,8 @@ def render_audit_markdown(report: Any) -> str:
     if report.metrics:
         lines += ["## Measured (performance bugs)", "", "| bug | upstream | what it costs | measured |",
                   "|---|---|---|---|"]
-        lines += [f"| {m.bug} | {github_refs(', '.join(m.refs))} | {m.title} | {m.summary} |" for m in report.metrics]
+        lines += [f"| {m.bug} | {github_refs(', '.join(m.refs))} | {m.title} | {metric_summary(m)} |"
+                  for m in report.metrics]
         lines.append("")
     for row in report.rows:
         result = row.installed

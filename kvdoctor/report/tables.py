@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import level_note, report_engine_phrase
 from kvdoctor.report.layout import Cut, Fit, Items
 
@@ -383,7 +384,7 @@ def audit_summary(report: Any) -> str:
 def _metric_line(metric: Any) -> str:
     m = metric.value
     if metric.error or m is None:
-        return metric.summary
+        return metric_summary(metric)
     return (f"measured: {m.extra_steps:+d} steps to first token when {m.requests} requests share a prefix "
             f"({m.shared_steps} vs {m.baseline_steps})")
 
@@ -422,10 +423,10 @@ def audit_detail_renderables(report: Any) -> list[Any]:
             table.add_column(column, no_wrap=column == "bug")
         blocks: list[Any] = [Text("measured (performance bugs)", style="italic")]
         for metric in report.metrics:
-            table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric.summary)
+            table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric_summary(metric))
             blocks.append(Text.assemble((f"{metric.bug:<4}", "bold"), ", ".join(metric.refs)))
             blocks.append(Items(metric.title.split(" "), prefix="    ", sep=" ", indent=4))
-            blocks.append(Items(metric.summary.split(" "), prefix="    measured:", sep=" ", indent=6))
+            blocks.append(Items(metric_summary(metric).split(" "), prefix="    measured:", sep=" ", indent=6))
         items.append(Fit(table, Group(*blocks)))
     items.append(Items(audit_summary(report).split(" "), sep=" ", indent=2, style="bold"))
     if any(row.installed.outcome.value == "reproduced" for row in report.rows):
@@ -447,12 +448,12 @@ def audit_table(report: Any) -> Any:
         steps = row_next_steps(row)
         table.add_row(row.bug, row.recipe.name, "\n".join(row.recipe.refs[:2]), row.recipe.title or "",
                       outcome_text(row.installed.outcome.value),
-                      "\n".join(f"{label}: {text}" for label, text in steps) or row.hint)
+                      "\n".join(f"{label}: {text}" for label, text in steps) or row_hint(row))
         blocks.append(Text.assemble((f"{row.bug:<4}", "bold"), row.recipe.name, "  ",
                                     outcome_text(row.installed.outcome.value)))
         if row.recipe.title:
             blocks.append(Items(row.recipe.title.split(" "), prefix="    ", sep=" ", indent=4))
-        for label, text in steps or [("", row.hint)]:
+        for label, text in steps or [("", row_hint(row))]:
             if text:
                 blocks.append(Items(text.split(" "), prefix=Text.assemble("    ", (f"{label}:" if label else "",
                                                                                   "bold")),
@@ -472,8 +473,8 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
         steps = [(label, text) for label, text in steps if label != "report it"]
     fallback = getattr(getattr(row, "setup", None), "worker_fallback", None)
     if fallback:  # vLLM's worker was asked for, this recipe ran with the simulated one: say so in the row
-        if not steps and row.hint:
-            steps = [("note", row.hint)]
+        if not steps and row_hint(row):
+            steps = [("note", row_hint(row))]
         steps = [*steps, ("worker", f"{row.setup.worker} ({fallback})")]
     device_fallback = getattr(getattr(row, "setup", None), "device_fallback", None)
     if device_fallback:  # a GPU was there or asked for, this recipe kept its KV on the CPU: say so too
