@@ -69,7 +69,7 @@ class KvdoctorExecutor(StandInExecutor):
         super().initialize_from_config(kv_cache_configs)
         self.kv_cache_config = kv_cache_configs[0]
         if self.handoff is None:  # a `vllm serve` child: the worker side lives here
-            from kvdoctor.engine.core.standalone import SimulatedSide
+            from kvdoctor.engine.core.simulated_side import SimulatedSide
 
             self.simulated = SimulatedSide(self.vllm_config)
 
