@@ -213,11 +213,6 @@ def environment() -> dict[str, Any]:
     }
 
 
-def engine_phrase(engine: str) -> str:
-    """' through vLLM's EngineCore' / ' through `vllm serve`'; '' at the default (scheduler) level."""
-    return {"core": " through vLLM's EngineCore", "serve": " through `vllm serve`"}.get(engine, "")
-
-
 @dataclass
 class AuditRow:
     bug: str
@@ -227,25 +222,6 @@ class AuditRow:
     fixed: Any  # RunResult
     fixed_in: Any = None  # FixedIn | None: measured on other releases, never the verdict
     server_log: str = ""  # --engine serve: the server's own log
-
-    @property
-    def hint(self) -> str:
-        outcome = self.installed.outcome.value
-        if outcome == "reproduced":
-            fixes = [ref.split()[0] for ref in self.recipe.refs if "(fix" in ref]
-            if self.fixed.outcome.value == "not_applicable":  # serve: the fixed logic is not played
-                return ("fixed upstream by " + ", ".join(fixes)) if fixes else "no upstream fix named yet"
-            if self.fixed.outcome.value == "not_reproduced":
-                return "the PR #49146 cap (kvdoctor's fixed logic) prevents it"
-            return ("the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, fixed by "
-                    + ", ".join(fixes) if fixes else
-                    "the PR #49146 cap (kvdoctor's fixed logic) does not prevent it: a different bug, "
-                    "no upstream fix named yet")
-        if outcome == "not_reproduced":
-            coverage = self.installed.coverage
-            site = [self.installed.detail if coverage.gone else "crash site " + coverage.line()] if coverage else []
-            return "; ".join(site + self.installed.guards) or "this vLLM handles the trigger"
-        return self.installed.detail
 
 
 @dataclass
@@ -263,16 +239,6 @@ class MetricRow:
     def outcome(self) -> str:
         return "other_failure" if self.error else "measured"
 
-    @property
-    def summary(self) -> str:
-        if self.error:
-            return f"not measured: {self.error}"
-        m = self.value
-        where = "" if self.level == "scheduler" else " (measured by kvdoctor's scheduler harness at every level)"
-        return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
-                f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "
-                f"prefixes ({m.extra_steps:+d}){where}")
-
 
 @dataclass
 class AuditReport:
@@ -281,22 +247,6 @@ class AuditReport:
     metrics: list[MetricRow] = field(default_factory=list)
     command: str = ""
     engine: str = "scheduler"  # the engine level every row ran at (kvdoctor/engine/core/levels.py)
-
-    @property
-    def engine_phrase(self) -> str:
-        """How the reports name the level after 'vLLM X.Y.Z' (the default level stays unnamed)."""
-        return engine_phrase(self.engine)
-
-    @property
-    def level_note(self) -> str:
-        """What the summary adds at an engine level: the recipes that level cannot play (no verdict there)."""
-        if self.engine == "scheduler":
-            return ""
-        unplayed = [row.recipe.name for row in self.rows if row.installed.outcome.value == "not_applicable"]
-        if not unplayed:
-            return ""
-        return f"; {len(unplayed)} of {len(self.rows)} recipes cannot be played{engine_phrase(self.engine)} " \
-               f"(not_applicable)"
 
     @property
     def any_reproduced(self) -> bool:

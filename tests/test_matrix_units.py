@@ -255,6 +255,6 @@ def test_shipped_data_hints_where_queued_abort_stops():
         pytest.skip("queued-abort not measured on both 0.26.0 and 0.27.0")
     hint = known.fixed_in("queued-abort")
     assert (hint.release, hint.last_reproducing) == ("0.27.0", "0.26.0")
-    from kvdoctor.report.tables import fixed_in_text
+    from kvdoctor.report.next_steps import fixed_in_line
 
-    assert fixed_in_text(hint).startswith("upgrade hint: stops reproducing in vLLM 0.27.0 (last reproducing 0.26.0;")
+    assert fixed_in_line(hint).startswith("vLLM 0.27.0 and later (last reproducing: 0.26.0;")

@@ -228,26 +228,11 @@ def _summary(report: Any) -> list[Any]:
     return out
 
 
-def triage_markdown(result: Any) -> str:
-    """A finding's triage (`kvdoctor.explore.triage.Triage`) as the attachment's last section."""
-    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
-             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
-             + (f" ({result.without_connector_detail})" if result.without_connector_detail else ""),
-             f"- Through vLLM's EngineCore (`--engine core`): {result.engine_core_label}"]
-    if result.impact:
-        lines.append(f"- Impact: {result.impact}")
-    lines += [f"- Diagnosis: {note}" for note in result.diagnosis]
-    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
-    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
-    lines += [f"- Caveat: {note}" for note in result.caveats]
-    return "\n".join(lines) + "\n"
-
-
 def write_attachment(finding: Any, result: Any) -> str | None:
     """`kvdoctor repro FILE --report` for a candidate finding's recipe, with its triage, written beside
     the recipe (`<name>.report.md`); explore's application calls it, the formatting stays here."""
     from kvdoctor import app as application
-    from kvdoctor.report.markdown import render_markdown
+    from kvdoctor.report.markdown import render_markdown, triage_markdown
 
     path = Path(finding.file)
     target = path.with_suffix(".report.md")

@@ -44,17 +44,28 @@ class ServeFlags:
     engine: opt.Engine = None
 
 
+# Each flag, by name, -> the check in `options` that turns it into `Setup` overrides (the geometry and
+# connector flags, the worker side, the engine level). Flags are passed by keyword, so adding one cannot
+# shift the others; a flag missing from this table is refused when the module is imported.
+FLAG_CHECKS: dict[str, str] = {
+    **dict.fromkeys(("block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_batched_tokens",
+                     "max_num_seqs", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
+                     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "model"), "geometry"),
+    **dict.fromkeys(("worker", "model_runner", "device"), "worker"),
+    "engine": "engine",
+}
+_CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
+    "geometry": opt.geometry_overrides, "worker": opt.worker_overrides, "engine": opt.engine_override}
+if set(FLAG_CHECKS) != {f.name for f in fields(ServeFlags)}:  # pragma: no cover - guards the table itself
+    raise TypeError(f"serve flags without a check: {sorted({f.name for f in fields(ServeFlags)} ^ set(FLAG_CHECKS))}")
+
+
 def overrides(flags: ServeFlags) -> dict[str, Any]:
     """The flags as `Setup` overrides (geometry, worker side, engine level), refused with a
     `UsageError` when one is out of range."""
-    result = opt.geometry_overrides(
-        flags.block_size, flags.blocks_per_chunk, flags.gpu_blocks, flags.async_scheduling,
-        flags.max_num_batched_tokens, flags.max_num_seqs, flags.enable_chunked_prefill, flags.kv_transfer_config,
-        flags.model, enable_prefix_caching=flags.enable_prefix_caching,
-        kv_offloading_size=flags.kv_offloading_size, kv_offloading_backend=flags.kv_offloading_backend,
-        max_model_len=flags.max_model_len)
-    result.update(opt.worker_overrides(flags.worker, flags.model_runner, flags.device))
-    result.update(opt.engine_override(flags.engine))
+    result: dict[str, Any] = {}
+    for name, check in _CHECKS.items():
+        result.update(check(**{flag: getattr(flags, flag) for flag, which in FLAG_CHECKS.items() if which == name}))
     return result
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdoctor.diagnose.logline import LogLine
-from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, _exception_line
+from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, _exception_line, balanced
 
 MAX_ITEMS = 64
 MAX_STATEMENT_LINES = 12
@@ -65,14 +65,6 @@ def _up_to_close(text: str) -> str:
         if depth < 0:
             return text[:index].strip()
     return text.strip().rstrip(".,;")
-
-
-def balanced(text: str) -> bool:
-    depth = 0
-    for ch in re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "", text):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-    return depth <= 0
 
 
 class LooseCollector:

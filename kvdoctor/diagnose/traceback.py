@@ -74,7 +74,8 @@ class LogTraceback:
         return [f for f in self.frames if f.in_vllm]
 
 
-def _balanced(code: str) -> bool:
+def balanced(code: str) -> bool:
+    """Whether the brackets of `code` close (string literals left out): a whole statement, not one line of it."""
     depth = 0
     for ch in re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "", code):
         depth += ch in "([{"
@@ -191,7 +192,7 @@ class TracebackAssembler:
             if tb.frames and not tb.frames[-1].code:
                 tb.frames[-1].code = body.strip()[:MAX_CODE]
                 return True
-            if tb.frames and not _balanced(tb.frames[-1].code) and len(tb.frames[-1].code) < MAX_CODE:
+            if tb.frames and not balanced(tb.frames[-1].code) and len(tb.frames[-1].code) < MAX_CODE:
                 # the rest of a multi-line statement (Python 3.13 shows every line of it)
                 line = ELIDED if _PY313_ELISION.match(body) else body.strip()  # `...<2 lines>...`: a gap
                 tb.frames[-1].code = (tb.frames[-1].code + "\n" + line)[:MAX_CODE]

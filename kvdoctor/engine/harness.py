@@ -3,57 +3,25 @@
 The worker side sits behind a seam (`kvdoctor.engine.workers.base.Worker`): the simulated
 bookkeeping worker, or vLLM's own worker-role connector on real KV tensors
 (`--worker vllm`). vLLM's ModelConfig comes from a tiny `config.json` written at
-run time; the KV cache groups come from the model's layer layout (`kv_layout`: a
+run time (`tiny_model`); the KV cache groups come from the model's layer layout (`kv_layout`: a
 local model directory or a shipped config), so nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import json
-import shutil
-import tempfile
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.tiny_model import tiny_model_dir
 from kvdoctor.engine.worker import Job
 from kvdoctor.errors import UsageError
 
-TINY_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 1024,
-    # Long enough for production context lengths (--max-model-len 131072 and beyond);
-    # vLLM refuses a max_model_len above the model's own.
-    "max_position_embeddings": 1 << 20,
-    "torch_dtype": "float16",
-}
 EOS_TOKEN = 2
 DECODE_TOKEN = 7
-
-
-@lru_cache(maxsize=1)
-def tiny_model_dir() -> str:
-    """A throw-away model directory holding only kvdoctor's tiny config.json.
-
-    One per process, removed when the process exits (spawned explore workers
-    exit through `sys.exit`, so theirs goes too)."""
-    directory = Path(tempfile.mkdtemp(prefix="kvdoctor-model-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG, indent=2))
-    return str(directory)
-
 
 _MODEL_CONFIGS: dict[tuple[str, int], Any] = {}
 

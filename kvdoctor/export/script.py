@@ -16,6 +16,23 @@ from kvdoctor.recipes.model import Recipe
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
 _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export'
+_CONFIG_LINE = "CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export"
+
+
+def _raw(name: str, text: str) -> str:
+    """`NAME = r'''text'''`, refusing text that would not survive the literal (kvdoctor's bug)."""
+    if "'''" in text or text.endswith("\\"):
+        raise RuntimeError(f"{name}: the text cannot be embedded in a raw string")
+    return f"{name} = r'''{text}'''"
+
+
+def _with_tiny_config(template: str) -> str:
+    """The template with kvdoctor's one tiny-model config.json (`engine.tiny_model`) embedded as text."""
+    from kvdoctor.engine.tiny_model import config_json
+
+    if _CONFIG_LINE not in template:  # pragma: no cover - guards the template itself
+        raise RuntimeError("standalone template lost its CONFIG_JSON line")
+    return template.replace(_CONFIG_LINE, _raw("CONFIG_JSON", config_json()))
 
 
 def recipe_data(recipe: Recipe, setup: Setup) -> dict:
@@ -85,7 +102,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     from kvdoctor.engine.compat import inline_portable
 
-    template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
+    template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its RECIPE line")
     payload = json.dumps(recipe_data(recipe, setup), indent=1)
@@ -95,6 +112,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
 
 
 _SERVE_TEMPLATE = Path(__file__).with_name("standalone_serve.py")
+_CORE = Path(__file__).resolve().parents[1] / "engine" / "core"  # the stand-ins' one source, embedded verbatim
 _SERVE_LINES = {
     "recipe": 'RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")'
               '  # replaced on export',
@@ -115,24 +133,13 @@ def register():
 """
 
 
-def _raw(name: str, text: str) -> str:
-    """`NAME = r'''text'''`, refusing text that would not survive the literal (kvdoctor's bug)."""
-    if "'''" in text or text.endswith("\\"):
-        raise RuntimeError(f"{name}: the stand-in's source cannot be embedded in a raw string")
-    return f"{name} = r'''{text}'''"
-
-
 def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing."""
     import dataclasses
 
     from kvdoctor.engine.core import serve
-    from kvdoctor.engine.core.levels import unexpressible
 
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
-        reasons = ["the serve script checks its precondition only for aborted requests (queued-abort shaped "
-                   "recipes)"]
+    reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
         raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: {reasons[0]}")
     if setup.multi_connector or setup.model is not None or setup.layout is not None:
@@ -160,13 +167,15 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
+    from kvdoctor.engine.core import serve_client
+
     data = serve_recipe_data(recipe, setup)
-    template = _SERVE_TEMPLATE.read_text()
+    template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")
-    platform = (Path(__file__).resolve().parents[1] / "engine" / "core" / "cpu_platform.py").read_text()
-    executor = inline_portable(Path(__file__).with_name("serve_executor.py").read_text())
+    platform = (_CORE / "cpu_platform.py").read_text()
+    executor = inline_portable((_CORE / "standin_executor.py").read_text())
     payload = json.dumps(data, indent=1)
     text = (template.replace(_SERVE_LINES["recipe"], f'RECIPE = json.loads(r"""{payload}""")')
             .replace(_SERVE_LINES["platform"], _raw("PLATFORM_SOURCE", platform.rstrip("\n") + _REGISTER))

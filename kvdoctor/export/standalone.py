@@ -29,12 +29,7 @@ RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # rep
 EOS_TOKEN = 2
 DECODE_TOKEN = 7
 LAYER = "model.layers.0.self_attn.attn"
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-    "torch_dtype": "float16",
-}
+CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
 def build_scheduler(setup):
@@ -49,7 +44,7 @@ def build_scheduler(setup):
     model_dir = tempfile.mkdtemp(prefix="kv-repro-model-")
     atexit.register(shutil.rmtree, model_dir, ignore_errors=True)  # leave nothing behind
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(TINY_CONFIG, f)
+        f.write(CONFIG_JSON)
     block_size, num_blocks = setup["block_size"], setup["gpu_blocks"]
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=setup["max_model_len"],

@@ -20,26 +20,21 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+# kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
+# definition in here.
+from kvdoctor.engine.core.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''
 EXECUTOR_SOURCE = r'''"""replaced on export"""'''
 
 STANDIN = "kvrepro_standin"
-STEP_LOG_PREFIX = "kvdoctor-engine step"
 STARTUP_LIMIT_S = float(os.environ.get("KVREPRO_STARTUP_S", "420"))
-STOP_LIMIT_S = 20.0
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
-    "torch_dtype": "float16",
-}
+CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
 def write_standins(folder):
@@ -61,121 +56,6 @@ def write_standins(folder):
             f.write(text)
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """`vllm serve` in its own session; `stop()` ends its whole process group (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, command, env, log_path):
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def stop(self):
-        for sig, wait in ((signal.SIGTERM, STOP_LIMIT_S), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
-                    return
-                time.sleep(0.2)
-        self.proc.poll()
-
-
-def _group_alive(pgid):
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-async def http(port, method, path, body=None, headers=None, timeout=30.0):
-    """One HTTP/1.1 request on its own connection; cancelling it closes the socket (a disconnect)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        payload = json.dumps(body).encode() if body is not None else b""
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n{extra}"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-        writer.write(head.encode() + payload)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-        status_line = raw.decode(errors="replace").partition("\r\n")[0]
-        return int(status_line.split()[1]) if status_line.startswith("HTTP/") else 0
-    finally:
-        writer.close()
-
-
-async def wait_ready(port, server, limit):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and server.alive():
-        try:
-            if await http(port, "GET", "/health", timeout=5) == 200:
-                return True
-        except (OSError, asyncio.TimeoutError):
-            pass
-        await asyncio.sleep(1.0)
-    return False
-
-
-def tag(name):
-    return f"kvdoctor-{name}-r"
-
-
-async def play(port, model, events, step_seconds):
-    """The recipe's clients; returns whether the server then answered /health and a fresh request."""
-    tasks = {}
-    pending = 0
-    for event in events:
-        if event["kind"] == "step":
-            pending += 1
-            continue
-        if pending or event["kind"] == "abort":  # arrivals need two steps to reach the engine's queue
-            await asyncio.sleep(max(pending, 2) * step_seconds)
-            pending = 0
-        name = event["request"]
-        if event["kind"] == "add":
-            body = {"model": model, "prompt": event["prompt"], "max_tokens": event["max_tokens"],
-                    "ignore_eos": True, "temperature": 0.0}
-            tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
-                                                   {"X-Request-Id": tag(name)}, 120))
-            print(f"  {name}: sent, {len(event['prompt'])} prompt tokens, max_tokens {event['max_tokens']}")
-        elif event["kind"] == "abort" and name in tasks:
-            task = tasks.pop(name)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            print(f"  {name}: client disconnected (the server aborts it)")
-    await asyncio.sleep(max(pending, 2) * step_seconds)
-    for name, task in tasks.items():  # the recipe ends: open clients disconnect
-        if not task.done():
-            task.cancel()
-        result = (await asyncio.gather(task, return_exceptions=True))[0]
-        print(f"  {name}: " + (f"HTTP {result}" if isinstance(result, int) else "disconnected at the end"))
-    await asyncio.sleep(2 * step_seconds)
-    try:
-        healthy = await http(port, "GET", "/health", timeout=10) == 200
-        fresh = healthy and await http(port, "POST", "/v1/completions",
-                                       {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 2,
-                                        "ignore_eos": True}, {"X-Request-Id": tag("fresh")}, 60) == 200
-    except (OSError, asyncio.TimeoutError):
-        healthy = fresh = False
-    print(f"  /health {'200' if healthy else 'failed'}; a fresh request {'served' if fresh else 'not served'}")
-    return healthy and fresh
-
-
 def engine_traceback(lines):
     """The engine core's fatal error and its traceback, as the server logged them (empty if none)."""
     for index, line in enumerate(lines):
@@ -190,30 +70,12 @@ def engine_traceback(lines):
     return []
 
 
-def queued_when_aborted(lines, name):
-    """From the executor's step log: the request finished without ever being scheduled."""
-    scheduled = False
-    for line in lines:
-        at = line.find(STEP_LOG_PREFIX)
-        if at < 0:
-            continue
-        try:
-            step = json.loads(line[at:].partition(": ")[2])
-        except ValueError:
-            continue
-        if any(tag(name) in rid for rid in step.get("scheduled", {})):
-            scheduled = True
-        if any(tag(name) in rid for rid in step.get("finished", [])):
-            return not scheduled
-    return False
-
-
 def main():
     folder = os.path.abspath(__file__) + ".standin"
     write_standins(folder)
     model_dir = tempfile.mkdtemp(prefix="kvrepro-model-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(TINY_CONFIG, f)
+        f.write(CONFIG_JSON)
     log_path = os.path.join(model_dir, "server.log")
     port = free_port()
     env = dict(os.environ)
@@ -237,7 +99,9 @@ def main():
         server = Server(command, env, log_path)
         ready = asyncio.run(wait_ready(port, server, STARTUP_LIMIT_S))
         if ready:
-            served = asyncio.run(play(port, model_dir, RECIPE["events"], RECIPE["step_seconds"]))
+            played = asyncio.run(play(port, model_dir, RECIPE["events"], RECIPE["step_seconds"],
+                                      echo=lambda note: print(f"  {note}", flush=True)))
+            served = played.healthy and played.fresh_served
             time.sleep(1.0)
     finally:
         if server is not None:
@@ -260,7 +124,7 @@ def main():
         print(f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s; its log ends:\n"
               + "\n".join(lines[-20:]))
         return 2
-    missed = [name for name in RECIPE["aborted"] if not queued_when_aborted(lines, name)]
+    missed = [name for name in RECIPE["aborted"] if not aborted_while_queued(lines, name)]
     if missed:
         print(f"not tested: {', '.join(missed)} was not aborted while queued (the executor's step log)")
         return 2

@@ -36,12 +36,6 @@ class MatrixReport:
     kvdoctor_version: str = __version__
     measured_on: str = field(default_factory=lambda: datetime.date.today().isoformat())
 
-    @property
-    def engine_phrase(self) -> str:
-        from kvdoctor.app import engine_phrase
-
-        return engine_phrase(self.engine)
-
     def cell(self, release: str, recipe: str) -> Cell | None:
         return self.cells.get((release, recipe))
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
+from kvdoctor.report.audit_text import metric_summary, row_hint
 
 __all__ = ["SCHEMA_VERSION", "audit_document", "dumps", "recipe_dict", "repro_document"]
 
@@ -84,7 +85,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "bug": row.bug, "recipe": row.recipe.name, "refs": list(row.recipe.refs),
                 "title": row.recipe.title, "outcome": row.installed.outcome.value,
                 "setup": setup_dict(row.setup, row.installed.kv_plan),
-                "fixed_logic_outcome": row.fixed.outcome.value, "hint": row.hint,
+                "fixed_logic_outcome": row.fixed.outcome.value, "hint": row_hint(row),
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
@@ -93,8 +94,8 @@ def audit_document(report: Any) -> dict[str, Any]:
             for row in report.rows
         ],
         "metrics": [
-            {"bug": m.bug, "title": m.title, "refs": list(m.refs), "summary": m.summary, "outcome": m.outcome,
-             "error": m.error, **(m.value.as_dict() if m.value is not None else {})}
+            {"bug": m.bug, "title": m.title, "refs": list(m.refs), "summary": metric_summary(m),
+             "outcome": m.outcome, "error": m.error, **(m.value.as_dict() if m.value is not None else {})}
             for m in report.metrics
         ],
     }

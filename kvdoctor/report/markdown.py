@@ -11,6 +11,8 @@ import os
 import time
 from typing import Any
 
+from kvdoctor.report.audit_text import metric_summary, row_hint
+from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
 from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields
 
@@ -183,13 +185,14 @@ def render_markdown(command: str, report: Any) -> str:
 
 def render_audit_markdown(report: Any) -> str:
     lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}"
-                    f"{getattr(report, 'engine_phrase', '')}",
+                    f"{report_engine_phrase(report)}",
                     report.command or "kvdoctor audit")
     lines += ["## Results", "", "| bug | recipe | upstream | what it breaks | installed logic | what to do next |",
               "|---|---|---|---|---|---|"]
     for row in report.rows:
         steps = row_next_steps(row)
-        todo = "<br>".join(f"{label}: {_cell(github_refs(text))}" for label, text in steps) or _cell(row.hint or "")
+        todo = ("<br>".join(f"{label}: {_cell(github_refs(text))}" for label, text in steps)
+                or _cell(row_hint(row) or ""))
         lines.append(f"| {row.bug} | {row.recipe.name} | {github_refs(', '.join(row.recipe.refs))} "
                      f"| {row.recipe.title or ''} | **{row.installed.outcome.value}** | {_scrub(todo)} |")
     lines += ["", f"_{FIXED_LOGIC}._", ""]
@@ -199,7 +202,8 @@ def render_audit_markdown(report: Any) -> str:
     if report.metrics:
         lines += ["## Measured (performance bugs)", "", "| bug | upstream | what it costs | measured |",
                   "|---|---|---|---|"]
-        lines += [f"| {m.bug} | {github_refs(', '.join(m.refs))} | {m.title} | {m.summary} |" for m in report.metrics]
+        lines += [f"| {m.bug} | {github_refs(', '.join(m.refs))} | {m.title} | {metric_summary(m)} |"
+                  for m in report.metrics]
         lines.append("")
     for row in report.rows:
         result = row.installed
@@ -216,3 +220,17 @@ def render_audit_markdown(report: Any) -> str:
             lines += _timeline(result)
     return _scrub("\n".join(lines)) + "\n"
 
+
+def triage_markdown(result: Any) -> str:
+    """A finding's triage (`kvdoctor.explore.triage.Triage`) as the attachment's last section."""
+    lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
+             f"- Without the offloading connector (`offloading = false`): {result.without_connector}"
+             + (f" ({result.without_connector_detail})" if result.without_connector_detail else ""),
+             f"- Through vLLM's EngineCore (`--engine core`): {result.engine_core_label}"]
+    if result.impact:
+        lines.append(f"- Impact: {result.impact}")
+    lines += [f"- Diagnosis: {note}" for note in result.diagnosis]
+    lines += [f"- Reachable: {note}" for note in result.reachable_notes]
+    lines += [f"- Harness: {reason}" for reason in result.harness_reasons]
+    lines += [f"- Caveat: {note}" for note in result.caveats]
+    return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.json_doc import SCHEMA_VERSION
 
 
@@ -41,7 +42,7 @@ def matrix_renderables(report: Any) -> list[Any]:
     from kvdoctor.report.tables import OUTCOME_STYLE
 
     title = "kvdoctor matrix: " + ("every built-in recipe" if report.audit else ", ".join(report.recipes)) \
-            + " under the installed logic" + getattr(report, "engine_phrase", "")
+            + " under the installed logic" + report_engine_phrase(report)
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left")
     table.add_column("vLLM", style="bold")
     recipes = report.recipes
@@ -84,7 +85,7 @@ def matrix_markdown(report: Any) -> str:
     lines = [f"# kvdoctor matrix: {', '.join(report.recipes) if not report.audit else 'audit'}", "",
              f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by kvdoctor "
              f"{report.kvdoctor_version}_", "", "## Command", "", "```", report.command or "kvdoctor matrix", "```", "",
-             f"## Outcome under the installed logic{getattr(report, 'engine_phrase', '')}", "",
+             f"## Outcome under the installed logic{report_engine_phrase(report)}", "",
              "| vLLM | " + " | ".join(report.recipes) + " |", "|---|" + "---|" * len(report.recipes)]
     for release in (report.tested_releases if report.bisect else report.releases):
         cells = [_cell_text(report.cell(release, n)).replace("|", "\\|") for n in report.recipes]

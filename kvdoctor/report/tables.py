@@ -10,6 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvdoctor.report.audit_text import metric_summary, row_hint
+from kvdoctor.report.engine_level import level_note, report_engine_phrase
 from kvdoctor.report.layout import Cut, Fit, Items
 
 OUTCOME_STYLE = {
@@ -67,12 +69,6 @@ def why_lines(result: Any) -> list[str]:
     if passed:
         parts.append("checks held: " + "; ".join(passed))
     return parts or ["ran through; no failure"]
-
-
-def fixed_in_text(hint: Any) -> str:
-    """A FixedIn as one line; says where it comes from, since it is not this run's verdict."""
-    return (f"upgrade hint: stops reproducing in vLLM {hint.release} (last reproducing {hint.last_reproducing}; "
-            f"kvdoctor {hint.kvdoctor_version} measurements of {hint.measured_on})")
 
 
 def why(result: Any) -> str:
@@ -366,7 +362,7 @@ def audit_summary(report: Any) -> str:
     """`3 of 11 known bugs reproduce on vLLM 0.26.0; upgrade to 0.30.0 fixes all but K9, K11`."""
     bugs = list(dict.fromkeys(row.bug for row in report.rows if row.bug and row.bug != "-"))
     reproducing = list(report.reproducing)
-    where = f"vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}"
+    where = f"vLLM {report.vllm_version}{report_engine_phrase(report)}"
     if reproducing:
         text = (f"{len(reproducing)} of {len(bugs)} known bugs reproduce on {where}"
                 if len(reproducing) > 1 or len(bugs) > 1 else f"the known bug reproduces on {where}")
@@ -376,7 +372,7 @@ def audit_summary(report: Any) -> str:
     if hint is not None:
         left = hint.still_reproducing
         text += f"; upgrading to {hint.release} fixes " + ("all" if not left else "all but " + ", ".join(left))
-    text += getattr(report, "level_note", "")  # --engine core|serve: the recipes that level cannot play
+    text += level_note(report)  # --engine core|serve: the recipes that level cannot play
     # a bug another of its recipes reproduced has its verdict; only one without any is "no verdict"
     unsure = list(dict.fromkeys(f"{row.bug} {row.installed.outcome.value}" for row in report.rows
                                 if row.installed.outcome.value in _INCONCLUSIVE and row.bug not in reproducing))
@@ -388,7 +384,7 @@ def audit_summary(report: Any) -> str:
 def _metric_line(metric: Any) -> str:
     m = metric.value
     if metric.error or m is None:
-        return metric.summary
+        return metric_summary(metric)
     return (f"measured: {m.extra_steps:+d} steps to first token when {m.requests} requests share a prefix "
             f"({m.shared_steps} vs {m.baseline_steps})")
 
@@ -399,7 +395,7 @@ def audit_compact_renderables(report: Any) -> list[Any]:
     bug_width = max([len(row.bug) for row in report.rows] + [len(m.bug) for m in report.metrics] + [3])
     outcome_width = max([len(row.installed.outcome.value) for row in report.rows] + [len("outcome")])
     items: list[Any] = [
-        Text(f"known KV-offload bugs on vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}", style="bold"),
+        Text(f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}", style="bold"),
         Text(f"  {'bug':<{bug_width}}  {'recipe':<{name_width}}  {'outcome':<{outcome_width}}  fixed in",
              style="dim")]
     for row in report.rows:
@@ -427,10 +423,10 @@ def audit_detail_renderables(report: Any) -> list[Any]:
             table.add_column(column, no_wrap=column == "bug")
         blocks: list[Any] = [Text("measured (performance bugs)", style="italic")]
         for metric in report.metrics:
-            table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric.summary)
+            table.add_row(metric.bug, "\n".join(metric.refs), metric.title, metric_summary(metric))
             blocks.append(Text.assemble((f"{metric.bug:<4}", "bold"), ", ".join(metric.refs)))
             blocks.append(Items(metric.title.split(" "), prefix="    ", sep=" ", indent=4))
-            blocks.append(Items(metric.summary.split(" "), prefix="    measured:", sep=" ", indent=6))
+            blocks.append(Items(metric_summary(metric).split(" "), prefix="    measured:", sep=" ", indent=6))
         items.append(Fit(table, Group(*blocks)))
     items.append(Items(audit_summary(report).split(" "), sep=" ", indent=2, style="bold"))
     if any(row.installed.outcome.value == "reproduced" for row in report.rows):
@@ -442,7 +438,7 @@ def audit_detail_renderables(report: Any) -> list[Any]:
 def audit_table(report: Any) -> Any:
     from kvdoctor.report.next_steps import FIXED_LOGIC
 
-    title = f"known KV-offload bugs on vLLM {report.vllm_version}{getattr(report, 'engine_phrase', '')}"
+    title = f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}"
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption=FIXED_LOGIC,
                   caption_justify="left")
     for column in ("bug", "recipe", "upstream", "what it breaks", "installed logic", "what to do next"):
@@ -452,12 +448,12 @@ def audit_table(report: Any) -> Any:
         steps = row_next_steps(row)
         table.add_row(row.bug, row.recipe.name, "\n".join(row.recipe.refs[:2]), row.recipe.title or "",
                       outcome_text(row.installed.outcome.value),
-                      "\n".join(f"{label}: {text}" for label, text in steps) or row.hint)
+                      "\n".join(f"{label}: {text}" for label, text in steps) or row_hint(row))
         blocks.append(Text.assemble((f"{row.bug:<4}", "bold"), row.recipe.name, "  ",
                                     outcome_text(row.installed.outcome.value)))
         if row.recipe.title:
             blocks.append(Items(row.recipe.title.split(" "), prefix="    ", sep=" ", indent=4))
-        for label, text in steps or [("", row.hint)]:
+        for label, text in steps or [("", row_hint(row))]:
             if text:
                 blocks.append(Items(text.split(" "), prefix=Text.assemble("    ", (f"{label}:" if label else "",
                                                                                   "bold")),
@@ -477,8 +473,8 @@ def row_next_steps(row: Any) -> list[tuple[str, str]]:
         steps = [(label, text) for label, text in steps if label != "report it"]
     fallback = getattr(getattr(row, "setup", None), "worker_fallback", None)
     if fallback:  # vLLM's worker was asked for, this recipe ran with the simulated one: say so in the row
-        if not steps and row.hint:
-            steps = [("note", row.hint)]
+        if not steps and row_hint(row):
+            steps = [("note", row_hint(row))]
         steps = [*steps, ("worker", f"{row.setup.worker} ({fallback})")]
     device_fallback = getattr(getattr(row, "setup", None), "device_fallback", None)
     if device_fallback:  # a GPU was there or asked for, this recipe kept its KV on the CPU: say so too

@@ -809,8 +809,9 @@ def load() -> VllmApi:
     return api
 
 
-def inline_portable(script: str) -> str:
-    """A standalone script's text with its import of `portable` replaced by that module's code.
+def inline_portable(script: str, module: Any = portable) -> str:
+    """A standalone script's text with its import of `portable` (or another module that imports neither
+    kvdoctor nor vLLM: the serve client) replaced by that module's code.
 
     The exported script imports only vLLM; it gets the adapter's own definition of the reads and
     probes it shares with kvdoctor (not a copy that could drift)."""
@@ -818,11 +819,11 @@ def inline_portable(script: str) -> str:
 
     lines = script.splitlines(keepends=True)
     for node in ast.parse(script).body:
-        if isinstance(node, ast.ImportFrom) and node.module == portable.__name__:
-            source = inspect.getsource(portable)
+        if isinstance(node, ast.ImportFrom) and node.module == module.__name__:
+            source = inspect.getsource(module)
             body = ast.parse(source).body
             start = body[1].lineno - 1 if isinstance(body[0], ast.Expr) else 0  # after the docstring
             code = "".join(source.splitlines(keepends=True)[start:]).strip("\n")
-            copied = f"# copied from {portable.__name__} on export\n{code}\n\n"
+            copied = f"# copied from {module.__name__} on export\n{code}\n\n"
             return "".join(lines[:node.lineno - 1]) + copied + "".join(lines[node.end_lineno:])
-    raise RuntimeError(f"the standalone template lost its import of {portable.__name__}")
+    raise RuntimeError(f"the standalone template lost its import of {module.__name__}")

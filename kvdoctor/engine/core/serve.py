@@ -26,8 +26,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,13 +35,12 @@ from typing import Any
 
 from kvdoctor.engine.core.levels import unexpressible
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
-from kvdoctor.engine.core.standalone import STEP_LOG_PREFIX
+from kvdoctor.engine.core.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port,
+                                               play, step_log, wait_ready)
 from kvdoctor.errors import UsageError
 
 STEP_SECONDS = float(os.environ.get("KVDOCTOR_SERVE_STEP_SECONDS", "1.0"))  # engine step pacing
 STARTUP_LIMIT_S = float(os.environ.get("KVDOCTOR_SERVE_STARTUP_S", "420"))
-STOP_LIMIT_S = 20.0
-REQUEST_LIMIT_S = 120.0
 
 
 @dataclass
@@ -71,12 +68,6 @@ def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
         elif action == "abort":
             events.append(Event("abort", play.step.args["request"]))
     return events
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def admission_len(setup: Any) -> int:
@@ -138,192 +129,6 @@ def check_plugin() -> None:
                          "reinstall kvdoctor here (pip install -e . / uv sync)")
 
 
-class Server:
-    """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
-
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        self.pid = self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        """SIGTERM to the group (API server and engine core), SIGKILL after STOP_LIMIT_S; the group is
-        signalled even when the API server already exited (its engine core may linger)."""
-        for sig, wait in ((signal.SIGTERM, STOP_LIMIT_S), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not _group_alive(self.pid):
-                    return
-                time.sleep(0.2)
-        self.proc.poll()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-async def _http(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-                timeout: float = 30.0) -> tuple[int, str]:
-    """One HTTP/1.1 request on its own loopback connection; cancelling the task closes the socket
-    (the client's disconnect)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
-    try:
-        payload = json.dumps(body).encode() if body is not None else b""
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n{extra}"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
-        writer.write(head.encode() + payload)
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-        status_line, _, rest = raw.decode(errors="replace").partition("\r\n")
-        status = int(status_line.split()[1]) if status_line.startswith("HTTP/") else 0
-        return status, rest.partition("\r\n\r\n")[2]
-    finally:
-        writer.close()
-
-
-def request_tag(name: str) -> str:
-    return f"kvdoctor-{name}-r"
-
-
-async def _wait_ready(port: int, server: Server, limit: float) -> bool:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and server.alive():
-        try:
-            status, _ = await _http(port, "GET", "/health", timeout=5)
-            if status == 200:
-                return True
-        except (OSError, asyncio.TimeoutError):
-            pass
-        await asyncio.sleep(1.0)
-    return False
-
-
-@dataclass
-class Played:
-    notes: list[str] = field(default_factory=list)
-    answers: dict[str, str] = field(default_factory=dict)
-    healthy: bool = False
-    fresh_served: bool = False
-
-
-async def _play(port: int, model: str, events: list[Event], step_seconds: float) -> Played:
-    played = Played()
-    tasks: dict[str, asyncio.Task] = {}
-    start = time.monotonic()
-
-    def note(text: str) -> None:
-        played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
-
-    pending_steps = 0
-    for event in events:
-        if event.kind == "step":
-            pending_steps += 1
-            continue
-        if pending_steps or event.kind == "abort":
-            # the arrivals before it need at least two steps to reach the engine's queue
-            await asyncio.sleep(max(pending_steps, 2) * step_seconds)
-            pending_steps = 0
-        if event.kind == "add":
-            body = {"model": model, "prompt": event.prompt, "max_tokens": event.max_tokens, "ignore_eos": True,
-                    "temperature": 0.0, **event.extra}
-            tasks[event.request] = asyncio.create_task(_http(port, "POST", "/v1/completions", body,
-                                                             {"X-Request-Id": request_tag(event.request)},
-                                                             REQUEST_LIMIT_S))
-            note(f"{event.request} sent: {len(event.prompt)} prompt tokens, max_tokens {event.max_tokens}")
-        elif event.kind == "abort":
-            task = tasks.pop(event.request, None)
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            note(f"{event.request} disconnected (the API server aborts it)")
-    await asyncio.sleep(max(pending_steps, 2) * step_seconds)
-    # The recipe ends here. Requests still open are the recipe's fillers: their clients disconnect (a
-    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
-    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
-    for name, task in tasks.items():
-        if task.done():
-            try:
-                status, _ = task.result()
-                played.answers[name] = f"HTTP {status}"
-                note(f"{name} answered HTTP {status}")
-            except (OSError, asyncio.TimeoutError) as exc:
-                played.answers[name] = type(exc).__name__
-                note(f"{name} failed: {type(exc).__name__}")
-            continue
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        played.answers[name] = "disconnected at the recipe's end"
-        note(f"{name} still open at the recipe's end: disconnected")
-    await asyncio.sleep(2 * step_seconds)
-    try:
-        status, _ = await _http(port, "GET", "/health", timeout=10)
-        played.healthy = status == 200
-        note(f"/health: HTTP {status}")
-    except (OSError, asyncio.TimeoutError) as exc:
-        note(f"/health failed: {type(exc).__name__}")
-    if played.healthy:
-        try:
-            status, _ = await _http(port, "POST", "/v1/completions",
-                                    {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 2, "ignore_eos": True},
-                                    {"X-Request-Id": request_tag("fresh")}, 60)
-            played.fresh_served = status == 200
-            note(f"a fresh request answered HTTP {status}")
-        except (OSError, asyncio.TimeoutError) as exc:
-            note(f"a fresh request failed: {type(exc).__name__}")
-    return played
-
-
-def _step_log(lines: list[str]) -> list[dict[str, Any]]:
-    steps = []
-    for line in lines:
-        index = line.find(STEP_LOG_PREFIX)
-        if index < 0:
-            continue
-        _, _, payload = line[index:].partition(": ")
-        try:
-            steps.append(json.loads(payload))
-        except json.JSONDecodeError:
-            continue
-    return steps
-
-
-def aborted_while_queued(lines: list[str], name: str) -> bool | None:
-    """From the executor's step log: True when the request finished without ever being scheduled;
-    False when it was scheduled first; None when the log never names it."""
-    tag = request_tag(name)
-    scheduled = finished = False
-    for step in _step_log(lines):
-        if any(tag in rid for rid in step.get("scheduled", {})):
-            scheduled = True
-        if any(tag in rid for rid in step.get("finished", [])):
-            finished = True
-            break
-    if not finished:
-        return None
-    return not scheduled
-
-
-def ever_scheduled(lines: list[str], name: str) -> bool:
-    tag = request_tag(name)
-    return any(tag in rid for step in _step_log(lines) for rid in step.get("scheduled", {}))
-
-
 def engine_crash(summary: Any) -> Any:
     """The engine core's fatal traceback, if the log has one. Not the API server's re-raise, and not a
     traceback the API server logs and survives (0.34's chat-template warm-up without a tokenizer)."""
@@ -352,20 +157,27 @@ def _failure_from_log(crash: Any) -> Any:
                    code=frame.code if frame else None, vllm_frames=frames, in_vllm=frame is not None)
 
 
+def unplayable(recipe: Any, setup: Any, client: str) -> list[str]:
+    """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
+    the exported serve script alike. `expect` is not played: the client checks its own precondition (that an
+    aborted request was still queued, from the executor's step log), so a recipe without an abort is refused."""
+    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
+    if not reasons and not any(s.action == "abort" for s in recipe.steps):
+        reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
+    return reasons
+
+
 def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.engine.harness import tiny_model_dir
+    from kvdoctor.engine.tiny_model import tiny_model_dir
     from kvdoctor.observe.verdict import Outcome, matches_exception
     from kvdoctor.scenario import RunResult
 
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
                      "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
-        reasons = ["kvdoctor's serve client verifies its precondition only for aborted requests (queued-abort "
-                   "shaped recipes)"]
+    reasons = unplayable(recipe, setup, "kvdoctor's serve client")
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
@@ -384,9 +196,9 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
         try:
             print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                   f"group when the run ends)", file=sys.stderr, flush=True)
-            ready = asyncio.run(_wait_ready(port, server, STARTUP_LIMIT_S))
+            ready = asyncio.run(wait_ready(port, server, STARTUP_LIMIT_S))
             if ready:
-                played = asyncio.run(_play(port, model, events, STEP_SECONDS))
+                played = asyncio.run(play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
                 time.sleep(1.0)
         finally:
             server.stop()
@@ -394,7 +206,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
             shutil.rmtree(workdir, ignore_errors=True)
     lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
-    engine_steps = len(_step_log(lines))
+    engine_steps = len(step_log(lines))
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "

@@ -1,15 +1,24 @@
-"""The stand-in Executor of a script exported with `--export-script FILE --engine serve`.
+"""`StandInExecutor`: a vLLM `Executor` that stands where the GPU workers run (vLLM only).
 
-vLLM only: the exported script writes this file (with the adapter's `portable` reads copied in)
-into the stand-in package beside itself, and `vllm serve` loads it by its qualified name
-(`--distributed-executor-backend kvrepro_standin.executor.StandInExecutor`). It stands where the
-GPU workers run: no model; one decode token sampled per request that finished its prefill (no EOS:
-requests end at max_tokens); every KV transfer the OffloadingConnector issues completes on the step
-it is issued. Everything on the scheduler side (the Scheduler, the connector's scheduler side, the
-CPU manager) is vLLM's own. Each step sleeps KVREPRO_STEP_SECONDS, so that client traffic lands
-between engine steps, and logs one line (`kvdoctor-engine step N: {...}`) saying what was scheduled
-and finished: the script reads it to tell whether an aborted request was still queued.
-kvdoctor's own `--engine serve` runs the same contract (kvdoctor/engine/core/executor.py).
+The one definition of the executor's answers to `EngineCore` (KV specs, memory,
+`initialize_from_config`, the RPCs of each release, `execute_model` / `sample_tokens`), used two
+ways, so the two can never drift apart:
+
+- kvdoctor's own `KvdoctorExecutor` (kvdoctor/engine/core/executor.py) subclasses it and hands each
+  step to kvdoctor's worker side (the in-process harness, or its simulated worker in a serve child);
+- a script exported with `--export-script FILE --engine serve` embeds this file verbatim (with the
+  adapter's `portable` reads copied in) as the stand-in package beside itself, and `vllm serve` loads
+  it by its qualified name (`--distributed-executor-backend kvrepro_standin.executor.StandInExecutor`).
+  This file therefore imports only vLLM and the standard library (`tests/test_engine_export.py`).
+
+Standing alone it runs no model: one decode token is sampled per request that finished its prefill
+(no EOS: requests end at max_tokens), and every KV transfer the OffloadingConnector issues completes on
+the step it is issued. Everything on the scheduler side (the Scheduler, the connector's scheduler side,
+the CPU manager) is vLLM's own. Each step sleeps `STEP_SECONDS_ENV` seconds, so that client traffic
+lands between engine steps, and logs one line (`kvdoctor-engine step N: {...}`) saying what was
+scheduled and finished: the client reads it to tell whether an aborted request was still queued.
+As vLLM's GPU model runner, `execute_model` returns None when tokens were scheduled and the output
+comes from `sample_tokens`: `EngineCore.step` and `step_with_batch_queue` rely on that.
 """
 
 import json
@@ -28,7 +37,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from kvdoctor.engine.compat.portable import default_kv_cache_layouts, runner_output_takes_req_id_to_index
 
 logger = init_logger("vllm.kvrepro.executor")  # under "vllm": the server's own log handler
-STEP_LOG_PREFIX = "kvdoctor-engine step"
+STEP_LOG_PREFIX = "kvdoctor-engine step"  # the serve client reads it (serve_client.py; tests check both agree)
 DECODE_TOKEN = 7
 
 
@@ -38,17 +47,26 @@ def _done(value):
     return future
 
 
+def _failed(exc):
+    future = Future()
+    future.set_exception(exc)
+    return future
+
+
 class StandInExecutor(Executor):
     uses_ray = False
     supports_pp = False
+    STEP_SECONDS_ENV = "KVREPRO_STEP_SECONDS"  # pace the steps so client events land between them
+    ADMISSION_ENV = "KVREPRO_ADMISSION_LEN"  # the max_model_len of the start-up admission check
+    NO_MEMORY_REASON = "the stand-in executor measures no device memory"
 
     @classmethod
     def supports_async_scheduling(cls):
         return True
 
     def _init_executor(self):
-        self.step_seconds = float(os.environ.get("KVREPRO_STEP_SECONDS", "0") or 0)
-        admission = os.environ.get("KVREPRO_ADMISSION_LEN")
+        self.step_seconds = float(os.environ.get(self.STEP_SECONDS_ENV, "0") or 0)
+        admission = os.environ.get(self.ADMISSION_ENV)
         self.admission_len = int(admission) if admission else None
         self.original_len = None
         self.to_sample = deque()
@@ -57,16 +75,20 @@ class StandInExecutor(Executor):
 
     # -- start-up ---------------------------------------------------------------------------
     def get_kv_cache_specs(self):
-        """One full-attention spec per decoder layer of the tiny model config. The pool is deliberately
-        tiny (--num-gpu-blocks-override): vLLM's start-up check that one max_model_len request fits runs
-        with KVREPRO_ADMISSION_LEN, restored before the scheduler is built."""
-        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
+        """The pool is deliberately tiny (--num-gpu-blocks-override): vLLM's start-up check that one
+        max_model_len request fits runs with `admission_len`, restored before the scheduler is built."""
         if self.admission_len is not None:
-            self.original_len = mc.max_model_len
-            mc.max_model_len = min(self.original_len, self.admission_len)
+            model_config = self.vllm_config.model_config
+            self.original_len = model_config.max_model_len
+            model_config.max_model_len = min(self.original_len, self.admission_len)
+        return [self.layer_specs()]
+
+    def layer_specs(self):
+        """One full-attention spec per decoder layer of the model config (the tiny Llama)."""
+        mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
         spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size,
                                  num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(), dtype=mc.dtype)
-        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(pc))}]
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(pc))}
 
     def determine_available_memory(self):
         return [1 << 40]  # --num-gpu-blocks-override decides the pool
@@ -83,7 +105,8 @@ class StandInExecutor(Executor):
         return None
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **_):
-        """Everything else EngineCore asks of 'all workers': one answer per worker (one here)."""
+        """Everything else EngineCore asks of 'all workers': one answer per worker (one here). A method
+        `rpc_<name>` gives the answers that matter; any other call is answered None."""
         kwargs = kwargs or {}
         if callable(method):
             results = [method(self, *args, **kwargs)]
@@ -99,18 +122,23 @@ class StandInExecutor(Executor):
         return []  # the OffloadingConnector has no handshake
 
     def rpc_compile_or_warm_up_model(self):
-        return []  # 0.27+: no CompilationTimes
+        return []  # 0.27+: no CompilationTimes (the list is read only when non-empty)
 
     def rpc_get_supported_kv_cache_layouts(self):
-        return [default_kv_cache_layouts()]  # 0.33+
+        """0.33+: each worker's KV layouts, most preferred first: what the connector requires, then vLLM's."""
+        return [default_kv_cache_layouts()]
 
     def rpc_extensible_kv_cache_unsupported_reason(self):
-        return ["the stand-in executor measures no device memory"]  # 0.34: the extensible KV cache stays off
+        return [self.NO_MEMORY_REASON]  # 0.34: the extensible KV cache stays off
 
     # -- one step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output, non_block=False):
-        """As vLLM's GPU model runner: with tokens scheduled the output waits for `sample_tokens`."""
-        output = self.run_step(scheduler_output)
+        try:
+            output = self.run_step(scheduler_output)
+        except Exception as exc:  # noqa: BLE001 - the engine sees it where a GPU worker's error surfaces
+            if non_block:
+                return _failed(exc)
+            raise
         if scheduler_output.total_num_scheduled_tokens > 0:
             self.to_sample.append(output)
             output = None
@@ -127,6 +155,11 @@ class StandInExecutor(Executor):
         self.steps += 1
         if self.step_seconds:
             time.sleep(self.step_seconds)
+        return self.step_output(so)
+
+    def step_output(self, so):
+        """One decode token for each request that has computed all its known tokens; the step's log line;
+        the transfers' report (`transfers`)."""
         computed = {}
         for new in so.scheduled_new_reqs:
             tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
@@ -136,26 +169,27 @@ class StandInExecutor(Executor):
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
         req_ids = list(so.num_scheduled_tokens)
-        sampled = []
+        sampled = {}
         for req_id in req_ids:
             after = computed.get(req_id, 0) + so.num_scheduled_tokens[req_id]
             known = self.num_tokens.get(req_id, after)
             if after >= known:  # prefill done: one token sampled
                 self.num_tokens[req_id] = known + 1
-                sampled.append([DECODE_TOKEN])
+                sampled[req_id] = [DECODE_TOKEN]
             else:
-                sampled.append([])
+                sampled[req_id] = []
         for req_id in so.finished_req_ids or ():
             self.num_tokens.pop(req_id, None)
+        kv_output = self.transfers(so, sampled)
         logger.info("%s %d: %s", STEP_LOG_PREFIX, self.steps, json.dumps({
             "scheduled": dict(so.num_scheduled_tokens), "finished": sorted(so.finished_req_ids or ())}))
-        kwargs = {"req_ids": req_ids, "sampled_token_ids": sampled, "kv_connector_output": self.transfers(so)}
+        kwargs = {"req_ids": req_ids, "sampled_token_ids": [sampled[r] for r in req_ids],
+                  "kv_connector_output": kv_output}
         if runner_output_takes_req_id_to_index(ModelRunnerOutput):
             kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
         return ModelRunnerOutput(**kwargs)
 
-    @staticmethod
-    def transfers(so):
+    def transfers(self, so, sampled):
         """What the worker-role OffloadingConnector reports when every transfer finishes at once."""
         meta = getattr(so, "kv_connector_metadata", None)
         if meta is None:

@@ -1,0 +1,217 @@
+"""The HTTP client side of a served recipe: start and stop `vllm serve`, play the recipe's traffic, read
+the stand-in executor's step log (standard library only).
+
+The one definition used two ways: kvdoctor's serve level (`serve.run_serve`) imports it, and a script
+exported with `--export-script FILE --engine serve` gets this module's code copied in on export (it
+imports no kvdoctor). Hence no kvdoctor import, no vLLM import and no `from __future__` here.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+STEP_LOG_PREFIX = "kvdoctor-engine step"  # the stand-in executor's per-step log line (standin_executor.py)
+STOP_LIMIT_S = 20.0
+REQUEST_LIMIT_S = 120.0
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
+
+    def __init__(self, command, env, log_path):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        """SIGTERM to the group (API server and engine core), SIGKILL after STOP_LIMIT_S; the group is
+        signalled even when the API server already exited (its engine core may linger)."""
+        for sig, wait in ((signal.SIGTERM, STOP_LIMIT_S), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.pid):
+                    return
+                time.sleep(0.2)
+        self.proc.poll()
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def http(port, method, path, body=None, headers=None, timeout=30.0):
+    """One HTTP/1.1 request on its own loopback connection, as (status, body); cancelling the task closes
+    the socket (the client's disconnect)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    try:
+        payload = json.dumps(body).encode() if body is not None else b""
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n{extra}"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+        writer.write(head.encode() + payload)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+        status_line, _, rest = raw.decode(errors="replace").partition("\r\n")
+        status = int(status_line.split()[1]) if status_line.startswith("HTTP/") else 0
+        return status, rest.partition("\r\n\r\n")[2]
+    finally:
+        writer.close()
+
+
+def request_tag(name):
+    return f"kvdoctor-{name}-r"
+
+
+async def wait_ready(port, server, limit):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and server.alive():
+        try:
+            status, _ = await http(port, "GET", "/health", timeout=5)
+            if status == 200:
+                return True
+        except (OSError, asyncio.TimeoutError):
+            pass
+        await asyncio.sleep(1.0)
+    return False
+
+
+@dataclass
+class Played:
+    notes: list = field(default_factory=list)
+    answers: dict = field(default_factory=dict)
+    healthy: bool = False
+    fresh_served: bool = False
+
+
+async def play(port, model, events, step_seconds, echo=None):
+    """The recipe's clients (events as dicts: kind add | step | abort, request, prompt, max_tokens, and
+    an add's `extra` body fields: kv_transfer_params, priority); then whether the server answers
+    /health and a fresh request. `echo` sees each note as it is taken."""
+    played = Played()
+    tasks = {}
+    start = time.monotonic()
+
+    def note(text):
+        played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
+        if echo is not None:
+            echo(played.notes[-1])
+
+    pending_steps = 0
+    for event in events:
+        kind, name = event["kind"], event.get("request", "")
+        if kind == "step":
+            pending_steps += 1
+            continue
+        if pending_steps or kind == "abort":
+            # the arrivals before it need at least two steps to reach the engine's queue
+            await asyncio.sleep(max(pending_steps, 2) * step_seconds)
+            pending_steps = 0
+        if kind == "add":
+            body = {"model": model, "prompt": event["prompt"], "max_tokens": event["max_tokens"], "ignore_eos": True,
+                    "temperature": 0.0, **event.get("extra", {})}
+            tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
+                                                   {"X-Request-Id": request_tag(name)}, REQUEST_LIMIT_S))
+            note(f"{name} sent: {len(event['prompt'])} prompt tokens, max_tokens {event['max_tokens']}")
+        elif kind == "abort":
+            task = tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            note(f"{name} disconnected (the API server aborts it)")
+    await asyncio.sleep(max(pending_steps, 2) * step_seconds)
+    # The recipe ends here. Requests still open are the recipe's fillers: their clients disconnect (a
+    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
+    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
+    for name, task in tasks.items():
+        if task.done():
+            try:
+                status, _ = task.result()
+                played.answers[name] = f"HTTP {status}"
+                note(f"{name} answered HTTP {status}")
+            except (OSError, asyncio.TimeoutError) as exc:
+                played.answers[name] = type(exc).__name__
+                note(f"{name} failed: {type(exc).__name__}")
+            continue
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        played.answers[name] = "disconnected at the recipe's end"
+        note(f"{name} still open at the recipe's end: disconnected")
+    await asyncio.sleep(2 * step_seconds)
+    try:
+        status, _ = await http(port, "GET", "/health", timeout=10)
+        played.healthy = status == 200
+        note(f"/health: HTTP {status}")
+    except (OSError, asyncio.TimeoutError) as exc:
+        note(f"/health failed: {type(exc).__name__}")
+    if played.healthy:
+        try:
+            status, _ = await http(port, "POST", "/v1/completions",
+                                   {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 2, "ignore_eos": True},
+                                   {"X-Request-Id": request_tag("fresh")}, 60)
+            played.fresh_served = status == 200
+            note(f"a fresh request answered HTTP {status}")
+        except (OSError, asyncio.TimeoutError) as exc:
+            note(f"a fresh request failed: {type(exc).__name__}")
+    return played
+
+
+def step_log(lines):
+    """The stand-in executor's step records (what each engine step scheduled and finished), in order."""
+    steps = []
+    for line in lines:
+        index = line.find(STEP_LOG_PREFIX)
+        if index < 0:
+            continue
+        _, _, payload = line[index:].partition(": ")
+        try:
+            steps.append(json.loads(payload))
+        except json.JSONDecodeError:
+            continue
+    return steps
+
+
+def aborted_while_queued(lines, name):
+    """From the executor's step log: True when the request finished without ever being scheduled;
+    False when it was scheduled first; None when the log never names it."""
+    tag = request_tag(name)
+    scheduled = finished = False
+    for step in step_log(lines):
+        if any(tag in rid for rid in step.get("scheduled", {})):
+            scheduled = True
+        if any(tag in rid for rid in step.get("finished", [])):
+            finished = True
+            break
+    if not finished:
+        return None
+    return not scheduled
+
+
+def ever_scheduled(lines, name):
+    tag = request_tag(name)
+    return any(tag in rid for step in step_log(lines) for rid in step.get("scheduled", {}))
