@@ -466,7 +466,7 @@ def test_recipe_requires_and_invariants(tmp_path: Path) -> None:
 def test_signature_unknown_key_and_type(tmp_path: Path) -> None:
     text = replace(GOOD, 'function = "_build_store_jobs"', 'function = "_build_store_jobs"\nmessage = "x"')
     assert_error(tmp_path, text, line_of(text, "message ="), "[signature]: unknown key 'message'",
-                 "contains, exception, function, invariant")
+                 "contains, exception, function, function_aliases, invariant")
     text = replace(GOOD, 'exception = "AssertionError"', "exception = 1")
     assert_error(tmp_path, text, line_of(text, "exception = 1"), "[signature] exception must be a string, got 1")
 

@@ -193,22 +193,24 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
     release = installed_release(site_packages) or "unknown"
     vllm_root = site_packages / "vllm"
     groups: dict[tuple[Any, ...], list[str]] = {}
+    aliases: dict[str, tuple[str, ...]] = {}  # function -> the names vLLM moved its statement to
     for recipe in recipes:
         sig = recipe.signature
         if sig.invariant or not sig.exception or not sig.function:
             continue
         groups.setdefault((recipe.bug or recipe.name, sig.exception, sig.function, sig.contains or ""), []).append(
             recipe.name)
+        aliases[sig.function] = aliases.get(sig.function, ()) + tuple(getattr(sig, "function_aliases", ()))
     sites: list[Site] = []
     for (bug, exception, function, contains), names in groups.items():
         measured = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]
-        measured = [(r, m) for r, m in measured if m and m.group("func") == function]
+        measured = [(r, m) for r, m in measured if m and m.group("func") in (function, *aliases[function])]
         hint = measured[0][1].group("file") if measured else None
         here = [int(m.group("line")) for r, m in measured if r.release == release]
         base = dict(bug=bug, recipes=tuple(sorted(names)), release=release, exception=exception, function=function)
         found: list[tuple[Site, int]] = []
         # the function itself, else its private twin (`_prepare_load` under `prepare_load` on a later release)
-        for name in (function, "_" + function.lstrip("_")):
+        for name in (function, "_" + function.lstrip("_"), *aliases[function]):
             for path in _candidate_files(vllm_root, hint, name):
                 try:
                     statements = _statements(path.read_text(), name, exception, contains)

@@ -110,7 +110,7 @@ def contains_text(obs: Observation) -> str | None:
 def _signature_matches(known: Signature, found: Signature, haystack: str = "") -> bool:
     if known.invariant or found.invariant:
         return bool(known.invariant) and known.invariant == found.invariant
-    if (known.exception, known.function) != (found.exception, found.function):
+    if known.exception != found.exception or found.function not in known.functions():
         return False
     return not known.contains or known.contains in " ".join((found.contains or "", haystack))
 
@@ -126,22 +126,27 @@ def step_actions(steps: tuple[Step, ...]) -> frozenset[str]:
 
 # A known bug's mechanism, beyond its signature: a finding is labelled with the bug only when its
 # run took the bug's path. An invariant names a symptom that other paths can show too (a store cursor
-# past the computed tokens, a reused block left unfenced), so its name alone labels nothing.
-# bug -> (the path in words, does the finding's setup and violation take it?)
+# past the computed tokens, a reused block left unfenced), so its name alone labels nothing; an assert
+# on offload keys (K6's at the store and at the lookup) is K6 only where the keys lag because the
+# request's block hashes were late.
+# bug -> (the path in words, does the finding's setup, violation and step actions take it?)
 MECHANISMS: dict[str, tuple[str, Any]] = {
-    "K4": ("a finished request's final store", lambda setup, detail: "status FINISHED" in detail),
-    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail: "eagle" in str(setup.get("layout") or "")),
-    "K9": ("a MultiConnector", lambda setup, detail: bool(setup.get("multi_connector"))),
-    "K11": ("re-admission after a preemption", lambda setup, detail: "after a preemption" in detail),
+    "K4": ("a finished request's final store", lambda setup, detail, actions: "status FINISHED" in detail),
+    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail, actions: "eagle" in str(setup.get("layout") or "")),
+    "K6": ("block hashes that arrive after the tokens",
+           lambda setup, detail, actions: "delay_block_hashes" in actions),
+    "K9": ("a MultiConnector", lambda setup, detail, actions: bool(setup.get("multi_connector"))),
+    "K11": ("re-admission after a preemption", lambda setup, detail, actions: "after a preemption" in detail),
 }
 
 
-def takes_path(bug: str | None, setup: dict[str, Any] | None, detail: str | None) -> bool:
+def takes_path(bug: str | None, setup: dict[str, Any] | None, detail: str | None,
+               actions: frozenset[str] = frozenset()) -> bool:
     """Whether a finding took `bug`'s path (True where the bug names no path beyond its signature,
     or the caller knows nothing of the finding's run: `setup` and `detail` both None)."""
     if bug not in MECHANISMS or (setup is None and detail is None):
         return True
-    return bool(MECHANISMS[bug][1](setup or {}, detail or ""))
+    return bool(MECHANISMS[bug][1](setup or {}, detail or "", actions))
 
 
 def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] = frozenset(),
@@ -164,7 +169,7 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     # K1 and K6 share `_build_store_jobs`' assert: a finding that withholds hashes is K6's.
     shaping = actions & TRIGGER_ACTIONS
     matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)
-                      and takes_path(r.bug, setup, detail)),
+                      and takes_path(r.bug, setup, detail, actions)),
                      key=lambda r: (shaping != step_actions(r.steps) & TRIGGER_ACTIONS, bug_order(r.bug)))
     if not matches:
         return None

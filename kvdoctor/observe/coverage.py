@@ -484,8 +484,13 @@ def site_tracer(signature: Any, harness: Any) -> Any:
         return contextlib.nullcontext(None)
     roots = (harness.scheduler, harness.connector_scheduler)
     when = getattr(signature, "site_when", None)
-    key = (*crash_site, when or "", tuple(type(r) for r in roots))
+    # The statement under `function`, else under its first alias that holds it (vLLM moved it).
+    aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
+    key = (*crash_site, *aliases, when or "", tuple(type(r) for r in roots))
     site = _SITES.get(key)
     if site is None:
-        site = _SITES[key] = find_site(*crash_site, roots, when)
+        sites = [find_site(name, crash_site[1], roots, when) for name in (crash_site[0], *aliases)]
+        site = _SITES[key] = next((found for found in sites if not found.gone), sites[0])
+        if site.gone and aliases:
+            site.gone = "; ".join(found.gone or "" for found in sites)
     return SiteTracer(site)

@@ -23,7 +23,7 @@ class Outcome(str, Enum):
 def matches_exception(signature: Signature, failure: Failure) -> bool:
     if signature.invariant or not failure.in_vllm:
         return False
-    if failure.exception != signature.exception or failure.function != signature.function:
+    if failure.exception != signature.exception or failure.function not in signature.functions():
         return False
     if signature.contains:
         haystack = " ".join(filter(None, (failure.code, failure.message)))

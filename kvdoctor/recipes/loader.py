@@ -30,7 +30,7 @@ _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
-                   "request": (str,), "callers": (list,), "site_function": (str,), "site": (str,),
+                   "request": (str,), "callers": (list,), "function_aliases": (list,), "site_function": (str,), "site": (str,),
                    "site_when": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
@@ -451,6 +451,15 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
             if not re.fullmatch(r"[A-Za-z_]\w*", name):
                 raise r.fail(callers_line, f"[signature] callers entries must be function names, got {_show(name)}")
         raw["callers"] = tuple(raw["callers"])
+    if "function_aliases" in raw:
+        aliases_line = r.index.key(line, "function_aliases")
+        if "invariant" in raw:
+            raise r.fail(aliases_line, "[signature] function_aliases go with 'exception' + 'function', not 'invariant'")
+        for name in raw["function_aliases"]:
+            r.check_type(name, (str,), aliases_line, "[signature] function_aliases entries")
+            if not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise r.fail(aliases_line, f"[signature] function_aliases entries must be function names, got {_show(name)}")
+        raw["function_aliases"] = tuple(raw["function_aliases"])
     return Signature(**raw)
 
 

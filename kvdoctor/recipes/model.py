@@ -102,6 +102,10 @@ class Signature:
     # vLLM functions expected above `function` in the traceback, outermost first (not necessarily
     # adjacent). Optional; `kvdoctor diagnose` ranks a log's crash higher when its chain has them.
     callers: tuple[str, ...] = ()
+    # Other names of `function` in other releases, where vLLM moved the same statement into another
+    # function (`_lookup`'s keys assert lives in `_lookup_complete_chunks` from 0.28): the failure and
+    # the crash site match under any of them.
+    function_aliases: tuple[str, ...] = ()
     # The crash site whose execution the run's coverage counts (observe/coverage.py): a vLLM function
     # and text its statement contains. They default to `function` and `contains`; an invariant's
     # recipe names its check point (the vLLM statement whose outcome the invariant judges).
@@ -110,6 +114,10 @@ class Signature:
     # A condition on the site frame's values that is the bug's case there (e.g. a local hit ending
     # inside a block); a run reaches the site only where it holds. Parsed, never executed as code.
     site_when: str | None = None
+
+    def functions(self) -> tuple[str, ...]:
+        """`function` and its aliases: the names under which the failure matches."""
+        return (self.function, *self.function_aliases) if self.function else ()
 
     def crash_site(self) -> tuple[str, str] | None:
         """(function, statement) of the crash site, or None when the signature names none."""

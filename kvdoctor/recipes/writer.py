@@ -97,6 +97,8 @@ def _signature_lines(signature: Signature) -> list[str]:
                                                                          "request", "invariant"))]
     if signature.callers:
         lines.append(f"callers = {toml_value(list(signature.callers))}")
+    if signature.function_aliases:
+        lines.append(f"function_aliases = {toml_value(list(signature.function_aliases))}")
     lines += _pairs((k, getattr(signature, k)) for k in ("site_function", "site", "site_when"))
     return lines
 
