@@ -212,6 +212,9 @@ class StepEvents:
     reused_while_storing: dict[int, list[int]] = field(default_factory=dict)
     # KV slots whose bytes are not what their tokens say (vLLM worker only): ContentFinding
     content_findings: list[Any] = field(default_factory=list)
+    # request -> draft tokens verified in this step (speculative decoding): their slots' KV is written by
+    # the forward but holds a rejected draft's KV unless the draft is accepted
+    spec_tokens: dict[str, int] = field(default_factory=dict)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
@@ -405,6 +408,7 @@ class Harness:
         ModelRunnerOutput. Both levels run it: `step` here, vLLM's engine through the executor
         (`engine/core`)."""
         events.scheduled_tokens = dict(output.num_scheduled_tokens)
+        events.spec_tokens = {rid: len(ids) for rid, ids in self.api.scheduled_spec_tokens(output).items() if ids}
         events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
         store_jobs, load_jobs = self.api.store_and_load_jobs(output)

@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
-from kvdoctor.explore.generate import EXTENSION_GATE, Example, examples, mode_variants, to_recipe
+from kvdoctor.explore.generate import (EXTENSION_GATE, SPECULATIVE_DRAW, Example, examples, mode_variants,
+                                       to_recipe)
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
 
@@ -53,6 +54,9 @@ class ExploreConfig:
     # wall-clock time (time.time(), shared by spawned workers) when the whole run must end, vLLM's
     # import and triage included: no search or shrinking runs past it (None: only time_budget counts)
     stop_at: float | None = None
+    # Draw speculative decoding (`generate.decode_speculative`): None where the release has 0.34's
+    # speculative machinery in the offloading path (probed), True / False to force it either way.
+    speculative: bool | None = None
 
 
 @dataclass
@@ -147,7 +151,10 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     found: dict[str, Finding] = {}
     specs = available_specs(api)
     features = available_features(api)
-    strategy = examples(config.max_events, extended=EXTENSION_GATE in features)
+    if config.speculative is not None:
+        features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
+    strategy = examples(config.max_events, extended=EXTENSION_GATE in features,
+                        speculative=SPECULATIVE_DRAW in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
@@ -291,6 +298,13 @@ def available_features(api: Any) -> frozenset[str]:
         found.add(RECOMPUTE)
     if api.cache_config_has_field(PREFIX_MATCH_UNIT):
         found.add(PREFIX_MATCH_UNIT)
+    # Speculative decoding is drawn where the offloading path has 0.34's machinery for it (lookahead
+    # block hashes, the EAGLE block drop): where the bugs would be new.
+    from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
+    from kvdoctor.explore.generate import SPECULATIVE_DRAW
+
+    if api.speculative_features() & {LOOKAHEAD_BLOCK_HASHES, EAGLE_BLOCK_DROP}:
+        found.add(SPECULATIVE_DRAW)
     return frozenset(found)
 
 
