@@ -95,6 +95,7 @@ FEATURES = {  # feature -> does a recipe's [setup] draw it?
     "spec eagle": lambda s: s.get("speculative_method") == "eagle",
     "spec ngram": lambda s: s.get("speculative_method") == "ngram",
     "spec rejections": lambda s: bool(s.get("speculative_method")) and s.get("draft_acceptance") is not None,
+    "spec no lookahead": lambda s: bool(s.get("disable_lookahead_block_hashes")),
 }
 
 

@@ -56,12 +56,13 @@ def test_the_byte_is_drawn_only_where_gated_and_zero_is_no_speculation():
 
 # -- on the installed vLLM ----------------------------------------------------------------------------
 
-def _drive(api, method: str) -> dict:
+def _drive(api, method: str, no_lookahead: bool = False) -> dict:
     """A, 10 prompt tokens, decoding under speculative decoding with a draft acceptance of 3, 0, 1, 2."""
     from kvdoctor.engine.harness import Harness
 
     harness = Harness(api, Setup(gpu_blocks=24, max_model_len=64, speculative_method=method,
-                                 num_speculative_tokens=3, draft_acceptance="3,0,1,2").validate())
+                                 num_speculative_tokens=3, draft_acceptance="3,0,1,2",
+                                 disable_lookahead_block_hashes=no_lookahead).validate())
     vllm_config = api.vllm_config_of(harness.scheduler)
     lookahead = api.num_hash_lookahead_tokens(vllm_config)
     harness.add("A", list(range(100, 110)), 20)
@@ -77,12 +78,21 @@ def _drive(api, method: str) -> dict:
         harness.shutdown()
     return {"verified": verified, "rejected": harness.drafts_rejected, "rows": rows, "lookahead": lookahead,
             "connector_lookahead": getattr(harness.connector_scheduler, "use_lookahead_block_hashes", None),
-            "lookahead_slots": harness.scheduler.num_lookahead_tokens}
+            "lookahead_slots": harness.scheduler.num_lookahead_tokens,
+            "block_drop": getattr(harness.scheduler, "use_eagle_block_drop", None)}
 
 
-@pytest.fixture(scope="module", params=["eagle", "ngram"])
+@pytest.fixture(scope="module", params=["eagle", "ngram", "eagle-no-lookahead"])
 def driven(request, api):
-    return request.param, _drive(api, request.param)
+    from kvdoctor.engine.compat.speculative import LOOKAHEAD_BLOCK_HASHES
+
+    method = request.param.split("-")[0]
+    no_lookahead = request.param.endswith("no-lookahead")
+    if no_lookahead and LOOKAHEAD_BLOCK_HASHES not in api.speculative_features():
+        with pytest.raises(UsageError, match="disable_lookahead_block_hashes"):
+            _drive(api, method, no_lookahead)
+        pytest.skip("this vLLM has no lookahead block hashes to disable (refused, exit 2)")
+    return request.param, _drive(api, method, no_lookahead)
 
 
 def test_vllm_schedules_the_drafts_and_rolls_back_the_rejected(driven, api):
@@ -93,7 +103,7 @@ def test_vllm_schedules_the_drafts_and_rolls_back_the_rejected(driven, api):
     # vLLM rolled each verification back to the accepted drafts: the bonus token's KV is the one left
     assert all(computed == tokens - 1 for _, computed, tokens, _, _ in decoding), run["rows"]
     assert run["rows"][-1][4] == "FINISHED_LENGTH_CAPPED" and run["rows"][-1][2] == 30
-    assert run["lookahead_slots"] == (3 if method == "eagle" else 0)  # vLLM's own per-method lookahead
+    assert run["lookahead_slots"] == (0 if method == "ngram" else 3)  # vLLM's own per-method lookahead
 
 
 def test_block_hashes_follow_vllms_lookahead(driven, api):
@@ -107,6 +117,8 @@ def test_block_hashes_follow_vllms_lookahead(driven, api):
         pytest.skip("this vLLM has no lookahead block hashes (VllmConfig.num_hash_lookahead_tokens)")
     assert (run["lookahead"] > 0) == (method == "eagle"), run
     assert run["connector_lookahead"] == (method == "eagle")
+    # without lookahead hashes vLLM drops an EAGLE request's trailing block instead (its scheduler's flag)
+    assert run["block_drop"] == (method == "eagle-no-lookahead"), run
     for _, _, tokens, hashes, _ in run["rows"]:
         assert hashes == (tokens - run["lookahead"]) // 4, run["rows"]
 

@@ -162,7 +162,8 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     if setup.speculative_method is not None:
         speculative["speculative_config"] = api.speculative_config(
             model_config, setup.speculative_method, setup.num_speculative_tokens,
-            tiny_draft_dir() if setup.speculative_method == "eagle" else None)
+            tiny_draft_dir() if setup.speculative_method == "eagle" else None,
+            {"disable_lookahead_block_hashes": True} if setup.disable_lookahead_block_hashes else None)
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,

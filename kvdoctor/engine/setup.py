@@ -121,6 +121,10 @@ class Setup:
     speculative_method: str | None = None
     num_speculative_tokens: int = 2
     draft_acceptance: str | None = None
+    # SpeculativeConfig.disable_lookahead_block_hashes (0.34): an EAGLE drafter's blocks hashed without the
+    # lookahead, so vLLM falls back to dropping the trailing block (the connector's apply_eagle_drop and
+    # eagle proof margins). A release without the field refuses it.
+    disable_lookahead_block_hashes: bool = False
 
     @property
     def offloaded_block_size(self) -> int:

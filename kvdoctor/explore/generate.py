@@ -95,6 +95,7 @@ class Geometry:
     speculative_method: str | None = None  # vLLM's SpeculativeConfig method (kvdoctor stands in for the drafter)
     num_speculative_tokens: int = 2
     draft_acceptance: str | None = None  # the stand-in rejection sampler's accepted counts, cycled
+    disable_lookahead_block_hashes: bool = False  # eagle on 0.34: the trailing-block drop instead
 
     @property
     def groups(self) -> int:
@@ -137,7 +138,8 @@ class Geometry:
                if self.multi_connector and self.cpu_bytes_to_use else
                {"multi_connector": True} if self.multi_connector else {}),
             **({"speculative_method": self.speculative_method, "num_speculative_tokens": self.num_speculative_tokens,
-                **({"draft_acceptance": self.draft_acceptance} if self.draft_acceptance else {})}
+                **({"draft_acceptance": self.draft_acceptance} if self.draft_acceptance else {}),
+                **({"disable_lookahead_block_hashes": True} if self.disable_lookahead_block_hashes else {})}
                if self.speculative_method else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
@@ -194,15 +196,18 @@ ROLES = (None, "multi", "kv_consumer", "kv_producer")
 # EAGLE block drop, probed by `search.available_features`) or where explore is asked to (`ExploreConfig.
 # speculative`); elsewhere no byte is drawn, so a release's examples (and its measured seeds) stay as they were.
 SPECULATIVE_DRAW = "speculative"
+NO_LOOKAHEAD_HASHES = "disable_lookahead_block_hashes"  # a SpeculativeConfig field (0.34): bit 7 draws it
 # eagle twice: it is what reaches 0.34's lookahead hashes and EAGLE block drop (ngram reaches neither)
 SPECULATIVE_METHODS = (None, "eagle", "ngram", "eagle")
 # Accepted drafts per verification, cycled (None: every draft accepted): rejections roll a request back.
 DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
 
 
-def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
+def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated",
+                       features: frozenset[str] = frozenset()) -> "Geometry":
     """The speculative byte (bits: 0-1 the method, 2-3 num_speculative_tokens - 1, 4-6 the draft
-    acceptance); 0 is no speculative decoding. The stand-in drafter runs beside the simulated worker
+    acceptance, 7 eagle without lookahead block hashes where the release has them: its trailing-block
+    drop instead); 0 is no speculative decoding. The stand-in drafter runs beside the simulated worker
     only, so vLLM's worker draws none."""
     method = SPECULATIVE_METHODS[byte & 3]
     if method is None or worker != "simulated":
@@ -210,7 +215,9 @@ def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated
     if geometry.layout == "eagle-pair":  # a drafter with KV layers of its own is an EAGLE drafter
         method = "eagle"
     return dataclasses.replace(geometry, speculative_method=method, num_speculative_tokens=1 + (byte >> 2 & 3),
-                               draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7])
+                               draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7],
+                               disable_lookahead_block_hashes=bool(byte >> 7) and method == "eagle"
+                               and NO_LOOKAHEAD_HASHES in features)
 
 
 def kv_bytes_per_token(geometry: "Geometry") -> int:
@@ -374,7 +381,7 @@ class Example:
         if extension:
             decoded_geometry = decode_extension(decoded_geometry, extension, features, worker)
         if speculative:
-            decoded_geometry = decode_speculative(decoded_geometry, speculative, worker)
+            decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)

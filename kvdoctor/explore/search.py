@@ -301,10 +301,13 @@ def available_features(api: Any) -> frozenset[str]:
     # Speculative decoding is drawn where the offloading path has 0.34's machinery for it (lookahead
     # block hashes, the EAGLE block drop): where the bugs would be new.
     from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
-    from kvdoctor.explore.generate import SPECULATIVE_DRAW
+    from kvdoctor.explore.generate import NO_LOOKAHEAD_HASHES, SPECULATIVE_DRAW
 
-    if api.speculative_features() & {LOOKAHEAD_BLOCK_HASHES, EAGLE_BLOCK_DROP}:
+    speculative = api.speculative_features()
+    if speculative & {LOOKAHEAD_BLOCK_HASHES, EAGLE_BLOCK_DROP}:
         found.add(SPECULATIVE_DRAW)
+    if LOOKAHEAD_BLOCK_HASHES in speculative:  # and with them, the option that turns them off
+        found.add(NO_LOOKAHEAD_HASHES)
     return frozenset(found)
 
 

@@ -29,10 +29,17 @@ class SpeculativeGlue:
 
     mods: dict[str, Any]
 
-    def speculative_config(self, model_config: Any, method: str, num_tokens: int, draft_dir: str | None) -> Any:
-        """vLLM's SpeculativeConfig for the target ModelConfig; vLLM's own validation refuses (exit 2)."""
+    def speculative_config(self, model_config: Any, method: str, num_tokens: int, draft_dir: str | None,
+                           options: dict[str, Any] | None = None) -> Any:
+        """vLLM's SpeculativeConfig for the target ModelConfig; vLLM's own validation refuses (exit 2), and so
+        does kvdoctor an option (`disable_lookahead_block_hashes`) this release's class has no field for."""
         config_mod = self.mods["config"]
         kwargs: dict[str, Any] = {"method": method, "num_speculative_tokens": num_tokens}
+        fields = getattr(config_mod.SpeculativeConfig, "__dataclass_fields__", {}) or {}
+        for key, value in (options or {}).items():
+            if key not in fields:
+                raise UsageError(f"{key}: this vLLM's SpeculativeConfig has no such field")
+            kwargs[key] = value
         if method == "ngram":
             kwargs.update(prompt_lookup_max=3, prompt_lookup_min=1)
         else:
