@@ -19,6 +19,7 @@ from kvdoctor.explore.generate import (
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.writer import recipe_to_toml
 
+DATA = Path(__file__).resolve().parent / "data"
 PLAIN = Geometry(4, 1, 24, 16, 256, False)
 # add A (10 tokens, 12 to generate), run, add B sharing A's whole prompt (a CPU-tier hit), abort A mid-decode
 EVENTS = (("add", ("tokens", 10), 12, None), ("schedule", 4), ("add", ("tokens", 10), 6, (0, None)),
@@ -148,3 +149,10 @@ def test_the_draw_replays_from_its_file(explored):
     assert replay.setup.speculative_method == geometry.speculative_method == "eagle"
     assert (replay.setup.num_speculative_tokens, replay.setup.draft_acceptance) == (3, "0,2,1")
     assert replay.results[0].outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), replay.results[0].detail
+
+
+def test_a_finished_requests_in_flight_drafts_are_not_committed(api):
+    """Regression from explore's shrunk false positive on 0.26.0 (tests/data): vLLM's final store of a
+    request that finished with its in-flight draft slots counted in num_computed_tokens is right."""
+    result = application.repro(str(DATA / "spec-async-finished-overshoot.toml"), {}, "installed").results[0]
+    assert result.failure is None and result.outcome is Outcome.NOT_REPRODUCED, result.detail

@@ -75,8 +75,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
 
     # the script plays requests, engine steps and transfers; scheduler-side interventions it cannot
     late = sorted({s.action for s in recipe.steps if Need.SCHEDULER_CONTROL in REGISTRY[s.action].needs})
-    if late or setup.multi_connector:
-        what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
+    if late or setup.multi_connector or setup.speculative_method:
+        what = ("late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
+                if setup.multi_connector else "speculative decoding (kvdoctor's stand-in drafter)")
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     from kvdoctor.engine.compat import inline_portable
 
