@@ -29,6 +29,11 @@ prints examples, steps/s, and per feature how many runs drew it, their engine st
 whose shrunk recipe has it (each finding also triaged, through vLLM's EngineCore too):
 
     .venv-vllm-0.34/bin/python benchmarks/bench_explore.py --vocabulary 540 --seed 1
+
+Speculative decoding is drawn where the release has 0.34's lookahead block hashes / EAGLE block drop;
+`--speculative` draws it on any release (`--no-speculative` never), e.g. on 0.26.0:
+
+    .venv/bin/python benchmarks/bench_explore.py --vocabulary 180 --seed 1 --speculative
 """
 
 from __future__ import annotations
