@@ -156,3 +156,18 @@ def test_a_finished_requests_in_flight_drafts_are_not_committed(api):
     request that finished with its in-flight draft slots counted in num_computed_tokens is right."""
     result = application.repro(str(DATA / "spec-async-finished-overshoot.toml"), {}, "installed").results[0]
     assert result.failure is None and result.outcome is Outcome.NOT_REPRODUCED, result.detail
+
+
+def test_a_speculative_final_store_finding_is_labelled_k5():
+    """Explore's shrunk finding on 0.26.0 with an EAGLE speculative config and the default layout (a
+    finished request's final store drops the trailing chunk: 0.26.0's connector treats every group as a
+    drafter group when none is annotated) takes K5's path; the same setup without speculative decoding
+    and with no drafter layout does not."""
+    from kvdoctor.explore.findings import known_bug
+    from kvdoctor.recipes.model import Signature
+
+    signature = Signature(invariant="final-store-covers-computed-chunks")
+    detail = "A (group 0, FINISHED_LENGTH_CAPPED): its final store counts 0 storable chunk(s)"
+    speculative = {"block_size": 1, "blocks_per_chunk": 3, "speculative_method": "eagle"}
+    assert known_bug(signature, setup=speculative, detail=detail)[0] == "K5"
+    assert known_bug(signature, setup={**speculative, "speculative_method": "ngram"}, detail=detail) is None

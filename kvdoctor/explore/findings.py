@@ -130,7 +130,10 @@ def step_actions(steps: tuple[Step, ...]) -> frozenset[str]:
 # bug -> (the path in words, does the finding's setup and violation take it?)
 MECHANISMS: dict[str, tuple[str, Any]] = {
     "K4": ("a finished request's final store", lambda setup, detail: "status FINISHED" in detail),
-    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail: "eagle" in str(setup.get("layout") or "")),
+    # an EAGLE speculative config takes it too: where no group is annotated as a drafter's, 0.26.0's
+    # connector treats every group as one (offloading/scheduler.py: `eagle_groups = set(range(...))`)
+    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail: "eagle" in str(setup.get("layout") or "")
+           or setup.get("speculative_method") == "eagle"),
     "K9": ("a MultiConnector", lambda setup, detail: bool(setup.get("multi_connector"))),
     "K11": ("re-admission after a preemption", lambda setup, detail: "after a preemption" in detail),
 }
