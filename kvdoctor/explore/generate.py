@@ -43,6 +43,12 @@ it) stay what they were. A sync load is never held or failed: the simulated
 worker, as vLLM's, completes it in the step that issued it and reports no
 finished_recving for it.
 
+Where the release has 0.34's speculative machinery in the offloading path (lookahead block hashes, the
+EAGLE block drop; probed), one more byte draws speculative decoding through vLLM's own SpeculativeConfig
+(`decode_speculative`; docs/explore-vocabulary.md): eagle or ngram, 1-4 drafts, the drafts each
+verification accepts (kvdoctor stands in for the drafter and the rejection sampler), and, for eagle, hashes
+without the lookahead.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
