@@ -30,6 +30,11 @@ prints examples, steps/s, and per feature how many runs drew it, their engine st
 whose shrunk recipe has it (each finding also triaged, through vLLM's EngineCore too):
 
     .venv-vllm-0.34/bin/python benchmarks/bench_explore.py --vocabulary 540 --seed 1
+
+Speculative decoding is drawn where the release has 0.34's lookahead block hashes / EAGLE block drop;
+`--speculative` draws it on any release (`--no-speculative` never), e.g. on 0.26.0:
+
+    .venv/bin/python benchmarks/bench_explore.py --vocabulary 180 --seed 1 --speculative
 """
 
 from __future__ import annotations
@@ -101,10 +106,15 @@ FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fiel
     "mamba-hybrid": lambda r: r.setup.get("layout") == "mamba-hybrid",
     "eagle-pair": lambda r: r.setup.get("layout") == "eagle-pair",
     "async": lambda r: bool(r.setup.get("async_scheduling")),
+    "speculative": lambda r: bool(r.setup.get("speculative_method")),
+    "spec eagle": lambda r: r.setup.get("speculative_method") == "eagle",
+    "spec ngram": lambda r: r.setup.get("speculative_method") == "ngram",
+    "spec rejections": lambda r: bool(r.setup.get("speculative_method")) and r.setup.get("draft_acceptance") is not None,
+    "spec no lookahead": lambda r: bool(r.setup.get("disable_lookahead_block_hashes")),
 }
 
 
-def vocabulary(seconds: float, seed: int, logic: str) -> int:
+def vocabulary(seconds: float, seed: int, logic: str, speculative: bool | None = None) -> int:
     """One bounded search: examples, steps/s and, per feature, runs, steps and findings."""
     import tempfile
     from pathlib import Path
@@ -117,10 +127,12 @@ def vocabulary(seconds: float, seed: int, logic: str) -> int:
     features = sorted(available_features(api))
     traffic: list = []
     start = time.perf_counter()
-    findings, stats = worker_search(api, ExploreConfig(seed=seed, logic=logic, time_budget=seconds), trace=traffic)
+    findings, stats = worker_search(api, ExploreConfig(seed=seed, logic=logic, time_budget=seconds,
+                                                       speculative=speculative), trace=traffic)
     wall = time.perf_counter() - start
     print(f"vLLM {api.version_text}, seed {seed}, logic {logic}, one worker, {seconds:g} s budget "
-          f"({wall:.0f} s wall); probed features: {', '.join(features) or 'none'}")
+          f"({wall:.0f} s wall); probed features: {', '.join(features) or 'none'}"
+          + ("" if speculative is None else f"; speculative draws forced {'on' if speculative else 'off'}"))
     print(f"{stats.examples} examples (+{stats.shrink_examples} while shrinking), {stats.runs} runs, "
           f"{stats.scheduler_steps:,} engine steps = {stats.scheduler_steps / wall:,.0f} steps/s, "
           f"{stats.invalid} refused by vLLM, {len(findings)} findings")
@@ -149,6 +161,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocabulary", type=float, default=None, metavar="SECONDS",
                         help="one bounded search: examples, steps/s and findings per feature")
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --vocabulary: draw speculative decoding (default: where the release has "
+                             "0.34's lookahead block hashes / EAGLE block drop)")
     parser.add_argument("--examples", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logic", default="installed")
@@ -157,7 +172,7 @@ def main() -> int:
                         help="skip gc.freeze() after the warm-up")
     args = parser.parse_args()
     if args.vocabulary is not None:
-        return vocabulary(args.vocabulary, args.seed, args.logic)
+        return vocabulary(args.vocabulary, args.seed, args.logic, args.speculative)
 
     from kvdoctor.engine import compat
     from kvdoctor.explore.search import ExploreConfig, worker_search

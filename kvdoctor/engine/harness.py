@@ -16,7 +16,7 @@ from typing import Any
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.setup import Setup
-from kvdoctor.engine.tiny_model import tiny_model_dir
+from kvdoctor.engine.tiny_model import tiny_draft_dir, tiny_model_dir
 from kvdoctor.engine.worker import Job
 from kvdoctor.errors import UsageError
 
@@ -115,6 +115,12 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     cache_kwargs.update(api.cache_config_kwargs({"prefix_match_unit": setup.prefix_match_unit,
                                                  "prefix_cache_retention_interval":
                                                      setup.prefix_cache_retention_interval}))
+    speculative: dict[str, Any] = {}
+    if setup.speculative_method is not None:
+        speculative["speculative_config"] = api.speculative_config(
+            model_config, setup.speculative_method, setup.num_speculative_tokens,
+            tiny_draft_dir() if setup.speculative_method == "eagle" else None,
+            {"disable_lookahead_block_hashes": True} if setup.disable_lookahead_block_hashes else None)
     try:
         vllm_config = config_mod.VllmConfig(
             model_config=model_config,
@@ -122,6 +128,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
             kv_transfer_config=kv_transfer_config,
             device_config=config_mod.DeviceConfig("cpu"),
+            **speculative,
         )
     except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
@@ -171,6 +178,9 @@ class StepEvents:
     reused_while_storing: dict[int, list[int]] = field(default_factory=dict)
     # KV slots whose bytes are not what their tokens say (vLLM worker only): ContentFinding
     content_findings: list[Any] = field(default_factory=list)
+    # request -> draft tokens verified in this step (speculative decoding): their slots' KV is written by
+    # the forward but holds a rejected draft's KV unless the draft is accepted
+    spec_tokens: dict[str, int] = field(default_factory=dict)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
@@ -226,6 +236,10 @@ class Harness:
         # Requests whose new block hashes are withheld (delay_block_hashes): vLLM's hasher is
         # incremental, so the withheld hashes are computed when the request is released.
         self.hashes_withheld: set[str] = set()
+        # The stand-in drafter (speculative_method): how many drafts each verification accepts, cycled.
+        self._acceptance = self.setup.draft_acceptance_pattern()
+        self.verifications = 0
+        self.drafts_rejected = 0
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
@@ -252,7 +266,9 @@ class Harness:
         kcu = self.api.mods["kv_cache_utils"]
         sha256 = self.api.mods["hashing"].sha256
         kcu.init_none_hash(sha256)
-        hasher = kcu.get_request_block_hasher(self.kv_plan.hash_block_size, sha256)
+        # As vLLM's engine core builds it: with 0.34's lookahead (a hash covers tokens past its block).
+        hasher = self.api.request_block_hasher(self.kv_plan.hash_block_size, sha256,
+                                               self.api.vllm_config_of(self.scheduler))
         withheld = self.hashes_withheld
 
         def request_block_hasher(request: Any) -> Any:
@@ -339,7 +355,21 @@ class Harness:
                 self.scheduler.update_from_output(*previous)
         else:
             self.scheduler.update_from_output(output, runner_output)
+            self._propose_drafts(output)
         return events
+
+    def _propose_drafts(self, output: Any) -> None:
+        """The stand-in drafter, after the step's output is applied (sync scheduling), as vLLM's engine
+        core hands the model runner's drafts to `Scheduler.update_draft_token_ids`: `num_speculative_tokens`
+        drafts for each request of the step (the scheduler ignores them for a prefill chunk). Under async
+        scheduling vLLM's AsyncScheduler schedules placeholder drafts itself (the worker fills in their
+        ids), so there is nothing to hand over."""
+        if self.setup.speculative_method is None or self.api.drafts_skipped(output):
+            return
+        req_ids = [rid for rid in output.num_scheduled_tokens if rid in self.scheduler.requests]
+        if req_ids:
+            drafts = [[DECODE_TOKEN] * self.setup.num_speculative_tokens for _ in req_ids]
+            self.scheduler.update_draft_token_ids(self.api.draft_token_ids(req_ids, drafts))
 
     def worker_step(self, output: Any, events: StepEvents) -> Any:
         """The worker side of one step on a scheduler output: the jobs it carries, the blocks reused under
@@ -347,6 +377,7 @@ class Harness:
         ModelRunnerOutput. Both levels run it: `step` here, vLLM's engine through the executor
         (`engine/core`)."""
         events.scheduled_tokens = dict(output.num_scheduled_tokens)
+        events.spec_tokens = {rid: len(ids) for rid, ids in self.api.scheduled_spec_tokens(output).items() if ids}
         events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
         store_jobs, load_jobs = self.api.store_and_load_jobs(output)
@@ -408,16 +439,29 @@ class Harness:
     def _sample(self, output: Any) -> dict[str, list[int]]:
         """The token each scheduled request samples (EOS where a recipe finishes it)."""
         sampled: dict[str, list[int]] = {}
+        spec_tokens = self.api.scheduled_spec_tokens(output) if self.setup.speculative_method else {}
         for req_id in output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             # A token is sampled only once every known token is computed (not mid-prefill).
             if request is not None and request.num_computed_tokens >= request.num_tokens:
                 token = EOS_TOKEN if req_id in self._finish_next else DECODE_TOKEN
                 self._finish_next.discard(req_id)
-                sampled[req_id] = [token]
+                sampled[req_id] = [DECODE_TOKEN] * self._accepted(len(spec_tokens.get(req_id, ()))) + [token]
             else:
                 sampled[req_id] = []
         return sampled
+
+    def _accepted(self, num_drafts: int) -> int:
+        """The stand-in rejection sampler: how many of a request's `num_drafts` drafts it accepts (the
+        next count of `draft_acceptance`, cycled; all where none is given). vLLM's scheduler then rolls
+        the request back by the rejected ones (`num_computed_tokens -= num_rejected`)."""
+        if not num_drafts:
+            return 0
+        pattern = self._acceptance
+        accepted = num_drafts if pattern is None else min(num_drafts, pattern[self.verifications % len(pattern)])
+        self.verifications += 1
+        self.drafts_rejected += num_drafts - accepted
+        return accepted
 
     def _model_runner_output(self, output: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:
         req_ids = list(output.num_scheduled_tokens)

@@ -19,6 +19,9 @@ MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's CacheConfig.mamba_cache_m
 ENGINE_LEVELS = ("scheduler", "core", "serve")  # who calls vLLM's scheduler (`Setup.engine`; kvdoctor/engine/core)
 WORKERS = ("simulated", "vllm")  # who stands where vLLM's GPU worker runs (`Setup.worker`)
 SCHEDULING_POLICIES = (None, "fcfs", "priority")  # vLLM's SchedulerConfig.policy values
+# vLLM SpeculativeConfig methods kvdoctor can build with no download (`Setup.speculative_method`): ngram
+# needs no draft model; eagle reads only a tiny local drafter config.json that kvdoctor writes.
+SPECULATIVE_METHODS = ("ngram", "eagle")
 # `Setup` field metadata: False where a recipe's [setup] cannot name the field (a flag's only, spelled
 # otherwise in a recipe, or set by kvdoctor's setup resolution); the recipe loader reads it.
 RECIPE_KEY = "recipe_key"
@@ -117,6 +120,17 @@ class Setup:
     # the trigger impossible, why and the smallest change that allows it (the run is then `untested`).
     derived: tuple[str, ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
     untested: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
+    # Speculative decoding through vLLM's own SpeculativeConfig (None: none). kvdoctor stands in for the
+    # drafter and the rejection sampler (scheduler level only): each decode step proposes
+    # `num_speculative_tokens` drafts, and the verification accepts the next number of
+    # `draft_acceptance` ("2,0,1": cycled over verifications; None: every draft accepted).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 2
+    draft_acceptance: str | None = None
+    # SpeculativeConfig.disable_lookahead_block_hashes (0.34): an EAGLE drafter's blocks hashed without the
+    # lookahead, so vLLM falls back to dropping the trailing block (the connector's apply_eagle_drop and
+    # eagle proof margins). A release without the field refuses it.
+    disable_lookahead_block_hashes: bool = False
 
     @property
     def offloaded_block_size(self) -> int:
@@ -165,6 +179,9 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.speculative_method is not None:
+            return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
+                    "(vLLM's model runner would need a real drafter)")
         if self.layout or self.model:  # the config.json is read here, before vLLM is imported
             from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
 
@@ -219,6 +236,7 @@ class Setup:
                 raise UsageError(f"{flag_name(name)} must be one of {choices}, got {getattr(self, name)!r}")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
+        self._validate_speculative()
         refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
@@ -250,6 +268,33 @@ class Setup:
                 f"must be >= max model length ({self.max_model_len}), as vLLM requires"
             )
         return self
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_method is None:
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise UsageError(f"speculative_method must be one of {'|'.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool) \
+                or self.num_speculative_tokens < 1:
+            raise UsageError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        self.draft_acceptance_pattern()
+        if self.engine != "scheduler":
+            raise UsageError(f"speculative_method: kvdoctor stands in for the drafter at the scheduler level only "
+                             f"(--engine {self.engine} would need vLLM's own drafter and a model)")
+
+    def draft_acceptance_pattern(self) -> tuple[int, ...] | None:
+        """`draft_acceptance` as numbers ("2,0,1" -> (2, 0, 1)); None: every draft is accepted."""
+        if self.draft_acceptance is None:
+            return None
+        try:
+            pattern = tuple(int(part) for part in str(self.draft_acceptance).split(","))
+        except ValueError:
+            pattern = ()
+        if not pattern or any(n < 0 for n in pattern):
+            raise UsageError(f"draft_acceptance must be comma-separated counts of accepted drafts (e.g. \"2,0,1\"), "
+                             f"got {self.draft_acceptance!r}")
+        return pattern
 
     def worker_memory_refusal(self) -> str | None:
         """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds a

@@ -44,3 +44,18 @@ def tiny_model_dir() -> str:
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     (directory / "config.json").write_text(config_json())
     return str(directory)
+
+
+# The EAGLE drafter's config.json (speculative method "eagle"): vLLM's SpeculativeConfig inspects the
+# drafter's architecture and never loads it on the scheduler side; one decoder layer, as an EAGLE-Llama
+# head has.
+TINY_EAGLE_DRAFT_CONFIG = {**TINY_LLAMA_CONFIG, "architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1}
+
+
+@lru_cache(maxsize=1)
+def tiny_draft_dir() -> str:
+    """A throw-away directory holding only the stand-in EAGLE drafter's config.json (one per process)."""
+    directory = Path(tempfile.mkdtemp(prefix="kvdoctor-draft-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    (directory / "config.json").write_text(json.dumps(TINY_EAGLE_DRAFT_CONFIG, indent=2))
+    return str(directory)

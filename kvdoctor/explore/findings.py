@@ -132,7 +132,10 @@ def step_actions(steps: tuple[Step, ...]) -> frozenset[str]:
 # bug -> (the path in words, does the finding's setup, violation and step actions take it?)
 MECHANISMS: dict[str, tuple[str, Any]] = {
     "K4": ("a finished request's final store", lambda setup, detail, actions: "status FINISHED" in detail),
-    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail, actions: "eagle" in str(setup.get("layout") or "")),
+    # an EAGLE speculative config takes it too: where no group is annotated as a drafter's, 0.26.0's
+    # connector treats every group as one (offloading/scheduler.py: `eagle_groups = set(range(...))`)
+    "K5": ("an EAGLE/MTP drafter group", lambda setup, detail, actions: "eagle" in str(setup.get("layout") or "")
+           or setup.get("speculative_method") == "eagle"),
     "K6": ("block hashes that arrive after the tokens",
            lambda setup, detail, actions: "delay_block_hashes" in actions),
     "K9": ("a MultiConnector", lambda setup, detail, actions: bool(setup.get("multi_connector"))),

@@ -54,6 +54,12 @@ priority: a more urgent arrival preempts running requests while their stores or
 loads are in flight). A release without the caps draws none of it, so its seeds
 stay as they were.
 
+Where the release has 0.34's speculative machinery in the offloading path (lookahead block hashes, the
+EAGLE block drop; probed), one more byte draws speculative decoding through vLLM's own SpeculativeConfig
+(`decode_speculative`; docs/explore-vocabulary.md): eagle or ngram, 1-4 drafts, the drafts each
+verification accepts (kvdoctor stands in for the drafter and the rejection sampler), and, for eagle, hashes
+without the lookahead.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
@@ -105,6 +111,11 @@ class Geometry:
     # The second extension byte (`decode_second_extension`), drawn only where the connector reads caps:
     prefix_cache_retention_interval: int | None = None  # CacheConfig (sliding-window / Mamba layouts)
     scheduling_policy: str | None = None  # SchedulerConfig.policy ("priority"; None: fcfs)
+    # The speculative byte (`decode_speculative`), drawn only where `SPECULATIVE_DRAW` is a feature:
+    speculative_method: str | None = None  # vLLM's SpeculativeConfig method (kvdoctor stands in for the drafter)
+    num_speculative_tokens: int = 2
+    draft_acceptance: str | None = None  # the stand-in rejection sampler's accepted counts, cycled
+    disable_lookahead_block_hashes: bool = False  # eagle on 0.34: the trailing-block drop instead
 
     @property
     def groups(self) -> int:
@@ -149,6 +160,10 @@ class Geometry:
             **({"multi_connector": True, "second_cpu_bytes_to_use": self.cpu_bytes_to_use}
                if self.multi_connector and self.cpu_bytes_to_use else
                {"multi_connector": True} if self.multi_connector else {}),
+            **({"speculative_method": self.speculative_method, "num_speculative_tokens": self.num_speculative_tokens,
+                **({"draft_acceptance": self.draft_acceptance} if self.draft_acceptance else {}),
+                **({"disable_lookahead_block_hashes": True} if self.disable_lookahead_block_hashes else {})}
+               if self.speculative_method else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -208,6 +223,35 @@ SYNC_BUDGETS = (None, "chunk", "all", None)
 ALL_BYTES = 1 << 40
 PREFIX_MATCH_DIVISORS = (None, 2, 4, None)  # prefix_match_unit = block_size / divisor
 ROLES = (None, "multi", "kv_consumer", "kv_producer")
+
+
+# Speculative decoding (`decode_speculative`): one more geometry byte, after the extension byte, drawn
+# where the release has 0.34's speculative machinery in the offloading path (lookahead block hashes or the
+# EAGLE block drop, probed by `search.available_features`) or where explore is asked to (`ExploreConfig.
+# speculative`); elsewhere no byte is drawn, so a release's examples (and its measured seeds) stay as they were.
+SPECULATIVE_DRAW = "speculative"
+NO_LOOKAHEAD_HASHES = "disable_lookahead_block_hashes"  # a SpeculativeConfig field (0.34): bit 7 draws it
+# eagle twice: it is what reaches 0.34's lookahead hashes and EAGLE block drop (ngram reaches neither)
+SPECULATIVE_METHODS = (None, "eagle", "ngram", "eagle")
+# Accepted drafts per verification, cycled (None: every draft accepted): rejections roll a request back.
+DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
+
+
+def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated",
+                       features: frozenset[str] = frozenset()) -> "Geometry":
+    """The speculative byte (bits: 0-1 the method, 2-3 num_speculative_tokens - 1, 4-6 the draft
+    acceptance, 7 eagle without lookahead block hashes where the release has them: its trailing-block
+    drop instead); 0 is no speculative decoding. The stand-in drafter runs beside the simulated worker
+    only, so vLLM's worker draws none."""
+    method = SPECULATIVE_METHODS[byte & 3]
+    if method is None or worker != "simulated":
+        return geometry
+    if geometry.layout == "eagle-pair":  # a drafter with KV layers of its own is an EAGLE drafter
+        method = "eagle"
+    return dataclasses.replace(geometry, speculative_method=method, num_speculative_tokens=1 + (byte >> 2 & 3),
+                               draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7],
+                               disable_lookahead_block_hashes=bool(byte >> 7) and method == "eagle"
+                               and NO_LOOKAHEAD_HASHES in features)
 
 
 def kv_bytes_per_token(geometry: "Geometry") -> int:
@@ -358,11 +402,14 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=None)
-def raw_examples(max_events: int, extended: bool = False, second: bool = False) -> st.SearchStrategy[Any]:
+def raw_examples(max_events: int, extended: bool = False, second: bool = False,
+                 speculative: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
-    the second extension byte after it (`decode_second_extension`) and a fifth byte per event."""
-    size = len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
+    the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
+    `speculative`: one more geometry byte, last (`decode_speculative`)."""
+    size = (len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
+            + (1 if speculative else 0))
     event_size = EVENT_BYTES + (1 if extended and second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -380,18 +427,20 @@ class Example:
         """The example hypothesis drew (`raw_examples`; an extension byte after the geometry's where
         `features` holds the gate)."""
         geometry, events = raw
-        base = len(GEOMETRY_RANGES)
-        extension = geometry[base] if len(geometry) > base else 0
-        second = geometry[base + 1] if len(geometry) > base + 1 else 0
+        extra = list(geometry[len(GEOMETRY_RANGES):])
+        speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
+        extension = extra[0] if extra else 0
+        second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second)
+                               features, extension, second, speculative)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
-                    features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0) -> "Example":
-        """The example of these field values (`decode_geometry`'s, `decode_extension`'s and
-        `decode_event`'s)."""
+                    features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
+                    speculative: int = 0) -> "Example":
+        """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
+        `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
         if worker != "simulated":
             decoded_geometry = dataclasses.replace(decoded_geometry, worker=worker)
@@ -399,16 +448,19 @@ class Example:
             decoded_geometry = decode_extension(decoded_geometry, extension, features, worker)
         if second:
             decoded_geometry = decode_second_extension(decoded_geometry, second, features)
+        if speculative:
+            decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
         return cls(decoded_geometry, decoded)
 
 
-def examples(max_events: int, extended: bool = False, second: bool = False) -> st.SearchStrategy[Any]:
+def examples(max_events: int, extended: bool = False, second: bool = False,
+             speculative: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second)
+    return raw_examples(max_events, extended, second, speculative)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import (
-    EXTENSION_GATE, SECOND_GATE, Example, examples, mode_variants, to_recipe,
+    EXTENSION_GATE, SECOND_GATE, SPECULATIVE_DRAW, Example, examples, mode_variants, to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
@@ -55,6 +55,9 @@ class ExploreConfig:
     # wall-clock time (time.time(), shared by spawned workers) when the whole run must end, vLLM's
     # import and triage included: no search or shrinking runs past it (None: only time_budget counts)
     stop_at: float | None = None
+    # Draw speculative decoding (`generate.decode_speculative`): None where the release has 0.34's
+    # speculative machinery in the offloading path (probed), True / False to force it either way.
+    speculative: bool | None = None
 
 
 @dataclass
@@ -149,7 +152,10 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     found: dict[str, Finding] = {}
     specs = available_specs(api)
     features = available_features(api)
-    strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features)
+    if config.speculative is not None:
+        features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
+    strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
+                        speculative=SPECULATIVE_DRAW in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
@@ -280,10 +286,14 @@ def available_features(api: Any) -> frozenset[str]:
     sync loads where the offloading scheduler's config reads `sync_load_budget_bytes`, the recompute
     policy where KVTransferConfig has `kv_load_failure_policy`, `prefix_match_unit` and
     `prefix_cache_retention_interval` where CacheConfig has them, per-request caps where the offloading
-    scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it."""
+    scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it,
+    speculative decoding where the offloading path has lookahead block hashes or the EAGLE block drop."""
     from kvdoctor.explore.generate import (
         LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
     )
+
+    from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
+    from kvdoctor.explore.generate import NO_LOOKAHEAD_HASHES, SPECULATIVE_DRAW
 
     probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
               RECOMPUTE: api.kv_transfer_config_has_field(RECOMPUTE),
@@ -291,6 +301,12 @@ def available_features(api: Any) -> frozenset[str]:
               RETENTION: api.cache_config_has_field(RETENTION),
               LOAD_CAPS: api.offload_request_reads(LOAD_CAPS),
               PRIORITY: PRIORITY in api.scheduler_policies()}
+    # Speculative decoding is drawn where the offloading path has 0.34's machinery for it (lookahead
+    # block hashes, the EAGLE block drop): where the bugs would be new.
+    speculative = api.speculative_features()
+    probes[SPECULATIVE_DRAW] = bool(speculative & {LOOKAHEAD_BLOCK_HASHES, EAGLE_BLOCK_DROP})
+    # and with the lookahead hashes, the option that turns them off
+    probes[NO_LOOKAHEAD_HASHES] = LOOKAHEAD_BLOCK_HASHES in speculative
     return frozenset(name for name, present in probes.items() if present)
 
 

@@ -97,8 +97,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if paused:  # the script drives the scheduler; pausing is the engine's
         raise UsageError(f"--export-script cannot reproduce an engine pause ({', '.join(paused)}): it drives "
                          f"vLLM's scheduler, not its EngineCore; attach `kvdoctor repro --engine core --report`")
-    if late or setup.multi_connector:
-        what = "late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
+    if late or setup.multi_connector or setup.speculative_method:
+        what = ("late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
+                if setup.multi_connector else "speculative decoding (kvdoctor's stand-in drafter)")
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     from kvdoctor.engine.compat import inline_portable
 

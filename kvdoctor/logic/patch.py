@@ -45,6 +45,8 @@ class StorableCall:
     computed_tokens: int  # req.num_computed_tokens when vLLM made the call (before this batch)
     full_token_chunks: int  # chunks of all the request's offloadable tokens, ignoring any basis rule
     keys_uncapped: int | None = None  # the installed method with unbounded offload keys (None: not evaluable)
+    num_tokens: int | None = None  # req.num_tokens when vLLM made the call (known tokens: no draft counted)
+    num_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -103,6 +105,8 @@ def record_call(api: Any, original: Any, req_state: Any, group_config: Any, args
         computed_tokens=request.num_computed_tokens,
         full_token_chunks=_all_tokens(api, req_state, request) // group.tokens_per_chunk,
         keys_uncapped=keys_uncapped,
+        num_tokens=request.num_tokens,
+        num_prompt_tokens=request.num_prompt_tokens,
     )
 
 

@@ -39,7 +39,8 @@ def invariant(name: str, summary: str) -> Callable[[Check], Check]:
 
 
 @invariant("store-covers-computed-slots",
-           "a store job covers only KV slots that were computed (K4: the final sampled token's slot never is)")
+           "a store job covers only KV slots that were computed (K4: the final sampled token's slot never is; "
+           "under speculative decoding a draft's slot is not, until the draft is accepted)")
 def _store_covers_computed(ctx: StepContext) -> list[str]:
     if not ctx.events.new_store_jobs:  # most steps build no store (checked after every step)
         return []
@@ -51,7 +52,10 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
             # The status when vLLM built the store: a request finished by this very
             # step's output was still running then, and its scheduled tokens count.
             finished = call.request_status.startswith("FINISHED")
-            limit = call.computed_tokens + (0 if finished else ctx.events.scheduled_tokens.get(req_id, 0))
+            # Draft tokens verified in this step are not known tokens yet: vLLM clamps a store to
+            # `Request.num_tokens`, which counts no draft (a rejected draft's slot holds wrong KV).
+            scheduled = ctx.events.scheduled_tokens.get(req_id, 0) - getattr(ctx.events, "spec_tokens", {}).get(req_id, 0)
+            limit = call.computed_tokens + (0 if finished else scheduled)
             end = call.returned * call.tokens_per_chunk
             if end > limit:
                 messages.append(f"{req_id}: store covers tokens up to {end} but only {limit} have KV written "
@@ -91,7 +95,7 @@ def _final_store_covers_computed(ctx: StepContext) -> list[str]:
     for (req_id, group), call in sorted(best.items()):
         # Chunks whose every slot was computed and is offloadable, that the request still holds
         # blocks and offload keys for: a correct final store offers all of them.
-        computed = min(call.computed_tokens, call.num_offloadable_tokens) // call.tokens_per_chunk
+        computed = min(_committed_tokens(call), call.num_offloadable_tokens) // call.tokens_per_chunk
         expected = min(computed, call.allocated_chunks, call.keyed_chunks)
         if call.returned < expected and expected > call.next_stored_chunk:
             missing = range(max(call.returned, call.next_stored_chunk), expected)
@@ -100,6 +104,17 @@ def _final_store_covers_computed(ctx: StepContext) -> list[str]:
                             f"{call.returned} storable chunk(s) but its {call.computed_tokens} computed tokens fill "
                             f"{expected}: {chunks} will never be stored")
     return messages
+
+
+def _committed_tokens(call: StorableCall) -> int:
+    """The tokens whose KV a finished request has committed. The final sampled token's slot never is
+    (vLLM 0.34's `_build_store_jobs` clamps a finished request to max(num_prompt_tokens, num_tokens - 1):
+    "under spec decode it holds a rejected draft's KV"); and under async scheduling a finished request's
+    `num_computed_tokens` still counts the in-flight step's slots, drafts included (vLLM rolls back no
+    rejected draft of a finished request), so it may exceed its known tokens."""
+    if call.num_tokens is None or call.num_prompt_tokens is None or call.request_status == "FINISHED_ABORTED":
+        return call.computed_tokens
+    return min(call.computed_tokens, max(call.num_prompt_tokens, call.num_tokens - 1))
 
 
 @invariant("readmitted-chunks-offered-again",

@@ -254,6 +254,10 @@ def setup_fields(setup: Any) -> list[tuple[str, Any]]:
     if engine != "scheduler":  # the default level stays unnamed (README examples unchanged)
         described = {"core": "core (vLLM's EngineCore)", "serve": "serve (vllm serve)"}
         fields.append(("engine", described.get(engine, engine)))
+    if getattr(setup, "speculative_method", None):  # speculative decoding; kvdoctor stands in for the drafter
+        fields += [("speculative_method", setup.speculative_method),
+                   ("num_speculative_tokens", setup.num_speculative_tokens),
+                   ("draft_acceptance", setup.draft_acceptance or "all")]
     for key, value in sorted((getattr(setup, "extra_connector_config", None) or {}).items()):
         fields.append((f"kv_connector_extra_config.{key}", value))
     derived = getattr(setup, "derived", ())  # sizes kvdoctor derived for the trigger (the user gave none)

@@ -32,6 +32,7 @@ from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require
 from kvdoctor.engine.compat.engine import (  # noqa: F401 - the engine level's names, re-exported
     default_kv_cache_layouts, engine_batch_queue_len, engine_core_class, engine_core_request, engine_step_fn_name,
     executor_base_class, lean_engine_core_lifecycle, resolve_executor_class)
+from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
@@ -97,7 +98,7 @@ class RequestView:
 
 
 @dataclass
-class VllmApi(WorkerGlue):
+class VllmApi(WorkerGlue, SpeculativeGlue):
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
 
     version_text: str
