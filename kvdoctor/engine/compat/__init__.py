@@ -223,6 +223,15 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         world_size is what the offloading scheduler counts reports against); no worker is started."""
         return self.mods["config"].ParallelConfig(tensor_parallel_size=num_workers)
 
+    @cached_property
+    def counts_worker_reports(self) -> bool:
+        """Whether the offloading scheduler completes a job only once every worker reported it (its
+        `TransferJobStatus.pending_count`, started at world_size) and the executor's aggregator exists:
+        a feature probe, where several workers can disagree."""
+        status = getattr(self.mods["offload_scheduler"], "TransferJobStatus", None)
+        return (status is not None and "pending_count" in getattr(status, "__dataclass_fields__", {})
+                and self.kv_output_aggregator(1) is not None)
+
     def kv_output_aggregator(self, num_workers: int) -> Any:
         """vLLM's `KVOutputAggregator` (what the executor combines its workers' outputs with), or None
         where this release has none."""
