@@ -29,12 +29,18 @@ def test_setup_refuses_what_kvdoctor_cannot_stand_in_for():
         Setup(late_worker_steps=1).validate()
     with pytest.raises(UsageError, match="num_workers > 1"):
         Setup(num_workers=2, worker="vllm").validate()
+    with pytest.raises(UsageError, match="scheduler level only"):
+        Setup(num_workers=2, engine="core").validate()
+    with pytest.raises(UsageError, match="multi_connector"):
+        Setup(num_workers=2, multi_connector=True).validate()
     assert Setup(num_workers=4, late_worker_steps=3).validate().num_workers == 4
 
 
 def test_the_byte_is_drawn_only_where_gated_and_zero_is_one_worker():
     assert decode_workers(PLAIN, 0) == PLAIN
     assert decode_workers(PLAIN, 2, worker="vllm") == PLAIN
+    multi = Geometry(4, 1, 24, 16, 256, False, multi_connector=True)
+    assert decode_workers(multi, 2) == multi
     drawn = decode_workers(PLAIN, 2 | 3 << 2 | 1 << 5)  # 4 workers, the last 2 steps late, failing alone
     assert (drawn.num_workers, drawn.late_worker_steps, drawn.fail_worker) == (4, 2, 3)
     from hypothesis import find

@@ -250,6 +250,12 @@ class Setup:
             raise UsageError(f"late_worker_steps must be a non-negative integer, got {self.late_worker_steps!r}")
         if self.late_worker_steps and self.num_workers < 2:
             raise UsageError("late_worker_steps needs num_workers >= 2 (one worker late behind the others)")
+        if self.num_workers > 1 and self.engine != "scheduler":
+            raise UsageError(f"num_workers > 1 runs at the scheduler level only: --engine {self.engine} would have "
+                             f"vLLM start an executor with {self.num_workers} workers, which this machine cannot run")
+        if self.num_workers > 1 and self.multi_connector:
+            raise UsageError("num_workers > 1 with multi_connector: kvdoctor's second sub-connector is a companion "
+                             "that reports once, not per worker (its jobs would never complete)")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()

@@ -274,7 +274,7 @@ def decode_workers(geometry: "Geometry", byte: int, worker: str = "simulated") -
     alone fails a failed job); 0 is one worker. kvdoctor stands in for several workers with the
     simulated worker only, so vLLM's worker draws none."""
     count = WORKER_COUNTS[byte & 3]
-    if count == 1 or worker != "simulated":
+    if count == 1 or worker != "simulated" or geometry.multi_connector:  # Setup refuses the multi_connector pair
         return geometry
     fail = FAIL_WORKERS[byte >> 5 & 3]
     return dataclasses.replace(geometry, num_workers=count, late_worker_steps=LATENESS[byte >> 2 & 7],
