@@ -43,6 +43,8 @@ def test_the_byte_is_drawn_only_where_gated_and_zero_is_one_worker():
     assert decode_workers(multi, 2) == multi
     drawn = decode_workers(PLAIN, 2 | 3 << 2 | 1 << 5)  # 4 workers, the last 2 steps late, failing alone
     assert (drawn.num_workers, drawn.late_worker_steps, drawn.fail_worker) == (4, 2, 3)
+    small_tier = Geometry(16, 4, 24, 16, 256, False, cpu_bytes_to_use=4096)
+    assert decode_workers(small_tier, 1).cpu_bytes_to_use == 2 * 4096  # as many chunks as one worker's
     from hypothesis import find
 
     assert len(find(examples(4, workers=True), lambda raw: True)[0]) == len(GEOMETRY_RANGES) + 1
@@ -168,3 +170,18 @@ def test_the_draw_replays_from_its_file(explored):
     assert (replay.setup.num_workers, replay.setup.late_worker_steps) == (2, 2) == (
         geometry.num_workers, geometry.late_worker_steps)
     assert replay.results[0].outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), replay.results[0].detail
+
+
+def test_a_drawn_small_tier_still_holds_chunks_for_every_worker(api):
+    """Regression from bench_explore on 0.34.0 (seed 1): 2 workers with the generator's 4 KiB tier and
+    16-token blocks, 4 per chunk, left TieringOffloadingSpec no chunk (vLLM counts a copy per worker), and
+    its start-up raised `range() arg 3 must not be zero`; the draw scales the tier by the workers."""
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.explore.generate import TIERING
+    from kvdoctor.explore.runner import setup_of
+
+    if not api.has_offloading_spec(TIERING):
+        pytest.skip("this vLLM has no TieringOffloadingSpec")
+    geometry = decode_workers(Geometry(16, 4, 24, 16, 256, False, cpu_bytes_to_use=4096, spec_name=TIERING), 1)
+    harness = Harness(api, setup_of(to_recipe(Example(geometry, (("add", ("tokens", 8), 1, None),)))))
+    harness.shutdown()

@@ -277,7 +277,13 @@ def decode_workers(geometry: "Geometry", byte: int, worker: str = "simulated") -
     if count == 1 or worker != "simulated" or geometry.multi_connector:  # Setup refuses the multi_connector pair
         return geometry
     fail = FAIL_WORKERS[byte >> 5 & 3]
+    # vLLM's cpu_bytes_to_use holds every worker's copy of a chunk (CPUOffloadingSpec: num_copies =
+    # world_size): scaled, the drawn tier holds as many chunks as with one worker. Unscaled, a small tier
+    # held none, and TieringOffloadingSpec's start-up raised `ValueError: range() arg 3 must not be zero`
+    # (as it does with one worker and a tier under one chunk: measured on 0.34.0), a refusal, not a finding.
+    cpu = geometry.cpu_bytes_to_use * count if geometry.cpu_bytes_to_use else geometry.cpu_bytes_to_use
     return dataclasses.replace(geometry, num_workers=count, late_worker_steps=LATENESS[byte >> 2 & 7],
+                               cpu_bytes_to_use=cpu,
                                fail_worker=None if fail is None else count - 1 if fail == "last" else 0)
 
 
