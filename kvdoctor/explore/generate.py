@@ -60,6 +60,12 @@ EAGLE block drop; probed), one more byte draws speculative decoding through vLLM
 verification accepts (kvdoctor stands in for the drafter and the rejection sampler), and, for eagle, hashes
 without the lookahead.
 
+Where the offloading scheduler counts each job's reports to world_size (`TransferJobStatus.pending_count`)
+and vLLM has the executor's `KVOutputAggregator` (probed), one more byte, the last, draws several workers
+(`decode_workers`): 2 or 4 (`ParallelConfig.tensor_parallel_size`), the last one reporting up to 5 steps
+late, and a failed job failed by one worker alone (`fail_transfers worker = i`); the CPU tier is scaled by
+the workers (vLLM holds a copy per worker) and the settle tail waits for the late worker.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
