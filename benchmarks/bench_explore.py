@@ -110,6 +110,9 @@ FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fiel
     "spec eagle": lambda r: r.setup.get("speculative_method") == "eagle",
     "spec ngram": lambda r: r.setup.get("speculative_method") == "ngram",
     "spec rejections": lambda r: bool(r.setup.get("speculative_method")) and r.setup.get("draft_acceptance") is not None,
+    "num_workers>1": lambda r: r.setup.get("num_workers", 1) > 1,
+    "late worker": lambda r: bool(r.setup.get("late_worker_steps")),
+    "one worker fails": lambda r: any(s.action == "fail_transfers" and "worker" in s.args for s in r.steps),
     "spec no lookahead": lambda r: bool(r.setup.get("disable_lookahead_block_hashes")),
 }
 

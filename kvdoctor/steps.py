@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.errors import InternalError
+from kvdoctor.errors import InternalError, UsageError
 
 if TYPE_CHECKING:
     from kvdoctor.engine.harness import StepEvents
@@ -178,7 +178,13 @@ def _hold_transfers(target: StepTarget, step: ConcreteStep) -> None:
 
 @step_kind("fail_transfers", Need.TRANSFER_CONTROL, summary="report held transfers as failed")
 def _fail_transfers(target: StepTarget, step: ConcreteStep) -> None:
-    target.harness.worker.fail(step.args.get("request"), step.args.get("kind"))
+    worker = step.args.get("worker")
+    if worker is None:
+        target.harness.worker.fail(step.args.get("request"), step.args.get("kind"))
+        return
+    if getattr(target.harness.worker, "num_workers", 1) < 2:  # one worker: it is the one that fails
+        raise UsageError(f"fail_transfers worker = {worker} (line {step.step.line}) needs [setup] num_workers >= 2")
+    target.harness.worker.fail(step.args.get("request"), step.args.get("kind"), worker=worker)
 
 
 @step_kind("reset_prefix_cache", Need.ENGINE_UTILITY, summary="reset the prefix cache (and the connector's)")

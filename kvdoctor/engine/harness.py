@@ -129,6 +129,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             kv_transfer_config=kv_transfer_config,
             device_config=config_mod.DeviceConfig("cpu"),
             **speculative,
+            **({"parallel_config": api.parallel_config(setup.num_workers)} if setup.num_workers > 1 else {}),
         )
     except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
@@ -258,6 +259,10 @@ class Harness:
             from kvdoctor.engine.workers.vllm_worker import VllmWorker
 
             return VllmWorker(self.api, self.scheduler, self.setup.device or "cpu", self.model_runner)
+        if self.setup.num_workers > 1:
+            from kvdoctor.engine.workers.multi import SeveralWorkers
+
+            return SeveralWorkers(self.api, self.setup.num_workers, self.setup.late_worker_steps)
         from kvdoctor.engine.workers.simulated import SimulatedTransfers
 
         return SimulatedTransfers(self.api)

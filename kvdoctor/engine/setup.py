@@ -93,6 +93,12 @@ class Setup:
     # Who stands where vLLM's GPU worker runs: "simulated" (bookkeeping) or "vllm" (vLLM's
     # worker-role connector on real KV tensors). device/model_runner: None = resolved at run time.
     worker: str = "simulated"
+    # How many workers vLLM's executor would run (ParallelConfig.tensor_parallel_size, so world_size):
+    # the connector's scheduler waits for every worker's report of a job. The simulated worker stands
+    # in for all of them; their outputs are combined by vLLM's own KVOutputAggregator.
+    num_workers: int = 1
+    # The last worker reports everything (completions, failures) this many steps after the others.
+    late_worker_steps: int = 0
     # vLLM's MultiConnector with two OffloadingConnectors: the first is the one kvdoctor watches,
     # the second (its own CPU tier of `second_cpu_bytes_to_use`) stands for another asynchronous
     # connector: it loads what it holds, and the first is told num_external_tokens = 0.
@@ -174,6 +180,9 @@ class Setup:
 
     def vllm_worker_unsupported(self) -> str | None:
         """Why vLLM's worker cannot drive this kind of setup at all, whatever its sizes."""
+        if self.num_workers > 1:
+            return ("num_workers > 1: kvdoctor runs one vLLM worker-role connector (one rank's KV); several "
+                    "workers are stood in for by the simulated worker only")
         if self.multi_connector:
             return ("vLLM's worker does not drive MultiConnector here: kvdoctor's second sub-connector is a "
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
@@ -234,6 +243,19 @@ class Setup:
             if getattr(self, name) not in allowed:
                 choices = "|".join(a for a in allowed if a)
                 raise UsageError(f"{flag_name(name)} must be one of {choices}, got {getattr(self, name)!r}")
+        if not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1:
+            raise UsageError(f"num_workers must be a positive integer, got {self.num_workers!r}")
+        if (not isinstance(self.late_worker_steps, int) or isinstance(self.late_worker_steps, bool)
+                or self.late_worker_steps < 0):
+            raise UsageError(f"late_worker_steps must be a non-negative integer, got {self.late_worker_steps!r}")
+        if self.late_worker_steps and self.num_workers < 2:
+            raise UsageError("late_worker_steps needs num_workers >= 2 (one worker late behind the others)")
+        if self.num_workers > 1 and self.engine != "scheduler":
+            raise UsageError(f"num_workers > 1 runs at the scheduler level only: --engine {self.engine} would have "
+                             f"vLLM start an executor with {self.num_workers} workers, which this machine cannot run")
+        if self.num_workers > 1 and self.multi_connector:
+            raise UsageError("num_workers > 1 with multi_connector: kvdoctor's second sub-connector is a companion "
+                             "that reports once, not per worker (its jobs would never complete)")
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()

@@ -60,6 +60,12 @@ EAGLE block drop; probed), one more byte draws speculative decoding through vLLM
 verification accepts (kvdoctor stands in for the drafter and the rejection sampler), and, for eagle, hashes
 without the lookahead.
 
+Where the offloading scheduler counts each job's reports to world_size (`TransferJobStatus.pending_count`)
+and vLLM has the executor's `KVOutputAggregator` (probed), one more byte, the last, draws several workers
+(`decode_workers`): 2 or 4 (`ParallelConfig.tensor_parallel_size`), the last one reporting up to 5 steps
+late, and a failed job failed by one worker alone (`fail_transfers worker = i`); the CPU tier is scaled by
+the workers (vLLM holds a copy per worker) and the settle tail waits for the late worker.
+
 Every recipe ends with a fixed *settle tail* (`schedule`, `complete_transfers`,
 `schedule count = SETTLE_STEPS`): after it every transfer has been reported
 and every finished request's connector state must have been released, which
@@ -116,6 +122,10 @@ class Geometry:
     num_speculative_tokens: int = 2
     draft_acceptance: str | None = None  # the stand-in rejection sampler's accepted counts, cycled
     disable_lookahead_block_hashes: bool = False  # eagle on 0.34: the trailing-block drop instead
+    # The workers byte (`decode_workers`), drawn only where `WORKERS_DRAW` is a feature:
+    num_workers: int = 1  # ParallelConfig.tensor_parallel_size: the scheduler waits for every worker
+    late_worker_steps: int = 0  # the last worker reports this many steps after the others
+    fail_worker: int | None = None  # a fail event is this worker's alone (the others complete the jobs)
 
     @property
     def groups(self) -> int:
@@ -164,6 +174,8 @@ class Geometry:
                 **({"draft_acceptance": self.draft_acceptance} if self.draft_acceptance else {}),
                 **({"disable_lookahead_block_hashes": True} if self.disable_lookahead_block_hashes else {})}
                if self.speculative_method else {}),
+            **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
+            **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -252,6 +264,33 @@ def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated
                                draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7],
                                disable_lookahead_block_hashes=bool(byte >> 7) and method == "eagle"
                                and NO_LOOKAHEAD_HASHES in features)
+
+
+# Several workers (`decode_workers`): one more geometry byte, the last, drawn where the offloading scheduler
+# counts each job's reports to world_size and vLLM has the executor's aggregator (probed by
+# `search.available_features`); elsewhere no byte is drawn, so a release's seeds stay as they were.
+WORKERS_DRAW = "num_workers"
+WORKER_COUNTS = (1, 2, 4, 2)
+LATENESS = (0, 0, 1, 2, 3, 0, 1, 5)  # steps the last worker reports behind the others
+FAIL_WORKERS = (None, "last", "first", None)  # whose alone a fail event is (None: every worker's)
+
+
+def decode_workers(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
+    """The workers byte (bits: 0-1 the number of workers, 2-4 the last one's lateness, 5-6 which worker
+    alone fails a failed job); 0 is one worker. kvdoctor stands in for several workers with the
+    simulated worker only, so vLLM's worker draws none."""
+    count = WORKER_COUNTS[byte & 3]
+    if count == 1 or worker != "simulated" or geometry.multi_connector:  # Setup refuses the multi_connector pair
+        return geometry
+    fail = FAIL_WORKERS[byte >> 5 & 3]
+    # vLLM's cpu_bytes_to_use holds every worker's copy of a chunk (CPUOffloadingSpec: num_copies =
+    # world_size): scaled, the drawn tier holds as many chunks as with one worker. Unscaled, a small tier
+    # held none, and TieringOffloadingSpec's start-up raised `ValueError: range() arg 3 must not be zero`
+    # (as it does with one worker and a tier under one chunk: measured on 0.34.0), a refusal, not a finding.
+    cpu = geometry.cpu_bytes_to_use * count if geometry.cpu_bytes_to_use else geometry.cpu_bytes_to_use
+    return dataclasses.replace(geometry, num_workers=count, late_worker_steps=LATENESS[byte >> 2 & 7],
+                               cpu_bytes_to_use=cpu,
+                               fail_worker=None if fail is None else count - 1 if fail == "last" else 0)
 
 
 def kv_bytes_per_token(geometry: "Geometry") -> int:
@@ -403,13 +442,14 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 @lru_cache(maxsize=None)
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
-                 speculative: bool = False) -> st.SearchStrategy[Any]:
+                 speculative: bool = False, workers: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
-    `speculative`: one more geometry byte, last (`decode_speculative`)."""
+    `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more, last
+    (`decode_workers`)."""
     size = (len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
-            + (1 if speculative else 0))
+            + (1 if speculative else 0) + (1 if workers else 0))
     event_size = EVENT_BYTES + (1 if extended and second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -428,17 +468,18 @@ class Example:
         `features` holds the gate)."""
         geometry, events = raw
         extra = list(geometry[len(GEOMETRY_RANGES):])
+        workers = extra.pop() if WORKERS_DRAW in features and extra else 0
         speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative)
+                               features, extension, second, speculative, workers)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0) -> "Example":
+                    speculative: int = 0, workers: int = 0) -> "Example":
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -450,6 +491,8 @@ class Example:
             decoded_geometry = decode_second_extension(decoded_geometry, second, features)
         if speculative:
             decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
+        if workers:
+            decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
@@ -457,10 +500,10 @@ class Example:
 
 
 def examples(max_events: int, extended: bool = False, second: bool = False,
-             speculative: bool = False) -> st.SearchStrategy[Any]:
+             speculative: bool = False, workers: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second, speculative)
+    return raw_examples(max_events, extended, second, speculative, workers)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:
@@ -555,6 +598,8 @@ def event_steps(example: Example) -> list[Step]:
                 args["request"] = pick(target)
             if kind is not None:
                 args["kind"] = kind
+            if action == "fail" and g.fail_worker is not None:
+                args["worker"] = g.fail_worker
             steps.append(Step(f"{action}_transfers", args, 0))
         elif action == "reset":
             _, running, connector = event
@@ -573,8 +618,9 @@ def event_steps(example: Example) -> list[Step]:
     return steps
 
 
-def settle_tail(steps: list[Step]) -> list[Step]:
-    """`schedule`, release every transfer, then SETTLE_STEPS more steps."""
+def settle_tail(steps: list[Step], late_steps: int = 0) -> list[Step]:
+    """`schedule`, release every transfer, then SETTLE_STEPS more steps (and `late_steps` more: a late
+    worker's reports arrive that much later, and vLLM completes a job only with the last one)."""
     steps = list(steps)
     if steps and steps[-1].action == "schedule":
         last = steps.pop()
@@ -583,10 +629,10 @@ def settle_tail(steps: list[Step]) -> list[Step]:
         count = 1
     steps.append(Step("schedule", {"count": count} if count > 1 else {}, 0))
     steps.append(Step("complete_transfers", {}, 0))
-    steps.append(Step("schedule", {"count": SETTLE_STEPS}, 0))
+    steps.append(Step("schedule", {"count": SETTLE_STEPS + late_steps}, 0))
     return steps
 
 
 def to_recipe(example: Example, name: str = "explore", summary: str = "generated by kvdoctor explore") -> Recipe:
     return Recipe(name=name, summary=summary, signature=PLACEHOLDER_SIGNATURE,
-                  steps=tuple(settle_tail(event_steps(example))), setup=example.geometry.setup_dict())
+                  steps=tuple(settle_tail(event_steps(example), example.geometry.late_worker_steps)), setup=example.geometry.setup_dict())

@@ -101,6 +101,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
         what = ("late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
                 if setup.multi_connector else "speculative decoding (kvdoctor's stand-in drafter)")
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
+    if setup.num_workers > 1:  # the script's one bookkeeping worker would report each job once
+        raise UsageError(f"--export-script cannot reproduce num_workers = {setup.num_workers} yet (several "
+                         f"workers' reports combined): attach `kvdoctor repro --report` instead")
     from kvdoctor.engine.compat import inline_portable
 
     template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in

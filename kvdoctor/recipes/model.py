@@ -44,7 +44,8 @@ STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "finish": {"request": ((str,), True)},
     "complete_transfers": {"request": ((str,), False), "kind": ((str,), False)},
     "hold_transfers": {"request": ((str,), False), "kind": ((str,), False)},
-    "fail_transfers": {"request": ((str,), False), "kind": ((str,), False)},
+    # worker = i (num_workers > 1): only worker i fails the jobs, the others complete them
+    "fail_transfers": {"request": ((str,), False), "kind": ((str,), False), "worker": ((int,), False)},
     "reset_prefix_cache": {"reset_running_requests": ((bool,), False), "reset_connector": ((bool,), False)},
     "expect": {},  # filled from EXPECT_FIELDS
     # block hashes (and so offload keys) that arrive later than blocks, as in P/D and hybrid deployments

@@ -218,6 +218,35 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
             kwargs["invalid_block_ids"] = set(invalid_block_ids)
         return cls(**kwargs)
 
+    def parallel_config(self, num_workers: int) -> Any:
+        """vLLM's `ParallelConfig` for `num_workers` ranks, set as `--tensor-parallel-size` sets it (its
+        world_size is what the offloading scheduler counts reports against); no worker is started."""
+        return self.mods["config"].ParallelConfig(tensor_parallel_size=num_workers)
+
+    @cached_property
+    def counts_worker_reports(self) -> bool:
+        """Whether the offloading scheduler completes a job only once every worker reported it (its
+        `TransferJobStatus.pending_count`, started at world_size) and the executor's aggregator exists:
+        a feature probe, where several workers can disagree."""
+        status = getattr(self.mods["offload_scheduler"], "TransferJobStatus", None)
+        return (status is not None and "pending_count" in getattr(status, "__dataclass_fields__", {})
+                and self.kv_output_aggregator(1) is not None)
+
+    def kv_output_aggregator(self, num_workers: int) -> Any:
+        """vLLM's `KVOutputAggregator` (what the executor combines its workers' outputs with), or None
+        where this release has none."""
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        except ImportError:
+            return None
+        return KVOutputAggregator(num_workers)
+
+    def aggregate_kv_outputs(self, aggregator: Any, kv_outputs: list[Any]) -> Any:
+        """The combined `KVConnectorOutput` the scheduler would get: each worker's output wrapped in a
+        `ModelRunnerOutput` and passed through vLLM's aggregator, rank 0's taken."""
+        outputs = [self.model_runner_output([], [], kv_output) for kv_output in kv_outputs]
+        return aggregator.aggregate(outputs, 0).kv_connector_output
+
     def model_runner_output(self, req_ids: list[str], sampled: list[list[int]], kv_output: Any) -> Any:
         """`ModelRunnerOutput`; 0.34 dropped `req_id_to_index`."""
         cls = self.cls("outputs", "ModelRunnerOutput")
