@@ -1,4 +1,5 @@
-"""Shared fixtures: vLLM is imported once per test session (it costs seconds)."""
+"""Shared fixtures: vLLM is imported once per test session (it costs seconds); and how the suite runs
+in parallel (pytest-xdist, configured in pyproject's addopts: `--numprocesses=auto --dist=loadgroup`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,64 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
+
+# -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
+# Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that
+# imports vLLM again, and the serve tests a `vllm serve` child with its EngineCore. Measured peak of one worker
+# with its children: see WORKER_BYTES. `-n auto` asks for one worker a CPU, capped by that much free memory.
+WORKER_BYTES = 4 << 30
+# Modules that share session work: the one in-process audit (tests/recipe_runs.cli_audit) runs once on the
+# worker that has them all.
+SHARED_GROUPS = {"test_readme": "cli-audit", "test_release_outcomes": "cli-audit"}
+# The slowest modules first (longest first: the other worker takes the short ones meanwhile, and the last
+# module to start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
+SLOW_FIRST = ("test_explore_findings_honest", "test_audit_and_reports", "test_engine_serve", "test_first_hour",
+              "test_kv_layout", "test_matrix_cli", "test_exit_corners", "test_engine_core",
+              "test_refusals_at_once")
+
+
+def pytest_addoption(parser, pluginmanager):
+    """pyproject's addopts name xdist's options; with xdist off (`-p no:xdist`) they are accepted and ignored,
+    so one test still runs in this process as before."""
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist (not loaded: -p no:xdist)")
+        group.addoption("--numprocesses", dest="numprocesses", default=None, help="ignored without xdist")
+        group.addoption("--dist", dest="dist", default="no", help="ignored without xdist")
+        group.addoption("--no-loadscope-reorder", dest="loadscopereorder", action="store_false",
+                        help="ignored without xdist")
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown under -p no:xdist
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker a CPU this process may use, at most one a WORKER_BYTES of available memory, at
+    least one; PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
+    from kvdoctor.engine.setup import available_memory_bytes
+
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = available_memory_bytes()
+    by_memory = cpus if memory is None else memory // WORKER_BYTES
+    return max(1, min(cpus, by_memory))
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker under `--dist loadgroup`: a module's tests go to one worker (its module-scoped
+    harnesses are built once), SHARED_GROUPS' modules together, the SLOW_FIRST modules at the head of the
+    queue. Every worker collects the same order (xdist checks)."""
+    if not hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+        return
+
+    def module(item):
+        return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = module(item)
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
 
 
 @pytest.fixture(scope="session")
