@@ -20,7 +20,8 @@ KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 WORKER_BYTES = 4 << 30
 # Modules that share session work: the one in-process audit (tests/recipe_runs.cli_audit) runs once on the
 # worker that has them all.
-SHARED_GROUPS = {"test_readme": "cli-audit", "test_release_outcomes": "cli-audit"}
+SHARED_GROUPS = {"test_audit_and_reports": "cli-audit", "test_readme": "cli-audit",
+                 "test_release_outcomes": "cli-audit"}
 # The slowest modules first (longest first: the other worker takes the short ones meanwhile, and the last
 # module to start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
 SLOW_FIRST = ("test_explore_findings_honest", "test_audit_and_reports", "test_engine_serve", "test_first_hour",
