@@ -15,9 +15,10 @@ KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 
 # -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
 # Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that
-# imports vLLM again, and the serve tests a `vllm serve` child with its EngineCore. Measured peak of one worker
-# with its children: see WORKER_BYTES. `-n auto` asks for one worker a CPU, capped by that much free memory.
-WORKER_BYTES = 4 << 30
+# imports vLLM again, and the serve tests a `vllm serve` child with its EngineCore. Measured on 0.26.0: two
+# workers with their children peaked at 3.5 GB (proportional set size of the whole tree, sampled every 3 s).
+# `-n auto` asks for one worker a CPU, at most one a WORKER_BYTES of available memory.
+WORKER_BYTES = 5 << 29  # 2.5 GiB
 # Modules that share session work: the one in-process audit (tests/recipe_runs.cli_audit) runs once on the
 # worker that has them all.
 SHARED_GROUPS = {"test_audit_and_reports": "cli-audit", "test_readme": "cli-audit",
