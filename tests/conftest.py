@@ -16,18 +16,18 @@ KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 # -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
 # Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that
 # imports vLLM again, and the serve tests a `vllm serve` child with its EngineCore. Measured on 0.26.0: two
-# workers with their children peaked at 3.5 GB (proportional set size of the whole tree, sampled every 3 s).
+# workers with their children peaked at 3.5-3.8 GB (proportional set size of the whole tree, sampled every 3 s).
 # `-n auto` asks for one worker a CPU, at most one a WORKER_BYTES of available memory.
 WORKER_BYTES = 5 << 29  # 2.5 GiB
-# Modules that share session work: the one in-process audit (tests/recipe_runs.cli_audit) runs once on the
-# worker that has them all.
+# Modules that share session work: the one audit (tests/recipe_runs.cli_audit_run) runs once, on the worker
+# that has them all.
 SHARED_GROUPS = {"test_audit_and_reports": "cli-audit", "test_readme": "cli-audit",
                  "test_release_outcomes": "cli-audit"}
-# The slowest modules first (longest first: the other worker takes the short ones meanwhile, and the last
-# module to start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
-SLOW_FIRST = ("test_explore_findings_honest", "test_audit_and_reports", "test_engine_serve", "test_first_hour",
-              "test_kv_layout", "test_matrix_cli", "test_exit_corners", "test_engine_core",
-              "test_refusals_at_once")
+# The slowest modules first, longest first (the other worker takes the short ones meanwhile, and the last to
+# start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
+SLOW_FIRST = ("test_audit_and_reports", "test_matrix_cli", "test_first_hour", "test_explore",
+              "test_refusals_at_once", "test_exit_corners", "test_explore_findings_honest", "test_engine_serve",
+              "test_engine_core", "test_newcomer", "test_memory_bound", "test_vllm_worker", "test_compat")
 
 
 def pytest_addoption(parser, pluginmanager):
@@ -44,12 +44,16 @@ def pytest_addoption(parser, pluginmanager):
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown under -p no:xdist
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker a CPU this process may use, at most one a WORKER_BYTES of available memory, at
-    least one; PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
+    least one; none (this process) when the command line names one test module, whose tests would share one
+    worker anyway. PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
     from kvdoctor.engine.setup import available_memory_bytes
 
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if chosen:
         return int(chosen)
+    modules = {arg.split("::", 1)[0] for arg in config.args}
+    if len(modules) == 1 and next(iter(modules)).endswith(".py"):
+        return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     memory = available_memory_bytes()
     by_memory = cpus if memory is None else memory // WORKER_BYTES
