@@ -60,49 +60,26 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cpus, by_memory))
 
 
-def pytest_collection_modifyitems(config, items):
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def pytest_itemcollected(item):
     """On an xdist worker under `--dist loadgroup`: a module's tests go to one worker (its module-scoped
-    harnesses are built once), SHARED_GROUPS' modules together, the SLOW_FIRST modules at the head of the
-    queue. Every worker collects the same order (xdist checks)."""
-    if not hasattr(config, "workerinput") or config.getoption("dist", "no") != "loadgroup":
+    harnesses are built once), SHARED_GROUPS' modules together. Marked as each item is collected, before
+    xdist's own pytest_collection_modifyitems turns the marks into scheduling groups."""
+    config = item.config
+    if not hasattr(config, "workerinput") or not config.getoption("loadgroup", False):
+        return  # (xdist sets a worker's `dist` to "no" and keeps the mode as `loadgroup`)
+    if item.get_closest_marker("xdist_group") is None:
+        name = _module(item)
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker under `--dist loadgroup`: the SLOW_FIRST modules at the head of the queue. Every
+    worker collects the same order (xdist checks)."""
+    if not hasattr(config, "workerinput") or not config.getoption("loadgroup", False):
         return
-
-    def module(item):
-        return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the rest keep their order
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            name = module(item)
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
-
-
-@pytest.fixture(scope="session")
-def api():
-    from kvdoctor.engine import compat
-
-    return compat.load()
-
-
-@pytest.fixture(scope="session")
-def release(api) -> tuple[int, int]:
-    """(major, minor) of the vLLM under test: tests state what each release must show."""
-    return api.version[:2]
-
-
-def expected_for(api, release, table: dict):
-    """The outcomes a test module measured for this release; skip releases it did not measure."""
-    outcomes = table.get(tuple(release))
-    if outcomes is None:
-        measured = ", ".join(".".join(map(str, r)) for r in sorted(table))
-        pytest.skip(f"this test's outcomes were measured on vLLM {measured}, not {api.version_text}")
-    return outcomes
-
-
-def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`kvdoctor ARGS` as a fresh process (a full vLLM import each): for what the process itself does
-    (pipes, exit statuses, /dev/full, signals, start-up imports, teardown). Everything else:
-    `tests/cli_runner.invoke`, the same call in-process."""
-    return subprocess.run([*KVDOCTOR, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
