@@ -1,5 +1,5 @@
 """Shared fixtures: vLLM is imported once per test session (it costs seconds); and how the suite runs
-in parallel (pytest-xdist, configured in pyproject's addopts: `--numprocesses=auto --dist=loadgroup`)."""
+in parallel (pytest-xdist, configured in pyproject's addopts: `--numprocesses=auto --dist=loadfile`)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 # workers with their children peaked at 3.5-3.8 GB (proportional set size of the whole tree, sampled every 3 s).
 # `-n auto` asks for one worker a CPU, at most one a WORKER_BYTES of available memory.
 WORKER_BYTES = 5 << 29  # 2.5 GiB
-# Modules that share session work: the one audit (tests/recipe_runs.cli_audit_run) runs once, on the worker
-# that has them all.
-SHARED_GROUPS = {"test_audit_and_reports": "cli-audit", "test_readme": "cli-audit",
-                 "test_release_outcomes": "cli-audit"}
+# The session's one audit (tests/recipe_runs.cli_audit_run) is shared by test_audit_and_reports, test_readme
+# and test_release_outcomes: once per worker that runs one of them (at most twice; see below on loadgroup).
 # The slowest modules first, longest first (the other worker takes the short ones meanwhile, and the last to
 # start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
 SLOW_FIRST = ("test_audit_and_reports", "test_matrix_cli", "test_first_hour", "test_explore",
@@ -64,22 +62,13 @@ def _module(item) -> str:
     return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
 
 
-def pytest_itemcollected(item):
-    """On an xdist worker under `--dist loadgroup`: a module's tests go to one worker (its module-scoped
-    harnesses are built once), SHARED_GROUPS' modules together. Marked as each item is collected, before
-    xdist's own pytest_collection_modifyitems turns the marks into scheduling groups."""
-    config = item.config
-    if not hasattr(config, "workerinput") or not config.getoption("loadgroup", False):
-        return  # (xdist sets a worker's `dist` to "no" and keeps the mode as `loadgroup`)
-    if item.get_closest_marker("xdist_group") is None:
-        name = _module(item)
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
-
-
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker under `--dist loadgroup`: the SLOW_FIRST modules at the head of the queue. Every
-    worker collects the same order (xdist checks)."""
-    if not hasattr(config, "workerinput") or not config.getoption("loadgroup", False):
+    """On an xdist worker (`--dist loadfile`: a module's tests, and its module-scoped harnesses, stay on one
+    worker): the SLOW_FIRST modules at the head of the queue. Every worker collects the same order (xdist
+    checks). `--dist loadgroup` could keep the audit's three modules together, but xdist 3.8 marks a group by
+    rewriting `item._nodeid`, which pytest 9 no longer reads (its nodeid comes from `_id`): under pytest 9.2
+    loadgroup silently distributes test by test."""
+    if not hasattr(config, "workerinput"):
         return
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order

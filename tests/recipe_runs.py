@@ -42,8 +42,8 @@ class AuditRun:
 def cli_audit_run() -> AuditRun:
     """`kvdoctor audit --json --report ~/audit.md` without setup flags, in this process (tests/cli_runner.invoke)
     once per test session: a whole audit is the suite's costliest run, and the modules that need one share
-    it (the CLI's own path: test_audit_and_reports; the README's examples; the release-outcomes check; one
-    xdist group in tests/conftest.py). The AuditReport is taken as kvdoctor.app.audit returns it to the
+    it (the CLI's own path: test_audit_and_reports; the README's examples; the release-outcomes check; under
+    xdist, once per worker that runs one of them). The AuditReport is taken as kvdoctor.app.audit returns it to the
     command (the real function runs; a pass-through records its result and arguments)."""
     import atexit
     import shutil
