@@ -1,4 +1,5 @@
-"""Shared fixtures: vLLM is imported once per test session (it costs seconds)."""
+"""Shared fixtures: vLLM is imported once per test session (it costs seconds); and how the suite runs
+in parallel (pytest-xdist, configured in pyproject's addopts: `--numprocesses=auto --dist=loadfile`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,66 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
+
+# -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
+# Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that
+# imports vLLM again, and the serve tests a `vllm serve` child with its EngineCore. Measured on 0.26.0: two
+# workers with their children peaked at 3.5-3.8 GB (proportional set size of the whole tree, sampled every 3 s).
+# `-n auto` asks for one worker a CPU, at most one a WORKER_BYTES of available memory.
+WORKER_BYTES = 5 << 29  # 2.5 GiB
+# The session's one audit (tests/recipe_runs.cli_audit_run) is shared by test_audit_and_reports, test_readme
+# and test_release_outcomes: once per worker that runs one of them (at most twice; see below on loadgroup).
+# The slowest modules first, longest first (the other worker takes the short ones meanwhile, and the last to
+# start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
+SLOW_FIRST = ("test_audit_and_reports", "test_matrix_cli", "test_first_hour", "test_explore",
+              "test_refusals_at_once", "test_exit_corners", "test_explore_findings_honest", "test_engine_serve",
+              "test_engine_core", "test_newcomer", "test_memory_bound", "test_vllm_worker", "test_compat")
+
+
+def pytest_addoption(parser, pluginmanager):
+    """pyproject's addopts name xdist's options; with xdist off (`-p no:xdist`) they are accepted and ignored,
+    so one test still runs in this process as before."""
+    if not pluginmanager.has_plugin("xdist"):
+        group = parser.getgroup("xdist (not loaded: -p no:xdist)")
+        group.addoption("--numprocesses", dest="numprocesses", default=None, help="ignored without xdist")
+        group.addoption("--dist", dest="dist", default="no", help="ignored without xdist")
+        group.addoption("--no-loadscope-reorder", dest="loadscopereorder", action="store_false",
+                        help="ignored without xdist")
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown under -p no:xdist
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker a CPU this process may use, at most one a WORKER_BYTES of available memory, at
+    least one; none (this process) when the command line names one test module, whose tests would share one
+    worker anyway. PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
+    from kvdoctor.engine.setup import available_memory_bytes
+
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    modules = {arg.split("::", 1)[0] for arg in config.args}
+    if len(modules) == 1 and next(iter(modules)).endswith(".py"):
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    memory = available_memory_bytes()
+    by_memory = cpus if memory is None else memory // WORKER_BYTES
+    return max(1, min(cpus, by_memory))
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker (`--dist loadfile`: a module's tests, and its module-scoped harnesses, stay on one
+    worker): the SLOW_FIRST modules at the head of the queue. Every worker collects the same order (xdist
+    checks). `--dist loadgroup` could keep the audit's three modules together, but xdist 3.8 marks a group by
+    rewriting `item._nodeid`, which pytest 9 no longer reads (its nodeid comes from `_id`): under pytest 9.2
+    loadgroup silently distributes test by test."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

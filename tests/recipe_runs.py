@@ -7,7 +7,10 @@ Shared by the per-recipe test modules so each asserts on the same reading of a r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -23,16 +26,63 @@ def _rows() -> dict[tuple[str, str], object]:
     return {(row.release, row.recipe): row for row in data.load()}
 
 
+SECRET = "kvdoctor-test-secret-0f9a"  # in the audit's environment: a report must never show it
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRun:
+    proc: object  # the command's CompletedProcess (tests/cli_runner.invoke)
+    doc: dict  # its --json document
+    markdown: str  # its --report file
+    home: Path  # $HOME during the run (an empty temporary folder): a report must never show its path
+    report: object  # the AuditReport kvdoctor.app.audit returned to the command
+
+
 @functools.cache
-def cli_audit():
-    """`kvdoctor audit` without flags, run in this process once per test session (a whole audit is the
-    suite's costliest run): the modules that need one (the README's examples, the release-outcomes
-    check) share it. The CLI's own path (subprocess, --json, --report) is tested elsewhere."""
+def cli_audit_run() -> AuditRun:
+    """`kvdoctor audit --json --report ~/audit.md` without setup flags, in this process (tests/cli_runner.invoke)
+    once per test session: a whole audit is the suite's costliest run, and the modules that need one share
+    it (the CLI's own path: test_audit_and_reports; the README's examples; the release-outcomes check; under
+    xdist, once per worker that runs one of them). The AuditReport is taken as kvdoctor.app.audit returns it to the
+    command (the real function runs; a pass-through records its result and arguments)."""
+    import atexit
+    import shutil
+    import tempfile
+
     from kvdoctor import app
     from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
 
-    return app.audit(command="kvdoctor audit", overrides=worker_overrides(None, None, None),
-                     default_worker=DEFAULT_WORKER)
+    from .cli_runner import invoke
+
+    home = Path(tempfile.mkdtemp(prefix="kvdoctor-operator-home-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    report_file = home / "audit.md"
+    real, calls = app.audit, []
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        result = real(*args, **kwargs)
+        calls[-1] = (args, kwargs, result)
+        return result
+
+    app.audit = recorded
+    try:
+        proc = invoke("audit", "--json", "--report", str(report_file),
+                      env={"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET})
+    finally:
+        app.audit = real
+    ((args, kwargs, report),) = calls
+    # the run every user of it expects: `kvdoctor audit` at the CLI's defaults (no flag given: None)
+    given = {key: value for key, value in kwargs["overrides"].items() if value is not None}
+    assert not args and given == {key: value for key, value in worker_overrides(None, None, None).items()
+                                  if value is not None}, kwargs
+    assert kwargs["default_worker"] == DEFAULT_WORKER, kwargs
+    return AuditRun(proc, json.loads(proc.stdout), report_file.read_text(), home, report)
+
+
+def cli_audit():
+    """The AuditReport of `kvdoctor audit` without setup flags: the session's one audit (cli_audit_run)."""
+    return cli_audit_run().report
 
 
 def measured_row(api, recipe: str):

@@ -14,8 +14,7 @@ import pytest
 
 from .cli_runner import invoke
 from .conftest import ROOT
-
-SECRET = "kvdoctor-test-secret-0f9a"
+from .recipe_runs import SECRET
 K1_RECIPES = ("queued-abort", "preemption", "prefetch")
 
 
@@ -33,17 +32,24 @@ def k1_outcome(api):
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """A home directory whose path must never show up in a report."""
-    return tmp_path_factory.mktemp("operator-home")
+def shared_audit(api):
+    """`kvdoctor audit --json --report ~/audit.md` with $HOME an empty folder and a secret in the environment:
+    the session's one audit (tests/recipe_runs.cli_audit_run), which the README's examples and the
+    release-outcomes check read too."""
+    from .recipe_runs import cli_audit_run
+
+    return cli_audit_run()
 
 
 @pytest.fixture(scope="module")
-def audit_run(api, home):
-    report = home / "audit.md"
-    env = {"HOME": str(home), "KVDOCTOR_SECRET_TOKEN": SECRET}
-    proc = invoke("audit", "--json", "--report", str(report), env=env)
-    return proc, json.loads(proc.stdout), report.read_text()
+def home(shared_audit):
+    """The audit's home directory, whose path must never show up in a report."""
+    return shared_audit.home
+
+
+@pytest.fixture(scope="module")
+def audit_run(shared_audit):
+    return shared_audit.proc, shared_audit.doc, shared_audit.markdown
 
 
 def test_audit_rows_and_exit_code(audit_run, release, k1_outcome):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 
 import pytest
 
@@ -35,14 +34,10 @@ def real_51013(api):
 @pytest.fixture(scope="module")
 def synthetic_cli(api):
     """The synthetic log (production geometry) on stdin, through the command line (in this process:
-    typer's runner, stdout and stderr apart): JSON and exit code."""
-    from typer.testing import CliRunner
+    tests/cli_runner.invoke, stdout and stderr apart): JSON and exit code."""
+    from .cli_runner import invoke
 
-    from kvdoctor.cli.app import app as cli
-
-    result = CliRunner().invoke(cli, ["diagnose", "-", "--json"], input=SYNTHETIC)
-    return subprocess.CompletedProcess(["kvdoctor", "diagnose", "-", "--json"], result.exit_code,
-                                       result.stdout, result.stderr)
+    return invoke("diagnose", "-", "--json", stdin=SYNTHETIC)
 
 
 def test_real_log_runs_one_recipe_per_matching_bug(real_51013, api):

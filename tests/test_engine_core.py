@@ -14,14 +14,17 @@ import pytest
 
 from kvdoctor.matrix import data
 from kvdoctor.matrix.runner import failure_site
+from tests.cli_runner import invoke
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def core_doc() -> dict:
-    proc = run_cli("repro", "queued-abort", "--engine", "core", "--logic", "installed", "--json", timeout=900)
+def core_doc(api) -> dict:
+    """In this process (tests/cli_runner.invoke): the engine level is under test, not the CLI's process
+    (test_engine_levels plays whole audits at --engine core in-process too)."""
+    proc = invoke("repro", "queued-abort", "--engine", "core", "--logic", "installed", "--json")
     if proc.returncode == 3:
         pytest.skip(f"no usable vLLM here: {proc.stderr.strip()}")
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
@@ -46,10 +49,10 @@ def test_queued_abort_core_matches_the_measured_release_outcome(core_doc: dict) 
 
 
 @pytest.mark.vllm
-def test_async_scheduling_goes_through_the_batch_queue() -> None:
+def test_async_scheduling_goes_through_the_batch_queue(api) -> None:
     """Under async scheduling the engine's `step_with_batch_queue` calls the scheduler (one batch in flight)."""
-    proc = run_cli("repro", "queued-abort", "--engine", "core", "--async-scheduling", "--logic", "installed",
-                   "--json", timeout=900)
+    proc = invoke("repro", "queued-abort", "--engine", "core", "--async-scheduling", "--logic", "installed",
+                  "--json")
     if proc.returncode == 3:
         pytest.skip(f"no usable vLLM here: {proc.stderr.strip()}")
     doc = json.loads(proc.stdout)

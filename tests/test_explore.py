@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from hypothesis import HealthCheck, given, settings
-from typer.testing import CliRunner
 
 from kvdoctor import app as application
 from kvdoctor.explore.findings import cut_at_failure
@@ -27,6 +25,7 @@ from kvdoctor.recipes.loader import load_recipe_text
 from kvdoctor.recipes.model import Step
 from kvdoctor.recipes.writer import recipe_to_toml
 
+from .cli_runner import invoke
 from .recipe_runs import bug_present
 
 K1 = "AssertionError in _build_store_jobs"
@@ -138,16 +137,10 @@ def test_same_seed_same_findings(api, tmp_path):
 
 
 def test_cli_json(api, tmp_path):
-    from kvdoctor.cli.explore_cmd import explore
-
     k1 = has_k1(api)
 
-    cli = typer.Typer()
-    cli.command()(explore)
-    cli.command("noop")(lambda: None)  # two commands: Typer keeps `explore` as a subcommand
     # seed 1, 100: K1 comes after 40 examples there (measured on 0.26.0 with the bytes draws)
-    result = CliRunner().invoke(cli, ["explore", "--seed", "1", "--max-examples", "100", "--json",
-                                      "--out", str(tmp_path)])
+    result = invoke("explore", "--seed", "1", "--max-examples", "100", "--json", "--out", str(tmp_path))
     document = json.loads(result.stdout)
     assert document["schema_version"] == SCHEMA_VERSION
     assert document["logic"] == "installed" and document["seed"] == 1
@@ -156,20 +149,15 @@ def test_cli_json(api, tmp_path):
         assert set(finding) >= {"signature", "file", "steps", "seed"}
         assert Path(finding["file"]).is_file()
     signatures = [f["signature"] for f in document["findings"]]
-    assert result.exit_code == (1 if signatures else 0)
+    assert result.returncode == (1 if signatures else 0)
     assert (K1 in signatures) == k1
 
 
 def test_cli_usage_errors(tmp_path):
-    from kvdoctor.cli.explore_cmd import explore
-
-    cli = typer.Typer()
-    cli.command()(explore)
-    cli.command("noop")(lambda: None)
     for args in (["--logic", "all"], ["--max-examples", "0"], ["--time-budget", "0"], ["--workers", "0"]):
-        result = CliRunner().invoke(cli, ["explore", *args, "--out", str(tmp_path)])
-        assert result.exit_code == 2, (args, result.output)
-        assert "kvdoctor: error:" in result.output
+        result = invoke("explore", *args, "--out", str(tmp_path))
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert "kvdoctor: error:" in result.stderr
 
 
 def test_explore_command_imports_nothing_heavy():

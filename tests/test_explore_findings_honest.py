@@ -103,6 +103,8 @@ def test_a_run_killed_after_its_first_finding_keeps_its_recipe(api, tmp_path):
 
 
 def test_the_time_budget_bounds_the_whole_run(api, tmp_path):
+    # 40 s: vLLM's import is inside the budget and cannot be cut short; beside other test runs on the 2-core
+    # machine it took 35-45 s, and a 20 s or 30 s budget then failed this bound (50-51 s) for the import alone
     budget = 40.0
     started = time.monotonic()
     process = _explore(tmp_path / "findings", budget)

@@ -10,6 +10,7 @@ import pytest
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
+from tests.cli_runner import invoke
 from tests.conftest import run_cli
 
 
@@ -96,16 +97,17 @@ def test_planner_groups_as_a_gpu_deployment(api, setup: Setup, kinds: list[str])
 
 
 @pytest.mark.vllm
-def test_repro_with_a_sliding_window_model_shows_two_groups() -> None:
-    """The issue's check: `repro --model <shipped sliding-window config>` shows both groups (JSON, tables)."""
+def test_repro_with_a_sliding_window_model_shows_two_groups(api) -> None:
+    """The issue's check: `repro --model <shipped sliding-window config>` shows both groups (JSON, tables).
+    In-process (the command's output is under test, not its process)."""
     model = str(kv_layout.shipped_layout_dir("swa-full"))
-    done = run_cli("repro", "queued-abort", "--model", model, "--json")
+    done = invoke("repro", "queued-abort", "--model", model, "--json")
     assert done.returncode in (0, 1, 6), done.stderr  # 6: on 0.34 this layout's run does not reach K1's site
     doc = json.loads(done.stdout)
     groups = doc["setup"]["kv_cache"]["groups"]
     assert [(g["kind"], g["sliding_window"]) for g in groups] == [("sliding_window", 128), ("full_attention", None)]
     assert all(len(r["requests"][0]["groups"]) == 2 for r in doc["results"] if r["requests"])
-    done = run_cli("repro", "queued-abort", "--model", model)
+    done = invoke("repro", "queued-abort", "--model", model)
     assert "group 0: sliding_window block_size=4 window=128" in done.stdout
     assert "group 1: full_attention block_size=4" in done.stdout
 

@@ -100,14 +100,13 @@ def test_fixed_logic_names_the_cap(reports, expected):
 
 
 def test_cli_json_document_and_exit_code(expected, release):
-    """`kvdoctor repro queued-abort --json`, in this process (typer's runner, stdout and stderr apart)."""
-    from typer.testing import CliRunner
+    """`kvdoctor repro queued-abort --json`, in this process (tests/cli_runner.invoke, stdout and stderr apart;
+    an exception escaping the command would raise out of invoke)."""
+    from .cli_runner import invoke
 
-    from kvdoctor.cli.app import app as cli
-
-    proc = CliRunner().invoke(cli, ["repro", "queued-abort", "--json"])
-    assert proc.exit_code == (1 if expected["installed"] is R else 0), proc.stderr
-    assert "Traceback" not in proc.stderr and (proc.exception is None or isinstance(proc.exception, SystemExit))
+    proc = invoke("repro", "queued-abort", "--json")
+    assert proc.returncode == (1 if expected["installed"] is R else 0), proc.stderr
+    assert "Traceback" not in proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["schema_version"] == SCHEMA_VERSION and doc["recipe"]["name"] == "queued-abort"
     assert doc["vllm_version"].startswith(f"{release[0]}.{release[1]}.")
@@ -125,10 +124,7 @@ def test_cli_json_document_and_exit_code(expected, release):
 
 def test_a_precondition_that_does_not_hold_is_a_setup_error(api, tmp_path):
     """If B is not queued there is no verdict, only the observed state (exit 4)."""
-    from typer.testing import CliRunner
-
-    from kvdoctor.cli.app import app as cli
-
+    from .cli_runner import invoke
     from .conftest import ROOT
 
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
@@ -140,5 +136,5 @@ def test_a_precondition_that_does_not_hold_is_a_setup_error(api, tmp_path):
     assert result.outcome is Outcome.SETUP_ERROR
     assert "B must be queued" in result.detail and "observed B: status=RUNNING" in result.detail
     assert result.timeline[-1].action == "expect" and result.timeline[-1].failed
-    outcome = CliRunner().invoke(cli, ["repro", str(recipe), "--logic", "installed"])
-    assert outcome.exit_code == 4, outcome.output
+    outcome = invoke("repro", str(recipe), "--logic", "installed")
+    assert outcome.returncode == 4, outcome.stdout + outcome.stderr
