@@ -209,6 +209,10 @@ class Harness:
     def __init__(self, api: VllmApi, setup: Setup, build_cache: BuildCache | None = None) -> None:
         self.api = api
         self.setup = setup
+        if setup.secondary_tier:  # a previous run's chunk files would be hits in this one
+            from kvdoctor.engine.secondary_tier import empty_tier_directory
+
+            empty_tier_directory()
         self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
         self._attach_worker_side()
         self._block_hasher = self._make_block_hasher()

@@ -426,6 +426,27 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         registry = _require(cls, "_registry", "OffloadingSpecFactory")
         return name in registry
 
+    def has_secondary_tier(self, tier_type: str) -> bool:
+        """Whether the tiering spec's `secondary_tiers: [{"type": tier_type}]` resolves in this vLLM (0.34's
+        SecondaryTierFactory registry); a release without that factory has no secondary tiers ("no")."""
+        import importlib.util
+
+        module = "vllm.v1.kv_offload.tiering.factory"
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+            return False
+        cls = getattr(_import(module), "SecondaryTierFactory", None)
+        return tier_type in (getattr(cls, "_registry", None) or {})
+
+    def tiering_manager_of(self, connector_scheduler: Any) -> Any:
+        """The connector's TieringOffloadingManager (None where the connector runs another manager)."""
+        manager = getattr(connector_scheduler, "manager", None)
+        return manager if hasattr(manager, "secondary_tiers") else None
+
+    def promotion_jobs(self, manager: Any) -> int:
+        """Secondary-tier -> CPU promotion jobs the tiering manager holds in flight now."""
+        jobs = getattr(manager, "_transfer_jobs", None) or {}
+        return sum(1 for job in jobs.values() if job.transfer_job.is_promotion)
+
     def kv_cache_group_has_field(self, name: str) -> bool:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
         return name in {f.name for f in dataclasses.fields(cls)}
