@@ -223,6 +223,9 @@ class Harness:
         api, setup = self.api, self.setup
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
         self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
+        # Setup.secondary_tier: the tiering manager whose tiers settle in each step's forward window
+        self._tiering = (api.tiering_manager_of(self.connector_scheduler)
+                         if setup.secondary_tier and self.connector_scheduler is not None else None)
         self.model_runner = self._choose_model_runner()
         self.worker = self._make_worker()
         # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
@@ -353,6 +356,8 @@ class Harness:
         events = StepEvents()
         output = self.scheduler.schedule()
         runner_output = self.worker_step(output, events)
+        if self._tiering is not None:
+            self.api.settle_secondary_tiers(self._tiering)
         if self.setup.async_scheduling:
             previous, self._pending_output = self._pending_output, (output, runner_output)
             if previous is not None:

@@ -1,12 +1,14 @@
 """The tiering spec's secondary tier (`Setup.secondary_tier`), kept in a throw-away directory.
 
-vLLM 0.34's TieringOffloadingSpec cascades every chunk stored in its CPU tier to its secondary tiers and
+vLLM's TieringOffloadingSpec (0.26.0 onwards) cascades every chunk stored in its CPU tier to its secondary tiers and
 promotes a chunk back (secondary -> CPU) when a lookup misses the CPU tier but hits one of them. Its
 manager does this in the scheduler's own process (the tier's I/O threads; polled by the manager in
 lookup / prepare_store / on_schedule_end), so kvdoctor runs it unchanged. Only the `fs` tier needs no
 network: it writes one file per chunk under `root_dir`. kvdoctor gives it a directory of its own
 per process, removed at exit, and empties it before each build: the files are named by block hash, so a
-previous run's files would be hits in the next one.
+previous run's files would be hits in the next one. The tier's threads finish at their own pace; the
+harness waits for them in each step's forward window (compat `settle_secondary_tiers`), so a recipe
+replays the same on every run.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class Setup:
     # lookahead, so vLLM falls back to dropping the trailing block (the connector's apply_eagle_drop and
     # eagle proof margins). A release without the field refuses it.
     disable_lookahead_block_hashes: bool = False
-    # The tiering spec's secondary tier (vLLM 0.34 TieringOffloadingSpec `secondary_tiers`): "fs", a local
+    # The tiering spec's secondary tier (vLLM TieringOffloadingSpec's `secondary_tiers`): "fs", a local
     # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
     # None: the CPU tier only. Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
