@@ -109,3 +109,43 @@ def test_the_recipe_replays_with_kvdoctor_repro(api):
         return
     assert result.returncode == 0, result.stdout + result.stderr
     assert "checks held: B ran to its max_tokens after its chunks were promoted" in result.stdout, result.stdout
+
+
+# -- explore's tier byte -------------------------------------------------------------------------------
+
+def test_the_tier_byte_is_drawn_only_where_gated_and_zero_is_no_tier():
+    from hypothesis import find
+
+    from kvdoctor.explore.generate import GEOMETRY_RANGES, TIER_DRAW, Example, Geometry, decode_tier, examples
+
+    plain = Geometry(4, 1, 24, 16, 256, False)
+    assert decode_tier(plain, 0) == plain and decode_tier(plain, 2) == plain  # bit 0 clear: no tier
+    drawn = decode_tier(plain, 1)
+    assert (drawn.secondary_tier, drawn.spec_name, drawn.cpu_bytes_to_use) == ("fs", TIERING, 4096)
+    assert drawn.setup_dict()["secondary_tier"] == "fs"
+    Setup(**{k: v for k, v in drawn.setup_dict().items() if k != "extra_connector_config"}).validate()
+    assert decode_tier(Geometry(4, 1, 24, 16, 256, False, multi_connector=True), 1).secondary_tier is None
+    assert len(find(examples(4, tier=True), lambda raw: True)[0]) == len(GEOMETRY_RANGES) + 1
+    assert len(find(examples(4), lambda raw: True)[0]) == len(GEOMETRY_RANGES)  # ungated: draws stay as they were
+    tiered = Example.decode((bytes([0] * len(GEOMETRY_RANGES)) + b"\x03", [b"\x00" * 4]),
+                            features=frozenset({TIER_DRAW}))
+    assert (tiered.geometry.secondary_tier, tiered.geometry.cpu_bytes_to_use) == ("fs", 8192)
+
+
+def test_a_tiered_draw_replays_from_its_file(api, tmp_path):
+    """A generated draw with the fs tier (A stored, B and C fill the CPU tier, D with A's prompt) is
+    written as explore writes it and replayed with `kvdoctor repro FILE`: it runs through."""
+    if not api.has_offloading_spec(TIERING) or not api.has_secondary_tier("fs"):
+        pytest.skip("this vLLM's tiering spec has no fs secondary tier")
+    from kvdoctor.explore.generate import Example, Geometry, decode_tier, to_recipe
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    geometry = decode_tier(Geometry(4, 1, 24, 16, 256, False), 1)  # fs tier, a one-chunk CPU tier
+    events = (("add", ("tokens", 8), 1, None), ("schedule", 4), ("add", ("tokens", 8), 1, None), ("schedule", 4),
+              ("add", ("tokens", 9), 1, (0, None)), ("schedule", 6))
+    path = tmp_path / "draw.toml"
+    path.write_text(recipe_to_toml(to_recipe(Example(geometry, events))))
+    assert 'secondary_tier = "fs"' in path.read_text()
+    result = invoke("repro", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "installed" in result.stdout and "not_reproduced" in result.stdout, result.stdout

@@ -116,6 +116,8 @@ class Geometry:
     num_speculative_tokens: int = 2
     draft_acceptance: str | None = None  # the stand-in rejection sampler's accepted counts, cycled
     disable_lookahead_block_hashes: bool = False  # eagle on 0.34: the trailing-block drop instead
+    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier
+    secondary_tier: str | None = None
 
     @property
     def groups(self) -> int:
@@ -164,6 +166,7 @@ class Geometry:
                 **({"draft_acceptance": self.draft_acceptance} if self.draft_acceptance else {}),
                 **({"disable_lookahead_block_hashes": True} if self.disable_lookahead_block_hashes else {})}
                if self.speculative_method else {}),
+            **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -252,6 +255,29 @@ def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated
                                draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7],
                                disable_lookahead_block_hashes=bool(byte >> 7) and method == "eagle"
                                and NO_LOOKAHEAD_HASHES in features)
+
+
+# A secondary tier (`decode_tier`): one more geometry byte, after the speculative byte, drawn where the
+# release's tiering spec has an fs secondary tier and 0.34's deferred write release (probed by
+# `search.available_features`): where the promotion / cascade bugs would be new; elsewhere no byte is
+# drawn, so a release's examples (and its measured seeds) stay as they were.
+TIER_DRAW = "secondary_tier"
+# The CPU tier under a secondary tier, in 4 KiB pages (the tiering spec pads a chunk to a page): small,
+# so chunks are evicted from it and promoted back from the fs tier; None keeps the geometry's own.
+TIER_CPU_TIERS = (4096, 8192, 16384, None)
+
+
+def decode_tier(geometry: "Geometry", byte: int) -> "Geometry":
+    """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
+    `TIER_CPU_TIERS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
+    share the first's tier directory)."""
+    if not byte & 1 or geometry.multi_connector:
+        return geometry
+    cpu = TIER_CPU_TIERS[byte >> 1 & 3]
+    if cpu is None:
+        cpu = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING and geometry.cpu_bytes_to_use \
+            else TIERING_ROOMY_TIER
+    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
 
 
 def kv_bytes_per_token(geometry: "Geometry") -> int:
@@ -403,13 +429,13 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 @lru_cache(maxsize=None)
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
-                 speculative: bool = False) -> st.SearchStrategy[Any]:
+                 speculative: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
-    `speculative`: one more geometry byte, last (`decode_speculative`)."""
+    `speculative`: one more geometry byte (`decode_speculative`); `tier`: one more, last (`decode_tier`)."""
     size = (len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
-            + (1 if speculative else 0))
+            + (1 if speculative else 0) + (1 if tier else 0))
     event_size = EVENT_BYTES + (1 if extended and second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -428,17 +454,18 @@ class Example:
         `features` holds the gate)."""
         geometry, events = raw
         extra = list(geometry[len(GEOMETRY_RANGES):])
+        tier = extra.pop() if TIER_DRAW in features and extra else 0
         speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative)
+                               features, extension, second, speculative, tier)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0) -> "Example":
+                    speculative: int = 0, tier: int = 0) -> "Example":
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -450,6 +477,8 @@ class Example:
             decoded_geometry = decode_second_extension(decoded_geometry, second, features)
         if speculative:
             decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
+        if tier:
+            decoded_geometry = decode_tier(decoded_geometry, tier)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
@@ -457,10 +486,10 @@ class Example:
 
 
 def examples(max_events: int, extended: bool = False, second: bool = False,
-             speculative: bool = False) -> st.SearchStrategy[Any]:
+             speculative: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second, speculative)
+    return raw_examples(max_events, extended, second, speculative, tier)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

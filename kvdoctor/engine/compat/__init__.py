@@ -437,6 +437,17 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         cls = getattr(_import(module), "SecondaryTierFactory", None)
         return tier_type in (getattr(cls, "_registry", None) or {})
 
+    def tiering_defers_write_release(self) -> bool:
+        """Whether the tiering spec's CPU primary tier defers a failed promotion's slot release
+        (`defer_write_release`, 0.34): the newest tiering machinery, which explore draws secondary tiers for."""
+        import importlib.util
+
+        module = "vllm.v1.kv_offload.tiering.manager"
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+            return False
+        primary = getattr(_import(module), "CPUPrimaryTierOffloadingManager", None)
+        return hasattr(primary, "defer_write_release")
+
     def tiering_manager_of(self, connector_scheduler: Any) -> Any:
         """The connector's TieringOffloadingManager (None where the connector runs another manager)."""
         manager = getattr(connector_scheduler, "manager", None)
