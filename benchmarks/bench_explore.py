@@ -110,6 +110,7 @@ FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fiel
     "spec eagle": lambda r: r.setup.get("speculative_method") == "eagle",
     "spec ngram": lambda r: r.setup.get("speculative_method") == "ngram",
     "spec rejections": lambda r: bool(r.setup.get("speculative_method")) and r.setup.get("draft_acceptance") is not None,
+    "secondary tier": lambda r: bool(r.setup.get("secondary_tier")),
     "spec no lookahead": lambda r: bool(r.setup.get("disable_lookahead_block_hashes")),
 }
 

@@ -149,3 +149,18 @@ def test_a_tiered_draw_replays_from_its_file(api, tmp_path):
     result = invoke("repro", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "installed" in result.stdout and "not_reproduced" in result.stdout, result.stdout
+
+
+def test_a_tiered_draw_never_has_a_cpu_tier_below_one_chunk(api):
+    """Regression: explore (0.34.0, seed 1) drew the fs tier with a 4 KiB CPU tier under 6 KiB chunks
+    (swa-full, 16-token blocks, 3 blocks a chunk); vLLM's tiering spec then fails at start-up with
+    "range() arg 3 must not be zero" (a zero-chunk tier), with or without the secondary tier. The tier
+    byte now sizes the CPU tier in chunks: this geometry builds."""
+    if not api.has_offloading_spec(TIERING) or not api.has_secondary_tier("fs"):
+        pytest.skip("this vLLM's tiering spec has no fs secondary tier")
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.explore.generate import Geometry, decode_tier
+
+    geometry = decode_tier(Geometry(16, 3, 4, 16, 256, False, layout="swa-full", sliding_window=64), 1)
+    assert geometry.cpu_bytes_to_use > 4096
+    Harness(api, Setup(**geometry.setup_dict()).validate()).shutdown()

@@ -262,21 +262,27 @@ def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated
 # `search.available_features`): where the promotion / cascade bugs would be new; elsewhere no byte is
 # drawn, so a release's examples (and its measured seeds) stay as they were.
 TIER_DRAW = "secondary_tier"
-# The CPU tier under a secondary tier, in 4 KiB pages (the tiering spec pads a chunk to a page): small,
-# so chunks are evicted from it and promoted back from the fs tier; None keeps the geometry's own.
-TIER_CPU_TIERS = (4096, 8192, 16384, None)
+# The CPU tier under a secondary tier, in chunks (each padded to whole 4 KiB pages, as the tiering spec
+# pads them): small, so chunks are evicted from it and promoted back from the fs tier; None keeps the
+# geometry's own. Never below one chunk: vLLM 0.34's tiering spec fails at start-up on a zero-chunk tier
+# (shared_offload_region.py:144, "range() arg 3 must not be zero"; found by explore with a 4 KiB tier
+# and 6 KiB chunks, with or without the secondary tier).
+TIER_CPU_CHUNKS = (1, 2, 4, None)
 
 
 def decode_tier(geometry: "Geometry", byte: int) -> "Geometry":
     """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
-    `TIER_CPU_TIERS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
+    `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
     share the first's tier directory)."""
     if not byte & 1 or geometry.multi_connector:
         return geometry
-    cpu = TIER_CPU_TIERS[byte >> 1 & 3]
-    if cpu is None:
-        cpu = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING and geometry.cpu_bytes_to_use \
-            else TIERING_ROOMY_TIER
+    chunks = TIER_CPU_CHUNKS[byte >> 1 & 3]
+    chunk_bytes = -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
+    if chunks is not None:
+        cpu = chunks * chunk_bytes
+    else:
+        own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
+        cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
     return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
 
 
