@@ -29,6 +29,12 @@ def test_setup_refuses_a_tier_it_cannot_run_or_without_the_tiering_spec():
         Setup(spec_name=TIERING, secondary_tier="p2p").validate()
     with pytest.raises(UsageError, match="needs spec_name"):
         Setup(secondary_tier="fs").validate()
+    # Regression: under --worker vllm on a CPU, kvdoctor's copy engine holds the CPU tier in its own
+    # tensors while the fs tier reads and writes vLLM's /dev/shm region: tests/data/fs-tier-promotion.toml
+    # with worker = "vllm" reported B reading C's bytes (a false reads-see-their-tokens violation).
+    assert "copy engine" in Setup(secondary_tier="fs", **GEOMETRY).vllm_worker_unsupported()
+    with pytest.raises(UsageError, match="secondary_tier"):
+        Setup(secondary_tier="fs", worker="vllm", **GEOMETRY).validate()
 
 
 def test_the_fs_tier_is_a_throw_away_directory_in_the_connectors_own_extra_config():
@@ -125,6 +131,7 @@ def test_the_tier_byte_is_drawn_only_where_gated_and_zero_is_no_tier():
     assert drawn.setup_dict()["secondary_tier"] == "fs"
     Setup(**{k: v for k, v in drawn.setup_dict().items() if k != "extra_connector_config"}).validate()
     assert decode_tier(Geometry(4, 1, 24, 16, 256, False, multi_connector=True), 1).secondary_tier is None
+    assert decode_tier(plain, 1, worker="vllm") == plain
     assert len(find(examples(4, tier=True), lambda raw: True)[0]) == len(GEOMETRY_RANGES) + 1
     assert len(find(examples(4), lambda raw: True)[0]) == len(GEOMETRY_RANGES)  # ungated: draws stay as they were
     tiered = Example.decode((bytes([0] * len(GEOMETRY_RANGES)) + b"\x03", [b"\x00" * 4]),

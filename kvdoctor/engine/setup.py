@@ -187,6 +187,10 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.secondary_tier is not None and self.device != "cuda":
+            return ("secondary_tier: vLLM's tiering spec moves the fs tier's bytes through its shared /dev/shm CPU "
+                    "region, and kvdoctor's CPU copy engine keeps the CPU tier in tensors of its own, so promoted "
+                    "chunks would read as stale KV (measured: a false reads-see-their-tokens violation)")
         if self.speculative_method is not None:
             return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
                     "(vLLM's model runner would need a real drafter)")

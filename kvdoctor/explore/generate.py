@@ -270,11 +270,11 @@ TIER_DRAW = "secondary_tier"
 TIER_CPU_CHUNKS = (1, 2, 4, None)
 
 
-def decode_tier(geometry: "Geometry", byte: int) -> "Geometry":
+def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
     """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
     `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
-    share the first's tier directory)."""
-    if not byte & 1 or geometry.multi_connector:
+    share the first's tier directory), nor with vLLM's worker on a CPU (`Setup.vllm_worker_unsupported`)."""
+    if not byte & 1 or geometry.multi_connector or worker != "simulated":
         return geometry
     chunks = TIER_CPU_CHUNKS[byte >> 1 & 3]
     chunk_bytes = -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
@@ -484,7 +484,7 @@ class Example:
         if speculative:
             decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
         if tier:
-            decoded_geometry = decode_tier(decoded_geometry, tier)
+            decoded_geometry = decode_tier(decoded_geometry, tier, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
