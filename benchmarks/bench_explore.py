@@ -113,6 +113,7 @@ FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fiel
     "num_workers>1": lambda r: r.setup.get("num_workers", 1) > 1,
     "late worker": lambda r: bool(r.setup.get("late_worker_steps")),
     "one worker fails": lambda r: any(s.action == "fail_transfers" and "worker" in s.args for s in r.steps),
+    "secondary tier": lambda r: bool(r.setup.get("secondary_tier")),
     "spec no lookahead": lambda r: bool(r.setup.get("disable_lookahead_block_hashes")),
 }
 

@@ -210,6 +210,10 @@ class Harness:
     def __init__(self, api: VllmApi, setup: Setup, build_cache: BuildCache | None = None) -> None:
         self.api = api
         self.setup = setup
+        if setup.secondary_tier:  # a previous run's chunk files would be hits in this one
+            from kvdoctor.engine.secondary_tier import empty_tier_directory
+
+            empty_tier_directory()
         self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
         self._attach_worker_side()
         self._block_hasher = self._make_block_hasher()
@@ -220,6 +224,9 @@ class Harness:
         api, setup = self.api, self.setup
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
         self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
+        # Setup.secondary_tier: the tiering manager whose tiers settle in each step's forward window
+        self._tiering = (api.tiering_manager_of(self.connector_scheduler)
+                         if setup.secondary_tier and self.connector_scheduler is not None else None)
         self.model_runner = self._choose_model_runner()
         self.worker = self._make_worker()
         # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
@@ -354,6 +361,8 @@ class Harness:
         events = StepEvents()
         output = self.scheduler.schedule()
         runner_output = self.worker_step(output, events)
+        if self._tiering is not None:
+            self.api.settle_secondary_tiers(self._tiering)
         if self.setup.async_scheduling:
             previous, self._pending_output = self._pending_output, (output, runner_output)
             if previous is not None:

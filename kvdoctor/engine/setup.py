@@ -137,6 +137,10 @@ class Setup:
     # lookahead, so vLLM falls back to dropping the trailing block (the connector's apply_eagle_drop and
     # eagle proof margins). A release without the field refuses it.
     disable_lookahead_block_hashes: bool = False
+    # The tiering spec's secondary tier (vLLM TieringOffloadingSpec's `secondary_tiers`): "fs", a local
+    # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
+    # None: the CPU tier only. Needs spec_name = "TieringOffloadingSpec".
+    secondary_tier: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -150,6 +154,10 @@ class Setup:
         cfg["offload_prompt_only"] = self.offload_prompt_only
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
+        if self.secondary_tier:
+            from kvdoctor.engine.secondary_tier import tier_config
+
+            cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
             from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
@@ -188,6 +196,10 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.secondary_tier is not None and self.device != "cuda":
+            return ("secondary_tier: vLLM's tiering spec moves the fs tier's bytes through its shared /dev/shm CPU "
+                    "region, and kvdoctor's CPU copy engine keeps the CPU tier in tensors of its own, so promoted "
+                    "chunks would read as stale KV (measured: a false reads-see-their-tokens violation)")
         if self.speculative_method is not None:
             return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
                     "(vLLM's model runner would need a real drafter)")
@@ -259,6 +271,15 @@ class Setup:
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
+        if self.secondary_tier is not None:
+            from kvdoctor.engine.secondary_tier import SECONDARY_TIERS
+
+            if self.secondary_tier not in SECONDARY_TIERS:
+                raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "
+                                 f"got {self.secondary_tier!r}")
+            if self.spec_name != "TieringOffloadingSpec":
+                raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
+                                 f"owns secondary tiers), got spec_name {self.spec_name!r}")
         refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "

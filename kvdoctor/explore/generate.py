@@ -126,6 +126,8 @@ class Geometry:
     num_workers: int = 1  # ParallelConfig.tensor_parallel_size: the scheduler waits for every worker
     late_worker_steps: int = 0  # the last worker reports this many steps after the others
     fail_worker: int | None = None  # a fail event is this worker's alone (the others complete the jobs)
+    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier
+    secondary_tier: str | None = None
 
     @property
     def groups(self) -> int:
@@ -176,6 +178,7 @@ class Geometry:
                if self.speculative_method else {}),
             **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
+            **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -291,6 +294,35 @@ def decode_workers(geometry: "Geometry", byte: int, worker: str = "simulated") -
     return dataclasses.replace(geometry, num_workers=count, late_worker_steps=LATENESS[byte >> 2 & 7],
                                cpu_bytes_to_use=cpu,
                                fail_worker=None if fail is None else count - 1 if fail == "last" else 0)
+
+
+# A secondary tier (`decode_tier`): one more geometry byte, the last (after the workers byte), drawn where the
+# release's tiering spec has an fs secondary tier and 0.34's deferred write release (probed by
+# `search.available_features`): where the promotion / cascade bugs would be new; elsewhere no byte is
+# drawn, so a release's examples (and its measured seeds) stay as they were.
+TIER_DRAW = "secondary_tier"
+# The CPU tier under a secondary tier, in chunks (each padded to whole 4 KiB pages, as the tiering spec
+# pads them): small, so chunks are evicted from it and promoted back from the fs tier; None keeps the
+# geometry's own. Never below one chunk: vLLM 0.34's tiering spec fails at start-up on a zero-chunk tier
+# (shared_offload_region.py:144, "range() arg 3 must not be zero"; found by explore with a 4 KiB tier
+# and 6 KiB chunks, with or without the secondary tier).
+TIER_CPU_CHUNKS = (1, 2, 4, None)
+
+
+def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
+    """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
+    `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
+    share the first's tier directory), nor with vLLM's worker on a CPU (`Setup.vllm_worker_unsupported`)."""
+    if not byte & 1 or geometry.multi_connector or worker != "simulated":
+        return geometry
+    chunks = TIER_CPU_CHUNKS[byte >> 1 & 3]
+    chunk_bytes = -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
+    if chunks is not None:
+        cpu = chunks * chunk_bytes
+    else:
+        own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
+        cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
+    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
 
 
 def kv_bytes_per_token(geometry: "Geometry") -> int:
@@ -442,14 +474,14 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 @lru_cache(maxsize=None)
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
-                 speculative: bool = False, workers: bool = False) -> st.SearchStrategy[Any]:
+                 speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
-    `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more, last
-    (`decode_workers`)."""
+    `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more
+    (`decode_workers`); `tier`: one more, last (`decode_tier`)."""
     size = (len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
-            + (1 if speculative else 0) + (1 if workers else 0))
+            + (1 if speculative else 0) + (1 if workers else 0) + (1 if tier else 0))
     event_size = EVENT_BYTES + (1 if extended and second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -468,18 +500,19 @@ class Example:
         `features` holds the gate)."""
         geometry, events = raw
         extra = list(geometry[len(GEOMETRY_RANGES):])
+        tier = extra.pop() if TIER_DRAW in features and extra else 0
         workers = extra.pop() if WORKERS_DRAW in features and extra else 0
         speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative, workers)
+                               features, extension, second, speculative, workers, tier)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0, workers: int = 0) -> "Example":
+                    speculative: int = 0, workers: int = 0, tier: int = 0) -> "Example":
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -491,6 +524,10 @@ class Example:
             decoded_geometry = decode_second_extension(decoded_geometry, second, features)
         if speculative:
             decoded_geometry = decode_speculative(decoded_geometry, speculative, worker, features)
+        # the tier before the workers: decode_workers scales the CPU tier the tier byte sized (vLLM's
+        # cpu_bytes_to_use holds a copy per worker; unscaled, a one-chunk tier held none with 2 workers)
+        if tier:
+            decoded_geometry = decode_tier(decoded_geometry, tier, worker)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
@@ -500,10 +537,10 @@ class Example:
 
 
 def examples(max_events: int, extended: bool = False, second: bool = False,
-             speculative: bool = False, workers: bool = False) -> st.SearchStrategy[Any]:
+             speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second, speculative, workers)
+    return raw_examples(max_events, extended, second, speculative, workers, tier)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

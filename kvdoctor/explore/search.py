@@ -30,7 +30,8 @@ from typing import Any, Callable
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import (
-    EXTENSION_GATE, SECOND_GATE, SPECULATIVE_DRAW, WORKERS_DRAW, Example, examples, mode_variants, to_recipe,
+    EXTENSION_GATE, SECOND_GATE, SPECULATIVE_DRAW, TIER_DRAW, WORKERS_DRAW, Example, examples, mode_variants,
+    to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.observe.invariants import INVARIANTS
@@ -155,7 +156,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     if config.speculative is not None:
         features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
-                        speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features)
+                        speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
+                        tier=TIER_DRAW in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
@@ -309,6 +311,9 @@ def available_features(api: Any) -> frozenset[str]:
     probes[NO_LOOKAHEAD_HASHES] = LOOKAHEAD_BLOCK_HASHES in speculative
     # Several workers where the scheduler counts each job's reports to world_size (the aggregator exists)
     probes[WORKERS_DRAW] = api.counts_worker_reports
+    # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
+    # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
+    probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
     return frozenset(name for name, present in probes.items() if present)
 
 

@@ -7,7 +7,7 @@ missing is `not_applicable`, with the reason.
 
 from __future__ import annotations
 
-REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>",
+REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>", "secondary_tier:<type>",
                      "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests|last_token_in_prompt_block|prefill_in_one_step>")
 
 
@@ -17,7 +17,7 @@ def is_known_requirement(text: str) -> bool:
         from kvdoctor.recipes.geometry import is_known_setup_requirement
 
         return is_known_setup_requirement(value)
-    return kind in ("spec", "kv_cache_group_field", "cache_config_field") and bool(value)
+    return kind in ("spec", "kv_cache_group_field", "cache_config_field", "secondary_tier") and bool(value)
 
 
 def missing(api, requirements: tuple[str, ...]) -> list[str]:
@@ -31,4 +31,6 @@ def missing(api, requirements: tuple[str, ...]) -> list[str]:
             reasons.append(f"this vLLM's KVCacheGroupSpec has no field {value!r}")
         elif kind == "cache_config_field" and not api.cache_config_has_field(value):
             reasons.append(f"this vLLM's CacheConfig has no field {value!r}")
+        elif kind == "secondary_tier" and not api.has_secondary_tier(value):
+            reasons.append(f"this vLLM's tiering spec has no secondary tier {value!r}")
     return reasons

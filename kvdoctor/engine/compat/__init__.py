@@ -455,6 +455,64 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         registry = _require(cls, "_registry", "OffloadingSpecFactory")
         return name in registry
 
+    def has_secondary_tier(self, tier_type: str) -> bool:
+        """Whether the tiering spec's `secondary_tiers: [{"type": tier_type}]` resolves in this vLLM (0.34's
+        SecondaryTierFactory registry); a release without that factory has no secondary tiers ("no")."""
+        import importlib.util
+
+        module = "vllm.v1.kv_offload.tiering.factory"
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+            return False
+        cls = getattr(_import(module), "SecondaryTierFactory", None)
+        return tier_type in (getattr(cls, "_registry", None) or {})
+
+    def tiering_defers_write_release(self) -> bool:
+        """Whether the tiering spec's CPU primary tier defers a failed promotion's slot release
+        (`defer_write_release`, 0.34): the newest tiering machinery, which explore draws secondary tiers for."""
+        import importlib.util
+
+        module = "vllm.v1.kv_offload.tiering.manager"
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+            return False
+        primary = getattr(_import(module), "CPUPrimaryTierOffloadingManager", None)
+        return hasattr(primary, "defer_write_release")
+
+    def tiering_manager_of(self, connector_scheduler: Any) -> Any:
+        """The connector's TieringOffloadingManager (None where the connector runs another manager)."""
+        manager = getattr(connector_scheduler, "manager", None)
+        return manager if hasattr(manager, "secondary_tiers") else None
+
+    def settle_secondary_tiers(self, manager: Any, timeout_s: float = 10.0) -> None:
+        """Wait, during the step's forward window, until every secondary tier's I/O submitted so far is done
+        and its asynchronous lookups have answered, so the next step's poll sees them: a tier faster than a
+        forward, the same on every run (the tiers' own threads would otherwise finish after a varying
+        number of steps and a recipe would not replay). Uses the tier's `drain_jobs` (what vLLM's
+        reset_cache waits with) and its lookup manager's `drain_results` (what its next lookup calls)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for tier in manager.secondary_tiers:
+            tier.drain_jobs()
+            lookups = getattr(tier, "_lookup_manager", None)
+            states = getattr(lookups, "_lookup_state", None)
+            if lookups is None or states is None:
+                continue
+            while True:
+                lookups.drain_results()
+                # submitted = not in this step's unsent batch (0.26-0.29 batch (key, ctx); 0.30+ (key, ctx, gen))
+                unsent = {entry[0] for entry in getattr(lookups, "_lookup_batch", ())}
+                if all(state.result is not None or key in unsent for key, state in states.items()):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {tier.tier_type} tier's lookups did not answer within {timeout_s} s")
+                time.sleep(0.0005)
+
+    def promotion_jobs(self, manager: Any) -> int:
+        """Secondary-tier -> CPU promotion jobs the tiering manager holds in flight now."""
+        jobs = getattr(manager, "_transfer_jobs", None) or {}
+        # 0.34: JobMetadata wraps a TransferJob; earlier releases' JobMetadata is the job itself
+        return sum(1 for job in jobs.values() if getattr(job, "transfer_job", job).is_promotion)
+
     def kv_cache_group_has_field(self, name: str) -> bool:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
         return name in {f.name for f in dataclasses.fields(cls)}

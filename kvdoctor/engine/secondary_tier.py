@@ -1,0 +1,53 @@
+"""The tiering spec's secondary tier (`Setup.secondary_tier`), kept in a throw-away directory.
+
+vLLM's TieringOffloadingSpec (0.26.0 onwards) cascades every chunk stored in its CPU tier to its secondary tiers and
+promotes a chunk back (secondary -> CPU) when a lookup misses the CPU tier but hits one of them. Its
+manager does this in the scheduler's own process (the tier's I/O threads; polled by the manager in
+lookup / prepare_store / on_schedule_end), so kvdoctor runs it unchanged. Only the `fs` tier needs no
+network: it writes one file per chunk under `root_dir`. kvdoctor gives it a directory of its own
+per process, removed at exit, and empties it before each build: the files are named by block hash, so a
+previous run's files would be hits in the next one. The tier's threads finish at their own pace; the
+harness waits for them in each step's forward window (compat `settle_secondary_tiers`), so a recipe
+replays the same on every run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from typing import Any
+
+SECONDARY_TIERS = ("fs",)  # vLLM secondary tier types that run in-process on a CPU (no network)
+
+_directory: str | None = None
+
+
+def tier_directory() -> str:
+    """This process's fs-tier root (created on first use, removed at exit)."""
+    global _directory
+    if _directory is None or not os.path.isdir(_directory):
+        _directory = tempfile.mkdtemp(prefix="kvdoctor-fs-tier-")
+        atexit.register(shutil.rmtree, _directory, ignore_errors=True)
+    return _directory
+
+
+def tier_config(tier_type: str) -> dict[str, Any]:
+    """The `secondary_tiers` entry vLLM's tiering spec reads for `tier_type`. One read and one write
+    thread: the machine is small and the files are a few KiB."""
+    return {"type": tier_type, "root_dir": tier_directory(), "n_read_threads": 1, "n_write_threads": 1}
+
+
+def empty_tier_directory() -> None:
+    """Remove every chunk file a previous build of this process left (before a new scheduler is built)."""
+    if _directory is None or not os.path.isdir(_directory):
+        return
+    for entry in os.scandir(_directory):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(entry.path)
+            except OSError:
+                pass
