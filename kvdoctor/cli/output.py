@@ -107,9 +107,16 @@ def show_result(command: str, result: Any, output_format: str, document: Any, re
     from kvdoctor.report.formats import Shown
     from kvdoctor.report.markdown import render_markdown
 
+    markdown: list[str] = []  # rendered once: `--format markdown` and `--report` are one document
+
+    def attachment() -> str:
+        if not markdown:
+            markdown.append(render_markdown(command, result))
+        return markdown[0]
+
     shown = Shown(renderables=lambda: renderables(result), document=lambda: document(result),
-                  markdown=lambda: render_markdown(command, result))
+                  markdown=attachment)
     unwritten = show(shown, output_format, svg)
     if report is not None:
-        unwritten += write_output(report, render_markdown(command, result), "--report", "report")
+        unwritten += write_output(report, attachment(), "--report", "report")
     raise_unwritten(unwritten)
