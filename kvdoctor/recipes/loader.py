@@ -442,24 +442,17 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
             raise r.fail(r.index.key(line, "site_when"), f"[signature] site_when {_show(raw['site_when'])}: {exc}")
     if "site" in raw and not raw["site"].strip():
         raise r.fail(r.index.key(line, "site"), "[signature] site must name a statement's text, got an empty string")
-    if "callers" in raw:
-        callers_line = r.index.key(line, "callers")
+    for key in ("callers", "function_aliases"):  # lists of function names, beside exception + function
+        if key not in raw:
+            continue
+        key_line = r.index.key(line, key)
         if "invariant" in raw:
-            raise r.fail(callers_line, "[signature] callers go with 'exception' + 'function', not 'invariant'")
-        for name in raw["callers"]:
-            r.check_type(name, (str,), callers_line, "[signature] callers entries")
+            raise r.fail(key_line, f"[signature] {key} go with 'exception' + 'function', not 'invariant'")
+        for name in raw[key]:
+            r.check_type(name, (str,), key_line, f"[signature] {key} entries")
             if not re.fullmatch(r"[A-Za-z_]\w*", name):
-                raise r.fail(callers_line, f"[signature] callers entries must be function names, got {_show(name)}")
-        raw["callers"] = tuple(raw["callers"])
-    if "function_aliases" in raw:
-        aliases_line = r.index.key(line, "function_aliases")
-        if "invariant" in raw:
-            raise r.fail(aliases_line, "[signature] function_aliases go with 'exception' + 'function', not 'invariant'")
-        for name in raw["function_aliases"]:
-            r.check_type(name, (str,), aliases_line, "[signature] function_aliases entries")
-            if not re.fullmatch(r"[A-Za-z_]\w*", name):
-                raise r.fail(aliases_line, f"[signature] function_aliases entries must be function names, got {_show(name)}")
-        raw["function_aliases"] = tuple(raw["function_aliases"])
+                raise r.fail(key_line, f"[signature] {key} entries must be function names, got {_show(name)}")
+        raw[key] = tuple(raw[key])
     return Signature(**raw)
 
 
