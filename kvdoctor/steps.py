@@ -139,9 +139,17 @@ def check_expectation(step: Any, snapshots: list[RequestSnapshot]) -> tuple[bool
 
 # -- the handlers: one per kind --------------------------------------------------------------------------
 
+ADD_EXTRA_KEYS = ("kv_transfer_params", "priority")  # an add's per-request fields, sent as a client sends them
+
+
+def add_extras(args: dict[str, Any]) -> dict[str, Any]:
+    """The add step's per-request fields that are given (every level passes them on as they are)."""
+    return {key: args[key] for key in ADD_EXTRA_KEYS if key in args}
+
+
 @step_kind("add", Need.ENGINE_INPUT, summary="admit a request (a fill admits several)")
 def _add(target: StepTarget, step: ConcreteStep) -> None:
-    extra = {key: step.args[key] for key in ("kv_transfer_params", "priority") if key in step.args}
+    extra = add_extras(step.args)
     for request in step.requests:
         target.harness.add(request.request, list(request.prompt), request.max_tokens, **extra)
 

@@ -391,7 +391,8 @@ class Harness:
         ModelRunnerOutput. Both levels run it: `step` here, vLLM's engine through the executor
         (`engine/core`)."""
         events.scheduled_tokens = dict(output.num_scheduled_tokens)
-        events.spec_tokens = {rid: len(ids) for rid, ids in self.api.scheduled_spec_tokens(output).items() if ids}
+        if self.setup.speculative_method:  # nothing to read otherwise (the step's hot path)
+            events.spec_tokens = {rid: len(ids) for rid, ids in self.api.scheduled_spec_tokens(output).items() if ids}
         events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
         store_jobs, load_jobs = self.api.store_and_load_jobs(output)
@@ -423,7 +424,7 @@ class Harness:
             dst_spec = getattr(job, "dst_spec", None)
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
                                 dst_groups=self.api.block_ids_by_group(dst_spec), sync=self.api.load_is_sync(job)))
-        sampled = self._sample(output)
+        sampled = self._sample(output, events.spec_tokens)
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
         if self.companion is not None:
             other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
@@ -450,17 +451,17 @@ class Harness:
         flush = self.api.jobs_to_flush(metas[1]) if len(metas) > 1 else set()
         return jobs, flush
 
-    def _sample(self, output: Any) -> dict[str, list[int]]:
-        """The token each scheduled request samples (EOS where a recipe finishes it)."""
+    def _sample(self, output: Any, spec_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """The token each scheduled request samples (EOS where a recipe finishes it); `spec_tokens`: the
+        drafts each request verifies in this step (`StepEvents.spec_tokens`)."""
         sampled: dict[str, list[int]] = {}
-        spec_tokens = self.api.scheduled_spec_tokens(output) if self.setup.speculative_method else {}
         for req_id in output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             # A token is sampled only once every known token is computed (not mid-prefill).
             if request is not None and request.num_computed_tokens >= request.num_tokens:
                 token = EOS_TOKEN if req_id in self._finish_next else DECODE_TOKEN
                 self._finish_next.discard(req_id)
-                sampled[req_id] = [DECODE_TOKEN] * self._accepted(len(spec_tokens.get(req_id, ()))) + [token]
+                sampled[req_id] = [DECODE_TOKEN] * self._accepted(spec_tokens.get(req_id, 0)) + [token]
             else:
                 sampled[req_id] = []
         return sampled

@@ -34,16 +34,19 @@ def config_json() -> str:
     return json.dumps(TINY_LLAMA_CONFIG, indent=2)
 
 
+def _config_dir(prefix: str, config: dict) -> str:
+    """A throw-away directory holding only `config` as its config.json, removed when the process exits
+    (spawned explore workers exit through `sys.exit`, so theirs goes too)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return str(directory)
+
+
 @lru_cache(maxsize=1)
 def tiny_model_dir() -> str:
-    """A throw-away model directory holding only kvdoctor's tiny config.json.
-
-    One per process, removed when the process exits (spawned explore workers
-    exit through `sys.exit`, so theirs goes too)."""
-    directory = Path(tempfile.mkdtemp(prefix="kvdoctor-model-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    (directory / "config.json").write_text(config_json())
-    return str(directory)
+    """The model directory of kvdoctor's tiny config.json (one per process)."""
+    return _config_dir("kvdoctor-model-", TINY_LLAMA_CONFIG)
 
 
 # The EAGLE drafter's config.json (speculative method "eagle"): vLLM's SpeculativeConfig inspects the
@@ -54,8 +57,5 @@ TINY_EAGLE_DRAFT_CONFIG = {**TINY_LLAMA_CONFIG, "architectures": ["EagleLlamaFor
 
 @lru_cache(maxsize=1)
 def tiny_draft_dir() -> str:
-    """A throw-away directory holding only the stand-in EAGLE drafter's config.json (one per process)."""
-    directory = Path(tempfile.mkdtemp(prefix="kvdoctor-draft-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    (directory / "config.json").write_text(json.dumps(TINY_EAGLE_DRAFT_CONFIG, indent=2))
-    return str(directory)
+    """The directory of the stand-in EAGLE drafter's config.json (one per process)."""
+    return _config_dir("kvdoctor-draft-", TINY_EAGLE_DRAFT_CONFIG)

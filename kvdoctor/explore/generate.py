@@ -480,9 +480,9 @@ def raw_examples(max_events: int, extended: bool = False, second: bool = False,
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
     `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more
     (`decode_workers`); `tier`: one more, last (`decode_tier`)."""
-    size = (len(GEOMETRY_RANGES) + (1 if extended else 0) + (1 if extended and second else 0)
-            + (1 if speculative else 0) + (1 if workers else 0) + (1 if tier else 0))
-    event_size = EVENT_BYTES + (1 if extended and second else 0)
+    second = extended and second
+    size = len(GEOMETRY_RANGES) + sum(map(bool, (extended, second, speculative, workers, tier)))
+    event_size = EVENT_BYTES + (1 if second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
                               min_size=1, max_size=max_events))

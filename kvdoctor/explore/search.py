@@ -290,12 +290,10 @@ def available_features(api: Any) -> frozenset[str]:
     `prefix_cache_retention_interval` where CacheConfig has them, per-request caps where the offloading
     scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it,
     speculative decoding where the offloading path has lookahead block hashes or the EAGLE block drop."""
-    from kvdoctor.explore.generate import (
-        LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
-    )
-
     from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
-    from kvdoctor.explore.generate import NO_LOOKAHEAD_HASHES, SPECULATIVE_DRAW
+    from kvdoctor.explore.generate import (
+        LOAD_CAPS, NO_LOOKAHEAD_HASHES, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
+    )
 
     probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
               RECOMPUTE: api.kv_transfer_config_has_field(RECOMPUTE),

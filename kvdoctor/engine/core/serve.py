@@ -56,12 +56,13 @@ def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
     """The recipe's add/schedule/abort steps as client events, compiled exactly as the scheduler level
     plays them (the same fill plan, prompts and repeats: `recipes.compile.compile_recipe`)."""
     from kvdoctor.recipes.compile import compile_recipe
+    from kvdoctor.steps import add_extras
 
     events: list[Event] = []
     for play in compile_recipe(recipe.steps, setup).steps:
         action = play.step.action
         if action == "add":
-            extra = {key: play.step.args[key] for key in ("kv_transfer_params", "priority") if key in play.step.args}
+            extra = add_extras(play.step.args)
             events += [Event("add", new.request, list(new.prompt), new.max_tokens, extra) for new in play.requests]
         elif action == "schedule":
             events.append(Event("step"))

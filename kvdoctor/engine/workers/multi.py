@@ -86,10 +86,6 @@ class SeveralWorkers(SimulatedTransfers):
         combined = self.api.aggregate_kv_outputs(self._aggregator, kv_outputs)
         return WorkerStep(combined, done, failed)
 
-    def pending_reports(self) -> dict[int, int]:
-        """Jobs some worker has reported and another not yet: job id -> workers still to report."""
-        return dict(self._reports_left)
-
     def describe(self) -> str:
         late = f", the last {self.late_steps} step(s) late" if self.late_steps else ""
         return (f"simulated worker standing in for {self.num_workers} workers{late} (outputs combined by "
