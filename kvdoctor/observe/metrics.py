@@ -10,8 +10,10 @@ N requests with disjoint prefixes and the same offloaded lengths.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from kvdoctor.engine.harness import Harness
 from kvdoctor.engine.setup import Setup
@@ -85,3 +87,25 @@ def measure_prefix_sharing(api: Any, requests: int = 4, latency: int = 2) -> Pre
     shared = _steps_to_first_tokens(api, setup, with_tails(shared_seeds), shared_seeds, latency)
     baseline = _steps_to_first_tokens(api, setup, with_tails(disjoint_seeds), disjoint_seeds, latency)
     return PrefixSharingMetric(requests, latency, shared, baseline)
+
+
+MEASURES: dict[str, Callable[[Any], PrefixSharingMetric]] = {"prefix_sharing": measure_prefix_sharing}
+_MEASURED_BUGS = Path(__file__).resolve().parents[1] / "data" / "measured_bugs.toml"
+
+
+@dataclass(frozen=True)
+class MeasuredBug:
+    """A known bug measured as a number (kvdoctor/data/measured_bugs.toml), as the recipes are data."""
+
+    bug: str
+    title: str
+    refs: tuple[str, ...]
+    measure: str  # a key of MEASURES
+    doing: str  # what the progress line says while it runs
+
+
+def measured_bugs(path: Path = _MEASURED_BUGS) -> list[MeasuredBug]:
+    with path.open("rb") as handle:
+        entries = tomllib.load(handle)["bug"]
+    return [MeasuredBug(bug=e["bug"], title=e["title"], refs=tuple(e["refs"]), measure=e["measure"], doing=e["doing"])
+            for e in entries]

@@ -35,6 +35,7 @@ from kvdoctor.engine.compat.engine import (  # noqa: F401 - the engine level's n
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.installed import vllm_version
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
 OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
@@ -844,14 +845,7 @@ class EngineCoreFacts:
     utilities_between_steps: bool  # EngineCoreProc's busy loop handles client calls between steps
 
 
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its metadata, without importing it."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+installed_vllm_version = vllm_version  # the one reader (kvdoctor.installed), under the adapter's name
 
 
 def import_vllm() -> VllmApi:
