@@ -19,9 +19,9 @@ from kvdoctor.levels.in_process import check_spec_name
 from kvdoctor.levels.runners import runner
 from kvdoctor.logic.variants import expand_logic
 from kvdoctor.matrix.known import FixedIn, fixed_in
-from kvdoctor.observe.metrics import MEASURES, MeasurementIncomplete, measured_bugs
+from kvdoctor.observe.metrics import MeasurementIncomplete, measured_bugs, take_measurement
 from kvdoctor.observe.verdict import Outcome
-from kvdoctor.recipes.builtins import all_builtins, resolve
+from kvdoctor.recipes import builtins as builtin_recipes  # the module: tests swap its catalogue
 from kvdoctor.recipes.geometry import plan_setup
 from kvdoctor.recipes.model import Recipe, bug_order
 from kvdoctor.results import AuditReport, AuditRow, MetricRow, ReproReport, RunResult
@@ -117,7 +117,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
           command: str = "", default_worker: str | None = None,
           on_progress: Callable[[int, int, str], None] | None = None) -> ReproReport:
     """`on_progress(done, total, what runs now)` is called before the import and each logic variant."""
-    recipe = resolve(recipe_ref)
+    recipe = builtin_recipes.resolve(recipe_ref)
     variants = expand_logic(logic)
     # resolving plans the geometry: what vLLM would refuse (a prompt longer than max_model_len) is exit 2 here
     setup = resolve_setup(recipe, overrides, default_worker=default_worker)
@@ -130,7 +130,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
 def export(recipe_ref: str, overrides: dict[str, Any], path: Path, default_worker: str | None = None) -> None:
     """Write the recipe as a standalone script (no vLLM import here): the scheduler level's, or with
     `--engine serve` one that starts `vllm serve` with its two stand-ins and plays the recipe's clients."""
-    recipe = resolve(recipe_ref)
+    recipe = builtin_recipes.resolve(recipe_ref)
     setup = resolve_setup(recipe, overrides, default_worker=default_worker)
     exporter = EXPORTERS.get(setup.engine)
     if exporter is None:
@@ -157,7 +157,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     engine = (overrides or {}).get("engine") or "scheduler"
     level = runner(engine)
     level.check_ready()
-    recipes = all_builtins()
+    recipes = builtin_recipes.all_builtins()
     setups = [_audit_setup(recipe, dict(overrides or {}), default_worker) for recipe in recipes]
     refused = [setup for setup in setups if isinstance(setup, UsageError)]
     if len(refused) == len(setups):
@@ -182,7 +182,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
     for done, bug in enumerate(measured, len(recipes)):
         progress(done, total, f"{bug.bug} {bug.doing}")
         try:
-            report.metrics.append(MetricRow(bug.bug, bug.title, bug.refs, MEASURES[bug.measure](api), level=engine))
+            report.metrics.append(MetricRow(bug.bug, bug.title, bug.refs, take_measurement(bug, api), level=engine))
         except MeasurementIncomplete as exc:
             report.metrics.append(MetricRow(bug.bug, bug.title, bug.refs, None, error=str(exc), level=engine))
     return report

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from kvdoctor.engine.harness import Harness
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import InternalError
 
 MAX_STEPS = 200
 
@@ -89,7 +90,6 @@ def measure_prefix_sharing(api: Any, requests: int = 4, latency: int = 2) -> Pre
     return PrefixSharingMetric(requests, latency, shared, baseline)
 
 
-MEASURES: dict[str, Callable[[Any], PrefixSharingMetric]] = {"prefix_sharing": measure_prefix_sharing}
 _MEASURED_BUGS = Path(__file__).resolve().parents[1] / "data" / "measured_bugs.toml"
 
 
@@ -100,12 +100,22 @@ class MeasuredBug:
     bug: str
     title: str
     refs: tuple[str, ...]
-    measure: str  # a key of MEASURES
+    measure: str  # this module's `measure_<measure>` takes it
     doing: str  # what the progress line says while it runs
 
 
 def measured_bugs(path: Path = _MEASURED_BUGS) -> list[MeasuredBug]:
     with path.open("rb") as handle:
         entries = tomllib.load(handle)["bug"]
-    return [MeasuredBug(bug=e["bug"], title=e["title"], refs=tuple(e["refs"]), measure=e["measure"], doing=e["doing"])
+    bugs = [MeasuredBug(bug=e["bug"], title=e["title"], refs=tuple(e["refs"]), measure=e["measure"], doing=e["doing"])
             for e in entries]
+    unknown = [bug.bug for bug in bugs if not callable(globals().get(f"measure_{bug.measure}"))]
+    if unknown:
+        raise InternalError(f"{path.name}: no measure_<measure> function in kvdoctor.observe.metrics for {unknown}")
+    return bugs
+
+
+def take_measurement(bug: MeasuredBug, api: Any) -> PrefixSharingMetric:
+    """Take one measured bug's measurement (looked up by name when taken: this module's `measure_<name>`)."""
+    measure: Callable[[Any], PrefixSharingMetric] = globals()[f"measure_{bug.measure}"]
+    return measure(api)
