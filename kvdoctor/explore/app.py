@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvdoctor import SCHEMA_VERSION, __version__
-from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.engine import compat
+from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
+from kvdoctor.explore.findings import write_findings
+from kvdoctor.explore.triage import triage
+from kvdoctor.logic.variants import LOGIC_VARIANTS
 
 
 @dataclass
@@ -33,8 +37,6 @@ class ExploreReport:
 
 def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int,
              worker: str = "simulated") -> None:
-    from kvdoctor.logic.variants import LOGIC_VARIANTS
-
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
     if max_examples is not None and max_examples < 1:
@@ -87,8 +89,6 @@ def explore(config: Any, out_dir: Path, command: str = "",
     search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
     import dataclasses
 
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.findings import write_findings
     from kvdoctor.explore.search import explore as search
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
@@ -109,8 +109,6 @@ def explore(config: Any, out_dir: Path, command: str = "",
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
         if config.triage and api is not None and time.time() < config.stop_at:
-            from kvdoctor.explore.triage import triage
-
             if not facts:
                 facts.append(api.engine_core_facts())
             finding.triage = triage(api, finding, facts[0], write_attachment)
@@ -126,8 +124,6 @@ def explore(config: Any, out_dir: Path, command: str = "",
         result = search(searched, on_progress=on_progress, on_finding=found, api=api)
     result.config = config
     if result.errors and len(result.errors) >= config.workers:
-        from kvdoctor.errors import InternalError
-
         code = next((c for c in result.error_codes if c is not None), None)
         error = (KvdoctorError if code is not None else InternalError)(
             "every explore worker failed: " + "; ".join(result.errors))
@@ -149,9 +145,6 @@ def triage_findings(result: Any, stop_at: float | None = None,
                     write_attachment: Callable[[Any, Any], str | None] | None = None) -> int:
     """Triage every finding not yet triaged (see `kvdoctor.explore.triage`) while time is left before
     `stop_at`; returns how many were left untriaged."""
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.triage import triage
-
     pending = [f for f in result.findings if f.triage is None]
     if not pending:
         return 0
@@ -168,8 +161,6 @@ def triage_findings(result: Any, stop_at: float | None = None,
 
 def exit_status(report: ExploreReport) -> int:
     """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found"."""
-    from kvdoctor.errors import ExitStatus
-
     if report.findings:
         return ExitStatus.REPRODUCED
     if report.result.errors:

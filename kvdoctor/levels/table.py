@@ -15,6 +15,7 @@ from typing import Any
 
 from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
 from kvdoctor.errors import InternalError
+from kvdoctor.recipes.model import ACTIONS
 from kvdoctor.steps import REGISTRY, Need
 
 DEFAULT_LEVEL = "scheduler"
@@ -130,8 +131,6 @@ def _cell(lvl: Level, needs: tuple[Need, ...]) -> str:
 
 def markdown_table() -> str:
     """Need x level, then step kind x level (from the step registry); docs/engine-levels.md embeds it."""
-    from kvdoctor.recipes.model import ACTIONS
-
     names = list(LEVELS)
     head = " | ".join(names)
     lines = [f"| need | {head} | how |", "|---|" + "---|" * len(names) + "---|"]

@@ -7,6 +7,8 @@ missing is `not_applicable`, with the reason.
 
 from __future__ import annotations
 
+from kvdoctor.recipes.geometry import is_known_setup_requirement
+
 REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>", "secondary_tier:<type>",
                      "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests|last_token_in_prompt_block|prefill_in_one_step>")
 
@@ -14,8 +16,6 @@ REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>
 def is_known_requirement(text: str) -> bool:
     kind, _, value = text.partition(":")
     if kind == "setup":  # judged on the geometry, before vLLM is imported (recipes/geometry.py)
-        from kvdoctor.recipes.geometry import is_known_setup_requirement
-
         return is_known_setup_requirement(value)
     return kind in ("spec", "kv_cache_group_field", "cache_config_field", "secondary_tier") and bool(value)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from kvdoctor.report.json_doc import dumps
+
 FORMATS = ("text", "json", "markdown", "svg")
 
 
@@ -52,8 +54,6 @@ class JsonFormatter:
     name = "json"
 
     def render(self, shown: Shown, width: int | None = None) -> str:
-        from kvdoctor.report.json_doc import dumps
-
         return dumps(shown.document()) + "\n"
 
 

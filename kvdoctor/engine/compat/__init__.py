@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvdoctor.engine.compat import portable
+from kvdoctor.engine.compat import portable, probes
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
 from kvdoctor.engine.compat.engine import (  # noqa: F401 - the engine level's names, re-exported
     default_kv_cache_layouts, engine_batch_queue_len, engine_core_class, engine_core_request, engine_step_fn_name,
     executor_base_class, lean_engine_core_lifecycle, resolve_executor_class)
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
-from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.errors import IncompatibleVllmError, UsageError, VllmUnavailableError
 from kvdoctor.installed import vllm_version
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
@@ -274,8 +274,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         A field this release's KVTransferConfig does not have is refused (exit 2)
         rather than dropped.
         """
-        from kvdoctor.errors import UsageError
-
         cls = self.cls("config", "KVTransferConfig")
         known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
             getattr(cls, "model_fields", {}) or {})
@@ -559,8 +557,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
         A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
         `cache_config_field:<field>` so that such a release reads not_applicable instead)."""
-        from kvdoctor.errors import UsageError
-
         kwargs: dict[str, Any] = {}
         for name, value in setup_fields.items():
             if value is None:
@@ -781,8 +777,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
     @cached_property
     def worker_side_checked(self) -> bool:
         """The worker-side probes, asked once before vLLM's worker is built (exit 3 naming a failing one)."""
-        from kvdoctor.engine.compat import probes
-
         probes.require(self, worker_side=True)
         return True
 
@@ -880,7 +874,6 @@ def load() -> VllmApi:
     if _API is not None:
         return _API
     api = import_vllm()
-    from kvdoctor.engine.compat import probes
 
     probes.require(api, worker_side=False)  # exit 3 naming the first probe that fails
     note = newer_release_note(api.version_text, api.version)

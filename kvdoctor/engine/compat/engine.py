@@ -9,12 +9,11 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from kvdoctor.engine.compat.imports import _import, _require
+from kvdoctor.engine.compat.portable import default_kv_cache_layouts as layouts
 
 
 def default_kv_cache_layouts() -> list[str]:
     """0.33+ asks each worker for its KV cache layouts (`portable`: an exported serve script shares it)."""
-    from kvdoctor.engine.compat.portable import default_kv_cache_layouts as layouts
-
     return layouts()
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import kvdoctor.engine.compat.portable as portable
 from kvdoctor.engine.compat.imports import _import, _require, _silenced_stderr
-from kvdoctor.errors import IncompatibleVllmError
+from kvdoctor.errors import IncompatibleVllmError, UsageError
 
 _WORKER_MODULES = {
     "connector_factory": "vllm.distributed.kv_transfer.kv_connector.factory",
@@ -168,8 +168,6 @@ class WorkerGlue:
         """V1 GPUModelRunner's connector lifecycle (`KVConnectorModelRunnerMixin`)."""
         mod = self.worker_mods().get("runner_mixin")
         if mod is None:
-            from kvdoctor.errors import UsageError
-
             raise UsageError("--model-runner v1: this vLLM has no V1 model runner connector glue "
                              "(KVConnectorModelRunnerMixin); use --model-runner v2")
         return _require(mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
