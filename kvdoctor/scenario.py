@@ -150,6 +150,7 @@ class ScenarioRun:
             harness.shutdown()
 
     def _run_on(self, harness: Harness) -> RunResult:
+        assert self.compiled is not None  # run() compiled the recipe before building the harness
         observer = Observer(harness, self.logic)
         target = StepTarget(harness, observer)
         with storable_chunks_variant(self.api, self.logic, self.log):
@@ -196,7 +197,7 @@ class ScenarioRun:
         self.result.violations = violations
         self.result.failure_step = counter
         wanted = self.recipe.signature.invariant
-        accepted = {wanted, CONTENT_FORM_OF.get(wanted)} - {None}
+        accepted = {wanted, CONTENT_FORM_OF.get(wanted) if wanted else None} - {None}
         if wanted and any(v.invariant in accepted for v in violations):
             self.result.outcome = Outcome.REPRODUCED
         else:

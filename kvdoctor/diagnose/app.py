@@ -23,6 +23,7 @@ from kvdoctor.matrix.known import fixed_in
 from kvdoctor.outcome_codes import exit_code_for
 from kvdoctor.recipes.model import Recipe, Signature, Step
 from kvdoctor.recipes.writer import recipe_to_toml
+from kvdoctor.results import RunResult
 
 MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
 # Above these a geometry is production-sized: it is scaled down to the limit (and said). The
@@ -38,12 +39,12 @@ class RecipeRun:
     recipe: Any  # Recipe
     setup: Any  # Setup
     geometry: str  # "log" (the log's geometry, scaled) | "recipe" (the recipe's own)
-    results: list[Any] = field(default_factory=list)  # RunResult, installed first
-    log_geometry_attempt: list[Any] = field(default_factory=list)  # results under the log geometry, if replaced
+    results: list[RunResult] = field(default_factory=list)  # installed first
+    log_geometry_attempt: list[RunResult] = field(default_factory=list)  # results under the log geometry, if replaced
     log_geometry_problem: str = ""
 
     @property
-    def installed(self) -> Any:
+    def installed(self) -> RunResult | None:
         return next((r for r in self.results if r.logic == "installed"), self.results[0] if self.results else None)
 
 

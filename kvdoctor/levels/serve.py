@@ -217,14 +217,14 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
     engine_steps = len(step_log(lines))
+    crash = engine_crash(summary)
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
                          f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if engine_crash(summary) is not None:
-            result.failure = _failure_from_log(engine_crash(summary))
+        if crash is not None:
+            result.failure = _failure_from_log(crash)
         return result, text
-    crash = engine_crash(summary)
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if crash is not None:
         failure = _failure_from_log(crash)
