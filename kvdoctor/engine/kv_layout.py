@@ -318,11 +318,16 @@ class KvPlan:
     hash_block_size: int
     planner: str  # which vLLM functions grouped the layers
     notes: list[str] = field(default_factory=list)
+    # The max_model_len vLLM's start-up admission check was run with while planning, where the pool is
+    # too small for one request of the setup's max_model_len (None: the check passed as configured).
+    # The engine level runs its own planning with the same length.
+    admission_len: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.layout.source, "planner": self.planner, "num_blocks": self.num_blocks,
                 "scheduler_block_size": self.scheduler_block_size, "hash_block_size": self.hash_block_size,
-                "groups": [g.as_dict() for g in self.groups], "notes": list(self.notes)}
+                "groups": [g.as_dict() for g in self.groups], "notes": list(self.notes),
+                "admission_len": self.admission_len}
 
     def describe(self) -> str:
         return "; ".join(g.describe() for g in self.groups)
@@ -412,7 +417,9 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     if any(layer.kind == MAMBA for layer in layout.layers):
         notes.append("Mamba state pages are padded to the attention page (a GPU deployment may instead grow "
                      "the attention block size to match the state)")
-    return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes),
+    admission_len = checked_len if checked_len < setup.max_model_len else None
+    return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes,
+                   admission_len),
             scheduler_config, block_size, hash_block_size)
 
 

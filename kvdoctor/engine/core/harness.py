@@ -36,7 +36,7 @@ class CoreHarness(Harness):
         layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
         specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
         vllm_config.parallel_config.distributed_executor_backend = QUALNAME
-        handoff = Handoff(specs=specs, admission_len=_admission_len(self.kv_plan, setup))
+        handoff = Handoff(specs=specs, admission_len=self.kv_plan.admission_len)
         HANDOFFS[id(vllm_config)] = handoff
         try:
             executor_class = compat.resolve_executor_class(vllm_config)
@@ -125,13 +125,3 @@ class CoreHarness(Harness):
         events = self._events if self._events is not None else StepEvents()
         return self.worker_step(output, events)
 
-
-def _admission_len(kv_plan: Any, setup: Setup) -> int | None:
-    """The length the scheduler level ran vLLM's admission check with (its plan notes say when lowered)."""
-    import re
-
-    for note in kv_plan.notes:
-        match = re.search(r"planned with the check at max_model_len=(\d+)", note)
-        if match:
-            return int(match.group(1))
-    return None
