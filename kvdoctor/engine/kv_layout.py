@@ -356,31 +356,32 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
     """
     import torch
 
-    kvi = api.mods["kv_cache_interface"]
+    spec_class = api.kv_cache_spec_class
     dtype = getattr(torch, layout.dtype)
-    full = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
-                                 head_size=layout.head_size, dtype=dtype)
+    full = spec_class("FullAttentionSpec")(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                           head_size=layout.head_size, dtype=dtype)
     specs: dict[str, Any] = {}
-    for name, layer in zip(layout.layer_names(), layout.layers):
+    for name, layer in zip(layout.layer_names(), layout.layers, strict=True):
         if layer.kind == MLA:
-            spec = kvi.MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=layer.head_size,
-                                        dtype=dtype)
+            spec = spec_class("MLAAttentionSpec")(block_size=block_size, num_kv_heads=1, head_size=layer.head_size,
+                                                  dtype=dtype)
         elif layer.kind == FULL and (layer.num_kv_heads or layer.head_size):
-            spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
-                                         head_size=layer.head_size or layout.head_size, dtype=dtype)
+            spec = spec_class("FullAttentionSpec")(block_size=block_size,
+                                                   num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
+                                                   head_size=layer.head_size or layout.head_size, dtype=dtype)
         elif layer.kind == FULL:
             spec = full
         elif layer.kind == SLIDING:
-            spec = kvi.SlidingWindowSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
-                                         head_size=layout.head_size, dtype=dtype,
-                                         sliding_window=layer.sliding_window)
+            spec = spec_class("SlidingWindowSpec")(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                                   head_size=layout.head_size, dtype=dtype,
+                                                   sliding_window=layer.sliding_window)
         else:
             mode = mamba_cache_mode or "none"
             state = full.page_size_bytes // 2 // 2  # fp16 elements in half the attention page
             conv = max(1, state // 4)
-            spec = kvi.MambaSpec(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
-                                 block_size=block_size if mode == "align" else max_model_len,
-                                 page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
+            spec = spec_class("MambaSpec")(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
+                                           block_size=block_size if mode == "align" else max_model_len,
+                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
         specs[name] = spec
     return specs
 

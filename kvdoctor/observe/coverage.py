@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from types import CodeType, FrameType, FunctionType
 from typing import Any, Iterable
 
+from kvdoctor.engine.compat.names import function_spellings
+
 # Where in vLLM a site's function is looked for when the engine's own objects do not hold it.
 _MODULE_HINTS = ("offload", "kv_connector", "vllm.v1.core")
 _SAFE_CALLS = {"len", "min", "max", "abs"}
@@ -484,12 +486,16 @@ def site_tracer(signature: Any, harness: Any) -> Any:
         return contextlib.nullcontext(None)
     roots = (harness.scheduler, harness.connector_scheduler)
     when = getattr(signature, "site_when", None)
-    # The statement under `function`, else under its first alias that holds it (vLLM moved it).
-    aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
+    # The statement under the site's function, else under its first other spelling that holds it (vLLM moved
+    # it): the adapter's names table for any site function, and the recipe's own `function_aliases` where the
+    # site is its `function`.
+    recipe_aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
+    spellings = tuple(dict.fromkeys((*function_spellings(crash_site[0]), *recipe_aliases)))
+    aliases = spellings[1:]
     key = (*crash_site, *aliases, when or "", tuple(type(r) for r in roots))
     site = _SITES.get(key)
     if site is None:
-        sites = [find_site(name, crash_site[1], roots, when) for name in (crash_site[0], *aliases)]
+        sites = [find_site(name, crash_site[1], roots, when) for name in spellings]
         site = _SITES[key] = next((found for found in sites if not found.gone), sites[0])
         if site.gone and aliases:
             site.gone = "; ".join(found.gone or "" for found in sites)

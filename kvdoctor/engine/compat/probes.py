@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvdoctor.engine.compat import portable
+from kvdoctor.engine.compat import names, portable
 from kvdoctor.engine.compat.imports import _import, _require
 from kvdoctor.errors import IncompatibleVllmError
 
@@ -61,24 +61,26 @@ def _storable_chunks(api: "VllmApi") -> str:
 
 
 def _store_pass(api: "VllmApi") -> str:
-    method = _require(api.OffloadingConnectorScheduler, "_build_store_jobs", "OffloadingConnectorScheduler")
+    method = names.get(api.OffloadingConnectorScheduler, names.BUILD_STORE_JOBS)
     if getattr(method, "__code__", None) is None:
-        raise IncompatibleVllmError("OffloadingConnectorScheduler._build_store_jobs is not a plain function")
+        raise IncompatibleVllmError(f"{names.BUILD_STORE_JOBS.where} is not a plain function")
     return ("an aborted request's store counts its computed tokens" if api.aborted_store_counts_computed_tokens
             else "no FINISHED_ABORTED case in the store pass")
 
 
 def _connector_state(api: "VllmApi") -> str:
-    """`_req_status` and `_jobs` are set up in `__init__` (read later on live connectors)."""
+    """The request states and jobs are set up in `__init__` (read later on live connectors)."""
     cls = api.OffloadingConnectorScheduler
     code = getattr(cls.__init__, "__code__", None)
     init_names = set(code.co_names) if code is not None else set()
-    missing = {"_req_status", "_jobs"} - init_names
+    missing = [entry.name for entry in _CONNECTOR_STATE if not init_names & set(entry.spellings)]
     if missing:
-        raise IncompatibleVllmError(f"OffloadingConnectorScheduler.__init__ no longer sets "
-                                    f"{', '.join(sorted(missing))}")
-    _require(cls, "_calc_num_offloadable_tokens", "OffloadingConnectorScheduler")
-    return "_req_status, _jobs, _calc_num_offloadable_tokens"
+        raise IncompatibleVllmError(f"OffloadingConnectorScheduler.__init__ no longer sets {', '.join(missing)}")
+    names.get(cls, names.CALC_OFFLOADABLE_TOKENS)
+    return ", ".join(entry.name for entry in (*_CONNECTOR_STATE, names.CALC_OFFLOADABLE_TOKENS))
+
+
+_CONNECTOR_STATE = (names.REQ_STATUS, names.JOBS)  # instance attributes: set in __init__
 
 
 def _worker_metadata(api: "VllmApi") -> str:
@@ -113,11 +115,11 @@ def _kv_cache_tensor(api: "VllmApi") -> str:
 
 
 def _spec_registry(api: "VllmApi") -> str:
-    module = "vllm.v1.kv_offload.factory"
+    module = names.SPEC_REGISTRY.module
     factory = _require(_import(module), "OffloadingSpecFactory", module)
-    registry = _require(factory, "_registry", "OffloadingSpecFactory")
+    registry = names.get(factory, names.SPEC_REGISTRY)
     if not isinstance(registry, dict) or "CPUOffloadingSpec" not in registry:
-        raise IncompatibleVllmError("OffloadingSpecFactory._registry holds no CPUOffloadingSpec")
+        raise IncompatibleVllmError(f"{names.SPEC_REGISTRY.where} holds no CPUOffloadingSpec")
     return f"{len(registry)} offloading specs registered"
 
 
@@ -127,8 +129,8 @@ def _runner_glue(api: "VllmApi") -> str:
     mixin_mod = mods.get("runner_mixin")
     if mixin_mod is not None:
         mixin = _require(mixin_mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
-        for name in ("_get_kv_connector_output", "kv_connector_no_forward"):
-            _require(mixin, name, "KVConnectorModelRunnerMixin")
+        names.get(mixin, names.GET_KV_CONNECTOR_OUTPUT)
+        _require(mixin, "kv_connector_no_forward", "KVConnectorModelRunnerMixin")
         forms.append("V1 KVConnectorModelRunnerMixin")
     if api.has_v2_kv_connector():
         forms.append("V2 ActiveKVConnector")
@@ -140,10 +142,10 @@ def _runner_glue(api: "VllmApi") -> str:
 
 def _worker_connector(api: "VllmApi") -> str:
     mods = api.worker_mods()
-    _require(mods["kv_transfer_state"], "_KV_CONNECTOR_AGENT", "kv_transfer_state")
+    names.get(mods["kv_transfer_state"], names.KV_CONNECTOR_AGENT)
     _require(mods["connector_factory"], "KVConnectorFactory", "kv_connector.factory")
     _require(mods["forward_context"], "set_forward_context", "vllm.forward_context")
-    return "_KV_CONNECTOR_AGENT, KVConnectorFactory, set_forward_context"
+    return f"{names.KV_CONNECTOR_AGENT.name}, KVConnectorFactory, set_forward_context"
 
 
 def _copy_plan(api: "VllmApi") -> str:
@@ -159,14 +161,14 @@ def _copy_plan(api: "VllmApi") -> str:
 
 PROBES: tuple[Probe, ...] = (
     Probe("storable_chunks-signature", "RequestOffloadState.storable_chunks's parameters", _storable_chunks),
-    Probe("store-pass", "OffloadingConnectorScheduler._build_store_jobs", _store_pass),
-    Probe("connector-state", "OffloadingConnectorScheduler's _req_status, _jobs, _calc_num_offloadable_tokens",
-          _connector_state),
+    Probe("store-pass", names.BUILD_STORE_JOBS.where, _store_pass),
+    Probe("connector-state", "OffloadingConnectorScheduler's " + ", ".join(
+        entry.name for entry in (*_CONNECTOR_STATE, names.CALC_OFFLOADABLE_TOKENS)), _connector_state),
     Probe("worker-metadata", "OffloadingWorkerMetadata.mark_completed", _worker_metadata),
     Probe("model-runner-output", "ModelRunnerOutput's fields", _runner_output),
     Probe("kv-connector-output", "KVConnectorOutput's fields", _connector_output),
     Probe("kv-cache-tensor", "KVCacheTensor's fields", _kv_cache_tensor),
-    Probe("offloading-spec-registry", "OffloadingSpecFactory._registry", _spec_registry),
+    Probe("offloading-spec-registry", names.SPEC_REGISTRY.where, _spec_registry),
     Probe("runner-glue", "the model runners' connector calls (V1 mixin or V2 ActiveKVConnector)", _runner_glue,
           worker_side=True),
     Probe("worker-connector", "vLLM's worker-role connector set-up", _worker_connector, worker_side=True),
