@@ -58,7 +58,7 @@ def _defined_names(tree: ast.AST, any_object: bool) -> set[str]:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and (
-                any_object or isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                any_object or (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
             names.add(node.attr)
     return {n for n in names if _is_private(n)}
 

@@ -161,7 +161,7 @@ def _read_with_transformers(directory: Path, config: dict[str, Any], source: str
                          f"vLLM); it is not importable here") from None
     try:
         cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError for unknown types
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unknown types
         raise UsageError(f"{where}: transformers cannot read model_type {model_type!r} "
                          f"({type(exc).__name__}: {_first_line(exc)}); kvdoctor cannot map its KV layout") from None
     text = cfg.get_text_config()
@@ -396,7 +396,7 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
         notes.append(note)
     specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
     names = layout.layer_names()
-    drafts = {name for name, layer in zip(names, layout.layers) if layer.draft}
+    drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
     try:
         _, scheduler_config, block_size, hash_block_size, planner, checked_len = api.plan_kv_cache(
             vllm_config, specs, setup.gpu_blocks, drafts)

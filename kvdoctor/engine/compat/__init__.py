@@ -28,8 +28,8 @@ from functools import cached_property
 from typing import Any
 
 from kvdoctor.engine.compat import names, portable
-from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
 from kvdoctor.engine.compat.engine import EngineGlue
+from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
@@ -152,7 +152,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
     def split_storable_args(self, req_state: Any, group_config: Any, args: tuple, kwargs: dict
                             ) -> tuple[Any, int, dict[str, Any]]:
         """(group_state, num_offloadable_tokens, other arguments) of one call vLLM made."""
-        bound = dict(zip(self.storable_chunks_params[1:], args))
+        bound = dict(zip(self.storable_chunks_params[1:], args, strict=False))  # the rest came as keywords
         bound.update(kwargs)
         n = int(bound.pop("num_offloadable_tokens"))
         group_state = bound.pop("group_state", None)
@@ -421,7 +421,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         return bool(getattr(config, "offload_prompt_only", True))
 
     @staticmethod
-    def group_view(group_config: Any, group_state: Any) -> "GroupView":
+    def group_view(group_config: Any, group_state: Any) -> GroupView:
         """The numbers kvdoctor reads from one KV group of one request, as plain ints."""
         return GroupView(
             group_idx=int(_require(group_config, "group_idx", "GroupOffloadConfig")),
@@ -432,7 +432,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         )
 
     @staticmethod
-    def request_view(request: Any) -> "RequestView":
+    def request_view(request: Any) -> RequestView:
         status = request.status
         return RequestView(
             req_id=str(request.request_id),
@@ -691,7 +691,8 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         """Group per-layer specs and place them in a pool of `num_blocks` blocks, as the engine core does.
 
         Returns (worker KVCacheConfig, scheduler KVCacheConfig, scheduler block size,
-        hash block size, which planner ran, the max_model_len its admission check was run with). 0.26-0.32: `kv_cache_utils.get_kv_cache_configs`;
+        hash block size, which planner ran, the max_model_len its admission check was run with).
+        0.26-0.32: `kv_cache_utils.get_kv_cache_configs`;
         0.33+: the KV cache layout is resolved first, then `kv_cache_planning`'s
         `get_global_kv_cache_groups` + `get_kv_cache_configs`.
         """
@@ -833,7 +834,7 @@ def _within_admission_check(vllm_config: Any, plan: Any) -> tuple[list[Any], int
             try:
                 return plan(), length
             except ValueError as exc:
-                if "max_model_len" not in str(exc) and "KV cache" not in str(exc) or length <= 1:
+                if ("max_model_len" not in str(exc) and "KV cache" not in str(exc)) or length <= 1:
                     raise
                 length //= 2
                 model_config.max_model_len = length

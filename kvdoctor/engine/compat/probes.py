@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.compat import names, portable
 from kvdoctor.engine.compat.imports import _import, _require
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 class Probe:
     name: str
     relies_on: str  # what kvdoctor needs, in vLLM's names
-    check: Callable[["VllmApi"], str]  # the form found, or IncompatibleVllmError saying what changed
+    check: Callable[[VllmApi], str]  # the form found, or IncompatibleVllmError saying what changed
     worker_side: bool = False
 
 
@@ -56,11 +57,11 @@ def _needs_fields(cls: Any, wanted: set[str]) -> set[str]:
     return names
 
 
-def _storable_chunks(api: "VllmApi") -> str:
+def _storable_chunks(api: VllmApi) -> str:
     return "storable_chunks(" + ", ".join(api.storable_chunks_params) + ")"
 
 
-def _store_pass(api: "VllmApi") -> str:
+def _store_pass(api: VllmApi) -> str:
     method = names.get(api.OffloadingConnectorScheduler, names.BUILD_STORE_JOBS)
     if getattr(method, "__code__", None) is None:
         raise IncompatibleVllmError(f"{names.BUILD_STORE_JOBS.where} is not a plain function")
@@ -68,7 +69,7 @@ def _store_pass(api: "VllmApi") -> str:
             else "no FINISHED_ABORTED case in the store pass")
 
 
-def _connector_state(api: "VllmApi") -> str:
+def _connector_state(api: VllmApi) -> str:
     """The request states and jobs are set up in `__init__` (read later on live connectors)."""
     cls = api.OffloadingConnectorScheduler
     code = getattr(cls.__init__, "__code__", None)
@@ -83,7 +84,7 @@ def _connector_state(api: "VllmApi") -> str:
 _CONNECTOR_STATE = (names.REQ_STATUS, names.JOBS)  # instance attributes: set in __init__
 
 
-def _worker_metadata(api: "VllmApi") -> str:
+def _worker_metadata(api: VllmApi) -> str:
     cls = api.cls("offload_common", "OffloadingWorkerMetadata")
     _require(cls, "mark_completed", "OffloadingWorkerMetadata")
     if portable.worker_reports_failed_jobs(cls):
@@ -91,21 +92,21 @@ def _worker_metadata(api: "VllmApi") -> str:
     return "mark_completed(job_id): no failure path (transfers assert success)"
 
 
-def _runner_output(api: "VllmApi") -> str:
+def _runner_output(api: VllmApi) -> str:
     cls = api.cls("outputs", "ModelRunnerOutput")
     _needs_fields(cls, {"req_ids", "sampled_token_ids", "kv_connector_output"})
     return ("with req_id_to_index" if portable.runner_output_takes_req_id_to_index(cls)
             else "without req_id_to_index")
 
 
-def _connector_output(api: "VllmApi") -> str:
+def _connector_output(api: VllmApi) -> str:
     cls = api.cls("outputs", "KVConnectorOutput")
     failure_field = "failed_recving" if api.worker_reports_failed_jobs else "invalid_block_ids"
     _needs_fields(cls, {"finished_recving", "kv_connector_worker_meta", failure_field})
     return f"failed loads as {failure_field}"
 
 
-def _kv_cache_tensor(api: "VllmApi") -> str:
+def _kv_cache_tensor(api: VllmApi) -> str:
     names = _field_names(api.cls("kv_cache_interface", "KVCacheTensor"))
     if "shared_by" in names:
         return "shared_by"
@@ -114,7 +115,7 @@ def _kv_cache_tensor(api: "VllmApi") -> str:
     raise IncompatibleVllmError(f"KVCacheTensor has unknown fields {sorted(names)}")
 
 
-def _spec_registry(api: "VllmApi") -> str:
+def _spec_registry(api: VllmApi) -> str:
     module = names.SPEC_REGISTRY.module
     factory = _require(_import(module), "OffloadingSpecFactory", module)
     registry = names.get(factory, names.SPEC_REGISTRY)
@@ -123,7 +124,7 @@ def _spec_registry(api: "VllmApi") -> str:
     return f"{len(registry)} offloading specs registered"
 
 
-def _runner_glue(api: "VllmApi") -> str:
+def _runner_glue(api: VllmApi) -> str:
     mods = api.worker_mods()
     forms = []
     mixin_mod = mods.get("runner_mixin")
@@ -140,7 +141,7 @@ def _runner_glue(api: "VllmApi") -> str:
     return ", ".join(forms)
 
 
-def _worker_connector(api: "VllmApi") -> str:
+def _worker_connector(api: VllmApi) -> str:
     mods = api.worker_mods()
     names.get(mods["kv_transfer_state"], names.KV_CONNECTOR_AGENT)
     _require(mods["connector_factory"], "KVConnectorFactory", "kv_connector.factory")
@@ -148,7 +149,7 @@ def _worker_connector(api: "VllmApi") -> str:
     return f"{names.KV_CONNECTOR_AGENT.name}, KVConnectorFactory, set_forward_context"
 
 
-def _copy_plan(api: "VllmApi") -> str:
+def _copy_plan(api: VllmApi) -> str:
     api.offloading_worker_base()
     api.compute_sub_block_ptrs()
     result = _require(_import("vllm.v1.kv_offload.base"), "TransferResult", "vllm.v1.kv_offload.base")
@@ -177,7 +178,7 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
-def run(api: "VllmApi", worker_side: bool) -> list[ProbeResult]:
+def run(api: VllmApi, worker_side: bool) -> list[ProbeResult]:
     """Every scheduler-side probe (and the worker-side ones with `worker_side`), each answered."""
     results = []
     for probe in PROBES:
@@ -187,12 +188,12 @@ def run(api: "VllmApi", worker_side: bool) -> list[ProbeResult]:
             results.append(ProbeResult(probe.name, probe.relies_on, True, probe.check(api)))
         except IncompatibleVllmError as exc:
             results.append(ProbeResult(probe.name, probe.relies_on, False, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - a probe that cannot answer does not hold
+        except Exception as exc:  # a probe that cannot answer does not hold
             results.append(ProbeResult(probe.name, probe.relies_on, False, f"{type(exc).__name__}: {exc}"))
     return results
 
 
-def require(api: "VllmApi", worker_side: bool) -> None:
+def require(api: VllmApi, worker_side: bool) -> None:
     """Raise exit 3 naming the first probe that fails, and what changed."""
     for result in run(api, worker_side):
         if not result.holds:

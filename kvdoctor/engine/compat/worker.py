@@ -11,8 +11,9 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import kvdoctor.engine.compat.portable as portable
 from kvdoctor.engine.compat import names
@@ -52,7 +53,7 @@ class WorkerGlue:
                 for key, name in _OPTIONAL_WORKER_MODULES.items():
                     try:
                         self.mods[key] = importlib.import_module(name)
-                    except Exception:  # noqa: BLE001 - absent in this release: probed where used
+                    except Exception:  # absent in this release: probed where used
                         self.mods[key] = None
         return self.mods
 
@@ -135,7 +136,7 @@ class WorkerGlue:
         try:
             default_model = is_default() if is_default is not None else True  # 0.33: V2 for every model
             return "v2" if default_model and not unsupported() else "v1"
-        except Exception:  # noqa: BLE001 - a probe that cannot answer means the release's plain default
+        except Exception:  # a probe that cannot answer means the release's plain default
             return "v1"
 
     def has_v2_kv_connector(self) -> bool:
@@ -248,7 +249,7 @@ class WorkerGlue:
             return None
         try:
             return probe(self.vllm_config_of(scheduler))
-        except Exception:  # noqa: BLE001 - a connector that cannot say asks for nothing in particular
+        except Exception:  # a connector that cannot say asks for nothing in particular
             return None
 
     def allocate_kv_caches(self, kv_cache_config: Any, device: Any, fill: int,
@@ -294,8 +295,8 @@ class WorkerGlue:
         specs = [self._group_layer_specs(group) for group in groups]
         page = fingerprint_page_bytes(slot_bytes, [int(group.kv_cache_spec.block_size) for group in groups])
         new_groups = []
-        for group, names, per_layer in zip(groups, kept, specs):
-            shrunk = {name: _shrink_spec(per_layer[name], page) for name in names}
+        for group, layer_names, per_layer in zip(groups, kept, specs, strict=True):
+            shrunk = {name: _shrink_spec(per_layer[name], page) for name in layer_names}
             spec = group.kv_cache_spec
             if getattr(spec, "kv_cache_specs", None) is not None:  # UniformTypeKVCacheSpecs
                 spec = dataclasses.replace(spec, kv_cache_specs=shrunk)
