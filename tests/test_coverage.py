@@ -90,9 +90,8 @@ def test_a_site_gone_from_the_source_is_said_and_keeps_not_reproduced(function, 
 def test_the_assertion_firing_counts_and_the_trace_is_removed_when_the_run_raises():
     engine, found = site()
     before = sys.gettrace()
-    with pytest.raises(AssertionError):
-        with SiteTracer(found) as coverage:
-            engine.update_state_after_alloc(64, 1)
+    with pytest.raises(AssertionError), SiteTracer(found) as coverage:
+        engine.update_state_after_alloc(64, 1)
     assert sys.gettrace() is before
     assert coverage.hits == 1 and coverage.closest == "64 <= 16"
 

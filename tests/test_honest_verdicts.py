@@ -8,14 +8,12 @@ no traceback, and with `--json` a parsable error document on stdout.
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import time
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 
@@ -117,8 +115,8 @@ def test_installed_variant_returns_vllms_own_result(api):
 
     cls.storable_chunks = spy
     try:
-        from kvdoctor.scenario import run_scenario
         from kvdoctor.recipes.builtins import resolve
+        from kvdoctor.scenario import run_scenario
 
         recipe = resolve("preemption")
         result = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")

@@ -7,8 +7,10 @@ missing is `not_applicable`, with the reason.
 
 from __future__ import annotations
 
-REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>", "secondary_tier:<type>",
-                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests|last_token_in_prompt_block|prefill_in_one_step>")
+REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>",
+                     "secondary_tier:<type>",
+                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests"
+                     "|last_token_in_prompt_block|prefill_in_one_step>")
 
 
 def is_known_requirement(text: str) -> bool:

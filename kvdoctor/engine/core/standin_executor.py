@@ -135,7 +135,7 @@ class StandInExecutor(Executor):
     def execute_model(self, scheduler_output, non_block=False):
         try:
             output = self.run_step(scheduler_output)
-        except Exception as exc:  # noqa: BLE001 - the engine sees it where a GPU worker's error surfaces
+        except Exception as exc:  # the engine sees it where a GPU worker's error surfaces
             if non_block:
                 return _failed(exc)
             raise

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         copies: list[tuple[int, int, int, int, int]] = []
         nbytes = 0
         src_off = dst_off = 0
-        for group, (size, first) in enumerate(zip(sizes, indices)):
+        for group, (size, first) in enumerate(zip(sizes, indices, strict=False)):
             if size == 0:
                 continue
             s_skip, d_skip = first % src_per, first % dst_per
@@ -115,7 +116,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
                 self._sub_block_ptrs(dst_ids[dst_off:d_end], dst_per, dp, dst_tensors[ref.tensor_idx],
                                      skip_count=d_skip)
                 page = int(ref.page_size_bytes)
-                for i, (s, d) in enumerate(zip(sp.tolist(), dp.tolist())):
+                for i, (s, d) in enumerate(zip(sp.tolist(), dp.tolist(), strict=True)):
                     slot, sub = slots[i]
                     copies.append((s, d, page, int(gpu_ids[i]), ref.tensor_idx * (1 << 40) + slot * bpc + sub))
                 nbytes += size * page
@@ -144,7 +145,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         gpu_blocks: list[int] = []
         for group, (size, n_refs, first) in enumerate(zip(device_ptrs.group_block_counts,
                                                           device_ptrs.group_data_ref_counts,
-                                                          device_ptrs.block_indices)):
+                                                          device_ptrs.block_indices, strict=True)):
             size = int(size)
             if size == 0:
                 continue
@@ -158,7 +159,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
                 cp = np.empty(size, dtype=np.int64)
                 self._sub_block_ptrs(chunk_ids, bpc, cp, self.cpu_tensors[ref.tensor_idx], skip_count=skip)
                 page = int(ref.page_size_bytes)
-                for i, (g, c) in enumerate(zip(gp, cp.tolist())):
+                for i, (g, c) in enumerate(zip(gp, cp.tolist(), strict=True)):
                     block = (g - gpu_t.data_ptr()) // gpu_t.stride(0)
                     if d == 0:
                         gpu_blocks.append(block)

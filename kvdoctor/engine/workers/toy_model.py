@@ -38,7 +38,8 @@ class ContentFinding:
 
     @property
     def message(self) -> str:
-        job = f"store job #{self.job}: " if self.job is not None and self.invariant != "load-returns-stored-bytes" else (
+        stored_by_job = self.job is not None and self.invariant != "load-returns-stored-bytes"
+        job = f"store job #{self.job}: " if stored_by_job else (
             f"load job #{self.job}: " if self.job is not None else "")
         return (f"{job}{self.request} layer {self.layer} position {self.position} (block {self.block}): "
                 f"{self.found}")
@@ -53,8 +54,8 @@ class RequestKv:
 
 
 def _next_key(previous: int, token: int) -> int:
-    digest = hashlib.blake2b(previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True),
-                             digest_size=8).digest()
+    chained = previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True)
+    digest = hashlib.blake2b(chained, digest_size=8).digest()
     key = int.from_bytes(digest, "little", signed=True)
     return key if key not in (0, POISON_WORD) else key + 1
 
@@ -98,7 +99,7 @@ class ToyModel:
         self._reported: set[tuple[int, str, int]] = set()
 
     @classmethod
-    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> "ToyModel":
+    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> ToyModel:
         from kvdoctor.errors import UsageError
 
         layers = []
@@ -197,7 +198,7 @@ class ToyModel:
         rows = key_t[:, None].repeat(1, layer.slots.shape[-1])
         rows[:, 1] = layer.tag
         layer.slots[blocks, offs] = rows
-        for p, key in zip(positions, keys):
+        for p, key in zip(positions, keys, strict=True):
             self.origin.setdefault(key, (rid, p))
 
     def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int | None],
@@ -259,7 +260,7 @@ class ToyModel:
         start = 0
         for group, size in enumerate(group_sizes):
             table = state.block_ids[group] if group < len(state.block_ids) else []
-            bs = next((l.block_size for l in self.layers if l.group == group), None)
+            bs = next((layer.block_size for layer in self.layers if layer.group == group), None)
             for block in gpu_blocks[start:start + size]:
                 if bs is None or block not in table:
                     continue
