@@ -127,7 +127,7 @@ def _read_layout(model_dir: str, source: str | None, sliding_window: int | None)
                       for k in _layers_of(draft, draft_dir, sliding_window))
     if not layers:
         raise UsageError(f"{directory / 'config.json'}: no layer keeps a KV cache")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     heads = _positive(text, "num_key_value_heads", text.get("num_attention_heads", 1), directory)
     head_size = text.get("head_dim")
     if head_size is None:
@@ -248,7 +248,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _positive(config: dict, key: str, default: Any, where: Path) -> int:
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config.json (`text_config` in a multimodal model's), else the config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _positive(config: dict[str, Any], key: str, default: Any, where: Path) -> int:
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"{where / 'config.json'}: {key} must be a positive integer, got {value!r}")
@@ -256,7 +262,7 @@ def _positive(config: dict, key: str, default: Any, where: Path) -> int:
 
 
 def _layers_of(config: dict[str, Any], directory: Path, window_override: int | None) -> list[LayerKind]:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     window = window_override or text.get("sliding_window")
     where = directory / "config.json"
     if "layer_types" in text:

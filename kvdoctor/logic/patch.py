@@ -144,7 +144,7 @@ def storable_chunks_variant(api: Any, variant: str, log: CallLog | None = None) 
         return returned
 
     patched = installed if variant == "installed" else variant_of_kvdoctor
-    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    patched.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps's attribute, set by hand
     patched.__qualname__ = f"RequestOffloadState.storable_chunks[kvdoctor:{variant}]"
     cls.storable_chunks = patched
     try:

@@ -195,8 +195,10 @@ def _statements(code: CodeType) -> list[tuple[int, int, str, ast.stmt]]:
         if not isinstance(node, ast.stmt):
             continue
         body = getattr(node, "body", None)
-        compound = isinstance(body, list) and body and isinstance(body[0], ast.stmt)
-        end = max(node.lineno, body[0].lineno - 1) if compound else (node.end_lineno or node.lineno)
+        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):  # a compound statement: its header
+            end = max(node.lineno, body[0].lineno - 1)
+        else:
+            end = node.end_lineno or node.lineno
         text = _normalize(" ".join(lines[n - 1].strip() for n in range(node.lineno, end + 1)))
         out.append((node.lineno, end, text, node))
         for attr in ("body", "orelse", "finalbody", "handlers"):
@@ -443,7 +445,7 @@ class SiteTracer:
 
     # 3.12+: LINE events on the site's code objects only
     def _start_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
         tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
         if tool is None:  # every tool id taken: count nothing rather than disturb another tool
             self.coverage.measured = False
@@ -467,7 +469,7 @@ class SiteTracer:
             monitoring.set_local_events(tool, code, events.LINE | events.PY_START)
 
     def _stop_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
         for code in self._codes:
             monitoring.set_local_events(self._tool, code, 0)
         monitoring.register_callback(self._tool, monitoring.events.LINE, None)

@@ -205,7 +205,7 @@ def unknown(names: list[str]) -> list[str]:
 
 
 def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
-    violations = []
+    violations: list[Violation] = []
     for name in names:
         messages = INVARIANTS[name][1](ctx)
         if messages:

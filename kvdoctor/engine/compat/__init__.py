@@ -102,9 +102,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
     mods: dict[str, Any]
 
     # -- public classes -------------------------------------------------
-    def cls(self, module_key: str, name: str) -> Any:
-        return _require(self.mods[module_key], name, self.mods[module_key].__name__)
-
     def config_class(self, name: str) -> Any:
         """A class of `vllm.config` (VllmConfig, CacheConfig, SchedulerConfig, DeviceConfig, ...)."""
         return self.cls("config", name)
@@ -624,12 +621,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         """0.33+: a load job entry's `sync` (a sync load, within the `sync_load_budget_bytes` of its step:
         vLLM's worker waits for it in that step and reports no finished_recving); before: always async."""
         return bool(getattr(load_job, "sync", False))
-
-    @staticmethod
-    def block_ids_of(spec: Any) -> tuple[int, ...]:
-        """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
-        ids = getattr(spec, "block_ids", None)
-        return tuple(int(b) for b in ids) if ids is not None else ()
 
     @staticmethod
     def block_ids_by_group(spec: Any) -> tuple[tuple[int, ...], ...]:

@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvdoctor.engine.compat import names
-from kvdoctor.engine.compat.imports import _import, _require
+from kvdoctor.engine.compat.imports import AdapterBase, _import, _require
 
 
-class EngineGlue:
+class EngineGlue(AdapterBase):
     """vLLM's EngineCore, Executor and EngineCoreRequest, per release."""
 
     @staticmethod

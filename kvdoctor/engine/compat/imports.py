@@ -68,6 +68,16 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else ""
 
 
+class AdapterBase:
+    """What every part of the adapter (`VllmApi` and the glue mixed into it) reads: vLLM's imported modules,
+    by key (`compat._MODULES`, worker-side ones added on first use), and their classes."""
+
+    mods: dict[str, Any]
+
+    def cls(self, module_key: str, name: str) -> Any:
+        return _require(self.mods[module_key], name, self.mods[module_key].__name__)
+
+
 def _require(obj: Any, name: str, where: str) -> Any:
     try:
         return getattr(obj, name)

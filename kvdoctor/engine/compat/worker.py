@@ -17,7 +17,7 @@ from typing import Any
 
 import kvdoctor.engine.compat.portable as portable
 from kvdoctor.engine.compat import names
-from kvdoctor.engine.compat.imports import _import, _require, _silenced_stderr
+from kvdoctor.engine.compat.imports import AdapterBase, _import, _require, _silenced_stderr
 from kvdoctor.errors import IncompatibleVllmError
 
 _WORKER_MODULES = {
@@ -39,10 +39,14 @@ _OPTIONAL_WORKER_MODULES = {
 SCHEDULER_RUNNER_AGNOSTIC = "any (this release's scheduler output does not depend on the runner)"
 
 
-class WorkerGlue:
+class WorkerGlue(AdapterBase):
     """vLLM's worker-role connector and the model runners' connector calls, per release."""
 
-    mods: dict[str, Any]
+    @staticmethod
+    def block_ids_of(spec: Any) -> tuple[int, ...]:
+        """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
+        ids = getattr(spec, "block_ids", None)
+        return tuple(int(b) for b in ids) if ids is not None else ()
 
     def worker_mods(self) -> dict[str, Any]:
         """The worker-side modules, imported once (added to `self.mods`)."""
@@ -268,11 +272,11 @@ class WorkerGlue:
             layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or layout_name
             members = layout_mod.KVCacheLayout.__members__
             layout = members[layout_name] if layout_name in members else next(iter(members.values()))
-            kv = allocate(kv_cache_config, torch.device(device), layout)
-            for tensor in kv.values():
+            allocated: dict[str, Any] = allocate(kv_cache_config, torch.device(device), layout)
+            for tensor in allocated.values():
                 first = tensor[0] if isinstance(tensor, list) else tensor
                 torch.tensor([], dtype=torch.int8, device=first.device).set_(first.untyped_storage()).fill_(fill)
-            return kv
+            return allocated
         n = kv_cache_config.num_blocks
         specs = self.kv_layer_specs(kv_cache_config)
         kv: dict[str, Any] = {}
@@ -301,8 +305,8 @@ class WorkerGlue:
             if getattr(spec, "kv_cache_specs", None) is not None:  # UniformTypeKVCacheSpecs
                 spec = dataclasses.replace(spec, kv_cache_specs=shrunk)
             else:
-                spec = shrunk[names[0]]
-            new_groups.append(dataclasses.replace(group, layer_names=names, kv_cache_spec=spec))
+                spec = shrunk[layer_names[0]]
+            new_groups.append(dataclasses.replace(group, layer_names=layer_names, kv_cache_spec=spec))
         cls = self.cls("kv_cache_interface", "KVCacheTensor")
         tensors = portable.aliased_kv_cache_tensors(cls, kept, page, int(kv_cache_config.num_blocks))
         return dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, kv_cache_groups=new_groups)

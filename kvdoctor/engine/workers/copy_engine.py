@@ -57,6 +57,7 @@ class TransferControl:
         self.cpu_slots: int | None = None
 
 
+# mypy cannot check a base class computed at import (vLLM's OffloadingWorker, found by the adapter)
 class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[misc]
     def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_cpu_slots: int,
                  control: TransferControl) -> None:
@@ -79,8 +80,9 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         self._queue: list[Transfer] = []  # in submission order, like chained stream events
         self._due: dict[int, int] = {}
         self._calls = 0
-        # (cpu tensor, slot, sub-block) -> bytes stored there: a load is compared against it
-        self.stored: dict[tuple[int, int, int], bytes] = {}
+        # (cpu tensor, slot, sub-block), packed in one int as the copies carry it -> bytes stored there: a load
+        # is compared against it
+        self.stored: dict[int, bytes] = {}
         self.submitted: list[tuple[str, int]] = []
 
     # -- the copy plan (vLLM's direct layout) --------------------------------

@@ -16,6 +16,7 @@ partitions a page works.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,11 @@ class ToyModel:
         self._copied: dict[int, dict[str, Any]] = {}
         self.checked_slots = 0
         self._reported: set[tuple[int, str, int]] = set()
+
+    def release(self) -> None:
+        """Drop the KV tensors and copies this model reads (a finished run's pages go with it)."""
+        self.layers = []
+        self._copied.clear()
 
     @classmethod
     def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> ToyModel:
@@ -201,7 +207,7 @@ class ToyModel:
         for p, key in zip(positions, keys, strict=True):
             self.origin.setdefault(key, (rid, p))
 
-    def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int | None],
+    def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: Sequence[int | None],
                invariant: str, job: int | None, source: Any = None) -> None:
         if not len(positions):
             return

@@ -58,7 +58,7 @@ class VllmWorker:
         self.kv_caches = api.allocate_kv_caches(self.worker_kv_cache_config, device, POISON_BYTE,
                                                 api.required_kv_cache_layout(scheduler))
         self.connector = api.create_worker_connector(self.vllm_config, self.worker_kv_cache_config)
-        self._v2 = None
+        self._v2: Any = None  # Model Runner V2's ActiveKVConnector (vLLM's), under --model-runner v2
         with api.active_worker_connector(self.connector):
             if model_runner == "v2":
                 if not api.has_v2_kv_connector():
@@ -173,4 +173,5 @@ class VllmWorker:
         if self.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
             self.engine.gpu_tensors, self.engine.cpu_tensors, self.engine.stored = [], [], {}
         self.control.engine = None
-        self.engine = self.model = self.kv_caches = self.connector = self._v2 = None
+        self.model.release()
+        self.engine = self.kv_caches = self.connector = self._v2 = None
