@@ -130,7 +130,7 @@ def test_the_guard_that_held_is_named(reports, api, name, mode):
     if not wanted:
         pytest.skip(f"no guard measured for {name} on this release")
     for logic, ref in wanted.items():
-        guards = result(reports, name, mode, logic).guards
+        guards = guard_lines(result(reports, name, mode, logic))
         assert any(g.startswith("B:") and ref in g for g in guards), (logic, guards)
 
 
