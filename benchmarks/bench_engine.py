@@ -57,7 +57,7 @@ def inproc(repeat: int) -> int:
     """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
     from kvdoctor.app import load_vllm, resolve_setup
     from kvdoctor.cli.options import worker_overrides
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.recipes.builtins import resolve
     from kvdoctor.scenario import run_scenario
 
@@ -130,7 +130,7 @@ def export() -> int:
 def compare(names: list[str]) -> int:
     from kvdoctor.app import load_vllm, resolve_setup
     from kvdoctor.cli.options import worker_overrides
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
     from kvdoctor.scenario import run_scenario

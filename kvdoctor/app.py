@@ -159,7 +159,7 @@ def repro(recipe_ref: str, overrides: dict[str, Any], logic: str, record_timelin
         if logic not in ("all", "installed"):
             raise UsageError(f"--logic {logic}: the served engine runs the installed vLLM unpatched (--engine serve "
                              f"runs --logic installed only)")
-        from kvdoctor.engine.core.serve import repro_serve
+        from kvdoctor.levels.serve import repro_serve
 
         return repro_serve(recipe, setup, command=command, fixed_in=_fixed_in(recipe))
     progress = on_progress or (lambda done, total, what: None)
@@ -246,7 +246,7 @@ class AuditReport:
     rows: list[AuditRow] = field(default_factory=list)
     metrics: list[MetricRow] = field(default_factory=list)
     command: str = ""
-    engine: str = "scheduler"  # the engine level every row ran at (kvdoctor/engine/core/levels.py)
+    engine: str = "scheduler"  # the engine level every row ran at (kvdoctor/levels/table.py)
 
     @property
     def any_reproduced(self) -> bool:
@@ -294,7 +294,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
 
     engine = (overrides or {}).get("engine") or "scheduler"
     if engine == "serve":
-        from kvdoctor.engine.core.serve import check_plugin
+        from kvdoctor.levels.serve import check_plugin
 
         check_plugin()  # before vLLM is imported: one line, exit 2
     run_scenario = _scenario_runner(engine)
@@ -343,7 +343,7 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
 def _scenario_runner(engine: str) -> Callable[..., Any]:
     """The scenario run of an engine level (serve has none in-process: `_serve_row`)."""
     if engine == "core":
-        from kvdoctor.engine.core.runner import run_core_scenario
+        from kvdoctor.levels.core import run_core_scenario
 
         return run_core_scenario
     from kvdoctor.scenario import run_scenario
@@ -353,7 +353,7 @@ def _scenario_runner(engine: str) -> Callable[..., Any]:
 
 def _serve_row(recipe: Recipe, setup: Setup) -> AuditRow:
     """One recipe through a `vllm serve` child; the fixed logic cannot be played there."""
-    from kvdoctor.engine.core.serve import UNPATCHED, run_serve, serve_setup
+    from kvdoctor.levels.serve import UNPATCHED, run_serve, serve_setup
     from kvdoctor.observe.verdict import Outcome
     from kvdoctor.scenario import RunResult
 

@@ -184,7 +184,7 @@ class ScenarioRun:
             untested = [str(exc)]
         lacking = missing(self.api, self.recipe.requires)
         if not lacking:  # a step only an engine plays (pause/resume) is not this level's: say why
-            from kvdoctor.engine.core.levels import unexpressible
+            from kvdoctor.levels.table import unexpressible
 
             lacking = unexpressible(self.recipe.steps, self.level, self.setup.async_scheduling)
         if lacking or untested:

@@ -117,7 +117,7 @@ class Setup:
     # was there or asked for (`kvdoctor.app.resolve_device`).
     device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
-    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/levels/table.py.
     engine: str = "scheduler"
     # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
     # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.

@@ -32,7 +32,7 @@ Three questions, each answered by running or by reading vLLM, never assumed:
     what an engine does between and during its steps.
 
 (c) *Through vLLM's EngineCore.* The shrunk recipe is replayed with `--engine
-    core` (`kvdoctor.engine.core.runner.run_core_scenario`: vLLM's own
+    core` (`kvdoctor.levels.core.run_core_scenario`: vLLM's own
     EngineCore calls the scheduler, kvdoctor only hosts the executor). It is
     "reproduced through vLLM's EngineCore", "not reproduced through EngineCore
     (scheduler-level only)", or, for a recipe with a step the engine core
@@ -163,7 +163,7 @@ def through_engine_core(api: Any, finding: Any) -> tuple[str, str]:
     before vLLM builds anything; the steps it names are the detail."""
     import re
 
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.errors import KvdoctorError
     from kvdoctor.observe.verdict import Outcome
 
@@ -175,7 +175,7 @@ def through_engine_core(api: Any, finding: Any) -> tuple[str, str]:
     except KvdoctorError as exc:  # a setup the engine level refuses (kvdoctor's own refusal, one line)
         return NOT_PLAYABLE_AT_CORE, str(exc)
     if result.outcome is Outcome.NOT_APPLICABLE:
-        from kvdoctor.engine.core.levels import why_not
+        from kvdoctor.levels.table import why_not
 
         steps = list(dict.fromkeys(step.action for step in finding.recipe.steps
                                    if why_not(step.action, "core", setup.async_scheduling)))

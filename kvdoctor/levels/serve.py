@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.engine.core.levels import unexpressible
+from kvdoctor.levels.table import unexpressible
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
-from kvdoctor.engine.core.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port,
+from kvdoctor.levels.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port,
                                                play, step_log, wait_ready)
 from kvdoctor.errors import UsageError
 
@@ -105,7 +105,7 @@ def serve_env(setup: Any) -> dict[str, str]:
     from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
 
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[3])  # kvdoctor's own code first, in both server processes
+    root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({PLATFORM_ENV: "1", STEP_SECONDS_ENV: str(STEP_SECONDS), ADMISSION_ENV:
                 str(admission_len(setup)), "KVDOCTOR_VERBOSE_IMPORT": "1", "VLLM_LOGGING_LEVEL": "INFO",

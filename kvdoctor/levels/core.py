@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.engine.core.levels import unexpressible
+from kvdoctor.levels.table import unexpressible
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.scenario import RunResult, ScenarioRun
 
