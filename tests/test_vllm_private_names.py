@@ -309,3 +309,16 @@ def test_every_row_is_read_by_the_adapter_and_every_absence_names_its_probe():
                 no_probe.append(f"{symbol}: {entry.absent!r}")
     assert not unread, f"rows the adapter never reads: {unread}"
     assert not no_probe, f"absences that name no adapter function: {no_probe}"
+
+
+def test_no_layer_above_the_adapter_reads_its_modules():
+    """`api.mods` (vLLM's imported modules, by the adapter's keys) is the adapter's own: the layers above ask it
+    through methods (`api.config_class`, `api.kv_cache_spec_class`, ...)."""
+    reads = []
+    for path in sorted(KVDOCTOR.rglob("*.py")):
+        if ADAPTER in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "mods":
+                reads.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not reads, "api.mods read outside kvdoctor/engine/compat/:\n" + "\n".join(reads)
