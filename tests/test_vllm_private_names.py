@@ -281,3 +281,44 @@ def test_a_function_row_gives_a_crash_site_every_spelling():
     assert vllm_names.function_spellings("_lookup") == ("_lookup", "_lookup_complete_chunks")
     assert vllm_names.function_spellings("_lookup_complete_chunks") == ("_lookup_complete_chunks", "_lookup")
     assert vllm_names.function_spellings("schedule") == ("schedule",)
+
+
+def test_every_row_is_read_by_the_adapter_and_every_absence_names_its_probe():
+    """Each row is read somewhere in the adapter as `names.<ROW>` (no dead rows; a function row with several
+    spellings is read by crash sites, through `function_spellings`), and a row that may be absent
+    names the adapter function that answers for a release without it (a VllmApi method or `portable.<name>`)."""
+    from kvdoctor.engine import compat
+    from kvdoctor.engine.compat import portable
+
+    adapter_source = "\n".join(path.read_text(encoding="utf-8") for path in ADAPTER.glob("*.py")
+                               if path != TABLE_MODULE)
+    symbols = {id(value): key for key, value in vars(vllm_names).items() if isinstance(value, vllm_names.VllmName)}
+    unread, no_probe = [], []
+    for entry in vllm_names.TABLE:
+        symbol = symbols[id(entry)]
+        crash_site_spellings = entry.function and len(entry.spellings) > 1  # read through function_spellings
+        if f"names.{symbol}" not in adapter_source and not (entry.absent or "").startswith("portable.") \
+                and not crash_site_spellings:
+            unread.append(symbol)
+        if entry.absent is not None:
+            probe, _, what = entry.absent.partition(": ")
+            owner, name = (portable, probe.removeprefix("portable.")) if probe.startswith("portable.") \
+                else (compat.VllmApi, probe)
+            found = getattr(owner, name, None)
+            if not what or not (callable(found) or isinstance(found, property)):
+                no_probe.append(f"{symbol}: {entry.absent!r}")
+    assert not unread, f"rows the adapter never reads: {unread}"
+    assert not no_probe, f"absences that name no adapter function: {no_probe}"
+
+
+def test_no_layer_above_the_adapter_reads_its_modules():
+    """`api.mods` (vLLM's imported modules, by the adapter's keys) is the adapter's own: the layers above ask it
+    through methods (`api.config_class`, `api.kv_cache_spec_class`, ...)."""
+    reads = []
+    for path in sorted(KVDOCTOR.rglob("*.py")):
+        if ADAPTER in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr == "mods":
+                reads.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not reads, "api.mods read outside kvdoctor/engine/compat/:\n" + "\n".join(reads)

@@ -45,7 +45,9 @@ class VllmName:
     module: str  # the vLLM module that defines it
     owner: str | None  # the class whose attribute (method, class or instance attribute) it is; None: module-level
     spellings: tuple[str, ...]  # the current spelling first, then those of other releases
-    absent: str | None = None  # where a release has no spelling: what the adapter does instead (None: required)
+    # Where a release has no spelling: "<the adapter function that answers then>: what it does" (the function
+    # is a VllmApi method, or `portable.<name>`); None: required (a release without it fails a probe, exit 3).
+    absent: str | None = None
     function: bool = False  # a function or method: also a crash-site name
 
     @property
