@@ -13,6 +13,7 @@ import pytest
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
+from kvdoctor.report.guards import guard_lines
 
 from .recipe_runs import bug_present, measured
 
