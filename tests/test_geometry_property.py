@@ -13,7 +13,8 @@ well under two minutes here.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
 from kvdoctor.app import resolve_setup
 from kvdoctor.recipes.builtins import all_builtins

@@ -8,14 +8,12 @@ no traceback, and with `--json` a parsable error document on stdout.
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import time
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.report.guards import guard_lines
 

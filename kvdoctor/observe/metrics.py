@@ -61,14 +61,18 @@ def _steps_to_first_tokens(api: Any, setup: Setup, prompts: list[list[int]], see
         # Put every seed prompt in the CPU tier only: run them, let their stores land, empty the GPU cache.
         for i, prompt in enumerate(seeds):
             harness.add(f"seed{i}", prompt, max_tokens=1)
-        seeds_done = lambda: all(harness.requests[f"seed{i}"].is_finished() for i in range(len(seeds)))  # noqa: E731
+        def seeds_done() -> bool:
+            return all(harness.requests[f"seed{i}"].is_finished() for i in range(len(seeds)))
+
         _run_until(harness, seeds_done, "seeding the CPU tier")
         _run_until(harness, lambda: not harness.worker.in_flight, "draining the seed stores")
         if not harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
             raise MeasurementIncomplete("K10 measurement: the GPU prefix cache could not be reset")
         for i, prompt in enumerate(prompts):
             harness.add(f"R{i}", prompt, max_tokens=4)
-        started = lambda: all(harness.requests[f"R{i}"].num_output_tokens >= 1 for i in range(len(prompts)))  # noqa: E731
+        def started() -> bool:
+            return all(harness.requests[f"R{i}"].num_output_tokens >= 1 for i in range(len(prompts)))
+
         return _run_until(harness, started, "first tokens for every request")
     finally:
         harness.shutdown()
