@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvdoctor.levels.table import LEVEL_TABLE, LEVELS, Level, why_not
 from kvdoctor.errors import InternalError
+from kvdoctor.levels.table import LEVEL_TABLE, LEVELS, Level, why_not
 from kvdoctor.recipes.model import ACTIONS
 from kvdoctor.steps import REGISTRY, Need, kinds_needing
 

@@ -137,9 +137,9 @@ def layer_of(module: str) -> int | None:
     for index, (_, patterns) in enumerate(LAYERS):
         for pattern in patterns:
             stem = pattern.removesuffix(".*")
-            if module == stem or (pattern.endswith(".*") and module.startswith(stem + ".")):
-                if best is None or len(stem) > best[1]:
-                    best = (index, len(stem))
+            placed = module == stem or (pattern.endswith(".*") and module.startswith(stem + "."))
+            if placed and (best is None or len(stem) > best[1]):
+                best = (index, len(stem))
     return best[0] if best else None
 
 
@@ -163,11 +163,11 @@ def test_no_import_cycle_counting_every_import():
         if state.get(module) == "done":
             return
         if state.get(module) == "open":
-            cycles.append(" -> ".join(path[path.index(module):] + [module]))
+            cycles.append(" -> ".join([*path[path.index(module):], module]))
             return
         state[module] = "open"
         for dep in sorted(graph[module]):
-            visit(dep, path + [module])
+            visit(dep, [*path, module])
         state[module] = "done"
 
     for module in sorted(graph):

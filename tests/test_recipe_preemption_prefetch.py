@@ -12,7 +12,6 @@ import pytest
 
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
-from kvdoctor.report.guards import guard_lines
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 from kvdoctor.report.guards import guard_lines
 

@@ -181,8 +181,16 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     # in-process repro would pay when `levels.runners` imports this module.
     import asyncio
 
-    from kvdoctor.levels.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port, play,
-                                              step_log, wait_ready)
+    from kvdoctor.levels.serve_client import (
+        Played,
+        Server,
+        aborted_while_queued,
+        ever_scheduled,
+        free_port,
+        play,
+        step_log,
+        wait_ready,
+    )
 
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
@@ -202,7 +210,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     played = Played()
     ready = False
     with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
         try:
             print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                   f"group when the run ends)", file=sys.stderr, flush=True)

@@ -10,8 +10,8 @@ the step (`unexpressible`). `docs/engine-levels.md` shows the tables (`markdown_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
 from kvdoctor.errors import InternalError
