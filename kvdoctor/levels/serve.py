@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.diagnose.reader import read_stream
-from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME, STEP_SECONDS_ENV
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
@@ -153,6 +151,8 @@ def engine_crash(summary: LogSummary) -> LogTraceback | None:
 
 
 def _failure_from_log(crash: LogTraceback) -> Failure:
+    from kvdoctor.diagnose.traceback import display_path  # deferred with the log reader (run_serve)
+
     frame = crash.vllm_frames[-1] if crash.vllm_frames else None  # the innermost vLLM frame
     frames = []
     for f in crash.vllm_frames:
@@ -181,6 +181,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     # in-process repro would pay when `levels.runners` imports this module.
     import asyncio
 
+    from kvdoctor.diagnose.reader import read_stream
     from kvdoctor.levels.serve_client import (
         Played,
         Server,
