@@ -12,14 +12,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvdoctor.errors import ExitStatus
+from kvdoctor.observe.verdict import Outcome
 
 
 def exit_code_for(outcome: Any) -> ExitStatus:
     """One run's outcome: reproduced 1; not reproduced / not applicable 0; not reached / untested 6
     (the run did not test the bug); setup_error, other_failure and anything that is no outcome at all
     (a matrix cell whose environment or kvdoctor child broke) 4."""
-    from kvdoctor.observe.verdict import Outcome
-
     try:
         member = Outcome(outcome)
     except ValueError:

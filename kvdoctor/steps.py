@@ -18,6 +18,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.errors import InternalError, UsageError
+from kvdoctor.recipes.model import ACTIONS
 
 if TYPE_CHECKING:
     from kvdoctor.engine.harness import StepEvents
@@ -246,7 +247,6 @@ def markdown_table() -> str:
         "| step kind | " + " | ".join(f"`{need.value}`" for need in needs) + " | what it does |",
         "|---|" + "---|" * len(needs) + "---|",
     ]
-    from kvdoctor.recipes.model import ACTIONS
 
     order = {name: i for i, name in enumerate(ACTIONS)}  # the loader's vocabulary order
     for kind in sorted(REGISTRY.values(), key=lambda k: (order.get(k.name, len(order)), k.name)):

@@ -15,9 +15,12 @@ from typing import Any
 
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.secondary_tier import empty_tier_directory
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.tiny_model import tiny_draft_dir, tiny_model_dir
 from kvdoctor.engine.worker import Job
+from kvdoctor.engine.workers.multi import SeveralWorkers
+from kvdoctor.engine.workers.simulated import SimulatedTransfers
 from kvdoctor.errors import UsageError
 
 EOS_TOKEN = 2
@@ -210,8 +213,6 @@ class Harness:
         self.api = api
         self.setup = setup
         if setup.secondary_tier:  # a previous run's chunk files would be hits in this one
-            from kvdoctor.engine.secondary_tier import empty_tier_directory
-
             empty_tier_directory()
         self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
         self._attach_worker_side()
@@ -232,8 +233,6 @@ class Harness:
         # (it stands for another asynchronous connector; holds and failures apply to the watched one).
         self.companion = None
         if setup.multi_connector:
-            from kvdoctor.engine.workers.simulated import SimulatedTransfers
-
             self.companion = SimulatedTransfers(api)
         self.requests: dict[str, Any] = {}
         self.step_index = 0
@@ -266,10 +265,7 @@ class Harness:
 
             return VllmWorker(self.api, self.scheduler, self.setup.device or "cpu", self.model_runner)
         if self.setup.num_workers > 1:
-            from kvdoctor.engine.workers.multi import SeveralWorkers
-
             return SeveralWorkers(self.api, self.setup.num_workers, self.setup.late_worker_steps)
-        from kvdoctor.engine.workers.simulated import SimulatedTransfers
 
         return SimulatedTransfers(self.api)
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.setup import parse_kv_transfer_config
 from kvdoctor.errors import UsageError
 
 # serve-argument name (underscored, as in vLLM's EngineArgs) -> Setup field
@@ -131,7 +132,6 @@ def _map_kv_transfer_config(value: Any, mapped: MappedGeometry) -> None:
     else:
         mapped.notes.append("kv_transfer_config could not be read; ignored")
         return
-    from kvdoctor.engine.setup import parse_kv_transfer_config
 
     try:
         overrides = parse_kv_transfer_config(text)

@@ -12,7 +12,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
 from kvdoctor.engine.memory import available_memory_bytes
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
+from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
+from kvdoctor.engine.workers.fingerprint import estimate
 from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
@@ -131,13 +135,9 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            from kvdoctor.engine.secondary_tier import tier_config
-
             cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
-            from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
-
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
             cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
@@ -180,8 +180,6 @@ class Setup:
             return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
                     "(vLLM's model runner would need a real drafter)")
         if self.layout or self.model:  # the config.json is read here, before vLLM is imported
-            from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
-
             layout = resolve_layout(self.model, self.layout, self.sliding_window)
             if any(layer.kind == MAMBA for layer in layout.layers):
                 named = f"layout {self.layout}" if self.layout else f"--model {self.model}"
@@ -248,8 +246,6 @@ class Setup:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
         if self.secondary_tier is not None:
-            from kvdoctor.engine.secondary_tier import SECONDARY_TIERS
-
             if self.secondary_tier not in SECONDARY_TIERS:
                 raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "
                                  f"got {self.secondary_tier!r}")
@@ -273,8 +269,6 @@ class Setup:
                              f"(pool of {self.gpu_blocks:,} blocks, CPU tier {self.cpu_bytes_to_use:,} bytes); "
                              f"{available / 2**30:.1f} GiB are available")
         if self.model is not None:  # an architecture kvdoctor cannot map: exit 2 before vLLM is imported
-            from kvdoctor.engine.kv_layout import resolve_layout
-
             resolve_layout(self.model, self.layout, self.sliding_window)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
@@ -320,9 +314,6 @@ class Setup:
         fingerprint page per GPU block and CPU slot (`engine/workers/fingerprint.py`), never the model's real
         pages; the simulated worker holds neither. Judged before vLLM is imported (else the kernel kills the
         run), and again, exactly, once vLLM has planned the groups."""
-        from kvdoctor.engine.kv_layout import resolve_layout
-        from kvdoctor.engine.workers.fingerprint import estimate
-
         layout = resolve_layout(self.model, self.layout, self.sliding_window)
         return estimate(layout, self.block_size, self.blocks_per_chunk, self.gpu_blocks,
                         self.cpu_bytes_to_use).refusal()

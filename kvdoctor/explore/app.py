@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
+from kvdoctor.engine import compat
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
+from kvdoctor.explore.findings import write_findings
+from kvdoctor.explore.triage import triage
+from kvdoctor.logic.variants import LOGIC_VARIANTS
 
 
 @dataclass
@@ -34,8 +38,6 @@ class ExploreReport:
 
 def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int,
              worker: str = "simulated") -> None:
-    from kvdoctor.logic.variants import LOGIC_VARIANTS
-
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
     if max_examples is not None and max_examples < 1:
@@ -88,8 +90,6 @@ def explore(config: Any, out_dir: Path, command: str = "",
     search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
     import dataclasses
 
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.findings import write_findings
     from kvdoctor.explore.search import explore as search
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
@@ -110,8 +110,6 @@ def explore(config: Any, out_dir: Path, command: str = "",
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
         if config.triage and api is not None and time.time() < config.stop_at:
-            from kvdoctor.explore.triage import triage
-
             if not facts:
                 facts.append(api.engine_core_facts())
             finding.triage = triage(api, finding, facts[0], write_attachment)
@@ -148,9 +146,6 @@ def triage_findings(result: Any, stop_at: float | None = None,
                     write_attachment: Callable[[Any, Any], str | None] | None = None) -> int:
     """Triage every finding not yet triaged (see `kvdoctor.explore.triage`) while time is left before
     `stop_at`; returns how many were left untriaged."""
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.triage import triage
-
     pending = [f for f in result.findings if f.triage is None]
     if not pending:
         return 0

@@ -81,6 +81,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from kvdoctor.engine.kv_layout import resolve_layout
 from kvdoctor.recipes.model import Recipe, Signature, Step
 
 # Never matches a failure: the explorer classifies failures itself (see runner.py).
@@ -328,8 +329,6 @@ def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "
 def kv_bytes_per_token(geometry: "Geometry") -> int:
     """KV bytes one token takes in the geometry's layout (the sync-load budget is counted in them, as
     the offloading scheduler counts its loads: tokens x kv_bytes_per_token)."""
-    from kvdoctor.engine.kv_layout import resolve_layout
-
     layout = resolve_layout(None, geometry.layout, geometry.sliding_window)
     return max(1, layout.page_bytes(geometry.block_size) // geometry.block_size)
 

@@ -28,12 +28,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine import compat
+from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
+from kvdoctor.engine.harness import BuildCache, Harness
+from kvdoctor.engine.setup import Setup
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import (
     EXTENSION_GATE,
+    LOAD_CAPS,
+    NO_LOOKAHEAD_HASHES,
+    PREFIX_MATCH_UNIT,
+    PRIORITY,
+    RECOMPUTE,
+    RETENTION,
     SECOND_GATE,
+    SPECS,
     SPECULATIVE_DRAW,
+    SYNC_LOADS,
     TIER_DRAW,
     WORKERS_DRAW,
     Example,
@@ -154,8 +166,6 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     (recipe, observation, whether it ran while shrinking)."""
     from hypothesis import HealthCheck, Phase, Verbosity, find, settings
     from hypothesis.errors import HypothesisException, NoSuchExample
-
-    from kvdoctor.engine.harness import BuildCache
 
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
@@ -287,8 +297,6 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
 def available_specs(api: Any) -> frozenset[str]:
     """The drawable offloading specs this vLLM registers (others are drawn as the default spec)."""
-    from kvdoctor.explore.generate import SPECS
-
     return frozenset(name for name in SPECS if name is not None and api.has_offloading_spec(name))
 
 
@@ -299,17 +307,6 @@ def available_features(api: Any) -> frozenset[str]:
     `prefix_cache_retention_interval` where CacheConfig has them, per-request caps where the offloading
     scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it,
     speculative decoding where the offloading path has lookahead block hashes or the EAGLE block drop."""
-    from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
-    from kvdoctor.explore.generate import (
-        LOAD_CAPS,
-        NO_LOOKAHEAD_HASHES,
-        PREFIX_MATCH_UNIT,
-        PRIORITY,
-        RECOMPUTE,
-        RETENTION,
-        SYNC_LOADS,
-    )
-
     probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
               RECOMPUTE: api.kv_transfer_config_has_field(RECOMPUTE),
               PREFIX_MATCH_UNIT: api.cache_config_has_field(PREFIX_MATCH_UNIT),
@@ -339,9 +336,6 @@ def warm_up(api: Any) -> None:
     engine does after start-up), so collections scan only what exploring allocates."""
     import gc
     import logging
-
-    from kvdoctor.engine.harness import Harness
-    from kvdoctor.engine.setup import Setup
 
     # Generated runs fail loads on purpose, and vLLM logs each at ERROR level, on stdout (which
     # would break --json); every failure explore reports comes from its own observation instead.
@@ -379,8 +373,6 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
     """Run the whole search (in-process for one worker, spawned processes for more)."""
     if config.workers <= 1:
         if api is None:
-            from kvdoctor.engine import compat
-
             api = compat.load()
         warm_up(api)
         result = ExploreResult(vllm_version=api.version_text, config=config)

@@ -10,8 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvdoctor.engine.compat import inline_portable
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.tiny_model import config_json
 from kvdoctor.errors import UsageError
+from kvdoctor.levels import serve
+from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.geometry import NotApplicable
 from kvdoctor.recipes.model import Recipe
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
@@ -28,8 +33,6 @@ def _raw(name: str, text: str) -> str:
 
 def _with_tiny_config(template: str) -> str:
     """The template with kvdoctor's one tiny-model config.json (`engine.tiny_model`) embedded as text."""
-    from kvdoctor.engine.tiny_model import config_json
-
     if _CONFIG_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its CONFIG_JSON line")
     return template.replace(_CONFIG_LINE, _raw("CONFIG_JSON", config_json()))
@@ -40,9 +43,6 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     reproduces needs no KV bytes, and vLLM's worker connector on a CPU needs kvdoctor's copy
     engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
     import dataclasses
-
-    from kvdoctor.recipes.compile import compile_recipe
-    from kvdoctor.recipes.geometry import NotApplicable
 
     setup = dataclasses.replace(setup, worker="simulated", device=None)
     try:
@@ -104,7 +104,6 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if setup.num_workers > 1:  # the script's one bookkeeping worker would report each job once
         raise UsageError(f"--export-script cannot reproduce num_workers = {setup.num_workers} yet (several "
                          f"workers' reports combined): attach `kvdoctor repro --report` instead")
-    from kvdoctor.engine.compat import inline_portable
 
     template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
@@ -141,8 +140,6 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing."""
     import dataclasses
 
-    from kvdoctor.levels import serve
-
     reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
         raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: {reasons[0]}")
@@ -166,8 +163,6 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
 def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     """A script that imports only vLLM and the standard library: it writes the two stand-ins beside itself,
     starts `vllm serve`, plays the recipe's clients and exits 1 when the engine dies, 0 when it survives."""
-    from kvdoctor.engine.compat import inline_portable
-
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")

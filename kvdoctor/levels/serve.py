@@ -182,8 +182,16 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     import asyncio
 
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.levels.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port, play,
-                                              step_log, wait_ready)
+    from kvdoctor.levels.serve_client import (
+        Played,
+        Server,
+        aborted_while_queued,
+        ever_scheduled,
+        free_port,
+        play,
+        step_log,
+        wait_ready,
+    )
 
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
@@ -203,7 +211,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     played = Played()
     ready = False
     with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
         try:
             print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                   f"group when the run ends)", file=sys.stderr, flush=True)
@@ -218,14 +226,14 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
     engine_steps = len(step_log(lines))
+    crash = engine_crash(summary)
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
                          f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if engine_crash(summary) is not None:
-            result.failure = _failure_from_log(engine_crash(summary))
+        if crash is not None:
+            result.failure = _failure_from_log(crash)
         return result, text
-    crash = engine_crash(summary)
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if crash is not None:
         failure = _failure_from_log(crash)

@@ -10,11 +10,12 @@ the step (`unexpressible`). `docs/engine-levels.md` shows the tables (`markdown_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
 from kvdoctor.errors import InternalError
+from kvdoctor.recipes.model import ACTIONS, Step
 from kvdoctor.steps import REGISTRY, Need
 
 DEFAULT_LEVEL = "scheduler"
@@ -106,7 +107,7 @@ def why_not(action: str, level_name: str, async_scheduling: bool = False) -> str
     return None
 
 
-def unexpressible(steps: list[Any], level_name: str, async_scheduling: bool) -> list[str]:
+def unexpressible(steps: Sequence[Step], level_name: str, async_scheduling: bool) -> list[str]:
     """One line per step kind this level cannot play: 'step N (line L) `kind`: why'."""
     reasons: list[str] = []
     seen: set[str] = set()
@@ -130,8 +131,6 @@ def _cell(lvl: Level, needs: tuple[Need, ...]) -> str:
 
 def markdown_table() -> str:
     """Need x level, then step kind x level (from the step registry); docs/engine-levels.md embeds it."""
-    from kvdoctor.recipes.model import ACTIONS
-
     names = list(LEVELS)
     head = " | ".join(names)
     lines = [f"| need | {head} | how |", "|---|" + "---|" * len(names) + "---|"]

@@ -15,9 +15,11 @@ from typing import Callable
 from kvdoctor import __version__
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.matrix.bisect import Bisection, bisect_releases
+from kvdoctor.matrix.data import OutcomeRow
 from kvdoctor.matrix.envs import EnvStore, ReleaseEnv
 from kvdoctor.matrix.releases import parse_spec
-from kvdoctor.matrix.runner import Cell, Runner
+from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE, Cell, Runner
+from kvdoctor.outcome_codes import exit_code_for_many
 
 AUDIT = "(audit)"
 
@@ -48,8 +50,6 @@ class MatrixReport:
     def exit_status(self) -> ExitStatus:
         """Audit's rule over every cell (`outcome_codes.exit_code_for_many`): a cell whose environment
         or kvdoctor child broke counts as a failure (4)."""
-        from kvdoctor.outcome_codes import exit_code_for_many
-
         return exit_code_for_many(c.outcome for c in self.cells.values())
 
 
@@ -155,8 +155,6 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
 
 def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> None:
     """The async audit's outcomes beside the sync ones; a broken async audit leaves them unmeasured."""
-    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
-
     for async_cell in async_cells:
         cell = report.cells.get((release, async_cell.recipe))
         if cell is None or async_cell.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE):
@@ -167,16 +165,12 @@ def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> N
 
 def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
     """Releases whose run broke (environment or kvdoctor failure): no measurement to keep."""
-    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
-
     return {c.release: f"{c.outcome}: {c.detail}" for c in report.cells.values()
             if c.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE)}
 
 
 def data_rows(report: MatrixReport) -> list:
     """The report's cells as release-outcomes rows, leaving out releases whose run broke."""
-    from kvdoctor.matrix.data import OutcomeRow
-
     broken = unmeasured_releases(report)
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
                        failure_site=c.failure_site if c.outcome == "reproduced" else None, coverage=c.coverage,

@@ -18,8 +18,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
+from kvdoctor.engine.kv_layout import shipped_layouts
+from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS, RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
+from kvdoctor.observe.coverage import parse_when
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
 from kvdoctor.recipes.model import (
@@ -378,8 +380,6 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
             setup["extra_connector_config"] = dict(value)
             continue
         if key == "kv_transfer_fields":
-            from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS
-
             r.check_type(value, (dict,), r.index.table("setup.kv_transfer_fields") or key_line,
                          "[setup] kv_transfer_fields")
             _known_keys(r, value, set(PASSED_THROUGH_KV_TRANSFER_KEYS), key_line, "[setup] kv_transfer_fields")
@@ -394,8 +394,6 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout":
-            from kvdoctor.engine.kv_layout import shipped_layouts
-
             if value not in shipped_layouts():
                 raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
                                        f"(expected one of {', '.join(shipped_layouts())})")
@@ -434,8 +432,6 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
         raise r.fail(r.index.key(line, "site"), "[signature] site needs 'site_function' with an invariant: "
                                                 "the vLLM function that holds the statement")
     if "site_when" in raw:
-        from kvdoctor.observe.coverage import parse_when
-
         try:
             parse_when(raw["site_when"])
         except ValueError as exc:
