@@ -218,7 +218,7 @@ def test_k4_async_stores_a_computed_slot(api):
     Run with the recipe's sync requirement lifted, to measure what async does."""
     import dataclasses
 
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = dataclasses.replace(load_builtin(K4), requires=())
     run = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed",

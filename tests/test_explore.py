@@ -290,7 +290,7 @@ def test_build_cache_changes_no_outcome(api, raw):
     from kvdoctor.errors import UsageError
     from kvdoctor.explore.runner import InvalidExample, setup_of
     from kvdoctor.observe.invariants import INVARIANTS
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = to_recipe(Example.decode(raw))
     try:

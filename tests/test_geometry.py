@@ -148,7 +148,7 @@ UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents
 def test_issue_geometry(api):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     expected = {name: "untested" if name in UNTESTED_BY else measured(api, name, async_scheduling=True).value
                 for name in ISSUE_RECIPES}
@@ -185,7 +185,7 @@ RESTATED = [
 def test_preemption_holds_at_restated_geometries(api, geometry):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     expected = measured(api, "preemption", async_scheduling=geometry["async_scheduling"]).value
     recipe = resolve("preemption")

@@ -213,7 +213,7 @@ def test_markdown_report_embeds_recipe_and_reproduce_section(reports):
 
 
 def test_audit_table_fits_80_columns_with_long_recipe_names(reports):
-    from kvdoctor.app import AuditReport, AuditRow
+    from kvdoctor.results import AuditReport, AuditRow
     from kvdoctor.report.tables import audit_renderables
 
     audit = AuditReport(vllm_version=reports["queued-abort"].vllm_version)

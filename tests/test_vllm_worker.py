@@ -15,7 +15,7 @@ from kvdoctor.engine.harness import Harness
 from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import all_builtins, resolve
-from kvdoctor.scenario import run_scenario
+from kvdoctor.levels.scheduler import run_scenario
 from tests.conftest import ROOT
 from tests.recipe_runs import bug_present, measured, measured_if_any
 

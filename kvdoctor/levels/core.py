@@ -1,50 +1,44 @@
-"""A recipe at the engine level: the scenario's own run (observation, invariants, verdict) on
-vLLM's EngineCore instead of kvdoctor's scheduler harness.
+"""`--engine core`: the scenario's own run (observation, invariants, verdict) on vLLM's `EngineCore`,
+which calls the scheduler, instead of kvdoctor's scheduler harness; kvdoctor only hosts the executor.
 
 Steps the level cannot express make the recipe `not_applicable`, naming them, before vLLM builds
-anything (`levels.unexpressible`)."""
+anything (`table.unexpressible`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.core.harness import CoreHarness
+from kvdoctor.engine.kv_layout import resolve_layout
+from kvdoctor.engine.setup import Setup
+from kvdoctor.levels.in_process import InProcessLevel
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.observe.verdict import Outcome
-from kvdoctor.scenario import RunResult, ScenarioRun
+from kvdoctor.recipes.model import Recipe
+from kvdoctor.results import RunResult
+from kvdoctor.scenario import ScenarioRun
+
+NAME = "core"
 
 
 class CoreScenarioRun(ScenarioRun):
-    level = "core"
+    harness_class = CoreHarness
 
-    @property
-    def harness_class(self) -> Any:  # type: ignore[override]
-        from kvdoctor.engine.core.harness import CoreHarness
-
-        return CoreHarness
-
-    def run(self) -> RunResult:
-        reasons = (unexpressible(self.recipe.steps, "core", self.setup.async_scheduling)
-                   + _setup_unexpressible(self.setup))
-        if reasons:
-            self.result.outcome = Outcome.NOT_APPLICABLE
-            self.result.detail = "; ".join(reasons)
-            return self.result
-        return super().run()
-
-    def _run_on(self, harness: Any) -> RunResult:
+    def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]
         self.result.worker = (f"{self.result.worker}; hosted by kvdoctor's executor under vLLM's EngineCore "
                               f"(EngineCore.{harness.step_fn_name} calls the scheduler)")
         return super()._run_on(harness)
 
 
-def run_core_scenario(api: Any, recipe: Any, setup: Any, logic: str, record_timeline: bool = False) -> RunResult:
+def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
+                      record_timeline: bool = False) -> RunResult:
+    reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + _setup_unexpressible(setup)
+    if reasons:
+        return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons))
     return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
 
 
-def _setup_unexpressible(setup: Any) -> list[str]:
+def _setup_unexpressible(setup: Setup) -> list[str]:
     """Geometry the engine cannot build as the scheduler level does."""
-    from kvdoctor.engine.kv_layout import resolve_layout
-
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
     if any(layer.draft for layer in layout.layers):
         return [f"{layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "
@@ -52,3 +46,13 @@ def _setup_unexpressible(setup: Any) -> list[str]:
                 f"scheduler level flags the group itself (measured: without the flag the engine takes the "
                 f"non-EAGLE path and the bug's trigger is never built)"]
     return []
+
+
+class CoreLevel(InProcessLevel):
+    name = NAME
+
+    def run(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False) -> RunResult:
+        return run_core_scenario(api, recipe, setup, logic, record_timeline=record_timeline)
+
+
+CORE = CoreLevel()

@@ -33,6 +33,7 @@ from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.installed import vllm_version
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
 # RequestGroupState's lists whose len() a storable_chunks guard compares: the allocated GPU blocks (the
@@ -842,14 +843,7 @@ class EngineCoreFacts:
     utilities_between_steps: bool  # EngineCoreProc's busy loop handles client calls between steps
 
 
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its metadata, without importing it."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+installed_vllm_version = vllm_version  # the one reader (kvdoctor.installed), under the adapter's name
 
 
 def import_vllm() -> VllmApi:
