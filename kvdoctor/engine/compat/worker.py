@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import kvdoctor.engine.compat.names as names
 import kvdoctor.engine.compat.portable as portable
-from kvdoctor.engine.compat import names
 from kvdoctor.engine.compat.imports import AdapterBase, _import, _require, _silenced_stderr
 from kvdoctor.errors import IncompatibleVllmError, UsageError
 
