@@ -130,8 +130,6 @@ def _cell(lvl: Level, needs: tuple[Need, ...]) -> str:
 
 def markdown_table() -> str:
     """Need x level, then step kind x level (from the step registry); docs/engine-levels.md embeds it."""
-    from kvdoctor.recipes.model import ACTIONS
-
     names = list(LEVELS)
     head = " | ".join(names)
     lines = [f"| need | {head} | how |", "|---|" + "---|" * len(names) + "---|"]
@@ -139,8 +137,7 @@ def markdown_table() -> str:
         cells = " | ".join(_cell(LEVEL_TABLE[n], (need,)) for n in names)
         lines.append(f"| `{need.value}` | {cells} | {HOW.get(need, '')} |")
     lines += ["", f"| step | needs | {head} |", "|---|---|" + "---|" * len(names)]
-    order = {name: i for i, name in enumerate(ACTIONS)}
-    for kind in sorted(REGISTRY.values(), key=lambda k: (order.get(k.name, len(order)), k.name)):
+    for kind in REGISTRY.values():  # declaration order: the loader's vocabulary order
         needs = ", ".join(f"`{need.value}`" for need in kind.needs)
         cells = " | ".join(_cell(LEVEL_TABLE[n], kind.needs).split(":")[0] for n in names)
         lines.append(f"| `{kind.name}` | {needs} | {cells} |")
