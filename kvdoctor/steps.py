@@ -193,7 +193,7 @@ def kind_of(action: str) -> StepKind:
     """The declaration of `action`; a kind nobody declared is kvdoctor's own bug (exit 5)."""
     kind = REGISTRY.get(action)
     if kind is None:
-        raise InternalError(f"step kind {action!r} is not declared in kvdoctor.steps")
+        raise InternalError(f"step kind {action!r} is not declared: it has no handler in kvdoctor.steps")
     return kind
 
 
