@@ -5,7 +5,8 @@ a script exported with `--export-script` gets this module's code copied in on ex
 (`compat.inline_portable`). Hence no kvdoctor import, no vLLM import and no `from __future__` here.
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 EOS_TOKEN = 2  # the token a request stops at (its sampling params' stop_token_ids)
 DECODE_TOKEN = 7  # every other sampled token
@@ -19,7 +20,7 @@ class StepLoop:
     def __init__(self, scheduler: Any, async_scheduling: bool) -> None:
         self.scheduler = scheduler
         self.async_scheduling = async_scheduling
-        self.pending: Optional[tuple[Any, Any]] = None  # async: the last step's output, not yet applied
+        self.pending: tuple[Any, Any] | None = None  # async: the last step's output, not yet applied
 
     def step(self, worker_side: Callable[[Any], Any]) -> Any:
         """One step; `worker_side(scheduler_output)` returns its ModelRunnerOutput. Returns the output."""
@@ -43,7 +44,7 @@ class StepLoop:
 
 
 def sample(requests: dict[str, Any], scheduled: Any, finish_next: set[str],
-           accepted: Optional[Callable[[str], int]] = None) -> dict[str, list[int]]:
+           accepted: Callable[[str], int] | None = None) -> dict[str, list[int]]:
     """The tokens each scheduled request samples. None mid-prefill; once every known token is computed,
     EOS where a recipe finishes it (`finish_next`, then forgotten), else DECODE_TOKEN, after the drafts
     the stand-in rejection sampler accepts (`accepted(req_id)`, asked only for a sampling request)."""

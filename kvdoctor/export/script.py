@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
@@ -71,7 +72,7 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
         compiled = compile_recipe(recipe.steps, setup)
     except NotApplicable as exc:
         raise UsageError(f"cannot export {recipe.name}: {exc}") from None
-    steps = []
+    steps: list[dict[str, Any]] = []
     for play in compiled.steps:
         if play.repeat > 1:  # the script repeats a schedule by its count
             continue

@@ -21,8 +21,8 @@ from typing import Any
 from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.invariants import INVARIANTS
-from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
 from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
 from kvdoctor.steps import EXPECT_FIELDS, REGISTRY, Field
 from kvdoctor.steps import shown as _show
 
