@@ -534,8 +534,16 @@ needs, naming the step), the serve level sends its events (or refuses it), the e
    `kvdoctor/engine/harness.py` (and `kvdoctor/engine/core/harness.py` where the engine does it its own way).
 2. If it needs a capability no `Need` names, add the need here and each level's answer in
    `kvdoctor/engine/core/levels.py`.
-3. Regenerate this file (`KVDOCTOR_UPDATE_DOCS=1 pytest tests/test_steps.py`); `tests/test_steps.py`
-   fails until every level, the exported script and explore have an answer for the new kind.
+3. To have explore draw it (`explore="event"`), add the event to `EVENT_TABLE` and its translation to
+   `event_steps` in `kvdoctor/explore/generate.py` (this changes what every seed draws); else
+   `explore=Unsupported(why)`. The generator refuses, at import, an event table and declarations that differ.
+4. Regenerate this file (`KVDOCTOR_UPDATE_DOCS=1 pytest tests/test_steps.py`) and the step table of
+   `docs/engine-levels.md` (`engine.core.levels.markdown_table()`, checked by `tests/test_engine_core.py`);
+   `tests/test_steps.py` fails until every level, the exported scripts and explore have an answer for it.
 
-Measured on a throw-away kind (`clear_finish`, un-finishing a request, with its test): 4 files (steps.py,
-engine/harness.py, docs/steps.md, tests/test_steps.py)."""
+Measured on a throw-away kind (`unfinish`: a `finish` not yet sampled is called off; one new harness
+call; its test on the real scheduler), then reverted: 5 files, `kvdoctor/steps.py` (declaration, handler,
+the protocol's new call), `kvdoctor/engine/harness.py` (the call; vLLM's EngineCore harness inherits it),
+`tests/test_steps.py` (its test; the recorder's call-to-need table), `docs/steps.md` and
+`docs/engine-levels.md` (both regenerated tables). The loader, compiler, serve level, exported scripts and
+explore needed no edit: they read the declaration."""
