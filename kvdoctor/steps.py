@@ -3,7 +3,7 @@
 A `@step_kind(...)` declaration is the one place a kind is written. It names:
 
 - `needs`: the capabilities playing it takes (`Need`); an engine level that cannot offer one refuses
-  the recipe in one line, naming the step (`engine/core/levels.py` answers each need per level);
+  the recipe in one line, naming the step (`levels/table.py` answers each need per level);
 - `fields`: its TOML fields, their types, whether required, their bounds or choices (`Field`);
 - `validate`: the checks across its fields the recipe loader runs (one line, file:line, exit 2);
 - the handler (the decorated function): how it is played on a level's harness (`Harness`, below:
@@ -533,12 +533,12 @@ needs, naming the step), the serve level sends its events (or refuses it), the e
 1. If the handler needs a harness call that does not exist yet, add it to the `Harness` protocol and to
    `kvdoctor/engine/harness.py` (and `kvdoctor/engine/core/harness.py` where the engine does it its own way).
 2. If it needs a capability no `Need` names, add the need here and each level's answer in
-   `kvdoctor/engine/core/levels.py`.
+   `kvdoctor/levels/table.py`.
 3. To have explore draw it (`explore="event"`), add the event to `EVENT_TABLE` and its translation to
    `event_steps` in `kvdoctor/explore/generate.py` (this changes what every seed draws); else
    `explore=Unsupported(why)`. The generator refuses, at import, an event table and declarations that differ.
 4. Regenerate this file (`KVDOCTOR_UPDATE_DOCS=1 pytest tests/test_steps.py`) and the step table of
-   `docs/engine-levels.md` (`engine.core.levels.markdown_table()`, checked by `tests/test_engine_core.py`);
+   `docs/engine-levels.md` (`levels.table.markdown_table()`, checked by `tests/test_engine_core.py`);
    `tests/test_steps.py` fails until every level, the exported scripts and explore have an answer for it.
 
 Measured on a throw-away kind (`unfinish`: a `finish` not yet sampled is called off; one new harness

@@ -139,7 +139,7 @@ def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
     not_reproduced (the abort never happening); the run raises kvdoctor's internal error."""
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import load_builtin
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})
@@ -208,8 +208,8 @@ def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, leve
     import ast
     import inspect
 
-    from kvdoctor.engine.core import serve
-    from kvdoctor.engine.core.levels import unexpressible, why_not
+    from kvdoctor.levels import serve
+    from kvdoctor.levels.table import unexpressible, why_not
     from kvdoctor.engine.setup import Setup
     from kvdoctor.errors import UsageError
     from kvdoctor.export.script import export_script, serve_recipe_data
@@ -263,7 +263,7 @@ def test_a_kind_the_serve_level_meets_but_sends_nothing_for_is_kvdoctors_bug(mon
     internal error where the level would play it."""
     import dataclasses
 
-    from kvdoctor.engine.core import serve
+    from kvdoctor.levels import serve
     from kvdoctor.engine.setup import Setup
 
     monkeypatch.setitem(REGISTRY, "abort", dataclasses.replace(REGISTRY["abort"], serve=None))
