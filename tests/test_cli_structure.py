@@ -98,6 +98,6 @@ def test_serve_flags_become_the_setup_overrides():
 
     given = overrides(ServeFlags(block_size=16, gpu_blocks=64, async_scheduling=True, engine="core",
                                  worker="simulated"))
-    assert given["block_size"] == 16 and given["gpu_blocks"] == 64 and given["async_scheduling"] is True
-    assert given["engine"] == "core" and given["worker"] == "simulated"
-    assert overrides(ServeFlags())["engine"] is None
+    assert given.block_size == 16 and given.gpu_blocks == 64 and given.async_scheduling is True
+    assert given.engine == "core" and given.worker == "simulated"
+    assert overrides(ServeFlags()).engine is None

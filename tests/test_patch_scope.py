@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.logic.patch import storable_chunks_variant
 from kvdoctor.logic.variants import UncappedGroupState, evaluate, expand_logic
@@ -30,7 +31,7 @@ def test_original_restored_after_a_real_vllm_crash(api):
     from kvdoctor import app
 
     before = api.RequestOffloadState.__dict__["storable_chunks"]
-    app.repro("queued-abort", {}, "all")
+    app.repro("queued-abort", Overrides(), "all")
     assert api.RequestOffloadState.__dict__["storable_chunks"] is before
 
 

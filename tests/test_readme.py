@@ -19,6 +19,8 @@ import pytest
 
 from .conftest import ROOT, run_cli
 
+from kvdoctor.engine.overrides import Overrides
+
 README = ROOT / "README.md"
 COMMANDS_DOC = ROOT / "docs" / "commands.md"
 WIDTH = 80
@@ -46,7 +48,7 @@ def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
     from kvdoctor.cli.options import DEFAULT_WORKER
 
-    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}",
+    return app.repro(name, Overrides(**_cli_defaults()), logic, record_timeline=True, command=f"kvdoctor repro {name}",
                      default_worker=DEFAULT_WORKER)
 
 

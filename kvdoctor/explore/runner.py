@@ -53,10 +53,10 @@ def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, st
 
 def setup_of(recipe: Recipe) -> Setup:
     """The `Setup` exactly as `kvdoctor repro` resolves it from the recipe's [setup]."""
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.resolution import resolve_setup
 
     try:
-        return resolve_setup(recipe, {})
+        return resolve_setup(recipe)
     except UsageError as exc:  # a geometry the generator should not have drawn
         raise InvalidExample(str(exc)) from exc
 

@@ -36,7 +36,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvdoctor.engine.setup import Setup, flag_name
+from kvdoctor.engine.serve_args import flag_name
+from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 
 

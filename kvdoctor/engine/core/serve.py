@@ -82,23 +82,16 @@ def admission_len(setup: Any) -> int:
 
 def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
     from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
+    from kvdoctor.engine.serve_args import serve_command_flags
 
     extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
     kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
                    **setup.kv_transfer_fields}
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
-            "--block-size", str(setup.block_size), "--num-gpu-blocks-override", str(setup.gpu_blocks),
-            "--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs),
-            "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
-            "--enable-prefix-caching" if setup.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if setup.enable_chunked_prefill else "--no-enable-chunked-prefill",
-            "--async-scheduling" if setup.async_scheduling else "--no-async-scheduling",
+            *serve_command_flags(setup),  # the geometry, from the one serve-flag table
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", QUALNAME,
-            *(["--scheduling-policy", setup.scheduling_policy] if setup.scheduling_policy else []),
-            *(["--prefix-cache-retention-interval", str(setup.prefix_cache_retention_interval)]
-              if setup.prefix_cache_retention_interval else [])]
+            "--distributed-executor-backend", QUALNAME]
 
 
 def serve_env(setup: Any) -> dict[str, str]:

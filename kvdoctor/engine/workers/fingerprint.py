@@ -47,7 +47,7 @@ class FingerprintPlan:
         """Why this machine cannot hold the fingerprints (None: it can). The GPU-side tensors are written
         whole (poison first); the CPU tier is mapped lazily, costing only the slots stored into, but a mapping
         larger than the machine's memory and swap is refused by the kernel."""
-        from kvdoctor.engine.setup import available_memory_bytes, total_memory_bytes
+        from kvdoctor.engine.host import available_memory_bytes, total_memory_bytes
 
         available = available_memory_bytes()
         if available is not None and self.gpu_bytes > available:
