@@ -7,8 +7,8 @@
    them; the spec sizes its CPU tier;
 4. host: that tier (one per data-parallel engine) against the host's memory, and a /dev/shm region
    against /dev/shm: vLLM maps and populates it at start-up, and a region the host cannot hold fails there;
-5. scheduler: vLLM's scheduler with the connector, its scheduler side started (a shared region larger than
-   `MAX_MAPPED_REGION` is not mapped here: said in the notes).
+5. scheduler: vLLM's scheduler with the connector, its scheduler side started (a spec whose scheduler side
+   maps a shared region larger than `MAX_MAPPED_REGION` is not started here: said in the notes).
 kvdoctor's tiny model config stands in for the weights; the KV layout is read from `--model`'s config.json.
 """
 
@@ -200,7 +200,7 @@ def run_startup(api: Any, flags: CheckFlags) -> Startup:
                                     + (" in /dev/shm" if shared else "")))
                 if refusal is not None:
                     raise _Refused(refusal)
-            if shared and (region or 0) > MAX_MAPPED_REGION:
+            if spec is not None and vllm_startup.manager_maps_region(spec) and (region or 0) > MAX_MAPPED_REGION:
                 notes.append(f"the scheduler side was not started here: it would map and populate the "
                              f"{(region or 0) / 2**30:.1f} GiB shared region on this machine")
                 return result

@@ -22,7 +22,8 @@ SPEC_FACTORY = "OffloadingSpecFactory"
 SHARED_REGION_MODULE = "vllm.v1.kv_offload.cpu.shared_offload_region"
 SHARED_REGION = "SharedOffloadRegion"
 CPU_WORKER_MODULE = "vllm.v1.kv_offload.cpu.gpu_worker"
-SPEC_SIZES = ("num_blocks", "kv_bytes_per_chunk")  # a spec's CPU tier: chunks, bytes per chunk
+SPEC_CHUNKS = ("num_blocks", "num_chunks")  # a spec's CPU tier in chunks (0.34 renamed num_blocks)
+SPEC_CHUNK_BYTES = "kv_bytes_per_chunk"
 
 
 def build_offloading_spec(vllm_config: Any, kv_cache_config: Any) -> Any | None:
@@ -41,7 +42,8 @@ def build_offloading_spec(vllm_config: Any, kv_cache_config: Any) -> Any | None:
 
 def spec_region_bytes(spec: Any) -> int | None:
     """The CPU tier's bytes the spec sized (`num_blocks * kv_bytes_per_chunk`); None where it does not say."""
-    chunks, per_chunk = (getattr(spec, name, None) for name in SPEC_SIZES)
+    chunks = next((getattr(spec, name) for name in SPEC_CHUNKS if hasattr(spec, name)), None)
+    per_chunk = getattr(spec, SPEC_CHUNK_BYTES, None)
     if not isinstance(chunks, int) or not isinstance(per_chunk, int):
         return None
     return chunks * per_chunk
@@ -65,6 +67,14 @@ def _source_site(module: str, needle: str) -> tuple[str, int] | None:
         return None
     hits = [i for i, text in enumerate(lines, 1) if needle in text]
     return (path, hits[-1]) if path and hits else None
+
+
+def manager_maps_region(spec: Any) -> bool:
+    """Whether the spec's scheduler side (`get_manager`) maps the shared region itself (the tiering spec)."""
+    try:
+        return f"{SHARED_REGION}(" in inspect.getsource(type(spec).get_manager)
+    except (TypeError, OSError, AttributeError):
+        return False
 
 
 def shared_region_site() -> tuple[str, int] | None:
