@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvdoctor.engine.host import available_memory_bytes
+from kvdoctor.engine.memory import available_memory_bytes
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import BYTES_PER_GPU_BLOCK, Setup, resolve_blocks_per_chunk
 from kvdoctor.errors import UsageError

@@ -89,7 +89,7 @@ def test_a_hash_block_the_groups_block_does_not_divide_is_refused(api):
 
 @pytest.mark.parametrize("host", ["32GiB", None])
 def test_a_cpu_tier_beyond_the_hosts_memory_is_refused_with_the_size_that_fits(api, host):
-    from kvdoctor.engine.host import physical_memory_bytes
+    from kvdoctor.engine.memory import physical_memory_bytes
 
     size = 64 * GIB if host else 2 * (physical_memory_bytes() or 0) + 64 * GIB
     result = _check(api, model=str(CONFIGS / "llama-3.1-8b"), block_size=16, max_model_len=2048, gpu_blocks=256,

@@ -51,7 +51,7 @@ def candidates(flags: CheckFlags, refusal: Refusal) -> list[Candidate]:
 
 
 def _host_bytes(flags: CheckFlags) -> int | None:
-    from kvdoctor.engine.host import physical_memory_bytes
+    from kvdoctor.engine.memory import physical_memory_bytes
 
     return flags.host_memory or physical_memory_bytes()
 

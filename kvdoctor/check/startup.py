@@ -22,7 +22,7 @@ from typing import Any, Callable
 from kvdoctor.check.flags import DEFAULT_GPU_BLOCKS, CheckFlags
 from kvdoctor.check.result import Refusal, Stage
 from kvdoctor.engine.compat import startup as vllm_startup
-from kvdoctor.engine.host import physical_memory_bytes, shm_bytes
+from kvdoctor.engine.memory import physical_memory_bytes, shm_bytes
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 

@@ -88,13 +88,13 @@ class Setup:
     model_runner: str | None = None  # "v1" | "v2"
     # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (the command line's default, or
     # `kvdoctor audit --worker vllm`) but this recipe's setup ran with the simulated worker instead (see
-    # `vllm_worker_refusal`).
+    # `resolution.vllm_worker_refusal`).
     worker_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
     # was there or asked for (`kvdoctor.resolution.resolve_device`).
     device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
-    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/levels/table.py.
     engine: str = "scheduler"
     # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
     # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.
