@@ -55,7 +55,8 @@ def ratio(repeat: int) -> int:
 
 def inproc(repeat: int) -> int:
     """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
-    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.app import load_vllm
+    from kvdoctor.resolution import resolve_setup
     from kvdoctor.cli.options import worker_overrides
     from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.recipes.builtins import resolve
@@ -128,7 +129,8 @@ def export() -> int:
 
 
 def compare(names: list[str]) -> int:
-    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.app import load_vllm
+    from kvdoctor.resolution import resolve_setup
     from kvdoctor.cli.options import worker_overrides
     from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.errors import KvdoctorError

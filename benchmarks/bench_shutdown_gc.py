@@ -28,9 +28,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     from kvdoctor import app
+    from kvdoctor.engine.overrides import Overrides
     from kvdoctor.engine.harness import Harness
 
-    overrides = {"worker": "simulated"}
+    overrides = Overrides(worker="simulated")
     kept = [app.repro(args.recipe, overrides, "all", record_timeline=True) for _ in range(3)]  # warm, and a heap
     plain = Harness.shutdown
 

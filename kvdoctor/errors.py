@@ -25,6 +25,7 @@ class ExitStatus(IntEnum):
     INTERNAL_ERROR = 5
     INCONCLUSIVE = 6
     UNNAMED_CRASH = 7
+    STARTUP_REFUSED = 8
     INTERRUPTED = 130
 
     @property
@@ -45,6 +46,8 @@ _MEANINGS = {
     ExitStatus.INCONCLUSIVE: "inconclusive: the run did not test the bug (its crash site was not reached, "
                              "or the flags given make its trigger impossible: untested at this geometry)",
     ExitStatus.UNNAMED_CRASH: "diagnose: the log holds a crash that matches no known bug",
+    ExitStatus.STARTUP_REFUSED: "check: vLLM's start-up would refuse these flags (predicted here: its message, "
+                                "file:line and the flag change that avoids it)",
     ExitStatus.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

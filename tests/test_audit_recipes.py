@@ -17,6 +17,7 @@ import os
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
@@ -71,7 +72,7 @@ def reports(api):
     before = set(glob.glob(SHM_PATTERN)) | _own_offload_regions()
     try:
         yield {
-            (name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+            (name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
             for name in RECIPES
             for mode in MODES
         }
@@ -221,7 +222,7 @@ def test_k4_async_stores_a_computed_slot(api):
     from kvdoctor.levels.scheduler import run_scenario
 
     recipe = dataclasses.replace(load_builtin(K4), requires=())
-    run = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed",
+    run = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(async_scheduling=True)), "installed",
                        record_timeline=True)
     assert run.outcome is N
     a = snap(run.timeline[-1], "A")

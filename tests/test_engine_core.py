@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.matrix import data
 from kvdoctor.matrix.runner import failure_site
 from tests.cli_runner import invoke
@@ -80,12 +81,12 @@ def test_unknown_engine_level_is_a_usage_error_before_vllm() -> None:
 
 
 def test_a_step_the_engine_cannot_play_makes_the_recipe_not_applicable_naming_it() -> None:
-    from kvdoctor.app import resolve_setup
     from kvdoctor.levels.core import run_core_scenario
+    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve("offload-keys-lag-blocks")
-    setup = resolve_setup(recipe, {"worker": "simulated", "engine": "core"})
+    setup = resolve_setup(recipe, Overrides(worker="simulated", engine="core"))
     result = run_core_scenario(None, recipe, setup, "installed")  # decided before vLLM builds anything
     assert result.outcome.value == "not_applicable"
     assert "`delay_block_hashes`" in result.detail and "EngineCore" in result.detail

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import run_cli
 
+from kvdoctor.engine.overrides import Overrides
+
 ALLOWED = set(sys.stdlib_module_names) | {"vllm", "__future__"}
 
 
@@ -70,15 +72,15 @@ def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
 
 def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     """The same flags (less host/port/executor, which the script picks) and traffic as `--engine serve`."""
-    from kvdoctor.app import resolve_setup
     from kvdoctor.levels import serve
+    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve("queued-abort")
     assignment = next(node for node in ast.parse(script).body
                       if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "RECIPE")
     data = json.loads(assignment.value.args[0].value)  # RECIPE = json.loads(r"""...""")
-    setup = serve.serve_setup(resolve_setup(recipe, {"engine": "serve"}))
+    setup = serve.serve_setup(resolve_setup(recipe, Overrides(engine="serve")))
     assert [e["kind"] for e in data["events"]] == [e.kind for e in serve.plan_traffic(recipe, setup)]
     assert data["aborted"] == ["B"]
     assert "--distributed-executor-backend" not in data["serve_args"] and "--port" not in data["serve_args"]

@@ -84,7 +84,7 @@ def core_audit():
     from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
     from kvdoctor.errors import VllmUnavailableError
 
-    overrides = {**worker_overrides(None, None, None), "engine": "core"}
+    overrides = worker_overrides(None, None, None).replaced(engine="core")
     try:
         return app.audit(command="kvdoctor audit --engine core", overrides=overrides, default_worker=DEFAULT_WORKER)
     except VllmUnavailableError as exc:

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kvdoctor import SCHEMA_VERSION
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.findings import cut_at_failure
 from kvdoctor.explore.generate import SETTLE_STEPS, Example, examples, to_recipe
 from kvdoctor.explore.search import ExploreConfig
@@ -77,7 +78,7 @@ def test_k1_is_found_shrunk_and_replays(searches, api):
     text = path.read_text(encoding="utf-8")
     assert text.startswith("# Found by kvdoctor explore: seed 0")
     assert "--seed 0" in finding.recipe.summary
-    replay = application.repro(str(path), {}, "all")
+    replay = application.repro(str(path), Overrides(), "all")
     outcomes = {r.logic: r.outcome for r in replay.results}
     assert outcomes["installed"] is Outcome.REPRODUCED
     assert outcomes["unpatched"] is Outcome.REPRODUCED
@@ -113,7 +114,7 @@ def test_every_finding_replays_with_its_signature(searches):
             if finding.kind not in ("exception", "invariant"):
                 continue
             assert finding.recipe.setup["worker"] == "simulated"
-            replay = application.repro(finding.file, {}, logic, default_worker=DEFAULT_WORKER).results[0]
+            replay = application.repro(finding.file, Overrides(), logic, default_worker=DEFAULT_WORKER).results[0]
             if replay.failure is not None and replay.failure_step == 0:
                 # A start-up refusal (triaged as such: no step sequence): repro reports vLLM's failure
                 # to build the scheduler, the same exception, as other_failure.

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.app import resolve_setup
+from kvdoctor.resolution import resolve_setup
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.recipes.builtins import all_builtins
 from tests.recipe_runs import bug_present
 
@@ -67,7 +68,7 @@ def test_recipes_hold_at_any_geometry(api, recipes, expectation, geometry):
 
     outcomes = {}
     for recipe in recipes:
-        setup = resolve_setup(recipe, geometry)
+        setup = resolve_setup(recipe, Overrides(**geometry))
         result = run_scenario(api, recipe, setup, "installed")
         outcomes[recipe.name] = (result.outcome.value, result.detail)
     for name, (outcome, detail) in outcomes.items():

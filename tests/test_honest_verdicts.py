@@ -14,6 +14,7 @@ import time
 import pytest
 
 from kvdoctor import SCHEMA_VERSION, app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 
@@ -119,7 +120,7 @@ def test_installed_variant_returns_vllms_own_result(api):
         from kvdoctor.recipes.builtins import resolve
 
         recipe = resolve("preemption")
-        result = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")
+        result = run_scenario(api, recipe, app.resolve_setup(recipe), "installed")
     finally:
         cls.storable_chunks = original
     assert seen, "vLLM called storable_chunks"
@@ -177,14 +178,14 @@ def _measured():
 def test_a_failure_by_another_request_is_not_the_bug(api, tmp_path):
     """The signature names the request the failure must involve: the same assertion for another
     request is other_failure, explained."""
-    normal = app.repro("queued-abort", {}, "installed").results[0]
+    normal = app.repro("queued-abort", Overrides(), "installed").results[0]
     if normal.outcome is not Outcome.REPRODUCED:
         pytest.skip(f"the installed logic does not fail on vLLM {api.version_text} (outcome {normal.outcome.value})")
     assert normal.failure.involved_request == "B"
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
     recipe = tmp_path / "wrong-request.toml"
     recipe.write_text(text.replace('request = "B"  # the aborted request', 'request = "A"  # wrong on purpose', 1))
-    (result,) = app.repro(str(recipe), {}, "installed").results
+    (result,) = app.repro(str(recipe), Overrides(), "installed").results
     assert result.outcome is Outcome.OTHER_FAILURE
     assert "fired for request B" in result.detail and "must involve request A" in result.detail
 
@@ -192,7 +193,8 @@ def test_a_failure_by_another_request_is_not_the_bug(api, tmp_path):
 def test_kv_transfer_config_keys_take_effect_or_are_refused(api):
     """Every key --kv-transfer-config accepts changes the KVTransferConfig vLLM builds, or is refused."""
     from kvdoctor.engine.harness import Harness
-    from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS, Setup, parse_kv_transfer_config
+    from kvdoctor.engine.serve_args import PASSED_THROUGH_KV_TRANSFER_KEYS, parse_kv_transfer_config
+    from kvdoctor.engine.setup import Setup
 
     values = {"kv_role": "kv_both", "kv_load_failure_policy": "fail", "kv_buffer_device": "cpu",
               "kv_buffer_size": 12345.0, "engine_id": "kvdoctor-engine-under-test"}
@@ -200,7 +202,7 @@ def test_kv_transfer_config_keys_take_effect_or_are_refused(api):
     taken = refused = 0
     for key, value in values.items():
         overrides = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", key: value}))
-        setup = Setup().with_overrides(**overrides)
+        setup = Setup().with_overrides(**overrides.given())
         assert setup.kv_transfer_fields == {key: value}
         try:
             harness = Harness(api, setup)
@@ -265,7 +267,7 @@ def test_a_check_that_does_not_hold_is_other_failure(api, tmp_path):
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
     recipe = tmp_path / "impossible-check.toml"
     recipe.write_text(text.replace("store_jobs_built = 0", "store_jobs_built = 5", 1))
-    (result,) = app.repro(str(recipe), {}, "fixed").results
+    (result,) = app.repro(str(recipe), Overrides(), "fixed").results
     assert result.outcome is Outcome.OTHER_FAILURE
     assert result.detail.startswith("check failed: no store job was built")
 

@@ -15,6 +15,8 @@ import pytest
 from .cli_runner import invoke
 from .conftest import run_cli
 
+from kvdoctor.engine.overrides import Overrides
+
 WIDTH = 80
 
 
@@ -74,7 +76,7 @@ def test_kv_offloading_size_builds_the_transfer_config_vllm_builds():
     assert merged["kv_connector_extra_config"] == {"block_size": 32, "cpu_bytes_to_use": 1 << 30}
     overrides = geometry_overrides(None, None, None, None, None, None, None, None, None,
                                    enable_prefix_caching=False, kv_offloading_size=1)
-    assert overrides["cpu_bytes_to_use"] == 1 << 30 and overrides["enable_prefix_caching"] is False
+    assert overrides.cpu_bytes_to_use == 1 << 30 and overrides.enable_prefix_caching is False
 
 
 def test_no_effect_serve_flags_are_dropped_with_a_note(capsys):
@@ -148,7 +150,7 @@ def test_hypothesis_storage_goes_to_a_removed_temporary_directory(tmp_path, monk
 def reports(api):
     from kvdoctor import app
 
-    return {name: app.repro(name, {}, "all", record_timeline=True, command=f"kvdoctor repro {name}")
+    return {name: app.repro(name, Overrides(), "all", record_timeline=True, command=f"kvdoctor repro {name}")
             for name in ("queued-abort", "preempt-reload-same-step")}
 
 

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.logic.patch import storable_chunks_variant
@@ -31,7 +32,7 @@ def test_original_restored_after_a_real_vllm_crash(api):
     from kvdoctor import app
 
     before = api.RequestOffloadState.__dict__["storable_chunks"]
-    app.repro("queued-abort", {}, "all")
+    app.repro("queued-abort", Overrides(), "all")
     assert api.RequestOffloadState.__dict__["storable_chunks"] is before
 
 

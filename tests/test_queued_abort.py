@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvdoctor import SCHEMA_VERSION, app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.report.guards import guard_lines
 
@@ -22,7 +23,7 @@ MODES = {"sync": False, "async": True}
 @pytest.fixture(scope="module")
 def reports(api):
     return {
-        (geometry, mode): app.repro("queued-abort", {**overrides, "async_scheduling": is_async}, "all")
+        (geometry, mode): app.repro("queued-abort", Overrides(**{**overrides, "async_scheduling": is_async}), "all")
         for geometry, overrides in GEOMETRIES.items()
         for mode, is_async in MODES.items()
     }
@@ -130,7 +131,7 @@ def test_a_precondition_that_does_not_hold_is_a_setup_error(api, tmp_path):
     # A no longer fills the pool: B gets blocks at once.
     recipe = tmp_path / "not-queued.toml"
     recipe.write_text(text.replace("fill_pool = true", "prompt_chunks = 1", 1))
-    report = app.repro(str(recipe), {}, "installed", record_timeline=True)
+    report = app.repro(str(recipe), Overrides(), "installed", record_timeline=True)
     (result,) = report.results
     assert result.outcome is Outcome.SETUP_ERROR
     assert "B must be queued" in result.detail and "observed B: status=RUNNING" in result.detail

@@ -19,6 +19,8 @@ import pytest
 
 from .conftest import ROOT, run_cli
 
+from kvdoctor.engine.overrides import Overrides
+
 README = ROOT / "README.md"
 COMMANDS_DOC = ROOT / "docs" / "commands.md"
 WIDTH = 80
@@ -46,7 +48,7 @@ def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
     from kvdoctor.cli.options import DEFAULT_WORKER
 
-    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}",
+    return app.repro(name, Overrides(**_cli_defaults()), logic, record_timeline=True, command=f"kvdoctor repro {name}",
                      default_worker=DEFAULT_WORKER)
 
 
@@ -139,5 +141,5 @@ def test_readme_lists_every_command_once_in_one_table_and_links_docs():
     assert commands == set(get_command(app).commands), rows
     for page in ("docs/commands.md", "docs/recipes.md", "docs/worker.md"):
         assert f"]({page}" in text and (ROOT / page).is_file(), page
-    for code in (*range(8), 130):
+    for code in (*range(9), 130):
         assert f"| {code} |" in text

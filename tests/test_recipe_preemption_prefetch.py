@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
 from kvdoctor.report.guards import guard_lines
@@ -37,7 +38,7 @@ N = Outcome.NOT_REPRODUCED
 def reports(api):
     """Each recipe under each scheduling mode, all logic variants, timelines recorded."""
     return {
-        (name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+        (name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
         for name in RECIPES
         for mode in MODES
     }

@@ -15,6 +15,7 @@ import pytest
 
 from kvdoctor import app
 from kvdoctor.engine.harness import StepEvents
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe.invariants import StepContext, check_all
 from kvdoctor.observe.verdict import Outcome
@@ -37,7 +38,7 @@ N = Outcome.NOT_REPRODUCED
 
 @pytest.fixture(scope="module")
 def reports(api):
-    return {(name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+    return {(name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
             for name in RECIPES for mode in MODES}
 
 

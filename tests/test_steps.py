@@ -137,14 +137,14 @@ def test_a_failed_expectation_names_what_was_observed():
 def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
     """On the real scheduler: with `abort`'s handler gone, queued-abort cannot quietly end
     not_reproduced (the abort never happening); the run raises kvdoctor's internal error."""
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import load_builtin
     from kvdoctor.levels.scheduler import run_scenario
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})
     with pytest.raises(InternalError, match="'abort'.*has no handler"):
-        run_scenario(api, recipe, resolve_setup(recipe, {}), "installed")
+        run_scenario(api, recipe, resolve_setup(recipe), "installed")
 
 
 def test_docs_steps_table_is_generated_from_the_registry():

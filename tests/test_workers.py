@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.explore.generate import (
@@ -172,7 +173,7 @@ def test_a_draw_runs_on_the_real_scheduler_with_no_finding(explored):
 def test_the_draw_replays_from_its_file(explored):
     geometry, _, path = explored
     assert "num_workers = 2" in path.read_text() and "worker = 1" in path.read_text()
-    replay = application.repro(str(path), {}, "installed")
+    replay = application.repro(str(path), Overrides(), "installed")
     assert (replay.setup.num_workers, replay.setup.late_worker_steps) == (2, 2) == (
         geometry.num_workers, geometry.late_worker_steps)
     assert replay.results[0].outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), replay.results[0].detail

@@ -15,6 +15,7 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli.audit_cmd import audit
+from kvdoctor.cli.check_cmd import check
 from kvdoctor.cli.diagnose_cmd import diagnose
 from kvdoctor.cli.explore_cmd import explore
 from kvdoctor.cli.inspect_cmd import inspect
@@ -71,6 +72,11 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
                 "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"], {
         ExitStatus.NOT_REPRODUCED: "not reproduced, nothing to run (--no-run) or no crash in the log",
         ExitStatus.REPRODUCED: "the best match reproduces under the installed logic"}),
+    (check, ["kvdoctor check --model ./Llama-3.1-8B --kv-offloading-size 64 --block-size 16",
+             "kvdoctor check --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\","
+             "\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":8589934592,\"block_size\":48}}' --no-audit"], {
+        ExitStatus.NOT_REPRODUCED: "vLLM starts at these flags and no known bug reproduces at them",
+        ExitStatus.REPRODUCED: "vLLM starts, and a known bug reproduces at these flags"}),
     (version, ["kvdoctor version", "kvdoctor version --json"], {
         ExitStatus.NOT_REPRODUCED: "vLLM imports and every probe holds",
         ExitStatus.VLLM_UNAVAILABLE: "vLLM missing, broken on import or too old, or a probe fails (named, with "

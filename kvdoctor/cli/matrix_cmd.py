@@ -57,7 +57,7 @@ def matrix(
         from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out)
-        level = opt.engine_override(engine)["engine"] or "scheduler"
+        level = opt.engine_override(engine).engine or "scheduler"
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
         if write_data is not None and level != "scheduler":

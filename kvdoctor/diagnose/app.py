@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
-from kvdoctor.app import resolve_setup
 from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log
 from kvdoctor.diagnose.reader import LogSummary, read_log
 from kvdoctor.diagnose.traceback import display_path
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
 from kvdoctor.export.script import export_script
@@ -23,6 +23,7 @@ from kvdoctor.matrix.known import fixed_in
 from kvdoctor.outcome_codes import exit_code_for
 from kvdoctor.recipes.model import Recipe, Signature, Step
 from kvdoctor.recipes.writer import recipe_to_toml
+from kvdoctor.resolution import resolve_setup
 from kvdoctor.results import RunResult
 
 MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
@@ -87,14 +88,14 @@ class DiagnoseReport:
         return exit_code_for(installed.outcome)
 
 
-def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:
+def scale_geometry(geometry: MappedGeometry) -> tuple[Overrides, list[str]]:
     """The log's overrides with production-sized values dropped (the recipe's are used), and what was dropped."""
-    overrides = dict(geometry.overrides)
+    overrides = geometry.overrides
     notes = []
     for name, limit in TOY_LIMITS.items():
-        value = overrides.get(name)
+        value = getattr(overrides, name)
         if isinstance(value, int) and value > limit:
-            overrides[name] = limit
+            overrides = overrides.replaced(**{name: limit})
             notes.append(f"{name} {value:,} is production-sized: scaled down to {limit:,}")
     return overrides, notes
 
@@ -105,7 +106,7 @@ def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
     return {recipe.name: fixed_in(recipe.name) for recipe in recipes}
 
 
-def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str],
+def _run_candidate(api: Any, candidate: Candidate, overrides: Overrides, logics: list[str],
                    progress: Callable[[str], None] | None = None) -> RecipeRun:
     recipe = candidate.recipe
 
@@ -124,14 +125,14 @@ def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], lo
     except UsageError as exc:
         problem = f"the log's geometry does not fit this recipe: {exc}"
     attempt: list[Any] = []
-    if setup is not None and not overrides:  # the log names no geometry: the recipe's own it is
+    if setup is not None and not overrides.any_given():  # the log names no geometry: the recipe's own it is
         return RecipeRun(recipe, setup, "recipe", run_all(setup, "the recipe's geometry"))
     if setup is not None:
         attempt = run_all(setup, "the log's geometry")
         if attempt[0].outcome.value in _FINE:
             return RecipeRun(recipe, setup, "log", attempt)
         problem = f"under the log's geometry the run ended {attempt[0].outcome.value}: {attempt[0].detail}"
-    own = resolve_setup(recipe, {})
+    own = resolve_setup(recipe)
     results = run_all(own, "the recipe's geometry")
     return RecipeRun(recipe, own, "recipe", results, log_geometry_attempt=attempt, log_geometry_problem=problem)
 
@@ -144,7 +145,7 @@ def _code_for_contains(code: str) -> str | None:
     return best if best and len(best) <= 200 else None
 
 
-def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
+def _fragment_recipe(summary: LogSummary, overrides: Overrides) -> str:
     """A starting recipe from a fragment (no whole traceback): a frame's function and its exception or
     statement; "" when the fragment names no function."""
     loose = summary.loose
@@ -160,7 +161,7 @@ def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
                         _code_for_contains(statement) if statement else None, (), overrides)
 
 
-def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
+def starting_recipe_toml(summary: LogSummary, overrides: Overrides) -> str:
     """The crash's signature as a recipe file to edit: steps are a placeholder the user replaces."""
     crash = summary.crash
     inner = innermost_vllm(crash)
@@ -171,8 +172,8 @@ def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
 
 
 def _recipe_toml(exception: str, function: str, file: str, line: int, contains: str | None,
-                 callers: tuple[str, ...], overrides: dict[str, Any]) -> str:
-    setup = {k: v for k, v in overrides.items() if k in (
+                 callers: tuple[str, ...], overrides: Overrides) -> str:
+    setup = {k: v for k, v in overrides.given().items() if k in (
         "block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "enable_chunked_prefill", "offload_prompt_only", "cpu_bytes_to_use", "spec_name")}
     recipe = Recipe(

@@ -27,3 +27,26 @@ def total_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return total or None
+
+
+def physical_memory_bytes() -> int | None:
+    """MemTotal from /proc/meminfo: the host's memory, without swap (None where unreadable)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def shm_bytes(path: str = "/dev/shm") -> tuple[int, int] | None:
+    """(size, free) of the shared-memory file system vLLM maps a shared CPU tier from (None: none here)."""
+    import os
+
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.app import resolve_setup
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.levels.scheduler import run_scenario
@@ -26,6 +25,7 @@ from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.compile import expand_counts
 from kvdoctor.recipes.model import Recipe, Step
+from kvdoctor.resolution import resolve_setup
 
 RELEASE_CHECK = "finished-requests-released"
 
@@ -56,7 +56,7 @@ def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, st
 def setup_of(recipe: Recipe) -> Setup:
     """The `Setup` exactly as `kvdoctor repro` resolves it from the recipe's [setup]."""
     try:
-        return resolve_setup(recipe, {})
+        return resolve_setup(recipe)
     except UsageError as exc:  # a geometry the generator should not have drawn
         raise InvalidExample(str(exc)) from exc
 

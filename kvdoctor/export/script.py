@@ -16,6 +16,7 @@ from typing import Any
 
 from kvdoctor.engine import step_loop, worker
 from kvdoctor.engine.compat import inline_portable
+from kvdoctor.engine.serve_args import exported_setup
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.tiny_model import config_json
 from kvdoctor.errors import UsageError
@@ -96,11 +97,7 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     return {
         "name": recipe.name,
         "setup": {
-            "block_size": setup.block_size, "gpu_blocks": setup.gpu_blocks, "max_model_len": setup.max_model_len,
-            "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
-            "enable_chunked_prefill": setup.enable_chunked_prefill, "async_scheduling": setup.async_scheduling,
-            "enable_prefix_caching": setup.enable_prefix_caching,
-            **({"scheduling_policy": setup.scheduling_policy} if setup.scheduling_policy else {}),
+            **exported_setup(setup),  # the serve geometry, from the one serve-flag table
             "kv_connector_extra_config": setup.kv_connector_extra_config(),
         },
         "steps": steps,

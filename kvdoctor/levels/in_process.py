@@ -10,6 +10,7 @@ from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.matrix.known import FixedIn
@@ -33,7 +34,7 @@ class InProcessLevel:
     def check_ready(self) -> None:
         """Nothing to check before vLLM is imported."""
 
-    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: dict[str, Any], command: str,
+    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`progress(done, total, what runs now)` is called before the import and each logic variant."""
         progress(0, 0, "importing vLLM")
@@ -59,13 +60,13 @@ def with_model_runner(setup: Setup, results: list[RunResult]) -> Setup:
     return dataclasses.replace(setup, model_runner=runner) if runner else setup
 
 
-def check_spec_name(api: VllmApi, recipe: Recipe, setup: Setup, overrides: dict[str, Any]) -> None:
+def check_spec_name(api: VllmApi, recipe: Recipe, setup: Setup, overrides: Overrides) -> None:
     """A spec_name this vLLM does not register is a usage error naming where it was given (the flag, or the
     recipe file's line); a recipe that requires the spec (`spec:<name>`) is not applicable instead."""
     name = setup.spec_name
     if not name or f"spec:{name}" in recipe.requires or api.has_offloading_spec(name):
         return
-    if overrides.get("spec_name"):
+    if overrides.spec_name:
         where = "--kv-transfer-config: kv_connector_extra_config.spec_name"
     else:
         line = next((i for i, text in enumerate(Path(recipe.source).read_text().splitlines(), 1)

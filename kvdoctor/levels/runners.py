@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
 from kvdoctor.levels.core import CORE
@@ -31,7 +32,7 @@ class LevelRunner(Protocol):
     def check_ready(self) -> None:
         """A usage error (exit 2, before vLLM is imported) where this level cannot start here."""
 
-    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: dict[str, Any], command: str,
+    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro`/`inspect`: the recipe under each logic variant this level plays."""
         ...

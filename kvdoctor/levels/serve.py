@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME, STEP_SECONDS_ENV
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import serve_command_flags
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.tiny_model import tiny_model_dir
 from kvdoctor.errors import InternalError, UsageError
@@ -98,17 +100,9 @@ def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
                    **setup.kv_transfer_fields}
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
-            "--block-size", str(setup.block_size), "--num-gpu-blocks-override", str(setup.gpu_blocks),
-            "--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs),
-            "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
-            "--enable-prefix-caching" if setup.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if setup.enable_chunked_prefill else "--no-enable-chunked-prefill",
-            "--async-scheduling" if setup.async_scheduling else "--no-async-scheduling",
+            *serve_command_flags(setup),  # the geometry, from the one serve-flag table
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", EXECUTOR_QUALNAME,
-            *(["--scheduling-policy", setup.scheduling_policy] if setup.scheduling_policy else []),
-            *(["--prefix-cache-retention-interval", str(setup.prefix_cache_retention_interval)]
-              if setup.prefix_cache_retention_interval else [])]
+            "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
 def serve_env(setup: Setup) -> dict[str, str]:
@@ -313,7 +307,7 @@ class ServeLevel:
     def check_ready(self) -> None:
         check_plugin()  # before vLLM is imported: one line, exit 2
 
-    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: dict[str, Any], command: str,
+    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
         setup = serve_setup(setup)

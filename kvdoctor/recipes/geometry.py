@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
-from kvdoctor.engine.setup import PLANNED_FIELDS, Setup, flag_name
+from kvdoctor.engine.serve_args import flag_name
+from kvdoctor.engine.setup import PLANNED_FIELDS, Setup
 from kvdoctor.errors import UsageError
 
 

@@ -15,11 +15,14 @@ import bisect
 import dataclasses
 import re
 import tomllib
+import typing
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from kvdoctor.engine.kv_layout import shipped_layouts
-from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS, RECIPE_KEY, WORKERS, Setup
+from kvdoctor.engine.serve_args import PASSED_THROUGH_KV_TRANSFER_KEYS
+from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.coverage import parse_when
 from kvdoctor.observe.invariants import INVARIANTS
@@ -35,6 +38,21 @@ _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), 
                    "request": (str,), "callers": (list,), "function_aliases": (list,), "site_function": (str,), "site": (str,),
                    "site_when": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
+_SETUP_TABLES = ("kv_transfer_fields",)  # [setup] keys that are tables, checked apart
+
+
+def _value_types(name: str, hint: Any) -> tuple[type, ...]:
+    """The TOML value type a `Setup` field takes, from its real annotation (`int | None` -> int); a field
+    of any other type is refused here, when the module is imported, never guessed."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else (hint,)
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (int, bool, str):
+        raise TypeError(f"Setup.{name}: a [setup] key of type {hint!r} has no TOML reading; add one")
+    return (kinds[0],)
+
+
+_SETUP_HINTS = typing.get_type_hints(Setup)
+_SETUP_TYPES = {name: _value_types(name, _SETUP_HINTS[name]) for name in _SETUP_KEYS if name not in _SETUP_TABLES}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
@@ -379,11 +397,9 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
             _known_keys(r, value, set(PASSED_THROUGH_KV_TRANSFER_KEYS), key_line, "[setup] kv_transfer_fields")
             setup[key] = dict(value)
             continue
-        field = _SETUP_KEYS[key]
-        types: tuple[type, ...] = {"int": (int,), "bool": (bool,), "str": (str,), "str | None": (str,)}.get(
-            str(field.type), (int,))
-        r.check_type(value, types, key_line, f"[setup] {key}")
-        if types == (int,) and value < 1:
+        kinds = _SETUP_TYPES[key]
+        r.check_type(value, kinds, key_line, f"[setup] {key}")
+        if kinds == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
