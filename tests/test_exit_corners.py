@@ -49,6 +49,36 @@ def test_error_into_a_closed_pipe_keeps_its_code(tmp_path):
     assert stderr.strip().splitlines() == [stderr.strip()] and "unknown recipe 'nosuch'" in stderr
 
 
+def closed_stderr(args: list[str], how: str) -> int:
+    """`kvdoctor ARGS` with stderr closed: `2>&1 | true` (its reader gone) or `2>&-` (no stderr at all)."""
+    command = " ".join(shlex.quote(a) for a in [*KVDOCTOR, *args])
+    script = (f'{command} 2>&1 | true; echo "kvdoctor-rc=${{PIPESTATUS[0]}}"' if how == "pipe"
+              else f'{command} 2>&-; echo "kvdoctor-rc=$?"')
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    match = re.search(r"kvdoctor-rc=(\d+)\s*$", proc.stdout)
+    assert match, (proc.stdout, proc.stderr)
+    return int(match.group(1))
+
+
+@pytest.mark.parametrize("how", ["pipe", "closed"])
+@pytest.mark.parametrize("args", [
+    ["repro", "queued-abort", "--block-size", "0"],  # kvdoctor's own usage error: was 0 (5/5 runs)
+    ["repro", "queued-abort", "--bogus"],  # click's: was 1, "reproduced"
+    ["repro", "nosuch", "--json"],
+])
+def test_a_usage_error_into_a_closed_stderr_keeps_its_2(args, how):
+    """The one line cannot be shown; the code that says what happened still can."""
+    assert closed_stderr(args, how) == 2
+
+
+def test_a_run_into_a_closed_stderr_keeps_its_verdict():
+    """vLLM's import chatter and kvdoctor's notes go to a closed stderr: the verdict's code stays (0.26.0:
+    1, reproduced; later releases 0), never 5 or a traceback's 1 from the write that failed."""
+    code = closed_stderr(["repro", "queued-abort", "--worker", "simulated", "--logic", "installed"], "pipe")
+    assert code in (0, 1)
+    assert code == run_cli("repro", "queued-abort", "--worker", "simulated", "--logic", "installed").returncode
+
+
 @pytest.mark.parametrize("args, reader", [
     (["repro", "--list"], "head -1"),
     (["repro", "--list"], "true"),

@@ -107,8 +107,10 @@ for _command, _examples, _meanings in COMMANDS:
 def main() -> None:
     """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
     as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
+    from kvdoctor.cli.streams import guard_process_streams
     from kvdoctor.cli.teardown import exit_now, redirect_caches, remove_scratch
 
+    guard_process_streams()  # a closed stderr never changes the exit code
     redirect_caches()
     try:
         app()

@@ -13,6 +13,12 @@ write stops quietly, stdout is pointed at /dev/null so nothing later (the
 interpreter's final flush included) raises again, and the command keeps the
 exit code it earned.
 
+stderr: `kvdoctor ... 2>&1 | true` (or `2>&-`) closes stderr too. A one-line error
+that cannot be shown must not change the code it reports (a usage error's 2 became
+0 or 1): `note` drops what cannot be written, and `guard_process_streams` (the real
+process only) makes the process's stderr quiet once its reader is gone, so every other
+writer (rich's consoles, `print(..., file=sys.stderr)`, a traceback) keeps the code too.
+
 It also remembers (on the command's Environment) whether a JSON document already
 went out, so an error after the verdict (an unwritable `--report`) never adds a
 second document.
@@ -105,10 +111,77 @@ def use(environment: Environment) -> Iterator[Environment]:
 
 
 def note(text: str) -> None:
-    """One line on stderr (a note, a file written)."""
+    """One line on stderr (a note, a file written); nothing, and no error, when stderr is gone."""
     stream = current().stderr_stream
-    stream.write(text + "\n")
-    stream.flush()
+    try:
+        stream.write(text + "\n")
+        stream.flush()
+    except (OSError, ValueError):  # closed (a pipe's reader gone, `2>&-`): the exit code says the rest
+        pass
+
+
+class QuietWhenClosed:
+    """A process stream that stops writing, without raising, once the far end is gone.
+
+    The first write or flush that fails (EPIPE, a closed descriptor) points the descriptor at
+    /dev/null and every later write is dropped; everything else (fileno, isatty, encoding) is the
+    stream's own. For stderr: nothing kvdoctor says there may change the exit code."""
+
+    def __init__(self, stream: IO[Any]) -> None:
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(text)
+            except (OSError, ValueError):
+                self._go_quiet()
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError):
+                self._go_quiet()
+
+    def _go_quiet(self) -> None:
+        self.closed_by_reader = True
+        _point_at_devnull(self._stream)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()  # what was buffered goes to /dev/null, not to the interpreter's exit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def guard_process_streams() -> None:
+    """The real `kvdoctor` process: stderr quiet once closed, and a stream closed at start (`>&-`,
+    `2>&-`: Python's None) replaced by /dev/null, so no write raises where it was not expected."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout, for its lifetime
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    if not isinstance(sys.stderr, QuietWhenClosed):
+        sys.stderr = QuietWhenClosed(sys.stderr)  # type: ignore[assignment]
+
+
+def _point_at_devnull(stream: Any) -> None:
+    try:
+        target = stream.fileno()
+    except (OSError, ValueError, AttributeError):  # not a real file (an in-process runner)
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, target)
+        os.close(devnull)
+    except OSError:
+        pass
 
 
 def begin_command() -> None:
@@ -147,13 +220,4 @@ def stdout_closed() -> bool:
 def silence_stdout() -> None:
     """The reader went away: send the rest of stdout to /dev/null (the usual BrokenPipeError pattern)."""
     current().stdout_closed = True
-    try:
-        target = current().stdout_stream.fileno()
-    except (OSError, ValueError, AttributeError):  # stdout is not a real file (an in-process runner): drop writes only
-        return
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, target)
-        os.close(devnull)
-    except OSError:
-        pass
+    _point_at_devnull(current().stdout_stream)  # an in-process runner's stdout: writes are dropped only
