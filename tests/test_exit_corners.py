@@ -113,6 +113,25 @@ def test_errors_under_json_print_one_error_document(args, fragment, tmp_path):
 
 
 @needs_dev_full
+@pytest.mark.parametrize("args", [
+    ["repro", "queued-abort", "--worker", "simulated", "--logic", "installed"],  # was 5, "a bug in kvdoctor"
+    ["repro", "queued-abort", "--worker", "simulated", "--logic", "installed", "--json"],
+    ["repro", "--list"],
+    ["--help"],  # click's own write: was a traceback and 1
+    ["--version"],
+])
+def test_stdout_to_a_full_disk_is_exit_2_named(args):
+    """`> /dev/full` is no reader gone away: the output asked for is not there (2, one line), and not
+    kvdoctor's own failure (5)."""
+    command = " ".join(shlex.quote(a) for a in [*KVDOCTOR, *args])
+    proc = subprocess.run(["bash", "-c", f"{command} > /dev/full"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1:] == ["kvdoctor: error: stdout: No space left on device"]
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+@needs_dev_full
 def test_export_script_to_a_full_disk_is_exit_2():
     proc = run_cli("repro", "queued-abort", "--export-script", "/dev/full")
     assert proc.returncode == 2, proc.stderr
@@ -141,3 +160,4 @@ def test_report_to_a_full_disk_under_json_keeps_the_one_result_document(tmp_path
     assert document["results"][0]["outcome"] in ("reproduced", "not_reproduced")  # per release
     assert "error" not in document
     assert stderr.strip().splitlines()[-1] == "kvdoctor: error: --report /dev/full: No space left on device"
+

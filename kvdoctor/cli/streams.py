@@ -11,7 +11,9 @@ stdout: `kvdoctor repro --list | head -1` closes stdout early. Python would rais
 `BrokenPipeError` (and typer turns it into exit 1, "reproduced"); here the
 write stops quietly, stdout is pointed at /dev/null so nothing later (the
 interpreter's final flush included) raises again, and the command keeps the
-exit code it earned.
+exit code it earned. stdout that cannot take the output (`> /dev/full`) is no closed
+pipe: the output asked for is not there, exit 2 with one line ("stdout: No space left on
+device", `settle_stdout`, when the command ends), never kvdoctor's own failure.
 
 stderr: `kvdoctor ... 2>&1 | true` (or `2>&-`) closes stderr too. A one-line error
 that cannot be shown must not change the code it reports (a usage error's 2 became
@@ -51,6 +53,7 @@ class Environment:
     debug: bool = field(default=False)  # --debug (KVDOCTOR_DEBUG=1 is read from `env`)
     stdout_closed: bool = field(default=False)  # the reader went away: later writes are dropped
     document_written: bool = field(default=False)  # a JSON document went out: never a second one
+    stdout_failure: str | None = field(default=None)  # "stdout: No space left on device", not yet named
 
     @property
     def stdin_stream(self) -> IO[Any]:
@@ -189,6 +192,7 @@ def begin_command() -> None:
     environment = current()
     environment.stdout_closed = False
     environment.document_written = False
+    environment.stdout_failure = None
 
 
 def write_stdout(text: str) -> None:
@@ -201,6 +205,24 @@ def write_stdout(text: str) -> None:
         stream.flush()
     except BrokenPipeError:
         silence_stdout()
+    except OSError as exc:  # `> /dev/full`, an I/O error: named once the command ends (`settle_stdout`)
+        silence_stdout()
+        current().stdout_failure = f"stdout: {exc.strerror or exc}"
+
+
+RESULT_CODES = (0, 1, 4, 6, 7)  # what a run found; an error's own code (2, 3, 5, 130) says more
+
+
+def settle_stdout(code: int) -> int:
+    """The exit code once stdout's fate is known: a write that failed for want of room (not a reader
+    gone) is named on one line, once, and a result's code becomes 2 (the output asked for is not there);
+    an error's own code stays."""
+    environment = current()
+    if environment.stdout_failure is None:
+        return code
+    note(f"kvdoctor: error: {environment.stdout_failure}")
+    environment.stdout_failure = None
+    return 2 if code in RESULT_CODES else code
 
 
 def write_document(text: str) -> None:
