@@ -161,3 +161,22 @@ def test_report_to_a_full_disk_under_json_keeps_the_one_result_document(tmp_path
     assert "error" not in document
     assert stderr.strip().splitlines()[-1] == "kvdoctor: error: --report /dev/full: No space left on device"
 
+
+def test_explore_that_ran_no_example_is_inconclusive(tmp_path):
+    """A budget spent before the first example: nothing tested is not "nothing found" (was 0), one line."""
+    proc = run_cli("explore", "--time-budget", "0.001", "--no-triage", "--out", str(tmp_path / "found"))
+    assert proc.returncode == 6, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "kvdoctor: explore: 0 examples ran in --time-budget 0.001 s (after vLLM's import): nothing was tested; "
+        "give it a longer --time-budget"]
+    assert "no example ran: nothing tested" in proc.stdout
+
+
+def test_explore_budget_starts_after_vllms_import(tmp_path):
+    """`--time-budget 5` ran 0 examples: vLLM's import (6 s, far more under load) spent it. Now the import
+    is not counted: examples run, and the code is a search's (0 nothing found, 1 found), never 6."""
+    proc = run_cli("explore", "--time-budget", "3", "--max-examples", "3", "--no-triage", "--json",
+                   "--out", str(tmp_path / "found"))
+    assert proc.returncode in (0, 1), proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["examples"] >= 1, document

@@ -94,6 +94,11 @@ def explore(
 
         output.show(Shown(renderables=lambda: _summary(report),
                           document=lambda: explore_app.explore_document(report)), fmt)
+        untested = explore_app.nothing_tested(report)
+        if untested is not None and not report.result.errors:
+            from kvdoctor.cli.streams import note
+
+            note(f"kvdoctor: {untested}")
         return explore_app.exit_status(report)
 
     run(action, opt.wants_json(output_format, json_out))
@@ -189,7 +194,8 @@ def _summary(report: Any) -> list[Any]:
     for error in result.errors:
         out.append(Text(f"warning: {error}", style="yellow"))
     if not report.findings:
-        out.append(Text("no failure found", style="green"))
+        out.append(Text("no example ran: nothing tested" if stats.examples == 0 else "no failure found",
+                        style="yellow" if stats.examples == 0 else "green"))
         return out
     table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
                   box=box.SIMPLE, title_justify="left")

@@ -83,8 +83,8 @@ def explore(config: Any, out_dir: Path, command: str = "",
     with one worker, triaging it and writing its report) as soon as it is shrunk: a run killed at its
     time limit keeps what it found. `write_attachment(finding, triage)`: writes a candidate's report
     attachment beside its recipe (the CLI supplies it; formatting is not this module's job).
-    `--time-budget` bounds the whole run from here: vLLM's import,
-    search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
+    `--time-budget` bounds the run from vLLM's import on (several workers: each one's own): search,
+    shrinking and triage (a triage started before the end may finish a few seconds after)."""
     import dataclasses
 
     from kvdoctor.engine import compat
@@ -93,16 +93,24 @@ def explore(config: Any, out_dir: Path, command: str = "",
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
              config.worker)
-    if config.stop_at is None:
-        config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
     if config.workers > 1 and api is None:
         declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
         if declared is None:
             raise compat.VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
-    if config.workers <= 1 and api is None:
-        api = compat.load()  # here, not in the search: each finding is triaged as it comes
+    if config.workers <= 1:
+        from kvdoctor.explore.search import warm_up
+
+        if api is None:
+            api = compat.load()  # here, not in the search: each finding is triaged as it comes
+        warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+    # The budget starts once vLLM is imported (and warmed up): here for one worker; for several, in each worker once it
+    # has imported vLLM (its search's own clock, with no shared end), the parent's triage after them.
+    reserve = min(0.2 * config.time_budget, 60.0) if config.workers > 1 and config.triage else 0.0
+    relative = config.stop_at is None and config.workers > 1
+    if config.stop_at is None and not relative:
+        config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
     start = time.monotonic()
     facts: list[Any] = []
 
@@ -118,12 +126,15 @@ def explore(config: Any, out_dir: Path, command: str = "",
             on_finding(finding)
 
     searched = config
-    if config.workers > 1 and config.triage:
+    if reserve:
         # Several workers triage nothing themselves: the parent triages after them, once it has
         # imported vLLM, in the last part of the budget.
-        searched = dataclasses.replace(config, stop_at=config.stop_at - min(0.2 * config.time_budget, 60.0))
+        searched = (dataclasses.replace(config, time_budget=config.time_budget - reserve) if relative
+                    else dataclasses.replace(config, stop_at=config.stop_at - reserve))
     with hypothesis_storage():
         result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+    if relative:
+        config = dataclasses.replace(config, stop_at=time.time() + reserve)
     result.config = config
     if result.errors and len(result.errors) >= config.workers:
         from kvdoctor.errors import InternalError
@@ -167,7 +178,8 @@ def triage_findings(result: Any, stop_at: float | None = None,
 
 
 def exit_status(report: ExploreReport) -> int:
-    """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found"."""
+    """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found";
+    else 6 (inconclusive) when no example ran at all: nothing tested is not nothing found."""
     from kvdoctor.errors import ExitStatus
 
     if report.findings:
@@ -175,7 +187,18 @@ def exit_status(report: ExploreReport) -> int:
     if report.result.errors:
         codes = [c for c in report.result.error_codes if c is not None]
         return codes[0] if codes else ExitStatus.INTERNAL_ERROR  # a worker crashed outside kvdoctor's errors
+    if nothing_tested(report):
+        return ExitStatus.INCONCLUSIVE
     return ExitStatus.NOT_REPRODUCED
+
+
+def nothing_tested(report: ExploreReport) -> str | None:
+    """The one line saying no example ran (the budget was spent before the first), else None."""
+    stats, config = report.result.stats, report.result.config
+    if stats.examples > 0 or report.findings:
+        return None
+    return (f"explore: 0 examples ran in --time-budget {config.time_budget:g} s (after vLLM's import): "
+            f"nothing was tested; give it a longer --time-budget")
 
 
 def explore_document(report: ExploreReport) -> dict[str, Any]:
