@@ -180,3 +180,34 @@ def test_explore_budget_starts_after_vllms_import(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr
     document = json.loads(proc.stdout)
     assert document["examples"] >= 1, document
+
+
+@pytest.mark.parametrize("workers", ["1000", str(2**70)])
+def test_explore_workers_beyond_the_machine_are_refused_before_anything_starts(workers, tmp_path):
+    """`--workers 1000` started 1000 vLLM imports (load 305, the OOM killer): now one line, exit 2, fast,
+    with no worker started, no vLLM imported and no --out folder made."""
+    script = ("import sys, time\n"
+              "from kvdoctor.cli.app import app\n"
+              "start = time.monotonic()\n"
+              f"code = app(args=['explore', '--workers', {workers!r}, '--out', {str(tmp_path / 'found')!r}], "
+              "standalone_mode=False)\n"
+              "print('rc', code, 'vllm' in sys.modules, round(time.monotonic() - start, 1))\n")
+    proc = subprocess.run([KVDOCTOR[0], "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    code, imported, took = proc.stdout.split()[1:]
+    assert (code, imported) == ("2", "False"), proc.stderr
+    assert float(took) < 30
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith(f"kvdoctor: error: --workers {workers}: this machine has ") and "at most " in line
+    assert not (tmp_path / "found").exists()
+
+
+def test_workers_fit_cpus_and_memory():
+    from kvdoctor.explore.app import WORKER_BYTES, usable_cpus, workers_refusal
+
+    assert workers_refusal(1) is None
+    assert workers_refusal(usable_cpus() + 1) is not None
+    from kvdoctor.engine.setup import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is not None:
+        assert workers_refusal(available // WORKER_BYTES + 1) is not None

@@ -39,7 +39,8 @@ def explore(
                               "shrunk when it runs out gets up to 30 s more).",
         rich_help_panel=SEARCH)] = DEFAULT_TIME_BUDGET,
     workers: Annotated[int, typer.Option(
-        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds).",
+        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds); at most one "
+                           "a CPU and a ~1.5 GiB of available memory (more is refused).",
         rich_help_panel=SEARCH)] = 1,
     max_events: Annotated[int, typer.Option(
         "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,

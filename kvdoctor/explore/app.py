@@ -43,10 +43,43 @@ def validate(logic: str, max_examples: int | None, time_budget: float, workers: 
         raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > 1:
+        refusal = workers_refusal(workers)
+        if refusal:
+            raise UsageError(refusal)
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
     if worker not in ("simulated", "vllm"):
         raise UsageError(f"--worker must be simulated or vllm, got {worker!r}")
+
+
+# One explore worker is one busy process with its own vLLM import: measured 1.0 GiB peak RSS after the
+# import and warm-up on 0.26.0 (searching adds to it), so 1.5 GiB a worker is the estimate checked.
+WORKER_BYTES = 3 << 29
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the system says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def workers_refusal(workers: int) -> str | None:
+    """Why `--workers N` is more than this machine holds, in one line (None: it fits). Each worker
+    imports vLLM: more workers than CPUs only share them, and more than memory allows is the OOM
+    killer's (1000 workers drove one machine's load to 305 and killed another process)."""
+    from kvdoctor.engine.setup import available_memory_bytes
+
+    cpus = usable_cpus()
+    available = available_memory_bytes()
+    by_memory = cpus if available is None else max(1, available // WORKER_BYTES)
+    most = max(1, min(cpus, by_memory))
+    if workers <= most:
+        return None
+    memory = "" if available is None else f" and {available / 2**30:.1f} GiB available"
+    return (f"--workers {workers}: this machine has {cpus} CPU(s){memory}; each worker is a process with its "
+            f"own vLLM import (~{WORKER_BYTES / 2**30:.1f} GiB): at most {most} here")
 
 
 @contextmanager
