@@ -271,11 +271,12 @@ class AuditReport:
     @property
     def exit_status(self) -> int:
         """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
-        setup_error; 0 only when every row is not_reproduced / not_applicable."""
+        setup_error; else 6 when any did not test its bug (a level that cannot play it included); 0 only
+        when every row is not_reproduced / not_applicable to this vLLM."""
         from kvdoctor.observe.verdict import Outcome
         from kvdoctor.outcome_codes import exit_code_for_many
 
-        outcomes = [row.installed.outcome for row in self.rows]
+        outcomes: list[Any] = [row.installed for row in self.rows]
         outcomes += [Outcome.OTHER_FAILURE for metric in self.metrics if metric.error]
         return exit_code_for_many(outcomes)
 

@@ -73,6 +73,9 @@ class RunResult:
     worker: str = ""  # which worker ran, in words (Worker.describe)
     model_runner: str = ""  # the model runner the scheduler shaped its output for
     coverage: Any = None  # observe.coverage.Coverage: did the run execute the recipe's crash site
+    # not_applicable because this engine level cannot play a step (or the setup), not because a probe found
+    # this vLLM without the feature: the run did not test the bug (exit 6, `outcome_codes`)
+    unplayable: bool = False
 
 
 def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:
@@ -187,6 +190,7 @@ class ScenarioRun:
             from kvdoctor.engine.core.levels import unexpressible
 
             lacking = unexpressible(self.recipe.steps, self.level, self.setup.async_scheduling)
+            self.result.unplayable = bool(lacking)
         if lacking or untested:
             self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
             self.result.detail = "; ".join(lacking or untested)

@@ -211,3 +211,15 @@ def test_workers_fit_cpus_and_memory():
     available = available_memory_bytes()
     if available is not None:
         assert workers_refusal(available // WORKER_BYTES + 1) is not None
+
+
+def test_a_recipe_the_core_level_cannot_play_is_inconclusive():
+    """`repro withheld-hashes-lookup --engine core`: every logic not_applicable (EngineCore cannot withhold
+    block hashes), exit 0, though the bug reproduces here at the scheduler level. The run did not test it:
+    6, and one line saying what to do."""
+    proc = run_cli("repro", "withheld-hashes-lookup", "--engine", "core")
+    assert proc.returncode == 6, proc.stderr
+    assert re.search(r"^installed\s+not_applicable", proc.stdout, re.M), proc.stdout
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "kvdoctor: not tested: --engine core cannot play its delay_block_hashes, release_block_hashes step(s); "
+        "the bug may still be in this vLLM (run it at --engine scheduler, the default)")

@@ -79,8 +79,9 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
-        code = exit_code_for(result.decisive.outcome)
+        code = exit_code_for(result.decisive)
         output.show_result("repro", result, fmt, repro_document, repro_renderables, svg, report)
+        output.note_untested_level(result.decisive, result.setup.engine)
         return code
 
     run(action, opt.wants_json(output_format, json_out))

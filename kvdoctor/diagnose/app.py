@@ -76,7 +76,7 @@ class DiagnoseReport:
             return ExitStatus.NOT_REPRODUCED
         from kvdoctor.outcome_codes import exit_code_for
 
-        return exit_code_for(installed.outcome)
+        return exit_code_for(installed)
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:

@@ -28,6 +28,7 @@ class CoreScenarioRun(ScenarioRun):
         if reasons:
             self.result.outcome = Outcome.NOT_APPLICABLE
             self.result.detail = "; ".join(reasons)
+            self.result.unplayable = True
             return self.result
         return super().run()
 

@@ -182,6 +182,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
+        result.unplayable = True
         return result, ""
     check_plugin()
     events = plan_traffic(recipe, setup)
