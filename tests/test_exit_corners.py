@@ -223,3 +223,27 @@ def test_a_recipe_the_core_level_cannot_play_is_inconclusive():
     assert proc.stderr.strip().splitlines()[-1] == (
         "kvdoctor: not tested: --engine core cannot play its delay_block_hashes, release_block_hashes step(s); "
         "the bug may still be in this vLLM (run it at --engine scheduler, the default)")
+
+
+@pytest.mark.parametrize("columns", ["0", "-5", "3", "abc"])
+def test_a_nonsense_width_is_the_default_80(columns):
+    """`COLUMNS=0 kvdoctor audit` lost all its text (rich took the 0 at its word): a width that is no
+    width (<= 0, tiny, not a number) is 80."""
+    from kvdoctor.cli.streams import DEFAULT_WIDTH, Environment
+
+    from .cli_runner import invoke
+
+    assert Environment(env={"COLUMNS": columns}).width() == DEFAULT_WIDTH
+    proc = invoke("repro", "--list", env={"COLUMNS": columns})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("built-in recipes") and len(lines) >= 15
+    assert max(len(line) for line in lines) <= DEFAULT_WIDTH
+    assert any(len(line) > 60 for line in lines)  # drawn at 80, not squeezed into 3 columns
+
+
+def test_a_sane_width_is_kept():
+    from kvdoctor.cli.streams import Environment
+
+    assert Environment(env={"COLUMNS": "120"}).width() == 120
+    assert Environment(env={}).width() is None  # no $COLUMNS: the terminal (or rich's 80) decides

@@ -111,8 +111,10 @@ class _Display:
     def __init__(self, config: Any, quiet_lines: bool) -> None:
         from rich.console import Console
 
+        from kvdoctor.cli.streams import current
+
         self.config = config
-        self.console = Console(stderr=True, highlight=False)
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live_mode = self.console.is_terminal
         self.quiet_lines = quiet_lines
         self.live: Any = None

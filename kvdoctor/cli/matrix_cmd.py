@@ -102,7 +102,9 @@ class _Display:
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True, highlight=False)
+        from kvdoctor.cli.streams import current
+
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live = self.console.is_terminal
         self.progress: Any = None
         self.build_task: Any = None

@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Iterator, Mapping
 
 
+DEFAULT_WIDTH = 80  # rich's own, where no terminal says otherwise
+MIN_WIDTH = 20  # below this no table or wrapped sentence is readable: a nonsense width, not a request
+
+
 @dataclass
 class Environment:
     """The streams, terminal, variables and command line a command runs with. None: the process's own
@@ -86,11 +90,15 @@ class Environment:
             return False
 
     def width(self) -> int | None:
-        """The columns given, else $COLUMNS; None: let the terminal (or rich's 80) decide."""
+        """The columns given, else $COLUMNS; None: let the terminal (or rich's 80) decide. A nonsense
+        width (`COLUMNS=0`, negative, not a number, under MIN_WIDTH) is DEFAULT_WIDTH: rich took
+        `COLUMNS=0` at its word and every line of text was lost."""
         if self.columns is not None:
-            return self.columns
-        columns = self.getenv("COLUMNS", "") or ""
-        return int(columns) if columns.isdigit() and int(columns) > 0 else None
+            return self.columns if self.columns >= MIN_WIDTH else DEFAULT_WIDTH
+        columns = (self.getenv("COLUMNS", "") or "").strip()
+        if not columns:
+            return None
+        return int(columns) if columns.isdigit() and int(columns) >= MIN_WIDTH else DEFAULT_WIDTH
 
 
 _current = Environment()
