@@ -247,3 +247,34 @@ def test_a_sane_width_is_kept():
 
     assert Environment(env={"COLUMNS": "120"}).width() == 120
     assert Environment(env={}).width() is None  # no $COLUMNS: the terminal (or rich's 80) decides
+
+
+@pytest.mark.parametrize("line, message", [
+    ("gpu_blocks = 4000001", "[setup] gpu_blocks 4000001: kvdoctor simulates pools up to 4,000,000 blocks"),
+    ("gpu_blocks = 99999999999999999999999", "[setup] gpu_blocks must fit in 64 bits"),
+    ("gpu_blocks = -99999999999999999999999", "[setup] gpu_blocks must fit in 64 bits"),
+])
+def test_recipe_integers_beyond_what_runs_are_refused_at_their_line(line, message):
+    """An int past int64 got past the loader; `gpu_blocks = 4000001` was refused naming
+    --num-gpu-blocks-override, a flag the user never gave, without file:line. Now the recipe key, at its line."""
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_text
+
+    source = (ROOT / "repros" / "queued-abort.toml").read_text()
+    text = source.replace("gpu_blocks = 8", line, 1)
+    at = text.splitlines().index(line) + 1
+    with pytest.raises(RecipeError) as caught:
+        load_recipe_text(text, "big.toml")
+    assert str(caught.value).startswith(f"big.toml:{at}: {message}"), str(caught.value)
+    assert "--num-gpu-blocks-override" not in str(caught.value) and len(str(caught.value)) < 200
+
+
+def test_a_step_integer_past_int64_is_refused_at_its_line():
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_text
+
+    source = (ROOT / "repros" / "queued-abort.toml").read_text()
+    text = source.replace("max_tokens = 8", f"max_tokens = {2**64}", 1)
+    at = text.splitlines().index(f"max_tokens = {2**64}") + 1
+    with pytest.raises(RecipeError, match=rf"^x.toml:{at}: .*max_tokens must fit in 64 bits"):
+        load_recipe_text(text, "x.toml")

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
+from kvdoctor.engine.setup import MAX_GPU_BLOCKS, RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
@@ -201,6 +201,8 @@ class _Reader:
         if not ok:
             expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
             raise self.fail(line, f"{what} must be {expected}, got {_show(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise self.fail(line, f"{what} must fit in 64 bits (|n| < 2**63), got {_show(value)}")
         return value
 
 
@@ -391,6 +393,9 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
         r.check_type(value, types, key_line, f"[setup] {key}")
         if types == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
+        if key == "gpu_blocks" and value > MAX_GPU_BLOCKS:  # Setup's own check names the CLI flag
+            raise r.fail(key_line, f"[setup] gpu_blocks {value}: kvdoctor simulates pools up to "
+                                   f"{MAX_GPU_BLOCKS:,} blocks (vLLM's scheduler builds one Python object per block)")
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout":
