@@ -278,3 +278,40 @@ def test_a_step_integer_past_int64_is_refused_at_its_line():
     at = text.splitlines().index(f"max_tokens = {2**64}") + 1
     with pytest.raises(RecipeError, match=rf"^x.toml:{at}: .*max_tokens must fit in 64 bits"):
         load_recipe_text(text, "x.toml")
+
+
+def test_repro_list_json_names_kvdoctors_version():
+    from kvdoctor import __version__
+
+    from .cli_runner import invoke
+
+    proc = invoke("repro", "--list", "--json")
+    assert proc.returncode == 0, proc.stderr
+    document = json.loads(proc.stdout)
+    assert document["kvdoctor_version"] == __version__ and document["schema_version"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize("name", ["a" * 100_000, "a\nb" * 2000])
+def test_a_huge_unknown_name_is_shown_cut_on_one_line(name):
+    """A 100 KB argument was echoed whole (and one too long for a file name was kvdoctor's own failure, 5)."""
+    from .cli_runner import invoke
+
+    proc = invoke("repro", name)
+    assert proc.returncode == 2, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("kvdoctor: error: unknown recipe '") and f"({len(name):,} characters)" in line
+    assert len(line) < 1000
+
+
+def test_a_huge_recipe_name_is_refused_at_its_line(tmp_path):
+    """A recipe file whose [recipe] name was 2 MB printed 60,734 lines (the name heads every report)."""
+    from .cli_runner import invoke
+
+    source = (ROOT / "repros" / "queued-abort.toml").read_text()
+    path = tmp_path / "big-name.toml"
+    path.write_text(source.replace('name = "queued-abort"', 'name = "' + "ab " * 700_000 + '"', 1))
+    proc = invoke("repro", str(path), "--worker", "simulated")
+    assert proc.returncode == 2, proc.stderr[:500]
+    line, = proc.stderr.strip().splitlines()
+    assert "big-name.toml:3: [recipe] name must be one line of at most 100 characters" in line and len(line) < 400
+    assert proc.stdout == ""

@@ -27,6 +27,7 @@ from kvdoctor.recipes.model import (
 )
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
+MAX_NAME = 100  # a recipe's name: one line a report can head (a 2 MB name printed 60,734 lines)
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
@@ -305,6 +306,9 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key, types in _RECIPE_KEYS.items():
         if key in meta:
             r.check_type(meta[key], types, r.index.key(meta_line, key), f"[recipe] {key}")
+    if len(meta["name"]) > MAX_NAME or "\n" in meta["name"]:  # it heads every report and names files
+        raise r.fail(r.index.key(meta_line, "name"), f"[recipe] name must be one line of at most {MAX_NAME} "
+                                                     f"characters, got {_show(meta['name'])} ({len(meta['name']):,} characters)")
     if "workaround" in meta and not meta["workaround"].strip():
         raise r.fail(r.index.key(meta_line, "workaround"),
                      "[recipe] workaround must say what avoids the bug (leave the key out when none is known)")
