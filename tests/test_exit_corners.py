@@ -315,3 +315,27 @@ def test_a_huge_recipe_name_is_refused_at_its_line(tmp_path):
     line, = proc.stderr.strip().splitlines()
     assert "big-name.toml:3: [recipe] name must be one line of at most 100 characters" in line and len(line) < 400
     assert proc.stdout == ""
+
+
+def test_matrix_progress_never_shows_none():
+    """The run task has no total (bisect picks releases as it goes): its count read "0/None"."""
+    import io
+
+    from rich.console import Console
+
+    from kvdoctor.cli.matrix_cmd import _Display, count_text
+    from kvdoctor.matrix.runner import Cell
+
+    assert count_text(0, None) == "0 done" and count_text(3, 8) == "3/8"
+    display = _Display()
+    display.console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    display.live = True
+    with display:
+        callbacks = display.callbacks()
+        callbacks.building("0.26.0", 0, 2)
+        callbacks.running("0.26.0", "queued-abort")
+        display.progress.refresh()
+        callbacks.ran(Cell(release="0.26.0", recipe="queued-abort", outcome="reproduced"))
+        display.progress.refresh()
+    shown = display.console.file.getvalue()
+    assert "None" not in shown and "1 done" in shown and "0/2" in shown, shown
