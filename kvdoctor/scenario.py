@@ -297,7 +297,8 @@ class ScenarioRun:
                                       f"assertion reached by another path, not the bug the recipe is about")
         else:
             self.result.outcome = Outcome.OTHER_FAILURE
-            self.result.detail = f"{failure.exception} in vLLM's {failure.function}: {failure.message}"
+            self.result.detail = (f"{failure.exception} in vLLM's {failure.function}"
+                                  + (f": {failure.message}" if failure.message else ""))
         if self.record_timeline:
             self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(), step.line,
                                                       None, self.result.requests, failed=True))

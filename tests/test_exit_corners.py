@@ -339,3 +339,38 @@ def test_matrix_progress_never_shows_none():
         display.progress.refresh()
     shown = display.console.file.getvalue()
     assert "None" not in shown and "1 done" in shown and "0/2" in shown, shown
+
+
+def test_a_line_written_under_a_progress_line_starts_on_a_cleared_line():
+    """`--engine serve` printed its child-PID note onto the progress line ("repro  4s kvdoctor: `vllm serve`
+    child PID ..."): the process's stderr clears a drawn progress line before anyone else's text."""
+    import io
+
+    from kvdoctor.cli.progress import Progress
+    from kvdoctor.cli.streams import CLEAR_LINE, QuietWhenClosed
+
+    terminal = io.StringIO()
+    stderr = QuietWhenClosed(terminal)
+    with Progress("repro", total=3, stream=stderr, enabled=True) as progress:
+        progress.update("queued-abort", done=0)
+        print("kvdoctor: `vllm serve` child PID 1234 on 127.0.0.1:8000", file=stderr, flush=True)
+    shown = terminal.getvalue()
+    before, _, _ = shown.partition("kvdoctor: `vllm serve`")
+    assert before.endswith(CLEAR_LINE), repr(shown)  # the note starts on a cleared line at column 0
+    assert "repro  1/3  queued-abort" in before
+
+
+def test_an_exception_without_a_message_has_no_empty_heading():
+    """A bare `assert` in vLLM: "AssertionError: " with nothing after it; now the name alone."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from kvdoctor.report.tables import failure_panel
+
+    failure = SimpleNamespace(exception="AssertionError", message="", file="vllm/x.py", line=9, function="f",
+                              code="assert a", vllm_frames=[])
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(failure_panel(SimpleNamespace(failure=failure, failure_step=3, logic="installed")))
+    text = console.export_text()
+    assert "AssertionError" in text and "AssertionError:" not in text, text

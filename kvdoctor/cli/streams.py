@@ -131,8 +131,12 @@ def note(text: str) -> None:
         pass
 
 
+CLEAR_LINE = "\r\x1b[2K"  # back to column 0, erase the line
+
+
 class QuietWhenClosed:
-    """A process stream that stops writing, without raising, once the far end is gone.
+    """A process stream that stops writing, without raising, once the far end is gone; and where a
+    progress line is drawn on it, clears that line before anything else is written.
 
     The first write or flush that fails (EPIPE, a closed descriptor) points the descriptor at
     /dev/null and every later write is dropped; everything else (fileno, isatty, encoding) is the
@@ -141,8 +145,21 @@ class QuietWhenClosed:
     def __init__(self, stream: IO[Any]) -> None:
         self._stream = stream
         self.closed_by_reader = False
+        self.status_shown = False  # a progress line is drawn (cli.progress), with no newline after it
 
     def write(self, text: str) -> int:
+        if text and self.status_shown:  # anyone else's line (a note, vLLM's, the serve child's PID) starts
+            self.status_shown = False    # at column 0 of a cleared line, not after the progress text
+            self._write(CLEAR_LINE)
+        return self._write(text)
+
+    def show_status(self, text: str) -> None:
+        """Draw a progress line in place (the next other write clears it first)."""
+        self._write(CLEAR_LINE + text)
+        self.flush()
+        self.status_shown = True
+
+    def _write(self, text: str) -> int:
         if not self.closed_by_reader:
             try:
                 return self._stream.write(text)

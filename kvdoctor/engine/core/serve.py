@@ -230,7 +230,8 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
                              f"does not name the request)")
         else:
             result.outcome = Outcome.OTHER_FAILURE
-            result.detail = f"the engine died with {failure.exception} in vLLM's {failure.function}: {failure.message}"
+            result.detail = (f"the engine died with {failure.exception} in vLLM's {failure.function}"
+                             + (f": {failure.message}" if failure.message else ""))
         return result, text
     if played.healthy and played.fresh_served:
         missed = [name for name, was in queued.items() if not was]
