@@ -374,3 +374,32 @@ def test_an_exception_without_a_message_has_no_empty_heading():
     console.print(failure_panel(SimpleNamespace(failure=failure, failure_step=3, logic="installed")))
     text = console.export_text()
     assert "AssertionError" in text and "AssertionError:" not in text, text
+
+
+def test_version_probe_lines_wrap_at_the_width():
+    """Probe answers ran to 84-102 columns at 80: wrapped, each continuation under its answer."""
+    from types import SimpleNamespace
+
+    from kvdoctor.report.version import version_text
+
+    probe = SimpleNamespace(name="storable_chunks-signature", holds=True,
+                            answer="storable_chunks(group_config, num_offloadable_tokens) and a long tail of words")
+    report = SimpleNamespace(kvdoctor="0.1.0", vllm="0.26.0", torch="2.11.0", platform="Linux",
+                             python="3.11.7 (/opt/a/virtual/environment/bin/python3.11) " + "word " * 12,
+                             problem=None, note=None, probes=[probe])
+    for width in (80, 60):
+        lines = version_text(report, width).splitlines()
+        assert max(len(line) for line in lines) <= width, lines
+        at = lines.index(next(line for line in lines if "storable_chunks-signature" in line))
+        assert lines[at + 1].startswith(" " * 20) and lines[at + 1].strip(), lines
+
+
+@pytest.mark.vllm
+def test_version_shows_progress_on_a_terminal(api):
+    """`version` took ~19 s with nothing on the screen: a progress line on a terminal, none elsewhere."""
+    from .cli_runner import invoke
+
+    shown = invoke("version", stderr_isatty=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "version" in shown.stderr and "importing vLLM" in shown.stderr
+    assert invoke("version").stderr == ""
