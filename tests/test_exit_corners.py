@@ -403,3 +403,32 @@ def test_version_shows_progress_on_a_terminal(api):
     assert shown.returncode == 0, shown.stderr
     assert "version" in shown.stderr and "importing vLLM" in shown.stderr
     assert invoke("version").stderr == ""
+
+
+def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
+    """Ctrl-C in explore said nothing of the findings already written: now one line, how many and where,
+    exit 130 (a finding is written as soon as it is shrunk, before an interrupt can lose it)."""
+    from types import SimpleNamespace
+
+    import kvdoctor.explore.findings as findings_module
+    import kvdoctor.explore.search as search_module
+    from kvdoctor.engine import compat
+
+    from .cli_runner import invoke
+
+    written: list[str] = []
+    finding = SimpleNamespace(signature="AssertionError in f", label="AssertionError in f", steps=3, elapsed_s=1.0)
+
+    def interrupted_search(config, on_progress=None, on_finding=None, api=None):
+        on_finding(finding)  # written at once, as the real search does
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(findings_module, "write_findings", lambda found, out: written.extend(f.signature for f in found))
+    monkeypatch.setattr(search_module, "explore", interrupted_search)
+    monkeypatch.setattr(search_module, "warm_up", lambda api: None)
+    monkeypatch.setattr(compat, "load", lambda: SimpleNamespace())
+    out = tmp_path / "found"
+    proc = invoke("explore", "--time-budget", "5", "--no-triage", "--out", str(out))
+    assert proc.returncode == 130, proc.stderr
+    assert written == ["AssertionError in f"]
+    assert proc.stderr.strip().splitlines()[-1] == f"kvdoctor: error: interrupted: 1 finding(s) kept in {out}"

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvdoctor import SCHEMA_VERSION, __version__
-from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.errors import ExitStatus, KvdoctorError, UsageError
+
+
+class ExploreInterrupted(KvdoctorError):
+    """Ctrl-C during a search: what was found so far is on disk already; the message says how much, where."""
+
+    exit_code = ExitStatus.INTERRUPTED
+    kind = "interrupted"
 
 
 @dataclass
@@ -147,8 +154,11 @@ def explore(config: Any, out_dir: Path, command: str = "",
     start = time.monotonic()
     facts: list[Any] = []
 
+    written: set[str] = set()
+
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
+        written.add(finding.signature)
         if config.triage and api is not None and time.time() < config.stop_at:
             from kvdoctor.explore.triage import triage
 
@@ -164,8 +174,11 @@ def explore(config: Any, out_dir: Path, command: str = "",
         # imported vLLM, in the last part of the budget.
         searched = (dataclasses.replace(config, time_budget=config.time_budget - reserve) if relative
                     else dataclasses.replace(config, stop_at=config.stop_at - reserve))
-    with hypothesis_storage():
-        result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+    try:
+        with hypothesis_storage():
+            result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+    except KeyboardInterrupt:
+        raise ExploreInterrupted(f"interrupted: {len(written)} finding(s) kept in {out_dir}") from None
     if relative:
         config = dataclasses.replace(config, stop_at=time.time() + reserve)
     result.config = config
