@@ -432,3 +432,33 @@ def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
     assert proc.returncode == 130, proc.stderr
     assert written == ["AssertionError in f"]
     assert proc.stderr.strip().splitlines()[-1] == f"kvdoctor: error: interrupted: 1 finding(s) kept in {out}"
+
+
+def test_wrapped_lines_keep_their_hanging_indent():
+    """diagnose's and explore's indented lines wrapped to column 0 (plain rich Text): now under their indent."""
+    from rich.console import Console
+
+    from kvdoctor.report.layout import Hanging
+
+    console = Console(width=40, record=True, file=open(os.devnull, "w"))
+    console.print(Hanging("    impact: " + "word " * 20, extra=8))
+    console.print(Hanging("  short line"))
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith("    impact: ") and len(lines) > 2
+    assert all(line.startswith(" " * 12) and line.strip() for line in lines[1:-1]), lines
+    assert lines[-1] == "  short line"
+    assert max(len(line) for line in lines) <= 40
+
+
+def test_diagnose_wraps_under_the_indent():
+    """Wrapping at a narrow width makes no new line at column 0: every continuation is indented."""
+    from .cli_runner import invoke
+
+    log = ROOT / "tests" / "data" / "logs" / "vllm-51013-k1-tail.log"
+    if not log.exists():
+        pytest.skip("tests/data/logs has no K1 log")
+    narrow = invoke("diagnose", str(log), "--no-run", columns=50).stdout.splitlines()
+    wide = invoke("diagnose", str(log), "--no-run", columns=1000).stdout.splitlines()
+    assert len(narrow) > len(wide)  # something wrapped
+    flush_left = [[line for line in lines if line and not line.startswith(" ")] for lines in (narrow, wide)]
+    assert [line.split()[0] for line in flush_left[0]] == [line.split()[0] for line in flush_left[1]]

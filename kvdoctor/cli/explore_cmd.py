@@ -208,7 +208,7 @@ def _summary(report: Any) -> list[Any]:
         table.add_row(Text(finding.label), str(finding.steps),
                       f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
                       Text(finding.file or ""))
-    from kvdoctor.report.layout import Fit, Items
+    from kvdoctor.report.layout import Fit, Hanging, Items
 
     blocks: list[Any] = [Text(table.title or "")]
     for finding in report.findings:
@@ -219,19 +219,20 @@ def _summary(report: Any) -> list[Any]:
     from rich.console import Group
 
     out.append(Fit(table, Group(*blocks)))
-    for finding in report.findings:
-        out.append(Text(f"{finding.label}: {finding.detail}"
-                        + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
-        out.append(Text(f"    impact: {finding.impact.line}"))
+    for finding in report.findings:  # Hanging: wrapped lines keep their indent (plain text, not markup)
+        out.append(Hanging(f"{finding.label}: {finding.detail}"
+                           + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else ""),
+                           extra=4))
+        out.append(Hanging(f"    impact: {finding.impact.line}", extra=8))
         if finding.triage is not None:
-            style = "bold" if finding.triage.report else None
-            out.append(Text(f"    triage: {finding.triage.line}", style=style))
+            style = "bold" if finding.triage.report else ""
+            out.append(Hanging(f"    triage: {finding.triage.line}", extra=8, style=style))
             for note in finding.triage.diagnosis:
-                out.append(Text(f"    diagnosis: {note}"))
+                out.append(Hanging(f"    diagnosis: {note}", extra=8))
             if finding.triage.report:
-                out.append(Text(f"    report attachment: {finding.triage.report}"))
+                out.append(Hanging(f"    report attachment: {finding.triage.report}", extra=8))
     for note in report.notes:
-        out.append(Text(f"note: {note}", style="yellow"))
+        out.append(Hanging(f"note: {note}", extra=6, style="yellow"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out
