@@ -6,8 +6,7 @@ exit code from bash's PIPESTATUS, as a script calling kvdoctor would.
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
+import io
 import json
 import os
 import re
@@ -16,6 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from kvdoctor import SCHEMA_VERSION
 
 from .conftest import KVDOCTOR, ROOT, run_cli
 
@@ -370,7 +371,7 @@ def test_an_exception_without_a_message_has_no_empty_heading():
 
     failure = SimpleNamespace(exception="AssertionError", message="", file="vllm/x.py", line=9, function="f",
                               code="assert a", vllm_frames=[])
-    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console = Console(width=80, record=True, file=io.StringIO())
     console.print(failure_panel(SimpleNamespace(failure=failure, failure_step=3, logic="installed")))
     text = console.export_text()
     assert "AssertionError" in text and "AssertionError:" not in text, text
@@ -423,7 +424,8 @@ def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
         on_finding(finding)  # written at once, as the real search does
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(findings_module, "write_findings", lambda found, out: written.extend(f.signature for f in found))
+    monkeypatch.setattr(findings_module, "write_findings",
+                        lambda found, out: written.extend(f.signature for f in found))
     monkeypatch.setattr(search_module, "explore", interrupted_search)
     monkeypatch.setattr(search_module, "warm_up", lambda api: None)
     monkeypatch.setattr(compat, "load", lambda: SimpleNamespace())
@@ -440,7 +442,7 @@ def test_wrapped_lines_keep_their_hanging_indent():
 
     from kvdoctor.report.layout import Hanging
 
-    console = Console(width=40, record=True, file=open(os.devnull, "w"))
+    console = Console(width=40, record=True, file=io.StringIO())
     console.print(Hanging("    impact: " + "word " * 20, extra=8))
     console.print(Hanging("  short line"))
     lines = console.export_text().splitlines()

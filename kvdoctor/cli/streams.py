@@ -31,9 +31,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Iterator, Mapping
-
+from typing import IO, Any
 
 DEFAULT_WIDTH = 80  # rich's own, where no terminal says otherwise
 MIN_WIDTH = 20  # below this no table or wrapped sentence is readable: a nonsense width, not a request
@@ -196,7 +196,7 @@ def guard_process_streams() -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115
     if not isinstance(sys.stderr, QuietWhenClosed):
-        sys.stderr = QuietWhenClosed(sys.stderr)  # type: ignore[assignment]
+        sys.stderr = QuietWhenClosed(sys.stderr)
 
 
 def _point_at_devnull(stream: Any) -> None:

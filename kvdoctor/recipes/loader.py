@@ -306,9 +306,10 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key, types in _RECIPE_KEYS.items():
         if key in meta:
             r.check_type(meta[key], types, r.index.key(meta_line, key), f"[recipe] {key}")
-    if len(meta["name"]) > MAX_NAME or "\n" in meta["name"]:  # it heads every report and names files
+    name = meta["name"]
+    if len(name) > MAX_NAME or "\n" in name:  # it heads every report and names files
         raise r.fail(r.index.key(meta_line, "name"), f"[recipe] name must be one line of at most {MAX_NAME} "
-                                                     f"characters, got {_show(meta['name'])} ({len(meta['name']):,} characters)")
+                                                     f"characters, got {_show(name)} ({len(name):,} characters)")
     if "workaround" in meta and not meta["workaround"].strip():
         raise r.fail(r.index.key(meta_line, "workaround"),
                      "[recipe] workaround must say what avoids the bug (leave the key out when none is known)")
