@@ -128,7 +128,9 @@ class ScenarioRun:
         except NotApplicable as exc:
             untested = [str(exc)]
         # a step only another level plays (pause/resume at the scheduler level) is not this level's: say why
-        lacking = missing(self.api, self.recipe.requires) or list(self.unplayable)
+        probed = missing(self.api, self.recipe.requires)
+        lacking = probed or list(self.unplayable)
+        self.result.unplayable = not probed and bool(lacking)  # the level's reason, not a probe's: exit 6
         if lacking or untested:
             self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
             self.result.detail = "; ".join(lacking or untested)

@@ -57,7 +57,8 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
     (explore, ["kvdoctor explore --time-budget 60",
                "kvdoctor explore --logic fixed --workers 2 --out findings/"], {
         ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)",
-        ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete"}),
+        ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete",
+        ExitStatus.INCONCLUSIVE: "no example ran within the time budget: nothing was tested"}),
     (matrix, ["kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
               "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"], {
         ExitStatus.NOT_REPRODUCED: "nothing reproduced on any release",
@@ -113,8 +114,10 @@ for _command, _examples, _meanings in COMMANDS:
 def main() -> None:
     """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
     as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
+    from kvdoctor.cli.streams import guard_process_streams
     from kvdoctor.cli.teardown import exit_now, redirect_caches, remove_scratch
 
+    guard_process_streams()  # a closed stderr never changes the exit code
     redirect_caches()
     try:
         app()

@@ -43,7 +43,8 @@ def explore(
                               "shrunk when it runs out gets up to 30 s more).",
         rich_help_panel=SEARCH)] = DEFAULT_TIME_BUDGET,
     workers: Annotated[int, typer.Option(
-        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds).",
+        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds); at most one "
+                           "a CPU and a ~1.5 GiB of available memory (more is refused).",
         rich_help_panel=SEARCH)] = 1,
     max_events: Annotated[int, typer.Option(
         "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,
@@ -98,6 +99,11 @@ def explore(
 
         output.show(Shown(renderables=lambda: _summary(report),
                           document=lambda: explore_app.explore_document(report)), fmt)
+        untested = explore_app.nothing_tested(report)
+        if untested is not None and not report.result.errors:
+            from kvdoctor.cli.streams import note
+
+            note(f"kvdoctor: {untested}")
         return explore_app.exit_status(report)
 
     run(action, opt.wants_json(output_format, json_out))
@@ -109,8 +115,10 @@ class _Display:
     def __init__(self, config: Any, quiet_lines: bool) -> None:
         from rich.console import Console
 
+        from kvdoctor.cli.streams import current
+
         self.config = config
-        self.console = Console(stderr=True, highlight=False)
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live_mode = self.console.is_terminal
         self.quiet_lines = quiet_lines
         self.live: Any = None
@@ -193,7 +201,8 @@ def _summary(report: Any) -> list[Any]:
     for error in result.errors:
         out.append(Text(f"warning: {error}", style="yellow"))
     if not report.findings:
-        out.append(Text("no failure found", style="green"))
+        out.append(Text("no example ran: nothing tested" if stats.examples == 0 else "no failure found",
+                        style="yellow" if stats.examples == 0 else "green"))
         return out
     table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
                   box=box.SIMPLE, title_justify="left")
@@ -203,7 +212,7 @@ def _summary(report: Any) -> list[Any]:
         table.add_row(Text(finding.label), str(finding.steps),
                       f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
                       Text(finding.file or ""))
-    from kvdoctor.report.layout import Fit, Items
+    from kvdoctor.report.layout import Fit, Hanging, Items
 
     blocks: list[Any] = [table.title if isinstance(table.title, Text) else Text(table.title or "")]
     for finding in report.findings:
@@ -214,19 +223,20 @@ def _summary(report: Any) -> list[Any]:
     from rich.console import Group
 
     out.append(Fit(table, Group(*blocks)))
-    for finding in report.findings:
-        out.append(Text(f"{finding.label}: {finding.detail}"
-                        + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
-        out.append(Text(f"    impact: {finding.impact.line}"))
+    for finding in report.findings:  # Hanging: wrapped lines keep their indent (plain text, not markup)
+        out.append(Hanging(f"{finding.label}: {finding.detail}"
+                           + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else ""),
+                           extra=4))
+        out.append(Hanging(f"    impact: {finding.impact.line}", extra=8))
         if finding.triage is not None:
             style = "bold" if finding.triage.report else ""
-            out.append(Text(f"    triage: {finding.triage.line}", style=style))
+            out.append(Hanging(f"    triage: {finding.triage.line}", extra=8, style=style))
             for note in finding.triage.diagnosis:
-                out.append(Text(f"    diagnosis: {note}"))
+                out.append(Hanging(f"    diagnosis: {note}", extra=8))
             if finding.triage.report:
-                out.append(Text(f"    report attachment: {finding.triage.report}"))
+                out.append(Hanging(f"    report attachment: {finding.triage.report}", extra=8))
     for note in report.notes:
-        out.append(Text(f"note: {note}", style="yellow"))
+        out.append(Hanging(f"note: {note}", extra=6, style="yellow"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out

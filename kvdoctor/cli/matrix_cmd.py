@@ -96,13 +96,32 @@ def matrix(
     run(action, opt.wants_json(output_format, json_out))
 
 
+def count_text(completed: float, total: float | None) -> str:
+    """`3/8`, or `3 done` where the total is not known beforehand (bisect picks its next release as it
+    goes): never `0/None`."""
+    return f"{int(completed)}/{int(total)}" if total else f"{int(completed)} done"
+
+
+def _count_column() -> Any:
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class CountColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(count_text(task.completed, task.total))
+
+    return CountColumn()
+
+
 class _Display:
     """A rich progress bar on stderr while environments are built; one line per step otherwise."""
 
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True, highlight=False)
+        from kvdoctor.cli.streams import current
+
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live = self.console.is_terminal
         self.progress: Any = None
         self.build_task: Any = None
@@ -113,8 +132,7 @@ class _Display:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                     console=self.console, transient=True)
+                                     _count_column(), TimeElapsedColumn(), console=self.console, transient=True)
             self.progress.__enter__()
         return self
 

@@ -85,7 +85,7 @@ class DiagnoseReport:
         if installed is None:
             return ExitStatus.NOT_REPRODUCED
 
-        return exit_code_for(installed.outcome)
+        return exit_code_for(installed)
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[Overrides, list[str]]:

@@ -329,6 +329,9 @@ def available_features(api: Any) -> frozenset[str]:
 
 # -- several processes ---------------------------------------------------------------------------
 
+_warmed: set[int] = set()
+
+
 def warm_up(api: Any) -> None:
     """Pay the one-off costs before the budget clock starts: the first scheduler build (vLLM
     inspects the model architecture once per process), hypothesis' strategies; then move
@@ -336,6 +339,10 @@ def warm_up(api: Any) -> None:
     engine does after start-up), so collections scan only what exploring allocates."""
     import gc
     import logging
+
+    if id(api) in _warmed:  # once a process (explore.app warms up before it starts the budget's clock)
+        return
+    _warmed.add(id(api))
 
     # Generated runs fail loads on purpose, and vLLM logs each at ERROR level, on stdout (which
     # would break --json); every failure explore reports comes from its own observation instead.

@@ -195,6 +195,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
+        result.unplayable = True
         return result, ""
     check_plugin()
     events = plan_traffic(recipe, setup)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvdoctor.engine.kv_layout import shipped_layouts
 from kvdoctor.engine.serve_args import PASSED_THROUGH_KV_TRANSFER_KEYS
-from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
+from kvdoctor.engine.setup import MAX_GPU_BLOCKS, RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
 from kvdoctor.observe.coverage import parse_when
 from kvdoctor.observe.invariants import INVARIANTS
@@ -32,6 +32,7 @@ from kvdoctor.steps import EXPECT_FIELDS, REGISTRY, Field
 from kvdoctor.steps import shown as _show
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
+MAX_NAME = 100  # a recipe's name: one line a report can head (a 2 MB name printed 60,734 lines)
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
@@ -221,6 +222,8 @@ class _Reader:
         if not ok:
             expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
             raise self.fail(line, f"{what} must be {expected}, got {_show(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise self.fail(line, f"{what} must fit in 64 bits (|n| < 2**63), got {_show(value)}")
         return value
 
 
@@ -317,6 +320,10 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key, types in _RECIPE_KEYS.items():
         if key in meta:
             r.check_type(meta[key], types, r.index.key(meta_line, key), f"[recipe] {key}")
+    name = meta["name"]
+    if len(name) > MAX_NAME or "\n" in name:  # it heads every report and names files
+        raise r.fail(r.index.key(meta_line, "name"), f"[recipe] name must be one line of at most {MAX_NAME} "
+                                                     f"characters, got {_show(name)} ({len(name):,} characters)")
     if "workaround" in meta and not meta["workaround"].strip():
         raise r.fail(r.index.key(meta_line, "workaround"),
                      "[recipe] workaround must say what avoids the bug (leave the key out when none is known)")
@@ -401,6 +408,9 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
         r.check_type(value, kinds, key_line, f"[setup] {key}")
         if kinds == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
+        if key == "gpu_blocks" and value > MAX_GPU_BLOCKS:  # Setup's own check names the CLI flag
+            raise r.fail(key_line, f"[setup] gpu_blocks {value}: kvdoctor simulates pools up to "
+                                   f"{MAX_GPU_BLOCKS:,} blocks (vLLM's scheduler builds one Python object per block)")
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout":

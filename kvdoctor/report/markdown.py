@@ -108,7 +108,7 @@ def _reproduce_section(report: Any, command_line: str) -> list[str]:
 def _failure(result: Any) -> list[str]:
     f = result.failure
     lines = [f"### Failure under the `{result.logic}` logic (step {result.failure_step})", "",
-             f"`{f.exception}: {f.message}` at `{f.file}:{f.line}` in `{f.function}()`", "",
+             f"`{f.exception}{': ' + f.message if f.message else ''}` at `{f.file}:{f.line}` in `{f.function}()`", "",
              "vLLM frames (outermost first):", "", "```"]
     lines += [f"{fr.file}:{fr.line} {fr.function}: {fr.code}" for fr in f.vllm_frames]
     lines += ["```", "", "Request state when it fired:", ""]

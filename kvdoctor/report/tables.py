@@ -81,10 +81,16 @@ def why(result: Any) -> str:
     return "\n".join(why_lines(result))
 
 
+def _message(f: Any) -> tuple[str, ...]:
+    """`: message` after an exception's name; nothing where it has none (a bare `assert`), not an empty
+    `AssertionError: ` heading."""
+    return (": ", f.message) if f.message else ()
+
+
 def failure_panel(result: Any) -> Any:
     f = result.failure
     lines = [
-        Text.assemble(("exception  ", "bold"), (f.exception, "red"), ": ", f.message),
+        Text.assemble(("exception  ", "bold"), (f.exception, "red"), *_message(f)),
         Text.assemble(("where      ", "bold"), f"{f.file}:{f.line} in {f.function}()"),
         Text("vLLM frames (outermost first):", style="bold"),
     ]
@@ -95,7 +101,7 @@ def failure_panel(result: Any) -> Any:
     title = f"{result.logic} logic: failure at step {result.failure_step}"
     panel = Panel(Group(*lines), title=title, border_style="red", expand=False)
     block: list[Any] = [Text(title, style="bold red"),
-                        Text.assemble("  ", (f.exception, "red"), ": ", f.message),
+                        Text.assemble("  ", (f.exception, "red"), *_message(f)),
                         Text(f"  in {f.function}() at"), Text(f"  {f.file}:{f.line}"),
                         Text("  vLLM frames (outermost first):", style="bold")]
     for frame in f.vllm_frames:
