@@ -104,9 +104,11 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if setup.num_workers > 1:  # the script's one bookkeeping worker would report each job once
         raise UsageError(f"--export-script cannot reproduce num_workers = {setup.num_workers} yet (several "
                          f"workers' reports combined): attach `kvdoctor repro --report` instead")
+    from kvdoctor import clean_exit
     from kvdoctor.engine.compat import inline_portable
 
     template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its RECIPE line")
     payload = json.dumps(recipe_data(recipe, setup), indent=1)
@@ -171,10 +173,12 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
+    from kvdoctor import clean_exit
     from kvdoctor.engine.core import serve_client
 
     data = serve_recipe_data(recipe, setup)
     template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")
