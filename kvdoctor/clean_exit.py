@@ -60,7 +60,7 @@ def run_main(main: Callable[[], object]) -> int:
     except Terminated:
         print("terminated (SIGTERM)", file=sys.stderr)
         return TERMINATED_EXIT
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - what escaped main(), reported as Python reports it
         traceback.print_exc()
         return 1
     if code is None or isinstance(code, int):

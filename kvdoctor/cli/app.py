@@ -111,8 +111,8 @@ def main() -> None:
     """The console script: caches in a scratch folder kvdoctor removes, SIGTERM answered as Ctrl-C is,
     and the prompt back as soon as the output is flushed (see `kvdoctor.cli.teardown`); in-process
     callers use `app`."""
-    from kvdoctor.cli.teardown import prepare, remove_scratch, terminated
     from kvdoctor.clean_exit import Terminated, exit_now
+    from kvdoctor.cli.teardown import prepare, remove_scratch, terminated
 
     try:
         prepare()

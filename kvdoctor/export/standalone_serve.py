@@ -23,11 +23,13 @@ import sys
 import tempfile
 import time
 
+# Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out; an export copies
+# kvdoctor's one definition in here.
+from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
+
 # kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
 # definition in here.
 from kvdoctor.engine.core.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
-# Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out; likewise copied in.
-from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''
