@@ -15,6 +15,7 @@ the exported scripts embed its text (`compat.inline_portable`).
 """
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -41,10 +42,8 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 def raise_on_sigterm() -> None:
     """From now on SIGTERM raises `Terminated` (in the main thread; elsewhere signals are the caller's)."""
-    try:
+    with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, _raise_terminated)
-    except ValueError:
-        pass
 
 
 def run_main(main: Callable[[], object]) -> int:
@@ -60,7 +59,7 @@ def run_main(main: Callable[[], object]) -> int:
     except Terminated:
         print("terminated (SIGTERM)", file=sys.stderr)
         return TERMINATED_EXIT
-    except BaseException:  # noqa: BLE001 - what escaped main(), reported as Python reports it
+    except BaseException:  # what escaped main(), reported as Python reports it
         traceback.print_exc()
         return 1
     if code is None or isinstance(code, int):
@@ -83,18 +82,14 @@ def throwaway_paths(folder: str, env: MutableMapping[str, str], temp: bool = Tru
 
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can be written anyway
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be written anyway
-            pass
 
 
 def exit_now(code: int) -> None:
     """Flush, run the atexit handlers, flush again, and end the process at once with `code`."""
-    try:
+    with contextlib.suppress(ValueError):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the process is ending: nothing left to stop
-    except ValueError:
-        pass
     _flush()
     try:
         atexit._run_exitfuncs()

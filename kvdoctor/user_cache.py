@@ -15,6 +15,7 @@ Stdlib only and cheap (no import of vLLM): the console script reads it before an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -108,8 +109,6 @@ def cache_usage(clear: bool = False) -> CacheUsage:
     if clear:
         for entry in entries:
             shutil.rmtree(entry)
-        try:
+        with contextlib.suppress(OSError):  # absent, or holding something that is not kvdoctor's
             path.rmdir()
-        except OSError:  # absent, or holding something that is not kvdoctor's
-            pass
     return CacheUsage(path, files, size, cleared=clear)

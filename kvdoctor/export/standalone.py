@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 # Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out (see `__main__` below);
 # an export copies kvdoctor's one definition in here.
-from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths  # noqa: E402
+from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
 
 # The adapter's vLLM-only reads and feature probes; an export copies their one definition in here.
 from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
