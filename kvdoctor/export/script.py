@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvdoctor import clean_exit
 from kvdoctor.engine import step_loop, worker
 from kvdoctor.engine.compat import inline_portable
 from kvdoctor.engine.serve_args import exported_setup
@@ -127,6 +128,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
     for module in (worker, step_loop):  # the simulated worker and the step loop, copied in
         template = inline_portable(template, module)
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     template = _with_tiny_config(template)
     if _RECIPE_LINE not in template or _PLAYS_LINE not in template:  # pragma: no cover - guards the template
         raise RuntimeError("standalone template lost its RECIPE or PLAYS line")
@@ -190,10 +192,12 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
+    from kvdoctor import clean_exit
     from kvdoctor.levels import serve_client
 
     data = serve_recipe_data(recipe, setup)
     template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")

@@ -19,6 +19,10 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
+# Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out (see `__main__` below);
+# an export copies kvdoctor's one definition in here.
+from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
+
 # The adapter's vLLM-only reads and feature probes, the simulated worker and the engine's step loop; an
 # export copies their one definition in here.
 from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
@@ -158,4 +162,9 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise_on_sigterm()
+    SCRATCH = tempfile.mkdtemp(prefix="kv-repro-")  # temp files and vLLM's/torch's caches: removed at exit
+    atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+    throwaway_paths(SCRATCH, os.environ)
+    tempfile.tempdir = SCRATCH
+    exit_now(run_main(main))

@@ -268,6 +268,9 @@ def _terminate_as_interrupt() -> Any:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the console script's (cli/teardown)
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: leave signals alone
