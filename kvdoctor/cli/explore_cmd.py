@@ -182,11 +182,16 @@ class _Display:
         budget = "" if config.max_examples is None else f"/{config.max_examples * config.workers}"
         grid.add_row("examples", f"{stats.examples}{budget} (+{stats.shrink_examples} while shrinking)"
                                  + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
-        grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
+        rate = stats.examples / stats.elapsed if stats.elapsed > 0 else 0.0
+        grid.add_row("speed", f"{rate:,.1f} examples/s, {stats.steps_per_second:,.0f} scheduler steps/s "
                               f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "
                               f"of {config.time_budget:g} s; "
                               f"{max(config.time_budget - stats.elapsed, 0):.0f} s left)")
         grid.add_row("doing", stats.phase)
+        if config.ray is not None and self.result.workers:
+            nodes = sorted({w.node for w in self.result.workers})
+            grid.add_row("cluster", f"{len(self.result.workers)} of {config.workers} tasks ready on "
+                                    f"{len(nodes)} node(s): {', '.join(nodes)}")
         failures = Text(str(len(self.found)), style="bold red" if self.found else "green")
         grid.add_row("failures", failures)
         for finding in self.found:

@@ -67,6 +67,11 @@ class RayPool:
         self._connected = False
         self._saved_env: dict[str, str | None] = {}
 
+    @property
+    def ray(self) -> Any:
+        """The `ray` module, once connected (for callers that submit tasks of their own: matrix)."""
+        return self._ray
+
     def slots(self) -> int:
         """Workers the cluster can run at once: its CPUs, and its memory at TASK_MEMORY_BYTES a worker."""
         resources = self._ray.cluster_resources()
