@@ -37,7 +37,8 @@ _MEANINGS = {
     ExitStatus.REPRODUCED: "reproduced: the recipe's failure signature fired under the installed logic",
     ExitStatus.USAGE: "usage error: bad flag, impossible geometry, unknown recipe, malformed recipe file, "
                       "unwritable output path",
-    ExitStatus.VLLM_UNAVAILABLE: f"vLLM missing, broken on import, or outside the supported range {SUPPORTED_RANGE_TEXT}",
+    ExitStatus.VLLM_UNAVAILABLE:
+        f"vLLM missing, broken on import, or outside the supported range {SUPPORTED_RANGE_TEXT}",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "a recipe precondition did not hold (setup_error) or something else "
                                        "failed in vLLM (other_failure)",
     ExitStatus.INTERNAL_ERROR: "kvdoctor itself failed (a bug in kvdoctor, not a vLLM finding: please report it)",

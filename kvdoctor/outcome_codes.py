@@ -8,7 +8,8 @@ when a code is asked for, so the CLI still starts without it.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kvdoctor.errors import ExitStatus
 

@@ -44,7 +44,7 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker a CPU this process may use, at most one a WORKER_BYTES of available memory, at
     least one; none (this process) when the command line names one test module, whose tests would share one
     worker anyway. PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
-    from kvdoctor.engine.setup import available_memory_bytes
+    from kvdoctor.engine.memory import available_memory_bytes
 
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if chosen:

@@ -10,6 +10,7 @@ cap, so the three logic variants agree.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -19,8 +20,16 @@ from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .recipe_runs import (LOGICS, assert_outcome, bug_present, index_of, load_described_builtins, reproduced_runs,
-                          result, snap)
+from .recipe_runs import (
+    LOGICS,
+    assert_outcome,
+    bug_present,
+    index_of,
+    load_described_builtins,
+    reproduced_runs,
+    result,
+    snap,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -70,10 +79,8 @@ def reports(api):
         # kvdoctor's harness never shuts the scheduler down, so each TieringOffloadingSpec
         # leaves its /dev/shm region behind: remove the ones this process created.
         for path in _own_offload_regions() - before:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 def last_expect(run):
@@ -211,7 +218,7 @@ def test_k4_async_stores_a_computed_slot(api):
     Run with the recipe's sync requirement lifted, to measure what async does."""
     import dataclasses
 
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = dataclasses.replace(load_builtin(K4), requires=())
     run = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed",

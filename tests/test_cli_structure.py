@@ -37,10 +37,10 @@ def test_cli_import_graph_has_no_cycle():
     def visit(module: str, path: list[str]) -> None:
         if state.get(module) == "done":
             return
-        assert state.get(module) != "open", " -> ".join(path + [module])
+        assert state.get(module) != "open", " -> ".join([*path, module])
         state[module] = "open"
         for dep in sorted(graph.get(module, ())):
-            visit(dep, path + [module])
+            visit(dep, [*path, module])
         state[module] = "done"
 
     for module in sorted(graph):

@@ -81,7 +81,7 @@ def test_unknown_engine_level_is_a_usage_error_before_vllm() -> None:
 
 def test_a_step_the_engine_cannot_play_makes_the_recipe_not_applicable_naming_it() -> None:
     from kvdoctor.app import resolve_setup
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve("offload-keys-lag-blocks")
@@ -92,7 +92,7 @@ def test_a_step_the_engine_cannot_play_makes_the_recipe_not_applicable_naming_it
 
 
 def test_drain_is_playable_at_core_only_under_sync_scheduling() -> None:
-    from kvdoctor.engine.core.levels import why_not
+    from kvdoctor.levels.table import why_not
 
     assert why_not("drain", "core", async_scheduling=False) is None
     assert "batch" in why_not("drain", "core", async_scheduling=True)
@@ -117,6 +117,6 @@ def test_pyproject_registers_the_platform_plugin() -> None:
 
 
 def test_docs_table_is_generated_from_the_code() -> None:
-    from kvdoctor.engine.core.levels import markdown_table
+    from kvdoctor.levels.table import markdown_table
 
     assert markdown_table() in (ROOT / "docs" / "engine-levels.md").read_text()

@@ -63,7 +63,7 @@ def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
     assert "class StandInExecutor(Executor)" in executor
     assert "def default_kv_cache_layouts" in executor  # the adapter's one definition, copied in
     assert "[vllm.platform_plugins]" in script and "kvrepro_standin.executor.StandInExecutor" in script
-    from kvdoctor.engine.core.serve_client import STEP_LOG_PREFIX  # the step log the serve client reads
+    from kvdoctor.levels.serve_client import STEP_LOG_PREFIX  # the step log the serve client reads
 
     assert f'STEP_LOG_PREFIX = "{STEP_LOG_PREFIX}"' in executor and f'STEP_LOG_PREFIX = "{STEP_LOG_PREFIX}"' in script
 
@@ -71,7 +71,7 @@ def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
 def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     """The same flags (less host/port/executor, which the script picks) and traffic as `--engine serve`."""
     from kvdoctor.app import resolve_setup
-    from kvdoctor.engine.core import serve
+    from kvdoctor.levels import serve
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve("queued-abort")

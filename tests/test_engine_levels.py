@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdoctor.engine.core.levels import LEVEL_TABLE, LEVELS, Level, why_not
+from kvdoctor.levels.table import LEVEL_TABLE, LEVELS, Level, why_not
 from kvdoctor.errors import InternalError
 from kvdoctor.recipes.model import ACTIONS
 from kvdoctor.steps import REGISTRY, Need, kinds_needing

@@ -27,11 +27,12 @@ from .conftest import KVDOCTOR, ROOT
 from .test_explore import K1, SEED, has_k1
 
 pytestmark = pytest.mark.vllm
-ray = pytest.importorskip("ray", reason="the --ray tests need Ray (the dev group has it; pip install 'kvdoctor[ray]')")
+ray = pytest.importorskip("ray", reason="the --ray tests need Ray (the dev group has it; "
+                                       "pip install 'kvdoctor[ray]')")
 
 EXAMPLES = 150  # per task; K1 comes within the first examples of seed 0 on releases that have it
-BUDGET_S = 240.0
-TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray would keep a local instance's token  # an upper bound only: the example budget ends the search first
+BUDGET_S = 240.0  # an upper bound only: the example budget ends the search first
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray would keep a local instance's token
 
 
 def _ray_processes() -> set[int]:

@@ -14,7 +14,13 @@ from kvdoctor import app as application
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, SPECULATIVE_DRAW, Example, Geometry, decode_speculative, examples, to_recipe,
+    GEOMETRY_RANGES,
+    SPECULATIVE_DRAW,
+    Example,
+    Geometry,
+    decode_speculative,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.writer import recipe_to_toml

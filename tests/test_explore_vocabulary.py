@@ -6,15 +6,28 @@ seconds: one scheduler run per draw."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pathlib import Path
-
 from kvdoctor import app as application
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS, Example, Geometry,
-    decode_event, decode_extension, decode_second_extension, event_steps, examples, to_recipe,
+    GEOMETRY_RANGES,
+    LOAD_CAPS,
+    PREFIX_MATCH_UNIT,
+    PRIORITY,
+    RECOMPUTE,
+    RETENTION,
+    SYNC_LOADS,
+    Example,
+    Geometry,
+    decode_event,
+    decode_extension,
+    decode_second_extension,
+    event_steps,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.loader import load_recipe_text
@@ -41,7 +54,8 @@ def test_zero_is_the_plain_geometry_and_an_absent_feature_its_default():
                if byte >> 5 & 3 >= 2 else {})}
     # a single group takes no prefix_match_unit (vLLM refuses one at start-up): never drawn there
     assert all(decode_extension(PLAIN, byte, ALL).prefix_match_unit is None for byte in range(256))
-    assert decode_extension(SWA, 8, ALL).prefix_match_unit == 4 and decode_extension(SWA, 16, ALL).prefix_match_unit == 2
+    assert decode_extension(SWA, 8, ALL).prefix_match_unit == 4
+    assert decode_extension(SWA, 16, ALL).prefix_match_unit == 2
     # vLLM's worker does not drive kvdoctor's second connector: no MultiConnector under --worker vllm
     assert not decode_extension(PLAIN, 32, ALL, worker="vllm").multi_connector
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,7 +112,7 @@ def test_impossible_pool_is_refused_at_once():
 def test_prompt_longer_than_max_model_len_is_refused_naming_the_step(tmp_path):
     from kvdoctor.recipes.builtins import resolve
 
-    source = open(resolve("queued-abort").source).read().replace("prompt_chunks = 4", "prompt_tokens = 300")
+    source = Path(resolve("queued-abort").source).read_text().replace("prompt_chunks = 4", "prompt_tokens = 300")
     path = tmp_path / "long.toml"
     path.write_text(source)
     # the user's own max_model_len: vLLM would reject the request (unfixed, kvdoctor derives a longer one)
@@ -147,7 +148,7 @@ UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents
 def test_issue_geometry(api):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     expected = {name: "untested" if name in UNTESTED_BY else measured(api, name, async_scheduling=True).value
                 for name in ISSUE_RECIPES}
@@ -184,7 +185,7 @@ RESTATED = [
 def test_preemption_holds_at_restated_geometries(api, geometry):
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     expected = measured(api, "preemption", async_scheduling=geometry["async_scheduling"]).value
     recipe = resolve("preemption")

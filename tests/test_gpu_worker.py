@@ -39,7 +39,7 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
         for _ in range(4):
             harness.step()
         harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8, 9], 2)
+        harness.add("B", [*prompt, 7, 8, 9], 2)
         findings, loads = [], 0
         for _ in range(6):
             events = harness.step()
@@ -55,7 +55,7 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
 def test_builtin_recipes_on_the_gpu_match_the_cpu_copy_engine(api, name):
     from kvdoctor import app
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = resolve(name)
     gpu = run_scenario(api, recipe, app.resolve_setup(recipe, CUDA), "installed")

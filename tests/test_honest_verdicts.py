@@ -8,14 +8,12 @@ no traceback, and with `--json` a parsable error document on stdout.
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import time
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 
@@ -117,7 +115,7 @@ def test_installed_variant_returns_vllms_own_result(api):
 
     cls.storable_chunks = spy
     try:
-        from kvdoctor.scenario import run_scenario
+        from kvdoctor.levels.scheduler import run_scenario
         from kvdoctor.recipes.builtins import resolve
 
         recipe = resolve("preemption")
@@ -274,6 +272,7 @@ def test_a_check_that_does_not_hold_is_other_failure(api, tmp_path):
 
 def test_guard_explanations_name_only_what_bound():
     from kvdoctor.logic.patch import StorableCall
+    from kvdoctor.report.guards import guard_line
     from kvdoctor.scenario import explain_guards
 
     def call(**kw):
@@ -284,18 +283,23 @@ def test_guard_explanations_name_only_what_bound():
         base.update(kw)
         return StorableCall(**base)
 
-    (aborted,) = explain_guards([call()])
-    assert "PR #49285" in aborted
+    def explained(**kw):
+        """The one guard record these calls give, and its wording (report.guards)."""
+        (guard,) = explain_guards([call(**kw)])
+        return guard, guard_line(guard)
+
+    guard, aborted = explained()
+    assert "PR #49285" in aborted and guard.aborted_counts_computed
     # The same numbers for a request that finished normally: the basis rule is not #49285's.
-    (stopped,) = explain_guards([call(request_status="FINISHED_STOPPED", computed_tokens=16)])
-    assert "PR #49285" not in stopped and "cannot name" in stopped
+    guard, stopped = explained(request_status="FINISHED_STOPPED", computed_tokens=16)
+    assert "PR #49285" not in stopped and "cannot name" in stopped and not guard.aborted_counts_computed
     # Held to the allocated chunks, but removing the cap would not raise it: no cap is named.
-    (unknown,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=0,
-                                      computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "cannot name" in unknown and "PR #49146" not in unknown
-    (capped,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=4,
-                                     computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "this release's allocated-chunk cap (PR #49146)" in capped
-    (ours,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=4, unpatched=4,
-                                   computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "kvdoctor's fixed logic" in ours
+    guard, unknown = explained(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=0,
+                               computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "cannot name" in unknown and "PR #49146" not in unknown and guard.cap is None
+    guard, capped = explained(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=4,
+                              computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "this release's allocated-chunk cap (PR #49146)" in capped and guard.cap == "allocated_chunks"
+    guard, ours = explained(num_offloadable_tokens=16, token_chunks=4, installed=4, unpatched=4,
+                            computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "kvdoctor's fixed logic" in ours and guard.cap == "fixed_logic"

@@ -6,9 +6,9 @@ that need no vLLM run first and stay cheap.
 
 from __future__ import annotations
 
+import io
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -100,7 +100,7 @@ def test_workaround_field_is_validated_with_its_line_and_round_trips(tmp_path):
     assert recipe.workaround and "offload_prompt_only" in recipe.workaround
     assert load_recipe_text(recipe_to_toml(recipe), "x.toml").workaround == recipe.workaround
     text = recipe_to_toml(recipe).replace(f'workaround = "{recipe.workaround}"', 'workaround = "  "')
-    line = next(i for i, l in enumerate(text.splitlines(), 1) if l.startswith("workaround"))
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("workaround"))
     with pytest.raises(RecipeError, match=rf"^x\.toml:{line}: \[recipe\] workaround must say"):
         load_recipe_text(text, "x.toml")
     with pytest.raises(RecipeError, match=r"workaround must be a string"):
@@ -155,7 +155,7 @@ def reports(api):
 def _render(renderables, width=WIDTH) -> str:
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     for item in renderables:
         console.print(item)
     return console.export_text()
@@ -213,7 +213,7 @@ def test_markdown_report_embeds_recipe_and_reproduce_section(reports):
 
 
 def test_audit_table_fits_80_columns_with_long_recipe_names(reports):
-    from kvdoctor.app import AuditReport, AuditRow
+    from kvdoctor.results import AuditReport, AuditRow
     from kvdoctor.report.tables import audit_renderables
 
     audit = AuditReport(vllm_version=reports["queued-abort"].vllm_version)

@@ -61,7 +61,7 @@ def example_inspect_queued_abort_step_6() -> str:
 
     report = _repro("queued-abort", "installed")
     return ("$ kvdoctor inspect queued-abort --step 6\n"
-            + _render(timeline_renderables(report.results[0], 6) + [verdict_table(report)]))
+            + _render([*timeline_renderables(report.results[0], 6), verdict_table(report)]))
 
 
 def _audit():
@@ -132,8 +132,9 @@ def test_readme_lists_every_command_once_in_one_table_and_links_docs():
     text = README.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `kvdoctor ")]
     commands = {row.split("`")[1].split()[1] for row in rows}
-    from kvdoctor.cli.app import app
     from typer.main import get_command
+
+    from kvdoctor.cli.app import app
 
     assert commands == set(get_command(app).commands), rows
     for page in ("docs/commands.md", "docs/recipes.md", "docs/worker.md"):

@@ -13,6 +13,7 @@ import pytest
 from kvdoctor import app
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
+from kvdoctor.report.guards import guard_lines
 
 from .recipe_runs import bug_present, measured
 
@@ -130,7 +131,7 @@ def test_the_guard_that_held_is_named(reports, api, name, mode):
     if not wanted:
         pytest.skip(f"no guard measured for {name} on this release")
     for logic, ref in wanted.items():
-        guards = result(reports, name, mode, logic).guards
+        guards = guard_lines(result(reports, name, mode, logic))
         assert any(g.startswith("B:") and ref in g for g in guards), (logic, guards)
 
 

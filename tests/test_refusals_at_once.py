@@ -92,7 +92,7 @@ def test_audit_runs_the_rest_when_one_recipe_needs_more_than_the_users_settings(
     """--kv-offloading-size 64: the tiering recipe would map a 64 GiB tier (untested, with the reason); the
     others run (on the simulated worker where vLLM's cannot map it here, saying so). Was: exit 2, nothing run."""
     from kvdoctor.app import audit
-    from kvdoctor.engine.setup import available_memory_bytes
+    from kvdoctor.engine.memory import available_memory_bytes
 
     if (available_memory_bytes() or 0) > 64 << 30:
         pytest.skip("this machine holds a 64 GiB tier: nothing is refused")

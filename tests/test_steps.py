@@ -131,7 +131,7 @@ def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
     not_reproduced (the abort never happening); the run raises kvdoctor's internal error."""
     from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import load_builtin
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})

@@ -15,7 +15,7 @@ from kvdoctor.engine.harness import Harness
 from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import all_builtins, resolve
-from kvdoctor.scenario import run_scenario
+from kvdoctor.levels.scheduler import run_scenario
 from tests.conftest import ROOT
 from tests.recipe_runs import bug_present, measured, measured_if_any
 
@@ -157,7 +157,7 @@ def test_bytes_really_move_and_loads_return_them(api):
         for _ in range(4):
             harness.step()
         assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8, 9, 10, 11], 2)
+        harness.add("B", [*prompt, 7, 8, 9, 10, 11], 2)
         findings = []
         for _ in range(5):
             findings += harness.step().content_findings
@@ -234,7 +234,7 @@ def test_the_worker_holds_fingerprints_at_the_schedulers_geometry(api, name, gro
         for _ in range(4):
             harness.step()
         assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8], 2)
+        harness.add("B", [*prompt, 7, 8], 2)
         findings = []
         for _ in range(5):
             findings += harness.step().content_findings

@@ -11,7 +11,13 @@ from kvdoctor import app as application
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, WORKERS_DRAW, Example, Geometry, decode_workers, examples, to_recipe,
+    GEOMETRY_RANGES,
+    WORKERS_DRAW,
+    Example,
+    Geometry,
+    decode_workers,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.writer import recipe_to_toml
@@ -117,7 +123,7 @@ def _failed_load(api, num_workers: int) -> tuple[str, int, int]:
             harness.step()
         harness.reset_prefix_cache(False, False)  # A's blocks leave the GPU cache: B's hit is the CPU tier's
         harness.worker.hold(kind="load")
-        harness.add("B", PROMPT + [7, 8], 4)
+        harness.add("B", [*PROMPT, 7, 8], 4)
         harness.step()
         assert harness.worker.in_flight, "B's load was not issued: nothing to fail"
         if num_workers > 1:

@@ -19,7 +19,11 @@ from kvdoctor.cli import options as opt
 from kvdoctor.cli.common import command_line, run
 from kvdoctor.errors import UsageError
 from kvdoctor.explore import (
-    DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
+    DEFAULT_MAX_EVENTS,
+    DEFAULT_MAX_EXAMPLES,
+    DEFAULT_OUT,
+    DEFAULT_SEED,
+    DEFAULT_TIME_BUDGET,
 )
 
 SEARCH = "Search"
@@ -129,7 +133,7 @@ class _Display:
         self.found: list[Any] = []
         self.started = time.monotonic()
 
-    def __enter__(self) -> "_Display":
+    def __enter__(self) -> _Display:
         if self.live_mode:
             from rich.live import Live
 
@@ -235,7 +239,7 @@ def _summary(report: Any) -> list[Any]:
                       Text(finding.file or ""))
     from kvdoctor.report.layout import Fit, Items
 
-    blocks: list[Any] = [Text(table.title or "")]
+    blocks: list[Any] = [table.title if isinstance(table.title, Text) else Text(table.title or "")]
     for finding in report.findings:
         blocks.append(Items(finding.label.split(" "), prefix=" ", sep=" ", indent=4))
         blocks.append(Text(f"    {finding.steps} steps, after {finding.elapsed_s:.1f} s, "
@@ -249,7 +253,7 @@ def _summary(report: Any) -> list[Any]:
                         + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
         out.append(Text(f"    impact: {finding.impact.line}"))
         if finding.triage is not None:
-            style = "bold" if finding.triage.report else None
+            style = "bold" if finding.triage.report else ""
             out.append(Text(f"    triage: {finding.triage.line}", style=style))
             for note in finding.triage.diagnosis:
                 out.append(Text(f"    diagnosis: {note}"))

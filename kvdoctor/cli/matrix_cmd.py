@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -21,9 +21,9 @@ RELEASES = "Releases"
 
 
 def matrix(
-    recipes: Annotated[Optional[list[str]], typer.Argument(
+    recipes: Annotated[list[str] | None, typer.Argument(
         help="Built-in recipe names or recipe .toml files.", show_default=False, metavar="RECIPE")] = None,
-    vllm: Annotated[Optional[str], typer.Option(
+    vllm: Annotated[str | None, typer.Option(
         "--vllm", help=f"Releases: a list (0.26.0,0.30.0) or an inclusive range (0.26.0..0.34.0) of "
                        f"{', '.join(KNOWN_RELEASES)}. Default: all of them.",
         rich_help_panel=RELEASES, show_default=False)] = None,
@@ -33,7 +33,7 @@ def matrix(
         "--bisect", help="Find the first release where each recipe stops reproducing (and the last where it "
                          "still does), testing as few releases as a binary search needs.",
         rich_help_panel=RELEASES)] = False,
-    env_dir: Annotated[Optional[Path], typer.Option(
+    env_dir: Annotated[Path | None, typer.Option(
         "--env-dir", envvar="KVDOCTOR_MATRIX_ENV_DIR",
         help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
@@ -43,14 +43,14 @@ def matrix(
                       "'kvdoctor[ray]'): a local Ray instance for this run, or the cluster --ray-address names "
                       "(give --env-dir a volume every node mounts).",
         rich_help_panel=RELEASES)] = False,
-    ray_address: Annotated[Optional[str], typer.Option(
+    ray_address: Annotated[str | None, typer.Option(
         "--ray-address", metavar="ADDRESS", help="With --ray: auto, HOST:PORT or ray://HOST:PORT.",
         rich_help_panel=RELEASES, show_default=False)] = None,
     engine: opt.Engine = None,
     json_out: opt.Json = False,
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
-    write_data: Annotated[Optional[Path], typer.Option(
+    write_data: Annotated[Path | None, typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
                              "FILE (rows of the releases measured are replaced; each release is audited "
                              "twice, as is and under --async-scheduling; for kvdoctor's maintainers).",
@@ -123,7 +123,7 @@ class _Display:
         self.build_task: Any = None
         self.run_task: Any = None
 
-    def __enter__(self) -> "_Display":
+    def __enter__(self) -> _Display:
         if self.live:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

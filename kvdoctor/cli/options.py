@@ -255,7 +255,7 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
 
 def engine_override(engine: str | None) -> dict[str, Any]:
     """--engine as a `Setup` override, checked before vLLM is imported."""
-    from kvdoctor.engine.core.levels import LEVELS
+    from kvdoctor.levels.table import LEVELS
 
     if engine is not None and engine not in LEVELS:
         raise UsageError(f"--engine must be one of {'|'.join(LEVELS)}, got {engine!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 REDRAW_S = 0.25
 _CLEAR = "\r\x1b[2K"
@@ -55,11 +55,13 @@ class Progress:
         self.total = total
         self.done = 0
         self.label = label
+        self.stream: IO[str]
         if stream is None:
             from kvdoctor.cli.streams import current
 
-            stream = current().stderr_stream
-        self.stream = stream
+            self.stream = current().stderr_stream
+        else:
+            self.stream = stream
         self.enabled = enabled_for(self.stream) if enabled is None else enabled
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -121,7 +123,7 @@ class Progress:
         while not self._stop.wait(REDRAW_S):
             self._draw()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled:
             self._draw()
             self._thread = threading.Thread(target=self._tick, name="kvdoctor-progress", daemon=True)

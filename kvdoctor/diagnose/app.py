@@ -15,6 +15,7 @@ from kvdoctor.diagnose.reader import LogSummary, read_log
 from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
+from kvdoctor.installed import vllm_version
 
 MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
 # Above these a geometry is production-sized: it is scaled down to the limit (and said). The
@@ -91,15 +92,6 @@ def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]
     return overrides, notes
 
 
-def _installed_version() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
     """Per recipe: the first measured release where it stops reproducing and the last where it does
     (`kvdoctor matrix` measurements, `kvdoctor/data/release_outcomes.toml`); None when unknown."""
@@ -111,7 +103,7 @@ def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
 def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str],
                    progress: Callable[[str], None] | None = None) -> RecipeRun:
     from kvdoctor.app import resolve_setup
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = candidate.recipe
 
@@ -215,7 +207,7 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
     geometry = setup_overrides_from_serve_args(summary.serve_args)
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
-                            installed_vllm=_installed_version())
+                            installed_vllm=vllm_version())
     report.fixed_in = fixing_releases([c.recipe for c in match.candidates])
     if not match.candidates:
         if summary.crash is not None and not summary.crash.cut_short and innermost_vllm(summary.crash):

@@ -22,9 +22,10 @@ import ast
 import re
 import sys
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvdoctor.diagnose.statement import message_pattern
 
@@ -62,7 +63,7 @@ class Site:
                  f"function = {toml_string(self.function)}"]
         for key in ("file", "line", "statement", "message", "absent", "reached"):
             value = getattr(self, key)
-            if value is None or key == "reached" and self.absent:
+            if value is None or (key == "reached" and self.absent):
                 continue
             if isinstance(value, bool):
                 lines.append(f"{key} = {'true' if value else 'false'}")
@@ -72,7 +73,7 @@ class Site:
                 lines.append(f"{key} = {toml_multiline(value)}")
             else:
                 lines.append(f"{key} = {toml_string(value)}")
-        return lines + [""]
+        return [*lines, ""]
 
 
 def load(path: Path = DATA_FILE) -> list[Site]:
@@ -203,8 +204,8 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
         aliases[sig.function] = aliases.get(sig.function, ()) + tuple(getattr(sig, "function_aliases", ()))
     sites: list[Site] = []
     for (bug, exception, function, contains), names in groups.items():
-        measured = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]
-        measured = [(r, m) for r, m in measured if m and m.group("func") in (function, *aliases[function])]
+        matched = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]
+        measured = [(r, m) for r, m in matched if m is not None and m.group("func") in (function, *aliases[function])]
         hint = measured[0][1].group("file") if measured else None
         here = [int(m.group("line")) for r, m in measured if r.release == release]
         base = dict(bug=bug, recipes=tuple(sorted(names)), release=release, exception=exception, function=function)
@@ -223,8 +224,9 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
             if found:
                 break
         if len(found) > 1 and here:  # the run measured which one fails on this release
-            found = [(s, end) for s, end in found if s.line <= here[0] <= end] or found
-        found = [(Site(**{**s.__dict__, "reached": any(s.line <= line <= end for line in here)}), end)
+            found = [(s, end) for s, end in found if s.line is not None and s.line <= here[0] <= end] or found
+        found = [(Site(**{**s.__dict__, "reached": any(s.line is not None and s.line <= line <= end
+                                                       for line in here)}), end)
                  for s, end in found]
         if not found:
             why = (f"no statement holding {contains!r} in {function}" if contains else f"no function {function}")

@@ -95,7 +95,6 @@ def build_scheduler(api: VllmApi, setup: Setup, cache: BuildCache | None = None)
 
 def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
     """(VllmConfig, plan, scheduler KVCacheConfig, block size, hash block size) for a setup."""
-    config_mod = api.mods["config"]
     model_config = _model_config(api, setup.max_model_len)
     scheduler_kwargs: dict[str, Any] = dict(
         max_num_seqs=setup.max_num_seqs,
@@ -122,12 +121,12 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             tiny_draft_dir() if setup.speculative_method == "eagle" else None,
             {"disable_lookahead_block_hashes": True} if setup.disable_lookahead_block_hashes else None)
     try:
-        vllm_config = config_mod.VllmConfig(
+        vllm_config = api.config_class("VllmConfig")(
             model_config=model_config,
-            cache_config=config_mod.CacheConfig(**cache_kwargs),
-            scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
+            cache_config=api.config_class("CacheConfig")(**cache_kwargs),
+            scheduler_config=api.config_class("SchedulerConfig")(**scheduler_kwargs),
             kv_transfer_config=kv_transfer_config,
-            device_config=config_mod.DeviceConfig("cpu"),
+            device_config=api.config_class("DeviceConfig")("cpu"),
             **speculative,
             **({"parallel_config": api.parallel_config(setup.num_workers)} if setup.num_workers > 1 else {}),
         )
@@ -275,9 +274,7 @@ class Harness:
         return SimulatedTransfers(self.api)
 
     def _make_block_hasher(self) -> Any:
-        kcu = self.api.mods["kv_cache_utils"]
-        sha256 = self.api.mods["hashing"].sha256
-        kcu.init_none_hash(sha256)
+        sha256 = self.api.block_hash_fn()
         # As vLLM's engine core builds it: with 0.34's lookahead (a hash covers tokens past its block).
         hasher = self.api.request_block_hasher(self.kv_plan.hash_block_size, sha256,
                                                self.api.vllm_config_of(self.scheduler))

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.memory import available_memory_bytes
 from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
@@ -31,31 +32,6 @@ _NOT_A_RECIPE_KEY = {RECIPE_KEY: False}
 # to build (100,000 blocks: 2.3 s). Above this the build alone takes minutes: refuse, in one line.
 MAX_GPU_BLOCKS = 4_000_000
 BYTES_PER_GPU_BLOCK = 400  # a generous estimate of that object's cost, for the memory check
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def total_memory_bytes() -> int | None:
-    """MemTotal + SwapTotal from /proc/meminfo: the most one mapping may reserve (None where unreadable)."""
-    total = 0
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith(("MemTotal:", "SwapTotal:")):
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return total or None
 
 
 @dataclass(frozen=True)
@@ -117,7 +93,7 @@ class Setup:
     # was there or asked for (`kvdoctor.app.resolve_device`).
     device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
-    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/levels/table.py.
     engine: str = "scheduler"
     # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
     # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
-from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 
 
 @dataclass
@@ -139,13 +140,11 @@ def explore(config: Any, out_dir: Path, command: str = "",
         result = search(searched, on_progress=on_progress, on_finding=found, api=api, pool=pool)
     result.config = config
     if result.errors and len(result.errors) >= config.workers:
-        from kvdoctor.errors import InternalError
-
         code = next((c for c in result.error_codes if c is not None), None)
         error = (KvdoctorError if code is not None else InternalError)(
             "every explore worker failed: " + "; ".join(result.errors))
         if code is not None:
-            error.exit_code = code
+            error.exit_code = ExitStatus(code)
         raise error
     write_findings(result.findings, out_dir)  # merged across workers: each signature's smallest
     notes: list[str] = []
@@ -181,8 +180,6 @@ def triage_findings(result: Any, stop_at: float | None = None,
 
 def exit_status(report: ExploreReport) -> int:
     """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found"."""
-    from kvdoctor.errors import ExitStatus
-
     if report.findings:
         return ExitStatus.REPRODUCED
     if report.result.lost:  # part of the search did not run: not "nothing found"

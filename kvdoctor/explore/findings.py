@@ -174,9 +174,10 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)
                       and takes_path(r.bug, setup, detail, actions)),
                      key=lambda r: (shaping != step_actions(r.steps) & TRIGGER_ACTIONS, bug_order(r.bug)))
-    if not matches:
+    bug = matches[0].bug if matches else None
+    if bug is None:
         return None
-    return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
+    return bug, tuple(r.name for r in matches if r.bug == bug)
 
 
 def slug(signature: str) -> str:

@@ -10,6 +10,7 @@ are shrunk and the driver writes each at once. Ray is optional (`pip install 'kv
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -161,10 +162,8 @@ class RayPool:
         ray, self._ray = self._ray, None
         if ray is not None and self._connected:
             for task in self._tasks:
-                try:
+                with contextlib.suppress(Exception):  # already finished or gone: nothing to stop
                     ray.cancel(task, force=True)
-                except Exception:  # already finished or gone: nothing to stop
-                    pass
             ray.shutdown()  # a local instance: stops it; a cluster: disconnects the driver only
         self._connected = False
         self._tasks = []
@@ -186,7 +185,7 @@ def _reread_ray_config() -> None:
     before this run set them: have it read them again (Ray's own refresh, as `ray.init` does when it
     turns token authentication on). Without it the driver's client would present no token."""
     try:
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # Ray's compiled module: no stubs
     except ImportError:  # a Ray without that config object reads the variables when used
         return
     Config.initialize("")

@@ -1,6 +1,6 @@
 """Run one generated recipe on the real scheduler and say what, if anything, broke.
 
-A run is `kvdoctor.scenario.run_scenario` with every named invariant of
+A run is `kvdoctor.levels.scheduler.run_scenario` with every named invariant of
 `kvdoctor.observe.invariants` checked after every step, plus the end-of-run
 check below. Its failure signature is:
 
@@ -72,7 +72,7 @@ def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | 
     `harness.BuildCache` the caller keeps across its runs (a search: its examples, their other
     scheduling mode and hypothesis' shrinking repeat setups, and a setup's VllmConfig and KV cache
     plan are most of a build: 0.15 of 0.19 s over 154 explored setups on 0.26.0)."""
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     names = tuple(INVARIANTS) if invariants is None else invariants
     setup = setup or setup_of(recipe)

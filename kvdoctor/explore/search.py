@@ -23,14 +23,22 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import (
-    EXTENSION_GATE, SECOND_GATE, SPECULATIVE_DRAW, TIER_DRAW, WORKERS_DRAW, Example, examples, mode_variants,
+    EXTENSION_GATE,
+    SECOND_GATE,
+    SPECULATIVE_DRAW,
+    TIER_DRAW,
+    WORKERS_DRAW,
+    Example,
+    examples,
+    mode_variants,
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
@@ -108,7 +116,7 @@ class _StopExploring(BaseException):
 
 
 @contextmanager
-def draws_named_by_seed():
+def draws_named_by_seed() -> Iterator[None]:
     """Draw without the constants Hypothesis mines from the "local" modules loaded in the process.
 
     Hypothesis (6.1xx) mixes such constants into its draws, so one seed gave different examples
@@ -192,7 +200,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         invariants = tuple(name for name in (INVARIANTS if config.invariants is None else config.invariants)
                            if f"invariant {name}" not in found)
 
-        def condition(raw: Any) -> bool:
+        # this round's lock and invariants, bound now (hypothesis calls it only within the round)
+        def condition(raw: Any, lock: dict[str, Any] = lock, invariants: tuple[str, ...] = invariants) -> bool:
             now = time.monotonic()
             shrinking = lock["signature"] is not None
             if (not shrinking and now >= deadline) or now >= hard_stop:
@@ -297,7 +306,13 @@ def available_features(api: Any) -> frozenset[str]:
     speculative decoding where the offloading path has lookahead block hashes or the EAGLE block drop."""
     from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
     from kvdoctor.explore.generate import (
-        LOAD_CAPS, NO_LOOKAHEAD_HASHES, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
+        LOAD_CAPS,
+        NO_LOOKAHEAD_HASHES,
+        PREFIX_MATCH_UNIT,
+        PRIORITY,
+        RECOMPUTE,
+        RETENTION,
+        SYNC_LOADS,
     )
 
     probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
@@ -354,7 +369,7 @@ def worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
         warm_up(api)
         queue.put(("ready", worker, WorkerIdentity.here(api.version_text).as_dict()))
         worker_config = dataclasses.replace(config, workers=1)
-        findings, stats = worker_search(
+        _, stats = worker_search(
             api, worker_config, worker,
             on_progress=lambda s: queue.put(("progress", worker, s.as_dict())),
             on_finding=lambda f: queue.put(("finding", worker, f)))

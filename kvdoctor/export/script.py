@@ -141,7 +141,7 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing."""
     import dataclasses
 
-    from kvdoctor.engine.core import serve
+    from kvdoctor.levels import serve
 
     reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
@@ -171,7 +171,7 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
-    from kvdoctor.engine.core import serve_client
+    from kvdoctor.levels import serve_client
 
     data = serve_recipe_data(recipe, setup)
     template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in

@@ -26,7 +26,7 @@ import time
 
 # kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
 # definition in here.
-from kvdoctor.engine.core.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
+from kvdoctor.levels.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''

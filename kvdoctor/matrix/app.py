@@ -8,9 +8,10 @@ every cell is in, so a failure leaves nothing half-written.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor import __version__
 from kvdoctor.errors import ExitStatus, UsageError

@@ -13,7 +13,6 @@ from kvdoctor.matrix import data
 from kvdoctor.releases import KNOWN_RELEASES
 
 
-
 class FixedIn(NamedTuple):
     release: str  # first measured release where the recipe no longer reproduces
     last_reproducing: str  # the measured release before it, where it still does
@@ -28,7 +27,7 @@ def fixed_in(recipe_name: str, path: Path | None = None) -> FixedIn | None:
     measured release, or when the next release's run did not reach the site."""
     try:
         rows = [r for r in data.load(path or data.DATA_FILE) if r.recipe == recipe_name and r.release in KNOWN_RELEASES]
-    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+    except Exception:
         return None
     rows.sort(key=lambda r: KNOWN_RELEASES.index(r.release))
     last = max((i for i, r in enumerate(rows) if r.outcome == "reproduced"), default=None)
@@ -67,7 +66,7 @@ def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
     here = tuple(int(part) for part in match.groups())
     try:
         rows = data.load(path or data.DATA_FILE)
-    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+    except Exception:
         return None
     outcomes = {(r.release, r.recipe): r for r in rows}
     best: UpgradeHint | None = None

@@ -6,7 +6,7 @@ them as `kvdoctor/_builtin_repros` (see pyproject).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from kvdoctor.errors import UsageError
@@ -27,7 +27,7 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in builtin_dir().glob("*.toml"))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_builtin(name: str) -> Recipe:
     return load_recipe_file(builtin_dir() / f"{name}.toml", builtin=True)
 

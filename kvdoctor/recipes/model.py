@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.compat.names import function_spellings
+
 ACTIONS = (
     "add", "schedule", "drain", "abort", "finish", "complete_transfers", "hold_transfers",
     "fail_transfers", "reset_prefix_cache", "expect", "delay_block_hashes", "release_block_hashes",
@@ -117,8 +119,11 @@ class Signature:
     site_when: str | None = None
 
     def functions(self) -> tuple[str, ...]:
-        """`function` and its aliases: the names under which the failure matches."""
-        return (self.function, *self.function_aliases) if self.function else ()
+        """`function` and its aliases (the recipe's, and its other spellings in the adapter's names table):
+        the names under which the failure matches."""
+        if not self.function:
+            return ()
+        return tuple(dict.fromkeys((*function_spellings(self.function), *self.function_aliases)))
 
     def crash_site(self) -> tuple[str, str] | None:
         """(function, statement) of the crash site, or None when the signature names none."""

@@ -9,8 +9,9 @@ Cheap to import: rich is imported when a formatter renders.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 FORMATS = ("text", "json", "markdown", "svg")
 

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from kvdoctor.installed import environment
 from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
@@ -25,8 +26,6 @@ def _scrub(text: str) -> str:
 
 
 def _env_section() -> list[str]:
-    from kvdoctor.app import environment
-
     env = environment()
     try:
         import torch
@@ -175,9 +174,8 @@ def render_markdown(command: str, report: Any) -> str:
     lines += _reproduce_section(report, command_line)
     for result in report.results:
         lines += _timeline(result)
-    server_log = getattr(report, "server_log", "")  # --engine serve: the server's own log, its last lines
-    if server_log:
-        tail = server_log.splitlines()[-200:]
+    if report.server_log:  # --engine serve: the server's own log, its last lines
+        tail = report.server_log.splitlines()[-200:]
         lines += ["## Server log (`vllm serve`, last lines)", "", "<details><summary>server.log</summary>", "",
                   "```", *tail, "```", "", "</details>", ""]
     return _scrub("\n".join(lines)) + "\n"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Group
@@ -12,6 +13,7 @@ from rich.text import Text
 
 from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import level_note, report_engine_phrase
+from kvdoctor.report.guards import guard_lines
 from kvdoctor.report.layout import Cut, Fit, Items
 
 OUTCOME_STYLE = {
@@ -64,7 +66,7 @@ def why_lines(result: Any) -> list[str]:
     coverage = getattr(result, "coverage", None)
     if coverage is not None and not coverage.gone and coverage.reached:
         parts.append("crash site " + coverage.line())
-    parts.extend(result.guards)
+    parts.extend(guard_lines(result))
     passed = [c.description for c in result.checks if c.passed]
     if passed:
         parts.append("checks held: " + "; ".join(passed))

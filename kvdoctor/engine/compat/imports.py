@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 from kvdoctor.releases import SUPPORTED_RANGE_TEXT
@@ -49,7 +50,7 @@ def _import(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == "vllm" or module.startswith(exc.name + ".") and exc.name == "vllm"):
+        if exc.name and (exc.name == "vllm" or (module.startswith(exc.name + ".") and exc.name == "vllm")):
             raise VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{SUPPORTED_RANGE_TEXT})"
             ) from None
@@ -65,6 +66,16 @@ def _import(module: str) -> Any:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
+
+
+class AdapterBase:
+    """What every part of the adapter (`VllmApi` and the glue mixed into it) reads: vLLM's imported modules,
+    by key (`compat._MODULES`, worker-side ones added on first use), and their classes."""
+
+    mods: dict[str, Any]
+
+    def cls(self, module_key: str, name: str) -> Any:
+        return _require(self.mods[module_key], name, self.mods[module_key].__name__)
 
 
 def _require(obj: Any, name: str, where: str) -> Any:

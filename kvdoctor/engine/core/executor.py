@@ -16,13 +16,15 @@ embeds too); each scheduler output goes to a *worker side*:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME as QUALNAME, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
 from kvdoctor.engine.core.standin_executor import StandInExecutor
 
-__all__ = ["ADMISSION_ENV", "HANDOFFS", "Handoff", "KvdoctorExecutor", "QUALNAME", "STEP_SECONDS_ENV"]
+__all__ = ["ADMISSION_ENV", "HANDOFFS", "QUALNAME", "STEP_SECONDS_ENV", "Handoff", "KvdoctorExecutor"]
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvdoctor.engine.memory import available_memory_bytes, total_memory_bytes
 from kvdoctor.errors import UsageError
 
 FINGERPRINT_SLOT_BYTES = 16  # word 0: the prefix's 64-bit key, word 1: the layer's tag (toy_model)
@@ -47,8 +48,6 @@ class FingerprintPlan:
         """Why this machine cannot hold the fingerprints (None: it can). The GPU-side tensors are written
         whole (poison first); the CPU tier is mapped lazily, costing only the slots stored into, but a mapping
         larger than the machine's memory and swap is refused by the kernel."""
-        from kvdoctor.engine.setup import available_memory_bytes, total_memory_bytes
-
         available = available_memory_bytes()
         if available is not None and self.gpu_bytes > available:
             return (f"its fingerprint KV pages need {self.gpu_bytes / 2**30:,.1f} GiB ({self.num_blocks:,} blocks x "

@@ -37,7 +37,7 @@ class Level:
             return self.cannot[need]
         if need not in self.meets:
             raise InternalError(f"engine level {self.name!r} gives no answer for need {need.value!r} "
-                                f"(kvdoctor/engine/core/levels.py)")
+                                f"(kvdoctor/levels/table.py)")
         return self.sync_only.get(need) if async_scheduling else None
 
 
