@@ -33,7 +33,7 @@ WORKER_BYTES = 5 << 29  # 2.5 GiB
 # and test_release_outcomes: once per worker that runs one of them (at most twice; see below on loadgroup).
 # The slowest modules first, longest first (the other worker takes the short ones meanwhile, and the last to
 # start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
-SLOW_FIRST = ("test_audit_and_reports", "test_matrix_cli", "test_first_hour", "test_explore",
+SLOW_FIRST = ("test_audit_and_reports", "test_explore_ray", "test_matrix_cli", "test_first_hour", "test_explore",
               "test_refusals_at_once", "test_exit_corners", "test_explore_findings_honest", "test_engine_serve",
               "test_engine_core", "test_newcomer", "test_memory_bound", "test_vllm_worker", "test_compat")
 

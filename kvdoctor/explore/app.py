@@ -44,19 +44,21 @@ class ExploreReport:
 
 
 def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int,
-             worker: str = "simulated") -> None:
+             worker: str = "simulated", ray: str | None = None) -> None:
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
     if max_examples is not None and max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {max_examples}")
     if not time_budget > 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
-    if workers < 1:
+    if workers < (0 if ray is not None else 1):  # 0 under Ray: one per slot of the cluster
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    if workers > 1:
+    if workers > 1 and ray is None:  # Ray sizes its tasks by the cluster (`RayPool.size`)
         refusal = workers_refusal(workers)
         if refusal:
             raise UsageError(refusal)
+    if ray is not None and not ray.strip():
+        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
     if worker not in ("simulated", "vllm"):
@@ -133,23 +135,35 @@ def explore(config: Any, out_dir: Path, command: str = "",
     from kvdoctor.explore.search import explore as search
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
-             config.worker)
-    if config.workers > 1 and api is None:
+             config.worker, ray=config.ray)
+    parallel = config.ray is not None or config.workers > 1
+    if config.ray is not None:
+        from kvdoctor.explore.ray_pool import import_ray
+
+        import_ray()  # without the extra: one line, exit 2, before vLLM is imported
+    if parallel and api is None:
         declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
         if declared is None:
             raise compat.VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
-    if config.workers <= 1:
+    if not parallel:
         from kvdoctor.explore.search import warm_up
 
         if api is None:
             api = compat.load()  # here, not in the search: each finding is triaged as it comes
         warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
-    # The budget starts once vLLM is imported (and warmed up): here for one worker; for several, in each worker once it
-    # has imported vLLM (its search's own clock, with no shared end), the parent's triage after them.
-    reserve = min(0.2 * config.time_budget, 60.0) if config.workers > 1 and config.triage else 0.0
-    relative = config.stop_at is None and config.workers > 1
+    pool = None
+    if config.ray is not None:  # joined (or started) here; the search stops it, whatever happens
+        from kvdoctor.explore.ray_pool import RayPool
+
+        pool = RayPool(config.ray)
+        config = dataclasses.replace(config, workers=pool.size(config.workers))
+    # The budget starts once vLLM is imported (and warmed up): here for one worker; for several (local
+    # processes or Ray tasks), in each worker once it has imported vLLM (its search's own clock, with no
+    # shared end), the parent's triage after them.
+    reserve = min(0.2 * config.time_budget, 60.0) if parallel and config.triage else 0.0
+    relative = config.stop_at is None and parallel
     if config.stop_at is None and not relative:
         config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
     start = time.monotonic()
@@ -175,7 +189,7 @@ def explore(config: Any, out_dir: Path, command: str = "",
                     else dataclasses.replace(config, stop_at=config.stop_at - reserve))
     try:
         with hypothesis_storage():
-            result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+            result = search(searched, on_progress=on_progress, on_finding=found, api=api, pool=pool)
     except KeyboardInterrupt:
         raise ExploreInterrupted(f"interrupted: {len(written)} finding(s) kept in {out_dir}") from None
     if relative:
@@ -222,6 +236,8 @@ def exit_status(report: ExploreReport) -> int:
     else 6 (inconclusive) when no example ran at all: nothing tested is not nothing found."""
     if report.findings:
         return ExitStatus.REPRODUCED
+    if report.result.lost:  # part of the search did not run: not "nothing found"
+        return ExitStatus.SETUP_OR_OTHER_FAILURE
     if report.result.errors:
         codes = [c for c in report.result.error_codes if c is not None]
         return codes[0] if codes else ExitStatus.INTERNAL_ERROR  # a worker crashed outside kvdoctor's errors
@@ -262,4 +278,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "steps_per_second": round(stats.steps_per_second, 1),
         "findings": [finding.as_dict() for finding in report.findings],
         "errors": list(result.errors),
+        "lost": list(result.lost),
+        "ray": config.ray,
+        "nodes": sorted({w.node for w in result.workers}),
     }

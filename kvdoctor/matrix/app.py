@@ -8,9 +8,10 @@ every cell is in, so a failure leaves nothing half-written.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor import __version__
 from kvdoctor.errors import ExitStatus, UsageError
@@ -20,6 +21,9 @@ from kvdoctor.matrix.envs import EnvStore, ReleaseEnv
 from kvdoctor.matrix.releases import parse_spec
 from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE, Cell, Runner
 from kvdoctor.outcome_codes import exit_code_for_many
+
+if TYPE_CHECKING:
+    from kvdoctor.matrix.ray_runner import RayRunner
 
 AUDIT = "(audit)"
 
@@ -84,9 +88,11 @@ def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
 
 def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: bool,
            env_dir: Path | None = None, command: str = "", progress: Progress | None = None,
-           audit_async: bool = False, engine: str = "scheduler") -> MatrixReport:
+           audit_async: bool = False, engine: str = "scheduler", ray: str | None = None) -> MatrixReport:
     """`audit_async` (with `audit`): audit each release a second time under --async-scheduling and
-    record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time)."""
+    record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time).
+    `ray`: run each release's kvdoctor as a Ray task (`matrix.ray_runner`; an address, or "local"),
+    all releases at once without `bisect`."""
     progress = progress or Progress()
     recipes = resolve_recipes(recipe_refs, audit)
     releases = parse_spec(vllm_spec)
@@ -116,7 +122,13 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
             envs[release] = ready
         return envs[release]
 
-    with Runner(engine=engine) as runner:
+    if ray is not None:
+        from kvdoctor.matrix.ray_runner import RayRunner
+
+        runner_context: Runner | RayRunner = RayRunner(ray, engine=engine)
+    else:
+        runner_context = Runner(engine=engine)
+    with runner_context as runner:
         def run(release: str, name: str, ref: str) -> Cell:
             if (release, name) not in report.cells:
                 env = env_for(release)
@@ -147,10 +159,20 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
                 report.bisections.append(
                     bisect_releases(name, releases, lambda release: run(release, name, ref).outcome))
         else:
+            runner.prefetch([call for release in releases for call in _calls(env_for(release), recipes, audit,
+                                                                              audit_async)])
             for release in releases:
                 for name, ref in recipes:
                     run(release, name, ref)
     return report
+
+
+def _calls(env: ReleaseEnv, recipes: list[tuple[str, str]], audit: bool,
+           audit_async: bool) -> list[tuple[str, ReleaseEnv, Any]]:
+    """What `run` will ask of one release's environment, in the runner's call form."""
+    if audit:
+        return [("audit", env, False)] + ([("audit", env, True)] if audit_async else [])
+    return [("recipe", env, ref) for _, ref in recipes]
 
 
 def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> None:
