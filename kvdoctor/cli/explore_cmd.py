@@ -17,6 +17,7 @@ import typer
 
 from kvdoctor.cli import options as opt
 from kvdoctor.cli.common import command_line, run
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.errors import UsageError
 from kvdoctor.explore import (
     DEFAULT_MAX_EVENTS,
@@ -285,7 +286,7 @@ def write_attachment(finding: Any, result: Any) -> str | None:
     path = Path(finding.file)
     target = path.with_suffix(".report.md")
     replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
-    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
+    report = application.repro(str(path), Overrides(), finding.logic, record_timeline=True, command=replay)
     try:
         target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
                           encoding="utf-8")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -22,34 +22,34 @@ def serve_option(name: str) -> Any:
 
 
 # The value types are written here for the type checker; `cli/serve_flags.py` checks them against the table.
-BlockSize = Annotated[Optional[int], serve_option("block_size")]
-BlocksPerChunk = Annotated[Optional[int], serve_option("blocks_per_chunk")]
-GpuBlocks = Annotated[Optional[int], serve_option("gpu_blocks")]
-AsyncScheduling = Annotated[Optional[bool], serve_option("async_scheduling")]
-MaxBatchedTokens = Annotated[Optional[int], serve_option("max_num_batched_tokens")]
-MaxModelLen = Annotated[Optional[int], serve_option("max_model_len")]
-MaxNumSeqs = Annotated[Optional[int], serve_option("max_num_seqs")]
-ChunkedPrefill = Annotated[Optional[bool], serve_option("enable_chunked_prefill")]
-PrefixCaching = Annotated[Optional[bool], serve_option("enable_prefix_caching")]
-KvOffloadingSize = Annotated[Optional[float], serve_option("kv_offloading_size")]
-KvOffloadingBackend = Annotated[Optional[str], serve_option("kv_offloading_backend")]
-KvTransferConfig = Annotated[Optional[str], serve_option("kv_transfer_config")]
-Model = Annotated[Optional[Path], serve_option("model")]
-Worker = Annotated[Optional[str], serve_option("worker")]
-ModelRunner = Annotated[Optional[str], serve_option("model_runner")]
-Device = Annotated[Optional[str], serve_option("device")]
-Engine = Annotated[Optional[str], serve_option("engine")]
+BlockSize = Annotated[int | None, serve_option("block_size")]
+BlocksPerChunk = Annotated[int | None, serve_option("blocks_per_chunk")]
+GpuBlocks = Annotated[int | None, serve_option("gpu_blocks")]
+AsyncScheduling = Annotated[bool | None, serve_option("async_scheduling")]
+MaxBatchedTokens = Annotated[int | None, serve_option("max_num_batched_tokens")]
+MaxModelLen = Annotated[int | None, serve_option("max_model_len")]
+MaxNumSeqs = Annotated[int | None, serve_option("max_num_seqs")]
+ChunkedPrefill = Annotated[bool | None, serve_option("enable_chunked_prefill")]
+PrefixCaching = Annotated[bool | None, serve_option("enable_prefix_caching")]
+KvOffloadingSize = Annotated[float | None, serve_option("kv_offloading_size")]
+KvOffloadingBackend = Annotated[str | None, serve_option("kv_offloading_backend")]
+KvTransferConfig = Annotated[str | None, serve_option("kv_transfer_config")]
+Model = Annotated[Path | None, serve_option("model")]
+Worker = Annotated[str | None, serve_option("worker")]
+ModelRunner = Annotated[str | None, serve_option("model_runner")]
+Device = Annotated[str | None, serve_option("device")]
+Engine = Annotated[str | None, serve_option("engine")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
                                     rich_help_panel=OUTPUT)]
-Format = Annotated[Optional[str], typer.Option(
+Format = Annotated[str | None, typer.Option(
     "--format", metavar="FORMAT", help="text (default) | json | markdown | svg: how the result is printed on "
                                        "stdout (markdown: the --report attachment; svg: the tables as an image).",
     rich_help_panel=OUTPUT, show_default=False)]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show each row's detail (refs, signature, "
                                                                 "what to do next).", rich_help_panel=OUTPUT)]
-ReportFile = Annotated[Optional[Path], typer.Option(
+ReportFile = Annotated[Path | None, typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
-SvgFile = Annotated[Optional[Path], typer.Option(
+SvgFile = Annotated[Path | None, typer.Option(
     "--svg", help="Save the rendered tables as SVG to FILE.", rich_help_panel=OUTPUT)]
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, get_type_hints
+from typing import Any, get_type_hints
 
 from kvdoctor.cli import options as opt
 from kvdoctor.engine.overrides import Overrides
@@ -68,7 +69,7 @@ def _check_against_the_table() -> None:
         raise TypeError(f"ServeFlags {names} against the serve-flag table {[row.name for row in CLI_FLAGS]}")
     hints = get_type_hints(ServeFlags)
     for row in CLI_FLAGS:
-        if hints[row.name] != Optional[row.type]:  # pragma: no cover - guards the annotations
+        if hints[row.name] != row.type | None:  # pragma: no cover - guards the annotations
             raise TypeError(f"ServeFlags.{row.name} is {hints[row.name]}; the serve-flag table says {row.type}")
 
 

@@ -25,11 +25,15 @@ from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_
 
 # The adapter's vLLM-only reads and feature probes, the simulated worker and the engine's step loop; an
 # export copies their one definition in here.
-from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
-                                             request_states, runner_output_takes_req_id_to_index,
-                                             worker_reports_failed_jobs)
-from kvdoctor.engine.worker import Job, SimulatedWorker  # noqa: E402
-from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: E402
+from kvdoctor.engine.compat.portable import (
+    allocated_block_count,
+    kv_cache_tensor,
+    request_states,
+    runner_output_takes_req_id_to_index,
+    worker_reports_failed_jobs,
+)
+from kvdoctor.engine.step_loop import StepLoop, sample
+from kvdoctor.engine.worker import Job, SimulatedWorker
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
 
@@ -39,8 +43,7 @@ CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 def build_scheduler(setup):
     import torch
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -76,14 +79,11 @@ def build_scheduler(setup):
 
 
 def main():
+    import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
-
-    import vllm
 
     # Feature probes, not version checks: the fields and signatures moved between releases.
     takes_req_id_to_index = runner_output_takes_req_id_to_index(ModelRunnerOutput)
@@ -94,9 +94,9 @@ def main():
     scheduler = build_scheduler(setup)
     connector = scheduler.connector.connector_scheduler
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(setup["block_size"], sha256)
+    hasher = get_request_block_hasher(setup["block_size"], sha256)  # noqa: F841 - read by the plays put in on export
     requests, worker, finish_next = {}, SimulatedWorker(), set()
-    loop = StepLoop(scheduler, setup["async_scheduling"])
+    loop = StepLoop(scheduler, setup["async_scheduling"])  # noqa: F841 - read by the plays put in on export
     steps_taken = 0
 
     def worker_side(out):

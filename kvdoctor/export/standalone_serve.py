@@ -29,7 +29,7 @@ from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_
 
 # kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
 # definition in here.
-from kvdoctor.levels.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
+from kvdoctor.levels.serve_client import Server, aborted_while_queued, free_port, play, wait_ready
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''

@@ -18,7 +18,12 @@ from typing import Any
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
 from kvdoctor.recipes.geometry import (
-    PREEMPT_NEXT, PreemptPlan, plan_fill, preempt_plan, prompt_length, shared_prefix_length,
+    PREEMPT_NEXT,
+    PreemptPlan,
+    plan_fill,
+    preempt_plan,
+    prompt_length,
+    shared_prefix_length,
 )
 from kvdoctor.recipes.model import Step
 from kvdoctor.steps import kind_of
