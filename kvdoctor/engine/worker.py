@@ -130,13 +130,11 @@ class SimulatedWorker:
         self._to_complete.update(jid for jid in jobs_to_flush if jid in self.in_flight)
         report = WorkerReport()
         for jid in sorted(self._to_fail):
-            job = self.in_flight.pop(jid, None)
-            if job is not None:
-                report.failed.append(job)
+            if jid in self.in_flight:
+                report.failed.append(self.in_flight.pop(jid))
         for jid in sorted(self._to_complete - self._to_fail):
-            job = self.in_flight.pop(jid, None)
-            if job is not None:
-                report.completed.append(job)
+            if jid in self.in_flight:
+                report.completed.append(self.in_flight.pop(jid))
         for job in report.completed + report.failed:
             self._due.pop(job.job_id, None)
         self._to_complete.clear()

@@ -29,8 +29,8 @@ from kvdoctor.steps import REGISTRY, Unsupported, kind_of
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
 _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export'
-_PLAYS_LINE = ("    PLAYS = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on "
-               "export\n")
+_PLAYS_LINE = ("    PLAYS: dict[str, Any] = {}  # each step kind the recipe uses, as its declaration says to play it: "
+               "replaced on export\n")
 _CONFIG_LINE = "CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export"
 
 

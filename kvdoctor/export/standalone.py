@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -41,7 +42,7 @@ LAYER = "model.layers.0.self_attn.attn"
 CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
-def build_scheduler(setup):
+def build_scheduler(setup: dict[str, Any]) -> Any:
     import torch
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -78,7 +79,7 @@ def build_scheduler(setup):
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
 
 
-def main():
+def main() -> int:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
     from vllm.utils.hashing import sha256
@@ -95,11 +96,12 @@ def main():
     connector = scheduler.connector.connector_scheduler
     init_none_hash(sha256)
     hasher = get_request_block_hasher(setup["block_size"], sha256)  # noqa: F841 - read by the plays put in on export
-    requests, worker, finish_next = {}, SimulatedWorker(), set()
+    requests: dict[str, Any] = {}
+    worker, finish_next = SimulatedWorker(), set[str]()
     loop = StepLoop(scheduler, setup["async_scheduling"])  # noqa: F841 - read by the plays put in on export
     steps_taken = 0
 
-    def worker_side(out):
+    def worker_side(out: Any) -> Any:
         """The simulated worker on one scheduler output: its jobs, what it reports, the sampled tokens."""
         nonlocal steps_taken
         steps_taken += 1
@@ -131,7 +133,7 @@ def main():
             runner_kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(**runner_kwargs)
 
-    def expect(args):
+    def expect(args: dict[str, Any]) -> None:
         req = requests[args["request"]]
         state = request_states(connector).get(args["request"])
         blocks = sum(allocated_block_count(g) for g in state.group_states) if state else 0
@@ -152,7 +154,7 @@ def main():
             print(f"precondition failed for {args['request']}: " + "; ".join(problems))
             sys.exit(2)
 
-    PLAYS = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on export
+    PLAYS: dict[str, Any] = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on export
 
     for number, (action, args) in enumerate(((s["action"], s["args"]) for s in RECIPE["steps"]), start=1):
         print(f"step {number}: {action} {json.dumps(args) if args else ''}")
