@@ -17,6 +17,7 @@ from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
 from kvdoctor.engine import compat
+from kvdoctor.engine.memory import available_memory_bytes
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 from kvdoctor.explore.findings import write_findings
 from kvdoctor.explore.triage import triage
@@ -81,8 +82,6 @@ def workers_refusal(workers: int) -> str | None:
     """Why `--workers N` is more than this machine holds, in one line (None: it fits). Each worker
     imports vLLM: more workers than CPUs only share them, and more than memory allows is the OOM
     killer's (1000 workers drove one machine's load to 305 and killed another process)."""
-    from kvdoctor.engine.setup import available_memory_bytes
-
     cpus = usable_cpus()
     available = available_memory_bytes()
     by_memory = cpus if available is None else max(1, available // WORKER_BYTES)
