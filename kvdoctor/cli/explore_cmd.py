@@ -281,7 +281,6 @@ def write_attachment(finding: Any, result: Any) -> str | None:
     """`kvdoctor repro FILE --report` for a candidate finding's recipe, with its triage, written beside
     the recipe (`<name>.report.md`); explore's application calls it, the formatting stays here."""
     from kvdoctor import app as application
-    from kvdoctor.engine.overrides import Overrides
     from kvdoctor.report.markdown import render_markdown, triage_markdown
 
     path = Path(finding.file)
