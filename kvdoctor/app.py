@@ -6,9 +6,8 @@ returns a result type (`kvdoctor.results`) for `kvdoctor.report` to render.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi

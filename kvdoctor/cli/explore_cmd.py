@@ -236,12 +236,13 @@ def write_attachment(finding: Any, result: Any) -> str | None:
     """`kvdoctor repro FILE --report` for a candidate finding's recipe, with its triage, written beside
     the recipe (`<name>.report.md`); explore's application calls it, the formatting stays here."""
     from kvdoctor import app as application
+    from kvdoctor.engine.overrides import Overrides
     from kvdoctor.report.markdown import render_markdown, triage_markdown
 
     path = Path(finding.file)
     target = path.with_suffix(".report.md")
     replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
-    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
+    report = application.repro(str(path), Overrides(), finding.logic, record_timeline=True, command=replay)
     try:
         target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
                           encoding="utf-8")

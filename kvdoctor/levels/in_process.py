@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi

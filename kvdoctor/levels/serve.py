@@ -176,8 +176,16 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     import asyncio
 
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.levels.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port, play,
-                                              step_log, wait_ready)
+    from kvdoctor.levels.serve_client import (
+        Played,
+        Server,
+        aborted_while_queued,
+        ever_scheduled,
+        free_port,
+        play,
+        step_log,
+        wait_ready,
+    )
 
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
