@@ -6,8 +6,8 @@ returns a result type (`kvdoctor.results`) for `kvdoctor.report` to render.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi
@@ -92,11 +92,12 @@ def audit(command: str = "", overrides: Overrides | None = None,
     if overrides.spec_name:
         check_spec_name(api, recipes[0], next(s for s in setups if isinstance(s, Setup)), overrides)
     report = AuditReport(vllm_version=api.version_text, command=command, engine=engine)
-    for done, (recipe, setup) in enumerate(zip(recipes, setups)):
+    for done, (recipe, setup) in enumerate(zip(recipes, setups, strict=True)):
         progress(done, total, f"{recipe.bug or '-'} {recipe.name}")
         if isinstance(setup, UsageError):  # this recipe's needs exceed the user's settings; the rest run
             own = resolve_setup(recipe, Overrides(worker="simulated", engine=engine))
-            installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup)) for logic in ("installed", "fixed"))
+            installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup))
+                                for logic in ("installed", "fixed"))
             report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _fixed_in(recipe)))
             continue
         report.rows.append(level.audit_row(api, recipe, setup, _fixed_in(recipe)))

@@ -102,6 +102,9 @@ class RunResult:
     worker: str = ""  # which worker ran, in words (Worker.describe)
     model_runner: str = ""  # the model runner the scheduler shaped its output for
     coverage: Coverage | None = None  # did the run execute the recipe's crash site
+    # not_applicable because this engine level cannot play a step (or the setup), not because a probe found
+    # this vLLM without the feature: the run did not test the bug (exit 6, `outcome_codes`)
+    unplayable: bool = False
 
 
 @dataclass
@@ -185,7 +188,8 @@ class AuditReport:
     @property
     def exit_status(self) -> ExitStatus:
         """1 when any known bug reproduces; else 4 when any row (or a metric) ended other_failure or
-        setup_error; 0 only when every row is not_reproduced / not_applicable."""
-        outcomes = [row.installed.outcome for row in self.rows]
+        setup_error; else 6 when any did not test its bug (a level that cannot play it included); 0 only
+        when every row is not_reproduced / not_applicable to this vLLM."""
+        outcomes: list[Any] = [row.installed for row in self.rows]
         outcomes += [Outcome.OTHER_FAILURE for metric in self.metrics if metric.error]
         return exit_code_for_many(outcomes)

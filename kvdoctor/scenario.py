@@ -14,13 +14,14 @@ from kvdoctor.engine.harness import Harness, StepEvents
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError, KvdoctorError
 from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
-from kvdoctor.observe.failure import describe_exception
 from kvdoctor.observe.coverage import site_tracer
+from kvdoctor.observe.failure import describe_exception
 from kvdoctor.observe.invariants import CONTENT_FORM_OF, CONTENT_INVARIANTS, StepContext, Violation, check_all
 from kvdoctor.observe.snapshot import Observer
 from kvdoctor.observe.verdict import Outcome, apply_coverage, failure_verdict
 from kvdoctor.recipes.compile import CompiledRecipe, ConcreteStep, compile_recipe
-from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry
+from kvdoctor.recipes.geometry import NotApplicable
+from kvdoctor.recipes.geometry import check as check_geometry
 from kvdoctor.recipes.model import Recipe, Step
 from kvdoctor.recipes.requirements import missing
 from kvdoctor.results import CheckResult, Guard, GuardCap, RunResult, TimelineEntry
@@ -127,7 +128,9 @@ class ScenarioRun:
         except NotApplicable as exc:
             untested = [str(exc)]
         # a step only another level plays (pause/resume at the scheduler level) is not this level's: say why
-        lacking = missing(self.api, self.recipe.requires) or list(self.unplayable)
+        probed = missing(self.api, self.recipe.requires)
+        lacking = probed or list(self.unplayable)
+        self.result.unplayable = not probed and bool(lacking)  # the level's reason, not a probe's: exit 6
         if lacking or untested:
             self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
             self.result.detail = "; ".join(lacking or untested)
@@ -136,7 +139,7 @@ class ScenarioRun:
             harness = self.harness_class(self.api, self.setup, self.build_cache)
         except KvdoctorError:
             raise
-        except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
+        except Exception as exc:  # vLLM failed while building the scheduler/connector
             return self._failed_to_build(exc)
         self.result.kv_plan = harness.kv_plan
         self.result.worker = harness.worker.describe()
@@ -150,6 +153,7 @@ class ScenarioRun:
             harness.shutdown()
 
     def _run_on(self, harness: Harness) -> RunResult:
+        assert self.compiled is not None  # run() compiled the recipe before building the harness
         observer = Observer(harness, self.logic)
         target = StepTarget(harness, observer)
         with storable_chunks_variant(self.api, self.logic, self.log):
@@ -168,7 +172,7 @@ class ScenarioRun:
                     return self.result
                 except KvdoctorError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - every failure is observed, none hidden
+                except Exception as exc:  # every failure is observed, none hidden
                     failing_calls = self.log.take()
                     self.all_calls.extend(failing_calls)
                     return self._failed(exc, counter, step, observer, failing_calls)
@@ -196,7 +200,7 @@ class ScenarioRun:
         self.result.violations = violations
         self.result.failure_step = counter
         wanted = self.recipe.signature.invariant
-        accepted = {wanted, CONTENT_FORM_OF.get(wanted)} - {None}
+        accepted = {wanted, CONTENT_FORM_OF.get(wanted) if wanted else None} - {None}
         if wanted and any(v.invariant in accepted for v in violations):
             self.result.outcome = Outcome.REPRODUCED
         else:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdoctor import __version__
-from kvdoctor.errors import ExitStatus
+from kvdoctor.engine import compat
+from kvdoctor.engine.compat import probes
+from kvdoctor.errors import ExitStatus, IncompatibleVllmError, VllmUnavailableError
 from kvdoctor.installed import distribution_version
 
 
@@ -45,10 +47,6 @@ class VersionReport:
 
 def version_report() -> VersionReport:
     """Import vLLM and answer every probe; a probe that fails is listed with the others, not raised."""
-    from kvdoctor.engine import compat
-    from kvdoctor.engine.compat import probes
-    from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
-
     report = VersionReport(kvdoctor=__version__, python=f"{platform.python_version()} ({sys.executable})",
                            platform=platform.platform(), vllm=compat.installed_vllm_version(), torch=None)
     try:

@@ -67,6 +67,10 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
     from kvdoctor.cli import streams
 
     streams.begin_command()
+    return streams.settle_stdout(_run(action, json_out))
+
+
+def _run(action: Callable[[], int], json_out: bool) -> int:
     try:
         return int(action())
     except KvdoctorError as exc:

@@ -67,7 +67,8 @@ def inspect(
                     entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
             return doc
 
-        code = exit_code_for(run_result.outcome)
+        code = exit_code_for(run_result)
+        output.note_untested_level(run_result, result.setup.engine)
         output.show_result("inspect", result, fmt, document,
                            lambda res: [*timeline_renderables(run_result, step), verdict_table(res)], svg, report)
         return code

@@ -38,6 +38,8 @@ def matrix(
         help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
+    ray: opt.Ray = False,
+    ray_address: opt.RayAddress = None,
     engine: opt.Engine = None,
     json_out: opt.Json = False,
     output_format: opt.Format = None,
@@ -57,6 +59,7 @@ def matrix(
         from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out)
+        address = opt.ray_address(ray, ray_address)
         level = opt.engine_override(engine).engine or "scheduler"
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
@@ -71,7 +74,8 @@ def matrix(
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
                                        command=command_line(), progress=display.callbacks(),
-                                       audit_async=write_data is not None, engine=level)
+                                       audit_async=write_data is not None, engine=level,
+                                       ray=address)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown
@@ -96,13 +100,32 @@ def matrix(
     run(action, opt.wants_json(output_format, json_out))
 
 
+def count_text(completed: float, total: float | None) -> str:
+    """`3/8`, or `3 done` where the total is not known beforehand (bisect picks its next release as it
+    goes): never `0/None`."""
+    return f"{int(completed)}/{int(total)}" if total else f"{int(completed)} done"
+
+
+def _count_column() -> Any:
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class CountColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(count_text(task.completed, task.total))
+
+    return CountColumn()
+
+
 class _Display:
     """A rich progress bar on stderr while environments are built; one line per step otherwise."""
 
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True, highlight=False)
+        from kvdoctor.cli.streams import current
+
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live = self.console.is_terminal
         self.progress: Any = None
         self.build_task: Any = None
@@ -113,8 +136,7 @@ class _Display:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                     console=self.console, transient=True)
+                                     _count_column(), TimeElapsedColumn(), console=self.console, transient=True)
             self.progress.__enter__()
         return self
 

@@ -109,13 +109,17 @@ class Progress:
         text = self.line()
         if len(text) > width - 1:
             text = text[:max(width - 2, 1)] + "…"
+        show_status = getattr(self.stream, "show_status", None)  # the real stderr: others' lines clear it
         with self._draw_lock:
-            if text == self._shown:
+            if text == self._shown and getattr(self.stream, "status_shown", True):
                 return
             self._shown = text
             try:
-                self.stream.write(_CLEAR + text)
-                self.stream.flush()
+                if show_status is not None:
+                    show_status(text)
+                else:
+                    self.stream.write(_CLEAR + text)
+                    self.stream.flush()
             except (OSError, ValueError):  # the terminal went away: stop drawing, never fail the command
                 self.enabled = False
 
@@ -143,7 +147,7 @@ class Progress:
         if self.enabled:
             with self._draw_lock:
                 try:
-                    self.stream.write(_CLEAR)
+                    self.stream.write(_CLEAR)  # the real stderr: clears it and forgets the line
                     self.stream.flush()
                 except (OSError, ValueError):
                     pass

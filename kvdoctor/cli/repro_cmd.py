@@ -79,8 +79,9 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
-        code = exit_code_for(result.decisive.outcome)
+        code = exit_code_for(result.decisive)
         output.show_result("repro", result, fmt, repro_document, repro_renderables, svg, report)
+        output.note_untested_level(result.decisive, result.setup.engine)
         return code
 
     run(action, opt.wants_json(output_format, json_out))
@@ -94,9 +95,11 @@ def list_builtins(fmt: str, verbose: bool, name: str | None) -> int:
     recipes = [resolve(name)] if name is not None else all_builtins()
 
     def document() -> dict:
+        from kvdoctor import __version__
         from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
 
-        return {"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}
+        return {"schema_version": SCHEMA_VERSION, "kvdoctor_version": __version__,
+                "recipes": [recipe_dict(r) for r in recipes]}
 
     def renderables() -> list[Any]:
         from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables

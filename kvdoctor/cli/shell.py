@@ -130,6 +130,14 @@ class KvGroup(TyperGroup):
         except (typer.Abort, KeyboardInterrupt, EOFError):
             note("kvdoctor: interrupted")
             code = ExitStatus.INTERRUPTED
+        except OSError as exc:  # click writing --help into a full disk (a closed pipe is below)
+            if isinstance(exc, BrokenPipeError):
+                raise
+            from kvdoctor.cli.streams import current, silence_stdout
+
+            silence_stdout()
+            current().stdout_failure = f"stdout: {exc.strerror or exc}"
+            code = ExitStatus.NOT_REPRODUCED
         except SystemExit as exc:
             # typer turns a BrokenPipeError that reaches it (click writing --help or --version
             # into a closed pipe) into exit 1; those print and exit 0, so 0 is what they earned.
@@ -141,6 +149,9 @@ class KvGroup(TyperGroup):
             silence_stdout()
             code = ExitStatus.NOT_REPRODUCED
         code = int(code or 0) if isinstance(code, int) else 0
+        from kvdoctor.cli.streams import settle_stdout
+
+        code = settle_stdout(code)
         if standalone_mode:
             sys.exit(code)
         return code

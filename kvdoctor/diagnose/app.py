@@ -16,7 +16,15 @@ from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
+from kvdoctor.export.script import export_script
 from kvdoctor.installed import vllm_version
+from kvdoctor.levels.scheduler import run_scenario
+from kvdoctor.matrix.known import fixed_in
+from kvdoctor.outcome_codes import exit_code_for
+from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.recipes.writer import recipe_to_toml
+from kvdoctor.resolution import resolve_setup
+from kvdoctor.results import RunResult
 
 MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
 # Above these a geometry is production-sized: it is scaled down to the limit (and said). The
@@ -32,12 +40,12 @@ class RecipeRun:
     recipe: Any  # Recipe
     setup: Any  # Setup
     geometry: str  # "log" (the log's geometry, scaled) | "recipe" (the recipe's own)
-    results: list[Any] = field(default_factory=list)  # RunResult, installed first
-    log_geometry_attempt: list[Any] = field(default_factory=list)  # results under the log geometry, if replaced
+    results: list[RunResult] = field(default_factory=list)  # installed first
+    log_geometry_attempt: list[RunResult] = field(default_factory=list)  # results under the log geometry, if replaced
     log_geometry_problem: str = ""
 
     @property
-    def installed(self) -> Any:
+    def installed(self) -> RunResult | None:
         return next((r for r in self.results if r.logic == "installed"), self.results[0] if self.results else None)
 
 
@@ -76,9 +84,8 @@ class DiagnoseReport:
         installed = self.runs[0].installed
         if installed is None:
             return ExitStatus.NOT_REPRODUCED
-        from kvdoctor.outcome_codes import exit_code_for
 
-        return exit_code_for(installed.outcome)
+        return exit_code_for(installed)
 
 
 def scale_geometry(geometry: MappedGeometry) -> tuple[Overrides, list[str]]:
@@ -96,16 +103,11 @@ def scale_geometry(geometry: MappedGeometry) -> tuple[Overrides, list[str]]:
 def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
     """Per recipe: the first measured release where it stops reproducing and the last where it does
     (`kvdoctor matrix` measurements, `kvdoctor/data/release_outcomes.toml`); None when unknown."""
-    from kvdoctor.matrix.known import fixed_in
-
     return {recipe.name: fixed_in(recipe.name) for recipe in recipes}
 
 
 def _run_candidate(api: Any, candidate: Candidate, overrides: Overrides, logics: list[str],
                    progress: Callable[[str], None] | None = None) -> RecipeRun:
-    from kvdoctor.levels.scheduler import run_scenario
-    from kvdoctor.resolution import resolve_setup
-
     recipe = candidate.recipe
 
     def run_all(setup: Any, geometry: str) -> list[Any]:
@@ -171,9 +173,6 @@ def starting_recipe_toml(summary: LogSummary, overrides: Overrides) -> str:
 
 def _recipe_toml(exception: str, function: str, file: str, line: int, contains: str | None,
                  callers: tuple[str, ...], overrides: Overrides) -> str:
-    from kvdoctor.recipes.model import Recipe, Signature, Step
-    from kvdoctor.recipes.writer import recipe_to_toml
-
     setup = {k: v for k, v in overrides.given().items() if k in (
         "block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "enable_chunked_prefill", "offload_prompt_only", "cpu_bytes_to_use", "spec_name")}
@@ -234,8 +233,6 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
         report.runs.append(_run_candidate(api, candidate, overrides, logics, progress))
     best = report.runs[0]
     if not best.recipe.signature.invariant:
-        from kvdoctor.export.script import export_script
-
         try:
             report.script = export_script(best.recipe, best.setup)
         except UsageError:

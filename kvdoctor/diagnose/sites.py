@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from kvdoctor.diagnose.statement import message_pattern
+from kvdoctor.matrix import data
+from kvdoctor.recipes.model import bug_order
+from kvdoctor.recipes.writer import toml_multiline, toml_string
+from kvdoctor.releases import KNOWN_RELEASES
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "crash_statements.toml"
 DATA_FORMAT_VERSION = 1  # the layout of crash_statements.toml (not a --json document)
@@ -55,8 +59,6 @@ class Site:
     reached: bool = False  # a kvdoctor run on this release failed at this statement (release-outcomes data)
 
     def as_toml(self) -> list[str]:
-        from kvdoctor.recipes.writer import toml_multiline, toml_string
-
         lines = ["[[site]]", f"bug = {toml_string(self.bug)}",
                  "recipes = [" + ", ".join(toml_string(r) for r in self.recipes) + "]",
                  f"release = {toml_string(self.release)}", f"exception = {toml_string(self.exception)}",
@@ -95,11 +97,7 @@ def _unwrap(text: str | None) -> str | None:
 
 
 def render(sites: Iterable[Site]) -> str:
-    from kvdoctor.releases import KNOWN_RELEASES
-
     def order(site: Site) -> tuple[Any, ...]:
-        from kvdoctor.recipes.model import bug_order
-
         index = KNOWN_RELEASES.index(site.release) if site.release in KNOWN_RELEASES else len(KNOWN_RELEASES)
         return bug_order(site.bug), site.recipes, index, site.line or 0
 
@@ -249,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("envs", nargs="+", type=Path, help="virtual environments (or site-packages) with vLLM")
     parser.add_argument("--write", type=Path, help="write the data file (releases measured replace theirs)")
     args = parser.parse_args(argv)
-    from kvdoctor.matrix import data
     from kvdoctor.recipes.builtins import all_builtins
 
     recipes, rows = all_builtins(), data.load()

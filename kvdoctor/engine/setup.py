@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
 from kvdoctor.engine.serve_args import flag_name
+from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
 from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
@@ -132,13 +134,9 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            from kvdoctor.engine.secondary_tier import tier_config
-
             cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
-            from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
-
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
             cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
@@ -233,8 +231,6 @@ class Setup:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
         if self.secondary_tier is not None:
-            from kvdoctor.engine.secondary_tier import SECONDARY_TIERS
-
             if self.secondary_tier not in SECONDARY_TIERS:
                 raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "
                                  f"got {self.secondary_tier!r}")

@@ -31,8 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.explore.impact import impact_of, impact_of_finding
 from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions, setup_of
-from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.explore.triage import STARTUP
+from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.model import Recipe, Signature, Step, bug_order
+from kvdoctor.recipes.writer import recipe_to_toml
 
 
 @dataclass
@@ -69,9 +74,6 @@ class Finding:
     @property
     def impact(self) -> Any:
         """What it does to a server and its clients (`kvdoctor.explore.impact`)."""
-        from kvdoctor.explore.impact import impact_of_finding
-        from kvdoctor.explore.triage import STARTUP
-
         return impact_of_finding(self, startup=self.triage is not None and self.triage.verdict == STARTUP)
 
     @property
@@ -160,14 +162,12 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     finding took (`setup`: its recipe's [setup], `detail`: its failure's message; see MECHANISMS).
     Where several bugs share the signature, the one whose recipes use the finding's trigger-shaping
     actions (`actions`: the finding's step actions) comes first, then the catalogue's order."""
-    from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
 
     try:
         recipes = all_builtins()
     except KvdoctorError:  # an installation without its recipes labels nothing
         return None
-    from kvdoctor.recipes.model import bug_order
 
     # K1 and K6 share `_build_store_jobs`' assert: a finding that withholds hashes is K6's.
     shaping = actions & TRIGGER_ACTIONS
@@ -189,8 +189,6 @@ def cut_at_failure(steps: tuple[Step, ...], failure_index: int, setup: Any = Non
     """The steps up to and including the run-time step `failure_index` (1-based). `setup`: the geometry
     that expands a `schedule until` (a hand-written base recipe); explore's own steps repeat by count."""
     if setup is not None:
-        from kvdoctor.recipes.compile import compile_recipe
-
         actions = [(play.index, play.step.action) for play in compile_recipe(steps, setup).steps]
     else:
         actions = expanded_actions(steps)
@@ -221,7 +219,6 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
         signature = Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
-    from kvdoctor.explore.impact import impact_of
 
     failing = steps[-1].action if obs.kind in ("exception", "harness") and steps else None
     summary = f"{summary}\nImpact: {impact_of(obs.kind, obs.invariant, failing).line}"
@@ -271,9 +268,6 @@ def header_text(finding: Finding) -> str:
 
 def write_findings(findings: list[Finding], out_dir: Path) -> None:
     """Write one recipe per finding (sets `finding.file`), replacing this signature's earlier file."""
-    from kvdoctor.errors import UsageError
-    from kvdoctor.recipes.writer import recipe_to_toml
-
     if not findings:
         return  # nothing to write: no folder either
     try:

@@ -53,8 +53,9 @@ nothing in this package imports the report formatters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.errors import KvdoctorError, UsageError

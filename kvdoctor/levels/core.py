@@ -33,7 +33,7 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
     reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + _setup_unexpressible(setup)
     if reasons:
-        return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons))
+        return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons), unplayable=True)
     return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
 
 

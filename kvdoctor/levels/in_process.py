@@ -4,8 +4,8 @@ each logic variant a fresh scenario run, `repro`'s report and `audit`'s row buil
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi

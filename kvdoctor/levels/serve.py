@@ -39,7 +39,7 @@ from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import serve_command_flags
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.tiny_model import tiny_model_dir
-from kvdoctor.errors import UsageError
+from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.installed import vllm_version
 from kvdoctor.levels.in_process import Progress
 from kvdoctor.levels.table import unexpressible
@@ -49,7 +49,7 @@ from kvdoctor.observe.verdict import Outcome, failure_verdict
 from kvdoctor.recipes.compile import compile_recipe
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import AuditRow, ReproReport, RunResult
-from kvdoctor.steps import add_extras
+from kvdoctor.steps import REGISTRY, kind_of
 
 if TYPE_CHECKING:
     from kvdoctor.diagnose.reader import LogSummary
@@ -71,18 +71,17 @@ class Event:
 
 
 def plan_traffic(recipe: Recipe, setup: Setup) -> list[Event]:
-    """The recipe's add/schedule/abort steps as client events, compiled exactly as the scheduler level
-    plays them (the same fill plan, prompts and repeats: `recipes.compile.compile_recipe`)."""
+    """The recipe's steps as client events, each kind's as its declaration says (`serve` in `kvdoctor.steps`),
+    compiled exactly as the scheduler level plays them (the same fill plan, prompts and repeats:
+    `recipes.compile.compile_recipe`). A kind without serve events is refused first (`unplayable`); reaching
+    one here is kvdoctor's bug, never a step left out of the traffic."""
     events: list[Event] = []
     for play in compile_recipe(recipe.steps, setup).steps:
-        action = play.step.action
-        if action == "add":
-            extra = add_extras(play.step.args)
-            events += [Event("add", new.request, list(new.prompt), new.max_tokens, extra) for new in play.requests]
-        elif action == "schedule":
-            events.append(Event("step"))
-        elif action == "abort":
-            events.append(Event("abort", play.step.args["request"]))
+        serve_events = kind_of(play.action).serve
+        if serve_events is None:
+            raise InternalError(f"step kind {play.action!r} (line {play.step.line}) has no serve events and was "
+                                f"not refused")
+        events += [Event(**event) for event in serve_events(play)]
     return events
 
 
@@ -161,9 +160,11 @@ def _failure_from_log(crash: LogTraceback) -> Failure:
 
 def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
-    the exported serve script alike. `expect` is not played: the client checks its own precondition (that an
-    aborted request was still queued, from the executor's step log), so a recipe without an abort is refused."""
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
+    the exported serve script alike: the kinds without serve events, by their needs (`expect` sends nothing:
+    the client checks its own precondition, that an aborted request was still queued, from the executor's
+    step log, so a recipe without an abort is refused)."""
+    sending = frozenset(name for name, kind in REGISTRY.items() if kind.serve is not None)
+    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling, played_otherwise=sending)
     if not reasons and not any(s.action == "abort" for s in recipe.steps):
         reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
     return reasons
@@ -194,6 +195,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
+        result.unplayable = True
         return result, ""
     check_plugin()
     events = plan_traffic(recipe, setup)
@@ -205,7 +207,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     played = Played()
     ready = False
     with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
         try:
             print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                   f"group when the run ends)", file=sys.stderr, flush=True)
@@ -220,14 +222,14 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
     engine_steps = len(step_log(lines))
+    crash = engine_crash(summary)
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
                          f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if engine_crash(summary) is not None:
-            result.failure = _failure_from_log(engine_crash(summary))
+        if crash is not None:
+            result.failure = _failure_from_log(crash)
         return result, text
-    crash = engine_crash(summary)
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if crash is not None:
         failure = _failure_from_log(crash)
@@ -266,6 +268,9 @@ def _terminate_as_interrupt() -> Any:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the console script's (cli/teardown)
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: leave signals alone

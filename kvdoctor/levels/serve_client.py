@@ -31,7 +31,7 @@ def free_port() -> int:
 class Server:
     """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: str) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], log_path: str | os.PathLike[str]) -> None:
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,

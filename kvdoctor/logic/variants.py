@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdoctor.engine import compat
+from kvdoctor.errors import UsageError
 
 LOGIC_VARIANTS = ("installed", "fixed", "unpatched")
 LOGIC_CHOICES = (*LOGIC_VARIANTS, "all")
@@ -30,8 +31,6 @@ def expand_logic(choice: str) -> list[str]:
     if choice == "all":
         return list(LOGIC_VARIANTS)
     if choice not in LOGIC_VARIANTS:
-        from kvdoctor.errors import UsageError
-
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_CHOICES)}, got {choice!r}")
     return [choice]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvdoctor.matrix import data
-from kvdoctor.releases import KNOWN_RELEASES
+from kvdoctor.recipes.model import bug_order
+from kvdoctor.releases import KNOWN_RELEASES, release_tuple
 
 
 class FixedIn(NamedTuple):
@@ -56,9 +57,6 @@ def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
     site and held, or the site is gone: `OutcomeRow.earns_fixed`). None when
     no newer release was measured or none fixes any of them."""
     import re
-
-    from kvdoctor.recipes.model import bug_order
-    from kvdoctor.releases import release_tuple
 
     match = re.match(r"(\d+)\.(\d+)\.(\d+)", installed_version or "")
     if not reproducing or match is None:

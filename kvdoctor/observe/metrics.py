@@ -11,9 +11,10 @@ N requests with disjoint prefixes and the same offloaded lengths.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvdoctor.engine.harness import Harness
 from kvdoctor.engine.setup import Setup

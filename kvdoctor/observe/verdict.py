@@ -37,7 +37,8 @@ def failure_verdict(signature: Signature, failure: Failure, names_request: bool 
     which request was involved (`names_request`), only for the signature's request; anything else is
     another failure. The detail is empty for `reproduced` (the level says how it saw it)."""
     if not matches_exception(signature, failure):
-        return Outcome.OTHER_FAILURE, f"{failure.exception} in vLLM's {failure.function}: {failure.message}"
+        return Outcome.OTHER_FAILURE, (f"{failure.exception} in vLLM's {failure.function}"
+                                       + (f": {failure.message}" if failure.message else ""))
     if names_request and signature.request is not None and failure.involved_request != signature.request:
         whom = (f"request {failure.involved_request}" if failure.involved_request
                 else "a request kvdoctor could not identify")

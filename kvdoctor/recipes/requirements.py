@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvdoctor.recipes.geometry import is_known_setup_requirement
+
 if TYPE_CHECKING:
     from kvdoctor.engine.compat import VllmApi
 
@@ -21,8 +23,6 @@ REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>
 def is_known_requirement(text: str) -> bool:
     kind, _, value = text.partition(":")
     if kind == "setup":  # judged on the geometry, before vLLM is imported (recipes/geometry.py)
-        from kvdoctor.recipes.geometry import is_known_setup_requirement
-
         return is_known_setup_requirement(value)
     return kind in ("spec", "kv_cache_group_field", "cache_config_field", "secondary_tier") and bool(value)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvdoctor.report.json_doc import dumps
+
 FORMATS = ("text", "json", "markdown", "svg")
 
 
@@ -53,8 +55,6 @@ class JsonFormatter:
     name = "json"
 
     def render(self, shown: Shown, width: int | None = None) -> str:
-        from kvdoctor.report.json_doc import dumps
-
         return dumps(shown.document()) + "\n"
 
 

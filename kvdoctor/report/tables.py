@@ -15,6 +15,7 @@ from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import level_note, report_engine_phrase
 from kvdoctor.report.guards import guard_lines
 from kvdoctor.report.layout import Cut, Fit, Items
+from kvdoctor.report.next_steps import FIXED_LOGIC, next_steps
 
 OUTCOME_STYLE = {
     "reproduced": "bold red",
@@ -80,10 +81,16 @@ def why(result: Any) -> str:
     return "\n".join(why_lines(result))
 
 
+def _message(f: Any) -> tuple[str, ...]:
+    """`: message` after an exception's name; nothing where it has none (a bare `assert`), not an empty
+    `AssertionError: ` heading."""
+    return (": ", f.message) if f.message else ()
+
+
 def failure_panel(result: Any) -> Any:
     f = result.failure
     lines = [
-        Text.assemble(("exception  ", "bold"), (f.exception, "red"), ": ", f.message),
+        Text.assemble(("exception  ", "bold"), (f.exception, "red"), *_message(f)),
         Text.assemble(("where      ", "bold"), f"{f.file}:{f.line} in {f.function}()"),
         Text("vLLM frames (outermost first):", style="bold"),
     ]
@@ -94,7 +101,7 @@ def failure_panel(result: Any) -> Any:
     title = f"{result.logic} logic: failure at step {result.failure_step}"
     panel = Panel(Group(*lines), title=title, border_style="red", expand=False)
     block: list[Any] = [Text(title, style="bold red"),
-                        Text.assemble("  ", (f.exception, "red"), ": ", f.message),
+                        Text.assemble("  ", (f.exception, "red"), *_message(f)),
                         Text(f"  in {f.function}() at"), Text(f"  {f.file}:{f.line}"),
                         Text("  vLLM frames (outermost first):", style="bold")]
     for frame in f.vllm_frames:
@@ -191,8 +198,6 @@ def next_steps_renderable(steps: list[tuple[str, str]]) -> Any:
 
 
 def repro_renderables(report: Any) -> list[Any]:
-    from kvdoctor.report.next_steps import FIXED_LOGIC, next_steps
-
     items: list[Any] = [
         Text.assemble(("recipe ", "bold"), report.recipe.name,
                       f" ({report.recipe.bug})" if report.recipe.bug else "", " — ", report.recipe.title or ""),
@@ -442,8 +447,6 @@ def audit_detail_renderables(report: Any) -> list[Any]:
 
 
 def audit_table(report: Any) -> Any:
-    from kvdoctor.report.next_steps import FIXED_LOGIC
-
     title = f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}"
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption=FIXED_LOGIC,
                   caption_justify="left")
@@ -470,8 +473,6 @@ def audit_table(report: Any) -> Any:
 
 
 def row_next_steps(row: Any) -> list[tuple[str, str]]:
-    from kvdoctor.report.next_steps import next_steps
-
     outcome = row.installed.outcome.value
     cap = row.fixed.outcome.value != "reproduced" if row.fixed is not None else None
     steps = next_steps(row.recipe, outcome, getattr(row, "fixed_in", None), cap, row.installed.detail)

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvdoctor.engine.compat import names, portable
+from kvdoctor.engine.compat import names, portable, probes
 from kvdoctor.engine.compat.engine import EngineGlue
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
-from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.errors import IncompatibleVllmError, UsageError, VllmUnavailableError
 from kvdoctor.installed import vllm_version
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
@@ -282,8 +282,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         A field this release's KVTransferConfig does not have is refused (exit 2)
         rather than dropped.
         """
-        from kvdoctor.errors import UsageError
-
         cls = self.cls("config", "KVTransferConfig")
         known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
             getattr(cls, "model_fields", {}) or {})
@@ -562,8 +560,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
         A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
         `cache_config_field:<field>` so that such a release reads not_applicable instead)."""
-        from kvdoctor.errors import UsageError
-
         kwargs: dict[str, Any] = {}
         for name, value in setup_fields.items():
             if value is None:
@@ -779,8 +775,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
     @cached_property
     def worker_side_checked(self) -> bool:
         """The worker-side probes, asked once before vLLM's worker is built (exit 3 naming a failing one)."""
-        from kvdoctor.engine.compat import probes
-
         probes.require(self, worker_side=True)
         return True
 
@@ -878,7 +872,6 @@ def load() -> VllmApi:
     if _API is not None:
         return _API
     api = import_vllm()
-    from kvdoctor.engine.compat import probes
 
     probes.require(api, worker_side=False)  # exit 3 naming the first probe that fails
     note = newer_release_note(api.version_text, api.version)

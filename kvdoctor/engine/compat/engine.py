@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvdoctor.engine.compat import names
+import kvdoctor.engine.compat.names as names
 from kvdoctor.engine.compat.imports import AdapterBase, _import, _require
 
 

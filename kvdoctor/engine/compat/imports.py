@@ -11,10 +11,13 @@ from typing import Any
 
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 from kvdoctor.releases import SUPPORTED_RANGE_TEXT
+from kvdoctor.user_cache import keep_vllm_cache
 
 
 def _quiet_environment() -> None:
-    """Keep vLLM offline and quiet: no hub look-ups, no usage stats, no INFO spam."""
+    """Keep vLLM offline and quiet: no hub look-ups, no usage stats, no INFO spam; its model-info cache
+    in kvdoctor's cache directory, never the user's ~/.cache/vllm (`kvdoctor.user_cache`)."""
+    keep_vllm_cache()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import kvdoctor.engine.compat.names as names
 import kvdoctor.engine.compat.portable as portable
-from kvdoctor.engine.compat import names
 from kvdoctor.engine.compat.imports import AdapterBase, _import, _require, _silenced_stderr
-from kvdoctor.errors import IncompatibleVllmError
+from kvdoctor.errors import IncompatibleVllmError, UsageError
 
 _WORKER_MODULES = {
     "connector_factory": "vllm.distributed.kv_transfer.kv_connector.factory",
@@ -173,8 +173,6 @@ class WorkerGlue(AdapterBase):
         """V1 GPUModelRunner's connector lifecycle (`KVConnectorModelRunnerMixin`)."""
         mod = self.worker_mods().get("runner_mixin")
         if mod is None:
-            from kvdoctor.errors import UsageError
-
             raise UsageError("--model-runner v1: this vLLM has no V1 model runner connector glue "
                              "(KVConnectorModelRunnerMixin); use --model-runner v2")
         return _require(mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")

@@ -22,6 +22,7 @@ from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
 
 
 class CoreHarness(Harness):
@@ -96,6 +97,16 @@ class CoreHarness(Harness):
 
     def resume(self) -> None:
         self.core.resume_scheduler()
+
+    def delay_block_hashes(self, req_id: str) -> None:
+        """vLLM's engine hashes blocks with its own request_block_hasher: the core level refuses late hashes by
+        their need before anything is played; reaching here is a usage error, never a step that does nothing."""
+        raise UsageError(f"delay_block_hashes {req_id}: vLLM's EngineCore computes block hashes with its own "
+                         f"hasher and offers no way to withhold them; play it at --engine scheduler")
+
+    def release_block_hashes(self, req_id: str) -> None:
+        raise UsageError(f"release_block_hashes {req_id}: vLLM's EngineCore computes block hashes with its own "
+                         f"hasher and offers no way to withhold them; play it at --engine scheduler")
 
     def drain(self) -> bool:
         """Sync scheduling: nothing is in flight between engine steps (the runner refuses async drains)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvdoctor.engine.kv_layout import MAMBA, MLA
 from kvdoctor.engine.memory import available_memory_bytes, total_memory_bytes
 from kvdoctor.errors import UsageError
 
@@ -94,8 +95,6 @@ def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: in
              cpu_bytes_to_use: int) -> FingerprintPlan:
     """The same costs from the model's layout before vLLM is imported (one group per kind of layer; a
     group's page is unified with the widest layer's, as vLLM's planner does)."""
-    from kvdoctor.engine.kv_layout import MAMBA, MLA
-
     attention = [layer for layer in layout.layers if layer.kind != MAMBA]
     per_token = [(1 if layer.kind == MLA else 2) * (layer.num_kv_heads or layout.num_kv_heads)
                  * (layer.head_size or layout.head_size) for layer in attention] or [1]

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.errors import UsageError
+
 POISON_BYTE = 0x5A  # every KV byte starts as this: a slot never written reads back as poison
 POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
 MAX_FINDINGS_PER_CHECK = 3  # first few slots per (request, layer): enough to name the bug
@@ -106,8 +108,6 @@ class ToyModel:
 
     @classmethod
     def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> ToyModel:
-        from kvdoctor.errors import UsageError
-
         layers = []
         n = kv_cache_config.num_blocks
         check_attention_only(api, kv_cache_config)
@@ -338,8 +338,6 @@ def cls_int64() -> Any:
 def check_attention_only(api: Any, kv_cache_config: Any) -> None:
     """Refuse a layout with a layer the toy model cannot write (Mamba state), before vLLM's worker
     connector registers the KV caches (0.26.0's register_kv_caches asserts on such a layer first)."""
-    from kvdoctor.errors import UsageError
-
     for name, (_group, spec) in sorted(api.kv_layer_specs(kv_cache_config).items()):
         if not api.is_attention_spec(spec):
             raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "
