@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from kvdoctor.resolution import resolve_setup
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError, UsageError
@@ -18,6 +17,7 @@ from kvdoctor.recipes.compile import compile_recipe, expand_counts
 from kvdoctor.recipes.geometry import plan_fill
 from kvdoctor.recipes.loader import load_recipe_text
 from kvdoctor.recipes.model import Step
+from kvdoctor.resolution import resolve_setup
 
 FILL = """
 [recipe]

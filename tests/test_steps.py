@@ -137,9 +137,9 @@ def test_a_failed_expectation_names_what_was_observed():
 def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
     """On the real scheduler: with `abort`'s handler gone, queued-abort cannot quietly end
     not_reproduced (the abort never happening); the run raises kvdoctor's internal error."""
-    from kvdoctor.resolution import resolve_setup
-    from kvdoctor.recipes.builtins import load_builtin
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import load_builtin
+    from kvdoctor.resolution import resolve_setup
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})
@@ -208,11 +208,11 @@ def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, leve
     import ast
     import inspect
 
-    from kvdoctor.levels import serve
-    from kvdoctor.levels.table import unexpressible, why_not
     from kvdoctor.engine.setup import Setup
     from kvdoctor.errors import UsageError
     from kvdoctor.export.script import export_script, serve_recipe_data
+    from kvdoctor.levels import serve
+    from kvdoctor.levels.table import unexpressible, why_not
     from kvdoctor.steps import Unsupported
 
     recipe, setup, declared = _one_of_each(kind), Setup(worker="simulated"), REGISTRY[kind]
@@ -263,8 +263,8 @@ def test_a_kind_the_serve_level_meets_but_sends_nothing_for_is_kvdoctors_bug(mon
     internal error where the level would play it."""
     import dataclasses
 
-    from kvdoctor.levels import serve
     from kvdoctor.engine.setup import Setup
+    from kvdoctor.levels import serve
 
     monkeypatch.setitem(REGISTRY, "abort", dataclasses.replace(REGISTRY["abort"], serve=None))
     with pytest.raises(InternalError, match="'abort' .*no serve events"):
