@@ -29,7 +29,7 @@ def _offloading(cpu_bytes: int, **extra: object) -> dict[str, object]:
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, **extra}}
 
 
-def _check(api, **flags: object):  # the session's vLLM adapter, loaded once
+def _check(api, **flags: object):
     return check(CheckFlags(**flags), lambda: Overrides(), command="kvdoctor check (test)", audit=False)
 
 

@@ -76,7 +76,7 @@ def _stage(stages: list[Stage], name: str, run: Callable[[], Any], detail: Calla
         if name == "planning" and str(exc).startswith("vLLM's KV cache planner rejected"):
             raise _Refused(Refusal(name, "ValueError", str(exc), None)) from None
         raise
-    except Exception as exc:  # vLLM refusing at start-up: the answer, not a failure
+    except Exception as exc:
         stages.append(Stage(name, False, type(exc).__name__))
         raise _Refused(refusal_of(name, exc)) from None
     stages.append(Stage(name, True, detail(value)))

@@ -39,6 +39,15 @@ Worker = Annotated[str | None, serve_option("worker")]
 ModelRunner = Annotated[str | None, serve_option("model_runner")]
 Device = Annotated[str | None, serve_option("device")]
 Engine = Annotated[str | None, serve_option("engine")]
+RAY = "Ray"
+Ray = Annotated[bool, typer.Option(
+    "--ray", help="Run the work as Ray tasks across a cluster (pip install 'kvdoctor[ray]'): a local Ray "
+                  "instance started and stopped for this run, or the cluster --ray-address names.",
+    rich_help_panel=RAY)]
+RayAddress = Annotated[str | None, typer.Option(
+    "--ray-address", metavar="ADDRESS", show_default=False,
+    help="With --ray: auto (the cluster this machine joined: ray start, KubeRay), HOST:PORT or ray://HOST:PORT. "
+         "Default: a local instance.", rich_help_panel=RAY)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
                                     rich_help_panel=OUTPUT)]
 Format = Annotated[str | None, typer.Option(
@@ -213,6 +222,21 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
     if device is not None and (worker or DEFAULT_WORKER) != "vllm":
         raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
     return Overrides(worker=worker, model_runner=model_runner, device=device)
+
+
+def ray_address(ray: bool, address: str | None) -> str | None:
+    """Where `--ray` runs ("local": an instance of its own; None: no Ray), refused in one line (exit 2) before
+    anything starts where the flags disagree or Ray is not installed."""
+    if address is not None and not ray:
+        raise UsageError("--ray-address needs --ray")
+    if not ray:
+        return None
+    if address is not None and not address.strip():
+        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
+    from kvdoctor.explore.ray_pool import import_ray
+
+    import_ray()  # without the extra: one line naming it
+    return address or "local"
 
 
 def engine_override(engine: str | None) -> Overrides:

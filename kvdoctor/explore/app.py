@@ -60,8 +60,6 @@ def validate(logic: str, max_examples: int | None, time_budget: float, workers: 
         refusal = workers_refusal(workers)
         if refusal:
             raise UsageError(refusal)
-    if ray is not None and not ray.strip():
-        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
     if worker not in ("simulated", "vllm"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvdoctor.engine.compat.imports import _import
@@ -32,7 +31,7 @@ def build_offloading_spec(vllm_config: Any, kv_cache_config: Any) -> Any | None:
     path, probed). vLLM's own refusals (asserts, ValueErrors) propagate unchanged."""
     try:
         config_mod = _import(OFFLOADING_CONFIG_MODULE)
-    except Exception:  # a release without the module: not probed
+    except Exception:
         return None
     build = getattr(config_mod, BUILD_OFFLOADING_CONFIG, None)
     factory = getattr(_import(SPEC_FACTORY_MODULE), SPEC_FACTORY, None)
@@ -63,7 +62,10 @@ def _source_site(module: str, needle: str) -> tuple[str, int] | None:
     try:
         found = importlib.util.find_spec(module)
         path = found.origin if found is not None else None
-        lines = Path(path).read_text().splitlines() if path else []
+        if not path:
+            return None
+        with open(path) as handle:
+            lines = handle.read().splitlines()
     except (ImportError, OSError, ValueError):
         return None
     hits = [i for i, text in enumerate(lines, 1) if needle in text]
@@ -93,5 +95,5 @@ def build_offloading_config_source() -> str | None:
     try:
         build = getattr(_import(OFFLOADING_CONFIG_MODULE), BUILD_OFFLOADING_CONFIG, None)
         return inspect.getsource(build) if build is not None else None
-    except (Exception, OSError):  # no module or no source: nothing to probe
+    except (Exception, OSError):
         return None
