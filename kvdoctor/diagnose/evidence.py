@@ -39,7 +39,7 @@ _DUMP = re.compile(r"Dumping input data for V1 LLM engine|Dumping scheduler outp
 # An exception line outside a traceback names a class: `AssertionError`, `torch.AcceleratorError`; not a
 # bare `Error:` of prose, nor a warning.
 _LOOSE_EXCEPTION = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*?[a-z]\w*?(?:Error|Exception|Failure|Interrupt)")
-_LOGGER_TAG = re.compile(r"\[[\w.\-]+\.py:\d+\]")
+_LOGGER_TAG = re.compile(r"\[[\w.\-/]+\.py:\d+\]")
 
 
 @dataclass
