@@ -18,6 +18,7 @@ from typing import IO, Any, Iterator
 
 from kvdoctor.diagnose import serveline
 from kvdoctor.diagnose.evidence import LooseCollector, LooseEvidence
+from kvdoctor.diagnose.features import Named, features_in, header_version
 from kvdoctor.diagnose.logline import clean
 from kvdoctor.diagnose.traceback import LogTraceback, TracebackAssembler, crash_rank
 from kvdoctor.errors import UsageError
@@ -33,7 +34,10 @@ CHUNK = 4 << 20
 # traceback or a multi-line assert is open, every line is looked at.
 _MARKERS = (b"Traceback", b'File "', b"EngineCore encountered", b"Process EngineCore", b"version", b"args",
             b"serve", b"vllm", b"LLM engine (v", b"assert", b" in ", b" at ", b"Error", b"Exception", b"Dumping ",
-            b"`", b"()", b"Segfault", b"Fatal Python error", b"SIG", b"call first")
+            b"`", b"()", b"Segfault", b"Fatal Python error", b"SIG", b"call first",
+            # a header's or collect_env's version, and the features a log names (`features`)
+            b"Version", b"async", b"peculative", b"mtp", b"MTP", b"eagle", b"Connector", b"kv_role", b"Tiering",
+            b"tiers", b"amba", b"sliding", b"ybrid", b"sleep", b"wake_up", b" node")
 
 
 @dataclass
@@ -51,6 +55,7 @@ class LogSummary:
     fatal_line: int | None = None  # where the engine said it hit a fatal error (its traceback may be cut)
     loose: LooseEvidence | None = None  # frames, statements and exception lines outside whole tracebacks
     read_note: str = ""  # how the log was read, when not whole (a compressed log cut short)
+    features: dict[str, Named] = field(default_factory=dict)  # what the text names: async scheduling, MTP...
 
     @property
     def holds_crash(self) -> bool:
@@ -127,7 +132,7 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     summary = LogSummary(source=source)
     assembler = TracebackAssembler()
     collector = LooseCollector()
-    found: dict[str, Any] = {"image_version": None, "command_args": None}
+    found: dict[str, Any] = {"image_version": None, "command_args": None, "header_version": None}
 
     def look_at(raw: bytes, number: int) -> None:
         text = raw[:MAX_LINE].decode("utf-8", errors="replace")
@@ -139,6 +144,9 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
             summary.version = serveline.banner_version(body)
             if summary.version:
                 summary.version_source = "banner"
+        if found["header_version"] is None and ("version" in body or "Version" in body):
+            found["header_version"] = header_version(body)
+        features_in(body, number, summary.features)
         if found["image_version"] is None and "vllm-openai:" in body:
             found["image_version"] = serveline.image_version(body)
         if summary.args_source != "non-default args" and "non-default args" in body:
@@ -175,6 +183,8 @@ def read_stream(stream: IO[bytes], source: str) -> LogSummary:
     summary.loose = collector.close()
     summary.tracebacks_dropped = assembler.dropped
     summary.fatal_line = assembler.fatal_line
+    if summary.version is None and found["header_version"] is not None:
+        summary.version, summary.version_source = found["header_version"], "header line"
     if summary.version is None and image_version is not None:
         summary.version, summary.version_source = image_version, "image tag"
     if summary.args_source is None and command_args:

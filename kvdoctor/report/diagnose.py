@@ -46,6 +46,10 @@ def log_lines(report: Any) -> list[str]:
         out.append("serve arguments: not in the log")
     for note in report.geometry.notes:
         out.append(f"  note: {note}")
+    if s.features:
+        out.append("features the log names:")
+        out += [f"  {n.feature}" + (f" ({n.detail})" if n.detail else "") + f": line {n.line}: `{n.evidence}`"
+                for n in s.features.values()]
     return out
 
 
@@ -358,7 +362,10 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         "kvdoctor_version": __version__,
         "command": "diagnose",
         "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
-                "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source},
+                "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source,
+                "read_note": s.read_note or None,
+                "features": [{"feature": n.feature, "detail": n.detail or None, "line": n.line, "evidence": n.evidence}
+                             for n in s.features.values()]},
         "crash": None if crash is None else {
             "process": crash.process, "exception": crash.exception, "message": crash.message,
             "cut_short": crash.cut_short, "elided": crash.elided, "kind": report.kind.name,
