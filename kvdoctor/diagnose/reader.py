@@ -202,9 +202,11 @@ def _is_file(text: str) -> bool:
 
 
 # One pasted line that is log text, not a file name: an exception line (`TimeoutError: Timed out ...`), a
-# frame, an assert, a traceback's or a crash banner's words.
+# frame, an assert, a traceback's or a crash banner's words, a vLLM log line's prefix, a version line.
 _ONE_LINE_TEXT = re.compile(r"^\s*(?:[\w.]*(?:Error|Exception|Failure|Interrupt)\b\s*(?::|\(|$)|assert\s|Traceback\b|"
-                            r"File \"|.*\bline \d+, in \w|.*EngineCore encountered|.*Segfault|.*Fatal Python error)")
+                            r"File \"|.*\bline \d+, in \w|.*EngineCore encountered|.*Segfault|.*Fatal Python error|"
+                            r"\([A-Za-z_][\w .\-]{0,80} pid=\d+\)|(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d |"
+                            r".*\bvLLM (?:API server )?[Vv]ersion|.*LLM engine \(v)")
 
 
 def looks_like_log_text(text: str) -> bool:
