@@ -22,7 +22,12 @@ import pytest
 from kvdoctor.diagnose.app import diagnose
 from kvdoctor.diagnose.kinds import crash_site
 from kvdoctor.diagnose.reader import read_stream
-from kvdoctor.report.diagnose import crash_lines, diagnose_document, next_lines, render_diagnose_markdown
+from kvdoctor.report.diagnose import (
+    crash_lines,
+    diagnose_document,
+    next_lines,
+    render_diagnose_markdown,
+)
 
 from .cli_runner import invoke
 from .test_diagnose import LOGS

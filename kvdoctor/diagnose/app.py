@@ -199,7 +199,9 @@ def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
 def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
     """The crash's signature as a recipe file to edit: steps are a placeholder the user replaces."""
     crash = summary.crash
-    inner = innermost_vllm(crash)
+    inner = innermost_vllm(crash) if crash is not None else None
+    if crash is None or inner is None or crash.exception is None:
+        return ""  # nothing to start from (the caller asks only for a complete crash with a vLLM frame)
     frames = crash.vllm_frames
     above = frames[:frames.index(inner)] if inner in frames else frames[:-1]
     callers = tuple(dict.fromkeys(f.function for f in above if f.function not in GENERIC_FRAMES))[-3:]

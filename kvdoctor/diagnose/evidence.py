@@ -43,7 +43,7 @@ def _mentioned(match: re.Match[str]) -> str | None:
     if name is not None:
         return name if "_" in name[1:] else None
     name = match.group("c") or ""
-    bare = name[1:] if name.startswith("_") else name
+    bare = name.removeprefix("_")
     return name if "_" in bare[1:] else None
 # `assert` inside prose: "crashes in f (assert len(a) == len(b))"; what follows it up to where its
 # brackets would close below zero.

@@ -139,12 +139,12 @@ def describe_native(tb: LogTraceback) -> str:
 # vllm-project/vllm#54415, #46949, #44888).
 _STARTUP_CAUSES = (
     ("Timed out waiting for mmap file", "",
-     "the shared CPU region's file never reached its size: the rank that creates it failed, or it is on another "
-     "node (the shared region assumes every rank of the engine on one host)"),
+     ("the shared CPU region's file never reached its size: the rank that creates it failed, or it is on another "
+      "node (the shared region assumes every rank of the engine on one host)")),
     ("Bad address", "madvise",
-     "the CPU region is larger than /dev/shm or the host's memory can back: faulting its pages in "
-     "(madvise MADV_POPULATE_WRITE) failed; a smaller --kv-offloading-size (cpu_bytes_to_use) or a larger "
-     "/dev/shm avoids it"),
+     ("the CPU region is larger than /dev/shm or the host's memory can back: faulting its pages in "
+      "(madvise MADV_POPULATE_WRITE) failed; a smaller --kv-offloading-size (cpu_bytes_to_use) or a larger "
+      "/dev/shm avoids it")),
     ("Invalid argument", "madvise",
      "the kernel does not know MADV_POPULATE_WRITE (Linux older than 5.14)"),
 )

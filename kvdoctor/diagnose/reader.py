@@ -253,14 +253,14 @@ def _is_binary(head: bytes) -> bool:
 
 def open_log_stream(stream: IO[bytes], name: str) -> IO[bytes]:
     """The log's text bytes: decompressed when compressed; a file that is not text is a usage error (one line)."""
-    buffered = stream if isinstance(stream, io.BufferedReader) else io.BufferedReader(stream)  # type: ignore[arg-type]
+    buffered = stream if isinstance(stream, io.BufferedReader) else io.BufferedReader(stream)  # type: ignore[arg-type,type-var]
     head = buffered.peek(SNIFF)[:SNIFF]
     kind = next((k for magic, k in _MAGIC if head.startswith(magic)), None)
     text_stream: IO[bytes] = buffered
     if kind is not None:  # (marked, so that `_read_checked` reads it up to a break)
         text_stream = _decompressed(buffered, kind, name)
         if not hasattr(text_stream, "peek"):
-            text_stream = io.BufferedReader(text_stream)  # type: ignore[arg-type]
+            text_stream = io.BufferedReader(text_stream)  # type: ignore[arg-type,type-var]
         try:
             head = text_stream.peek(SNIFF)[:SNIFF]  # type: ignore[attr-defined]
         except (OSError, EOFError, ValueError) as exc:

@@ -280,8 +280,8 @@ class TracebackAssembler:
                 return True
             if tb.frames and not balanced(tb.frames[-1].code) and len(tb.frames[-1].code) < MAX_CODE:
                 # the rest of a multi-line statement (Python 3.13 shows every line of it)
-                line = ELIDED if _PY313_ELISION.match(body) else body.strip()  # `...<2 lines>...`: a gap
-                tb.frames[-1].code = (tb.frames[-1].code + "\n" + line)[:MAX_CODE]
+                more = ELIDED if _PY313_ELISION.match(body) else body.strip()  # `...<2 lines>...`: a gap
+                tb.frames[-1].code = (tb.frames[-1].code + "\n" + more)[:MAX_CODE]
                 return True
             return False
         match = _exception_line(body)

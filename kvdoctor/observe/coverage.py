@@ -272,7 +272,9 @@ def _is_the_statement(found: tuple[int, int, str, ast.stmt], wanted: str, whole:
     if asserts_only and not isinstance(node, ast.Assert):
         return False
     if whole is not None:
-        key = (lambda n: ast.dump(n.test) if isinstance(n, ast.Assert) else ast.dump(n))  # noqa: E731
+        def key(n: ast.stmt) -> str:
+            return ast.dump(n.test) if isinstance(n, ast.Assert) else ast.dump(n)
+
         return type(node) is type(whole) and key(node) == key(whole)
     return wanted in found[2]
 

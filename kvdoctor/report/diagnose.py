@@ -171,8 +171,8 @@ def match_lines(report: Any) -> list[str]:
         if not report.summary.holds_crash:
             crash = report.summary.crash
             if crash is not None:
-                return [f"no engine crash found in this log: the {report.kind.label} above was logged as a "
-                        f"{crash.level} (the process went on), and no known bug matches it"]
+                return [(f"no engine crash found in this log: the {report.kind.label} above was logged as a "
+                         f"{crash.level} (the process went on), and no known bug matches it")]
             return ["no engine crash found in this log"]
         out = [f"a crash no known bug matches: {_what_was_seen(report)}"]
         if m.why_none.startswith("the engine's fatal error"):
