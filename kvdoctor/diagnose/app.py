@@ -89,6 +89,27 @@ class DiagnoseReport:
         return "the log names no function and exception to start from"
 
     @property
+    def hunt_command(self) -> str:
+        """For an unknown crash in the scheduler with its exception and function: the explore command that aims
+        at its site, forces the features the log names and excludes the triggers of known bugs that reach
+        the same function ("" otherwise)."""
+        crash = self.summary.crash
+        if self.match.candidates or crash is None or crash.cut_short or self.kind is not ENGINE:
+            return ""
+        site = innermost_vllm(crash)
+        if site is None or not crash.exception:
+            return ""
+        from kvdoctor.recipes.builtins import all_builtins
+
+        same_site = sorted({r.bug for r in all_builtins() if r.bug and site.function in r.signature.functions()})
+        force = [flag for feature, flag in (("speculative decoding", "speculative"),
+                                            ("KV tiers (TieringOffloadingSpec)", "fs-tier"))
+                 if feature in self.summary.features]
+        return (f"kvdoctor explore --target {crash.exception}:{site.function}"
+                + (f" --exclude-trigger {','.join(same_site)}" if same_site else "")
+                + "".join(f" --force {flag}" for flag in force) + " --time-budget 120")
+
+    @property
     def unnamed_crash(self) -> bool:
         """The log holds a crash and no known bug fits it."""
         return not self.match.candidates and self.summary.holds_crash

@@ -196,6 +196,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "examples": stats.examples,
         "shrink_examples": stats.shrink_examples,
         "invalid_examples": stats.invalid,
+        "excluded_runs": stats.excluded,  # failing runs through an --exclude-trigger bug's trigger, run past
         "scheduler_steps": stats.scheduler_steps,
         "elapsed_s": round(stats.elapsed, 3),
         "steps_per_second": round(stats.steps_per_second, 1),

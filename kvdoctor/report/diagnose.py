@@ -285,6 +285,8 @@ def next_lines(report: Any, in_report: bool = False) -> list[str]:
         out += _kind_lines(report)
         if report.starting_recipe and not in_report:
             out.append("write a starting recipe: kvdoctor diagnose LOG --write-recipe FILE")
+        if report.hunt_command:
+            out.append(f"hunt for a route to it: {report.hunt_command}")
         out.append(f"file an upstream issue with the traceback (and {attach})")
         return out
     recipe = report.runs[0].recipe if report.runs else report.match.best[0].recipe
@@ -396,5 +398,6 @@ def diagnose_document(report: Any) -> dict[str, Any]:
                  for r in report.runs],
         "vllm_error": report.vllm_error or None,
         "next": next_lines(report),
+        "hunt_command": report.hunt_command or None,
         "exit_code": int(report.exit_status),
     }
