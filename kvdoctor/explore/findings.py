@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -206,9 +207,29 @@ def path_of(obs: Observation, recipe: Recipe) -> str:
     """The known bug whose trigger this run went through ("" when none): its signature and its mechanism."""
     if obs.kind not in ("exception", "invariant"):
         return ""
+    if (obs.function if obs.kind == "exception" else f"invariant {obs.invariant}") not in _known_sites():
+        return ""  # the common case while searching: no known bug fails there (skips the catalogue)
     known = known_bug(observed_signature(obs), " ".join(filter(None, (obs.code, obs.message))),
                       step_actions(recipe.steps), recipe.setup, obs.detail)
     return known[0] if known else ""
+
+
+@lru_cache(maxsize=1)
+def _known_sites() -> frozenset[str]:
+    """The functions (and `invariant NAME`s) a built-in recipe's signature names."""
+    from kvdoctor.errors import KvdoctorError
+    from kvdoctor.recipes.builtins import all_builtins
+
+    try:
+        recipes = all_builtins()
+    except KvdoctorError:
+        return frozenset()
+    sites: set[str] = set()
+    for recipe in recipes:
+        sites.update(recipe.signature.functions())
+        if recipe.signature.invariant:
+            sites.add(f"invariant {recipe.signature.invariant}")
+    return frozenset(sites)
 
 
 def slug(signature: str) -> str:
