@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from kvdoctor.engine.overrides import Overrides
+
 DEFAULT_RECIPES = ("queued-abort", "mamba-align-midblock-hit-load", "readmitted-stale-store-cursor")
 TARGET = 1.10
 # A whole `python -m kvdoctor repro` in a fresh interpreter; with OFF the site tracer is a no-op scope.
@@ -73,7 +75,7 @@ def main() -> int:
         coverage.site_tracer = traced if on else untraced
         try:
             start, cpu = time.perf_counter(), time.process_time() + _children_cpu()
-            app.repro(recipe, {}, "all")
+            app.repro(recipe, Overrides(), "all")
             return time.perf_counter() - start, time.process_time() + _children_cpu() - cpu
         finally:
             coverage.site_tracer = traced

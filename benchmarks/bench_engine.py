@@ -55,11 +55,12 @@ def ratio(repeat: int) -> int:
 
 def inproc(repeat: int) -> int:
     """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
-    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.app import load_vllm
     from kvdoctor.cli.options import worker_overrides
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     api = load_vllm()
     recipe = resolve("queued-abort")
@@ -128,12 +129,13 @@ def export() -> int:
 
 
 def compare(names: list[str]) -> int:
-    from kvdoctor.app import load_vllm, resolve_setup
+    from kvdoctor.app import load_vllm
     from kvdoctor.cli.options import worker_overrides
-    from kvdoctor.engine.core.runner import run_core_scenario
     from kvdoctor.errors import KvdoctorError
+    from kvdoctor.levels.core import run_core_scenario
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import all_builtins
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     api = load_vllm()
     print(f"vLLM {api.version_text}, {time.strftime('%Y-%m-%d')}")

@@ -77,7 +77,7 @@ def bare_replay(api, traffic, cached_builds: bool = False) -> tuple[int, float]:
                 if play.action == "schedule":
                     steps += 1
                 apply_to_harness(play, target)
-        except Exception:  # noqa: BLE001 - the failure explore found: the run ends here too
+        except Exception:  # the failure explore found: the run ends here too
             pass
         finally:
             if harness is not None:
@@ -109,7 +109,8 @@ FEATURES = {  # feature -> does a recipe draw it? (its [setup], or an add's fiel
     "speculative": lambda r: bool(r.setup.get("speculative_method")),
     "spec eagle": lambda r: r.setup.get("speculative_method") == "eagle",
     "spec ngram": lambda r: r.setup.get("speculative_method") == "ngram",
-    "spec rejections": lambda r: bool(r.setup.get("speculative_method")) and r.setup.get("draft_acceptance") is not None,
+    "spec rejections": lambda r: (bool(r.setup.get("speculative_method"))
+                                  and r.setup.get("draft_acceptance") is not None),
     "num_workers>1": lambda r: r.setup.get("num_workers", 1) > 1,
     "late worker": lambda r: bool(r.setup.get("late_worker_steps")),
     "one worker fails": lambda r: any(s.action == "fail_transfers" and "worker" in s.args for s in r.steps),
@@ -226,7 +227,8 @@ def main() -> int:
           f"hypothesis and bookkeeping)")
     print(f"             bare:    {steps:6d} engine steps in {median['bare']:6.2f} s = "
           f"{steps / median['bare']:7.0f} steps/s (a fresh Harness per recipe)")
-    print(f"             ratio explore/bare: {ratio:.2f} (target >= {TARGET}) {'OK' if ratio >= TARGET else 'UNDER TARGET'}"
+    verdict = "OK" if ratio >= TARGET else "UNDER TARGET"
+    print(f"             ratio explore/bare: {ratio:.2f} (target >= {TARGET}) {verdict}"
           f"; each: {each}")
     print(f"             bare reusing builds as explore does: {median['cached']:6.2f} s = "
           f"{steps / median['cached']:7.0f} steps/s; ratio explore/that: {median['cached_ratio']:.2f}")

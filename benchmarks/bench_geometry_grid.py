@@ -4,7 +4,7 @@ Block sizes 4, 16, 32, 64 x blocks per chunk 1, 2, 4 x async scheduling on/off x
 user-fixed pool (`--num-gpu-blocks-override` 8, the recipes' own, and 512, a deployment's). On a vLLM with
 the bugs every cell must be `reproduced`, or `untested` naming a flag the user fixed; never
 `not_applicable` or any other outcome that exits 0. One process, one vLLM import: cells are in-process
-calls of `kvdoctor.app.resolve_setup` and `kvdoctor.scenario.run_scenario`, as `kvdoctor repro` makes them.
+calls of `kvdoctor.resolution.resolve_setup` and `kvdoctor.levels.scheduler.run_scenario`, as `kvdoctor repro` makes them.
 
     PYTHONPATH=. python benchmarks/bench_geometry_grid.py [--worker simulated|vllm] [--json FILE]
 
@@ -19,6 +19,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from kvdoctor.engine.overrides import Overrides
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,13 +44,13 @@ def overrides_of(cell, worker: str) -> dict:
 
 def run_cell(api, cell, worker: str = "simulated") -> dict:
     """One cell as `kvdoctor repro <recipe> --logic installed <flags>` runs it, in this process."""
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.outcome_codes import exit_code_for
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve(cell[0])
-    setup = resolve_setup(recipe, overrides_of(cell, worker))
+    setup = resolve_setup(recipe, Overrides(**overrides_of(cell, worker)))
     result = run_scenario(api, recipe, setup, "installed")
     return {"cell": list(cell), "outcome": result.outcome.value, "exit": int(exit_code_for(result.outcome.value)),
             "detail": result.detail, "derived": list(setup.derived), "fixed": list(setup.fixed)}

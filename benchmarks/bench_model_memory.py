@@ -42,7 +42,8 @@ def measure(blocks: int, model: Path = LLAMA, extra: tuple[str, ...] = ("--kv-of
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     outcome = re.search(r"^installed\s+(\w+)", proc.stdout, re.M)
     worker = re.search(r"worker=(\w+)", proc.stdout)
-    return {"model": model.name, "blocks": blocks, "exit": proc.returncode, "outcome": outcome.group(1) if outcome else None,
+    return {"model": model.name, "blocks": blocks, "exit": proc.returncode,
+            "outcome": outcome.group(1) if outcome else None,
             "worker": worker.group(1) if worker else None, "wall_s": round(wall, 1), "peak_rss_mb": rss_kb // 1024}
 
 

@@ -29,8 +29,9 @@ def main() -> int:
     args = parser.parse_args()
     from kvdoctor import app
     from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.overrides import Overrides
 
-    overrides = {"worker": "simulated"}
+    overrides = Overrides(worker="simulated")
     kept = [app.repro(args.recipe, overrides, "all", record_timeline=True) for _ in range(3)]  # warm, and a heap
     plain = Harness.shutdown
 

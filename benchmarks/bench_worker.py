@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from kvdoctor.engine.overrides import Overrides
+
 BASE = [sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--logic", "all", "--json"]
 VLLM = ["--worker", "vllm", "--device", "cpu"]
 SIMULATED = ["--worker", "simulated"]
@@ -40,11 +42,11 @@ def in_process(repeat: int) -> tuple[float, float]:
     overrides = {"simulated": {"worker": "simulated"}, "vllm": {"worker": "vllm", "device": "cpu"}}
     times: dict[str, list[float]] = {"simulated": [], "vllm": []}
     for name in times:  # warm: imports, model config, first connector
-        app.repro("queued-abort", overrides[name], "all")
+        app.repro("queued-abort", Overrides(**overrides[name]), "all")
     for _ in range(repeat):
         for name in times:
             start = time.perf_counter()
-            app.repro("queued-abort", overrides[name], "all")
+            app.repro("queued-abort", Overrides(**overrides[name]), "all")
             times[name].append(time.perf_counter() - start)
     return statistics.median(times["simulated"]), statistics.median(times["vllm"])
 
@@ -56,8 +58,8 @@ def memory(num_blocks: int, block_size: int) -> None:
     from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve("queued-abort")
-    setup = app.resolve_setup(recipe, {"worker": "vllm", "device": "cpu", "gpu_blocks": num_blocks,
-                                       "block_size": block_size})
+    setup = app.resolve_setup(recipe, Overrides(worker="vllm", device="cpu", gpu_blocks=num_blocks,
+                                       block_size=block_size))
     harness = Harness(app.load_vllm(), setup)
     try:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()

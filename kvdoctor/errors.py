@@ -25,6 +25,7 @@ class ExitStatus(IntEnum):
     INTERNAL_ERROR = 5
     INCONCLUSIVE = 6
     UNNAMED_CRASH = 7
+    STARTUP_REFUSED = 8
     INTERRUPTED = 130
 
     @property
@@ -37,13 +38,16 @@ _MEANINGS = {
     ExitStatus.REPRODUCED: "reproduced: the recipe's failure signature fired under the installed logic",
     ExitStatus.USAGE: "usage error: bad flag, impossible geometry, unknown recipe, malformed recipe file, "
                       "unwritable output path",
-    ExitStatus.VLLM_UNAVAILABLE: f"vLLM missing, broken on import, or outside the supported range {SUPPORTED_RANGE_TEXT}",
+    ExitStatus.VLLM_UNAVAILABLE:
+        f"vLLM missing, broken on import, or outside the supported range {SUPPORTED_RANGE_TEXT}",
     ExitStatus.SETUP_OR_OTHER_FAILURE: "a recipe precondition did not hold (setup_error) or something else "
                                        "failed in vLLM (other_failure)",
     ExitStatus.INTERNAL_ERROR: "kvdoctor itself failed (a bug in kvdoctor, not a vLLM finding: please report it)",
     ExitStatus.INCONCLUSIVE: "inconclusive: the run did not test the bug (its crash site was not reached, "
                              "or the flags given make its trigger impossible: untested at this geometry)",
     ExitStatus.UNNAMED_CRASH: "diagnose: the log holds a crash that matches no known bug",
+    ExitStatus.STARTUP_REFUSED: "check: vLLM's start-up would refuse these flags (predicted here: its message, "
+                                "file:line and the flag change that avoids it)",
     ExitStatus.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

@@ -34,7 +34,7 @@ def release_tuple(release: str) -> tuple[int, int, int]:
 
 
 def in_supported_range(version: tuple[int, int, int]) -> bool:
-    return SUPPORTED_MIN <= tuple(version)
+    return tuple(version) >= SUPPORTED_MIN
 
 
 def short_name(release: str) -> str:

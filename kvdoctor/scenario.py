@@ -7,72 +7,25 @@ and decides the outcome. No formatting happens here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError, KvdoctorError
 from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
-from kvdoctor.observe.failure import Failure, describe_exception
-from kvdoctor.observe.invariants import StepContext, Violation, check_all
-from kvdoctor.observe.snapshot import Observer, RequestSnapshot
-from kvdoctor.observe.verdict import Outcome, matches_exception
+from kvdoctor.observe.coverage import site_tracer
+from kvdoctor.observe.failure import describe_exception
+from kvdoctor.observe.invariants import CONTENT_FORM_OF, CONTENT_INVARIANTS, StepContext, Violation, check_all
+from kvdoctor.observe.snapshot import Observer
+from kvdoctor.observe.verdict import Outcome, apply_coverage, failure_verdict
 from kvdoctor.recipes.compile import CompiledRecipe, ConcreteStep, compile_recipe
-from kvdoctor.recipes.geometry import NotApplicable, check as check_geometry
+from kvdoctor.recipes.geometry import NotApplicable
+from kvdoctor.recipes.geometry import check as check_geometry
 from kvdoctor.recipes.model import Recipe, Step
+from kvdoctor.recipes.requirements import missing
+from kvdoctor.results import CheckResult, Guard, GuardCap, RunResult, TimelineEntry
 from kvdoctor.steps import ExpectationFailed, StepTarget, check_expectation, play
-
-
-@dataclass
-class TimelineEntry:
-    index: int
-    action: str
-    description: str
-    line: int
-    events: StepEvents | None
-    requests: list[RequestSnapshot]
-    failed: bool = False
-
-    @property
-    def predicted_trip(self) -> list[str]:
-        return [r.request for r in self.requests if r.would_trip]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index, "action": self.action, "description": self.description, "line": self.line,
-            "events": ({**self.events.__dict__,
-                        "content_findings": [f.message for f in self.events.content_findings]}
-                       if self.events else None),
-            "requests": [r.as_dict() for r in self.requests],
-            "predicted_failure": self.predicted_trip, "failed": self.failed,
-        }
-
-
-@dataclass
-class CheckResult:
-    description: str
-    passed: bool
-    observed: str
-
-
-@dataclass
-class RunResult:
-    logic: str
-    outcome: Outcome
-    detail: str = ""
-    failure: Failure | None = None
-    failure_step: int | None = None
-    requests: list[RequestSnapshot] = field(default_factory=list)
-    checks: list[CheckResult] = field(default_factory=list)
-    guards: list[str] = field(default_factory=list)
-    violations: list[Violation] = field(default_factory=list)
-    timeline: list[TimelineEntry] = field(default_factory=list)
-    kv_plan: Any = None  # kv_layout.KvPlan: the KV cache groups vLLM's planner built for this run
-    worker: str = ""  # which worker ran, in words (Worker.describe)
-    model_runner: str = ""  # the model runner the scheduler shaped its output for
-    coverage: Any = None  # observe.coverage.Coverage: did the run execute the recipe's crash site
 
 
 def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:
@@ -89,74 +42,68 @@ def involved_request(exc: BaseException, failing_calls: list[StorableCall], requ
     return None
 
 
-def _chunks(count: int) -> str:
-    return f"{count} chunk" if count == 1 else f"{count} chunks"
-
-
-def explain_guards(calls: list[StorableCall]) -> list[str]:
+def explain_guards(calls: list[StorableCall]) -> list[Guard]:
     """Say, from the calls vLLM really made, what kept a finished request's store in bounds.
 
     "In bounds" means the chunks to store beyond `next_stored_chunk` can all be
-    paired with allocated blocks. A term is named only when the recorded values
-    show it bound (removing it raises the result); otherwise the text says that
-    kvdoctor cannot tell.
+    paired with allocated blocks. A cap is named only when the recorded values
+    show it bound (removing it raises the result); otherwise the record says that
+    kvdoctor cannot tell (`cap` None). `report.guards` words the records.
     """
-    guards: list[str] = []
+    guards: list[Guard] = []
     seen: set[tuple[str, int]] = set()
     for call in calls:
         if not call.request_status.startswith("FINISHED") or (call.req_id, call.group_idx) in seen:
             continue
         seen.add((call.req_id, call.group_idx))
         covered = max(call.allocated_chunks, call.next_stored_chunk)
-        who = f"{call.req_id} (group {call.group_idx})" if call.group_idx else call.req_id
         if call.token_chunks > covered:
             if call.returned > covered:
                 continue  # nothing held: the store pass will trip
-            term = _binding_term(call)
-            held = (f"held storable chunks to {call.returned}; its {call.num_offloadable_tokens} offloadable "
-                    f"tokens make {_chunks(call.token_chunks)} but it holds {_chunks(call.allocated_chunks)} "
-                    f"and has {call.next_stored_chunk} stored")
-            guards.append(f"{who}: {term} {held}" if term else
-                          f"{who}: something kvdoctor cannot name {held}")
+            guards.append(_guard(call, "held", cap=_binding_cap(call)))
         elif call.full_token_chunks > covered:
-            counted = (f"the final store counted {call.num_offloadable_tokens} tokens "
-                       f"({_chunks(call.token_chunks)}), not the {call.full_token_chunks * call.tokens_per_chunk} "
-                       f"its offloadable tokens come to")
-            within = (f"within its {call.allocated_chunks} allocated / {call.next_stored_chunk} stored; "
-                      f"no cap was needed")
-            if call.request_status == "FINISHED_ABORTED" and call.num_offloadable_tokens <= call.computed_tokens:
-                guards.append(f"{who}: {counted}: aborted requests count only computed tokens "
-                              f"(PR #49285), {within}")
-            else:
-                guards.append(f"{who}: {counted}, for a reason kvdoctor cannot name, {within}")
+            aborted = call.request_status == "FINISHED_ABORTED" and call.num_offloadable_tokens <= call.computed_tokens
+            guards.append(_guard(call, "counted", aborted_counts_computed=aborted))
     return guards
 
 
-def _binding_term(call: StorableCall) -> str | None:
+def _guard(call: StorableCall, kind: Literal["held", "counted"], cap: GuardCap | None = None,
+           aborted_counts_computed: bool = False) -> Guard:
+    return Guard(request=call.req_id, group=call.group_idx, kind=kind, returned=call.returned,
+                 offloadable_tokens=call.num_offloadable_tokens, token_chunks=call.token_chunks,
+                 allocated_chunks=call.allocated_chunks, next_stored_chunk=call.next_stored_chunk,
+                 full_tokens=call.full_token_chunks * call.tokens_per_chunk, cap=cap,
+                 aborted_counts_computed=aborted_counts_computed)
+
+
+def _binding_cap(call: StorableCall) -> GuardCap | None:
     """The cap that bound `call.returned`, shown by a variant without it returning more."""
     if call.returned == call.allocated_chunks:
         if call.installed > call.returned:
-            return "kvdoctor's fixed logic (the allocated-chunk cap of PR #49146)"
+            return "fixed_logic"
         if call.unpatched > call.returned:
-            return "this release's allocated-chunk cap (PR #49146)"
+            return "allocated_chunks"
     if call.keys_uncapped is not None and call.keys_uncapped > call.returned == call.keyed_chunks:
-        return "this release's offload-key cap (PR #52923)"
+        return "offload_keys"
     return None
 
 
 class ScenarioRun:
-    """One recipe, one variant, one fresh scheduler."""
+    """One recipe, one variant, one fresh scheduler, played by the level that builds it (`kvdoctor.levels`:
+    the scheduler level plays this class as it is, the core level swaps in its EngineCore harness).
 
-    harness_class: Any = Harness  # the engine level swaps in its EngineCore harness (kvdoctor.engine.core)
-    level = "scheduler"  # the engine level playing the steps (a step it cannot play: not_applicable)
+    `unplayable`: the playing level's reasons it cannot play some of the recipe's steps (its table's
+    answer, `levels.table.unexpressible`); the recipe is then not applicable, unless this vLLM lacks
+    what it requires (that reason comes first)."""
+
+    harness_class: Any = Harness  # the engine level swaps in its EngineCore harness (kvdoctor.levels.core)
 
     def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool,
                  extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
-                 build_cache: Any = None) -> None:
+                 build_cache: Any = None, unplayable: tuple[str, ...] = ()) -> None:
         self.api = api
         self.build_cache = build_cache  # harness.BuildCache: per-setup build pieces reused (explore)
-        from kvdoctor.observe.invariants import CONTENT_INVARIANTS
-
+        self.unplayable = unplayable
         content = CONTENT_INVARIANTS if setup.worker == "vllm" else ()
         names = [recipe.signature.invariant, *recipe.invariants, *extra_invariants, *content]
         self.invariants = list(dict.fromkeys(n for n in names if n))
@@ -171,8 +118,6 @@ class ScenarioRun:
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
-        from kvdoctor.recipes.requirements import missing
-
         # The trigger impossible at this geometry: untested (never exit 0); this vLLM without the feature
         # the bug needs (a probe): not applicable.
         untested = [self.setup.untested] if self.setup.untested else []
@@ -182,11 +127,10 @@ class ScenarioRun:
                 self.compiled = compile_recipe(self.recipe.steps, self.setup)
         except NotApplicable as exc:
             untested = [str(exc)]
-        lacking = missing(self.api, self.recipe.requires)
-        if not lacking:  # a step only an engine plays (pause/resume) is not this level's: say why
-            from kvdoctor.engine.core.levels import unexpressible
-
-            lacking = unexpressible(self.recipe.steps, self.level, self.setup.async_scheduling)
+        # a step only another level plays (pause/resume at the scheduler level) is not this level's: say why
+        probed = missing(self.api, self.recipe.requires)
+        lacking = probed or list(self.unplayable)
+        self.result.unplayable = not probed and bool(lacking)  # the level's reason, not a probe's: exit 6
         if lacking or untested:
             self.result.outcome = Outcome.NOT_APPLICABLE if lacking else Outcome.UNTESTED
             self.result.detail = "; ".join(lacking or untested)
@@ -195,15 +139,12 @@ class ScenarioRun:
             harness = self.harness_class(self.api, self.setup, self.build_cache)
         except KvdoctorError:
             raise
-        except Exception as exc:  # noqa: BLE001 - vLLM failed while building the scheduler/connector
+        except Exception as exc:  # vLLM failed while building the scheduler/connector
             return self._failed_to_build(exc)
         self.result.kv_plan = harness.kv_plan
         self.result.worker = harness.worker.describe()
         self.result.model_runner = harness.model_runner
         try:
-            from kvdoctor.observe.coverage import site_tracer
-            from kvdoctor.observe.verdict import apply_coverage
-
             with site_tracer(self.recipe.signature, harness) as coverage:
                 self._run_on(harness)
             self.result.coverage = coverage
@@ -212,6 +153,7 @@ class ScenarioRun:
             harness.shutdown()
 
     def _run_on(self, harness: Harness) -> RunResult:
+        assert self.compiled is not None  # run() compiled the recipe before building the harness
         observer = Observer(harness, self.logic)
         target = StepTarget(harness, observer)
         with storable_chunks_variant(self.api, self.logic, self.log):
@@ -230,7 +172,7 @@ class ScenarioRun:
                     return self.result
                 except KvdoctorError:
                     raise
-                except Exception as exc:  # noqa: BLE001 - every failure is observed, none hidden
+                except Exception as exc:  # every failure is observed, none hidden
                     failing_calls = self.log.take()
                     self.all_calls.extend(failing_calls)
                     return self._failed(exc, counter, step, observer, failing_calls)
@@ -257,10 +199,8 @@ class ScenarioRun:
     def _violated(self, violations: list[Violation], counter: int) -> RunResult:
         self.result.violations = violations
         self.result.failure_step = counter
-        from kvdoctor.observe.invariants import CONTENT_FORM_OF
-
         wanted = self.recipe.signature.invariant
-        accepted = {wanted, CONTENT_FORM_OF.get(wanted)} - {None}
+        accepted = {wanted, CONTENT_FORM_OF.get(wanted) if wanted else None} - {None}
         if wanted and any(v.invariant in accepted for v in violations):
             self.result.outcome = Outcome.REPRODUCED
         else:
@@ -280,20 +220,9 @@ class ScenarioRun:
         self.result.failure = failure
         self.result.failure_step = counter
         self.result.requests = observer.snapshot(failing_calls)
-        signature = self.recipe.signature
-        if matches_exception(signature, failure):
-            if signature.request is None or failure.involved_request == signature.request:
-                self.result.outcome = Outcome.REPRODUCED
-            else:
-                self.result.outcome = Outcome.OTHER_FAILURE
-                whom = (f"request {failure.involved_request}" if failure.involved_request
-                        else "a request kvdoctor could not identify")
-                self.result.detail = (f"{failure.exception} in {failure.function} fired for {whom}, but this "
-                                      f"recipe's bug must involve request {signature.request}: the same "
-                                      f"assertion reached by another path, not the bug the recipe is about")
-        else:
-            self.result.outcome = Outcome.OTHER_FAILURE
-            self.result.detail = f"{failure.exception} in vLLM's {failure.function}: {failure.message}"
+        self.result.outcome, why = failure_verdict(self.recipe.signature, failure)
+        if why:
+            self.result.detail = why
         if self.record_timeline:
             self.result.timeline.append(TimelineEntry(counter, step.action, step.describe(), step.line,
                                                       None, self.result.requests, failed=True))
@@ -326,11 +255,3 @@ def apply_to_harness(step: ConcreteStep, target: StepTarget) -> StepEvents | Non
     """Play one concrete step through the step registry; `schedule` returns its events."""
     return play(step, target)
 
-
-def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
-                 extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset(),
-                 build_cache: Any = None) -> RunResult:
-    """`timeline_at`: step counters (1-based, schedule repeats counted) whose entry is recorded even
-    when `record_timeline` is off. `build_cache`: a `harness.BuildCache` (explore's)."""
-    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at,
-                       build_cache).run()

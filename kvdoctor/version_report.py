@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdoctor import __version__
-from kvdoctor.errors import ExitStatus
+from kvdoctor.engine import compat
+from kvdoctor.engine.compat import probes
+from kvdoctor.errors import ExitStatus, IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.installed import distribution_version
 
 
 @dataclass
@@ -42,21 +45,8 @@ class VersionReport:
                 "all_probes_hold": self.all_probes_hold, "exit_code": self.exit_code}
 
 
-def _distribution_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def version_report() -> VersionReport:
     """Import vLLM and answer every probe; a probe that fails is listed with the others, not raised."""
-    from kvdoctor.engine import compat
-    from kvdoctor.engine.compat import probes
-    from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
-
     report = VersionReport(kvdoctor=__version__, python=f"{platform.python_version()} ({sys.executable})",
                            platform=platform.platform(), vllm=compat.installed_vllm_version(), torch=None)
     try:
@@ -65,10 +55,10 @@ def version_report() -> VersionReport:
         api = compat.import_vllm()
     except VllmUnavailableError as exc:
         report.problem = str(exc)
-        report.torch = _distribution_version("torch")
+        report.torch = distribution_version("torch")
         return report
     report.vllm = api.version_text
-    report.torch = _distribution_version("torch")
+    report.torch = distribution_version("torch")
     report.note = compat.newer_release_note(api.version_text, api.version)
     report.probes = probes.run(api, worker_side=True)
     return report

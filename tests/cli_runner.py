@@ -20,7 +20,7 @@ import io
 import os
 import subprocess
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from .conftest import ROOT
 

@@ -3,15 +3,25 @@ in parallel (pytest-xdist, configured in pyproject's addopts: `--numprocesses=au
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
+
+# kvdoctor's cache directory (vLLM's model-info cache: `kvdoctor.user_cache`) is one folder of this session's,
+# never the developer's ~/.cache/kvdoctor (nor ~/.cache/vllm): the session pays vLLM's model inspection (a second
+# vLLM import) once. Made by the process that loads this first (xdist's workers inherit it), removed at its exit.
+if not os.environ.get("KVDOCTOR_CACHE_DIR"):
+    os.environ["KVDOCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvdoctor-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVDOCTOR_CACHE_DIR"], ignore_errors=True)
 
 # -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
 # Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that
@@ -23,7 +33,7 @@ WORKER_BYTES = 5 << 29  # 2.5 GiB
 # and test_release_outcomes: once per worker that runs one of them (at most twice; see below on loadgroup).
 # The slowest modules first, longest first (the other worker takes the short ones meanwhile, and the last to
 # start is a short one), from `pytest --durations=0` on 0.26.0; the rest keep collection order.
-SLOW_FIRST = ("test_audit_and_reports", "test_matrix_cli", "test_first_hour", "test_explore",
+SLOW_FIRST = ("test_audit_and_reports", "test_explore_ray", "test_matrix_cli", "test_first_hour", "test_explore",
               "test_refusals_at_once", "test_exit_corners", "test_explore_findings_honest", "test_engine_serve",
               "test_engine_core", "test_newcomer", "test_memory_bound", "test_vllm_worker", "test_compat")
 
@@ -44,7 +54,7 @@ def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker a CPU this process may use, at most one a WORKER_BYTES of available memory, at
     least one; none (this process) when the command line names one test module, whose tests would share one
     worker anyway. PYTEST_XDIST_AUTO_NUM_WORKERS (xdist's own variable) overrides."""
-    from kvdoctor.engine.setup import available_memory_bytes
+    from kvdoctor.engine.memory import available_memory_bytes
 
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     if chosen:

@@ -73,9 +73,8 @@ def cli_audit_run() -> AuditRun:
         app.audit = real
     ((args, kwargs, report),) = calls
     # the run every user of it expects: `kvdoctor audit` at the CLI's defaults (no flag given: None)
-    given = {key: value for key, value in kwargs["overrides"].items() if value is not None}
-    assert not args and given == {key: value for key, value in worker_overrides(None, None, None).items()
-                                  if value is not None}, kwargs
+    given = kwargs["overrides"].given()
+    assert not args and given == worker_overrides(None, None, None).given(), kwargs
     assert kwargs["default_worker"] == DEFAULT_WORKER, kwargs
     return AuditRun(proc, json.loads(proc.stdout), report_file.read_text(), home, report)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import os
 import re
@@ -12,9 +10,12 @@ import sys
 
 import pytest
 
+from kvdoctor import SCHEMA_VERSION
+
 from .cli_runner import invoke
 from .conftest import ROOT
 from .recipe_runs import SECRET
+
 K1_RECIPES = ("queued-abort", "preemption", "prefetch")
 
 

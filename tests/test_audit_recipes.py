@@ -10,17 +10,27 @@ cap, so the three logic variants agree.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .recipe_runs import (LOGICS, assert_outcome, bug_present, index_of, load_described_builtins, reproduced_runs,
-                          result, snap)
+from .recipe_runs import (
+    LOGICS,
+    assert_outcome,
+    bug_present,
+    index_of,
+    load_described_builtins,
+    reproduced_runs,
+    result,
+    snap,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -62,7 +72,7 @@ def reports(api):
     before = set(glob.glob(SHM_PATTERN)) | _own_offload_regions()
     try:
         yield {
-            (name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+            (name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
             for name in RECIPES
             for mode in MODES
         }
@@ -70,10 +80,8 @@ def reports(api):
         # kvdoctor's harness never shuts the scheduler down, so each TieringOffloadingSpec
         # leaves its /dev/shm region behind: remove the ones this process created.
         for path in _own_offload_regions() - before:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 def last_expect(run):
@@ -211,10 +219,10 @@ def test_k4_async_stores_a_computed_slot(api):
     Run with the recipe's sync requirement lifted, to measure what async does."""
     import dataclasses
 
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     recipe = dataclasses.replace(load_builtin(K4), requires=())
-    run = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed",
+    run = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(async_scheduling=True)), "installed",
                        record_timeline=True)
     assert run.outcome is N
     a = snap(run.timeline[-1], "A")

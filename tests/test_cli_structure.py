@@ -37,10 +37,10 @@ def test_cli_import_graph_has_no_cycle():
     def visit(module: str, path: list[str]) -> None:
         if state.get(module) == "done":
             return
-        assert state.get(module) != "open", " -> ".join(path + [module])
+        assert state.get(module) != "open", " -> ".join([*path, module])
         state[module] = "open"
         for dep in sorted(graph.get(module, ())):
-            visit(dep, path + [module])
+            visit(dep, [*path, module])
         state[module] = "done"
 
     for module in sorted(graph):
@@ -61,8 +61,8 @@ def test_commands_are_registered_in_order_one_module_each():
     from kvdoctor.cli.app import app
 
     assert list(get_command(app).commands) == ["repro", "inspect", "audit", "explore", "matrix", "diagnose",
-                                               "version"]
-    for command in ("repro", "inspect", "audit", "diagnose", "version", "explore", "matrix"):
+                                               "check", "version", "cache"]
+    for command in ("repro", "inspect", "audit", "diagnose", "check", "version", "explore", "matrix", "cache"):
         assert (CLI / f"{command}_cmd.py").is_file(), command
     defined = [node.name for node in ast.parse((CLI / "app.py").read_text()).body
                if isinstance(node, ast.FunctionDef)]
@@ -98,6 +98,6 @@ def test_serve_flags_become_the_setup_overrides():
 
     given = overrides(ServeFlags(block_size=16, gpu_blocks=64, async_scheduling=True, engine="core",
                                  worker="simulated"))
-    assert given["block_size"] == 16 and given["gpu_blocks"] == 64 and given["async_scheduling"] is True
-    assert given["engine"] == "core" and given["worker"] == "simulated"
-    assert overrides(ServeFlags())["engine"] is None
+    assert given.block_size == 16 and given.gpu_blocks == 64 and given.async_scheduling is True
+    assert given.engine == "core" and given.worker == "simulated"
+    assert overrides(ServeFlags()).engine is None

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvdoctor.errors import RecipeError
-from kvdoctor.observe.coverage import SiteTracer, find_site, parse_when
+from kvdoctor.observe.coverage import SiteTracer, find_site, parse_when, site_tracer
 from kvdoctor.observe.verdict import Outcome, apply_coverage
 from kvdoctor.recipes.loader import load_recipe_text
 from kvdoctor.recipes.model import Signature
@@ -30,6 +30,17 @@ class FakeScheduler:
 
 
 FakeScheduler.__module__ = "vllm.fake_for_test"  # the site lookup only looks at vLLM's classes
+
+
+class FakeMovedConnector:
+    """A release where the prefix lookup's assert lives in `_lookup_complete_chunks` (0.28+'s spelling)."""
+
+    def _lookup_complete_chunks(self, keys: int, needed: int) -> int:
+        assert keys >= needed
+        return keys
+
+
+FakeMovedConnector.__module__ = "vllm.fake_for_test"
 STATEMENT = "computed <= blocks * per_block"
 
 
@@ -87,12 +98,28 @@ def test_a_site_gone_from_the_source_is_said_and_keeps_not_reproduced(function, 
     assert result.outcome is Outcome.NOT_REPRODUCED and result.detail.startswith("site gone: ")
 
 
+@pytest.mark.parametrize("site_function, gone", [("_lookup", False), ("_lookup_complete_chunks", False),
+                                                  ("_lookup_keys", True)])
+def test_a_site_function_is_found_under_every_spelling_of_the_adapters_names_table(site_function, gone):
+    """`site_function` (not only `function`) takes the adapter's spellings: a recipe naming `_lookup`, with no
+    `function_aliases` of its own, finds the statement where a release moved it (`_lookup_complete_chunks`);
+    a name the table does not know stays gone."""
+    harness = SimpleNamespace(scheduler=FakeScheduler(), connector_scheduler=FakeMovedConnector())
+    signature = Signature(invariant="kv-content", site_function=site_function, site="keys >= needed")
+    tracer = site_tracer(signature, harness)
+    assert bool(tracer.site.gone) is gone, tracer.site.gone
+    if not gone:
+        assert tracer.site.where.startswith("FakeMovedConnector._lookup_complete_chunks"), tracer.site.where
+        with tracer as coverage:
+            harness.connector_scheduler._lookup_complete_chunks(3, 2)
+        assert coverage.hits == 1
+
+
 def test_the_assertion_firing_counts_and_the_trace_is_removed_when_the_run_raises():
     engine, found = site()
     before = sys.gettrace()
-    with pytest.raises(AssertionError):
-        with SiteTracer(found) as coverage:
-            engine.update_state_after_alloc(64, 1)
+    with pytest.raises(AssertionError), SiteTracer(found) as coverage:
+        engine.update_state_after_alloc(64, 1)
     assert sys.gettrace() is before
     assert coverage.hits == 1 and coverage.closest == "64 <= 16"
 

@@ -12,7 +12,8 @@ from kvdoctor.diagnose.match import match_crash
 from kvdoctor.diagnose.pyrepr import Unreadable, parse_repr
 from kvdoctor.diagnose.reader import read_log, read_stream
 from kvdoctor.diagnose.redact import redact_serve_args
-from kvdoctor.engine.serve_args import SERVE_ARG_TO_SETUP, setup_overrides_from_serve_args
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import SERVE_FLAGS, setup_overrides_from_serve_args
 from kvdoctor.recipes.builtins import all_builtins
 from kvdoctor.recipes.loader import load_recipe_text
 
@@ -117,7 +118,7 @@ def test_real_logs(name):
     want = REAL[name]
     summary = read_log(str(LOGS / name))
     assert summary.version == want.version
-    assert setup_overrides_from_serve_args(summary.serve_args).overrides == want.overrides
+    assert setup_overrides_from_serve_args(summary.serve_args).overrides.given() == want.overrides
     crash = summary.crash
     result = match_crash(crash, RECIPES)
     assert {c.recipe.bug for c in result.candidates} == MATCHES[name]
@@ -162,7 +163,7 @@ def test_43593_command_line_geometry_and_the_reraise():
                                   "kv_offloading_backend": "native", "kv_offloading_size": "32"}
     assert summary.reraise_seen and not summary.crash.is_reraise
     mapped = setup_overrides_from_serve_args(summary.serve_args)
-    assert mapped.overrides == {"max_model_len": 196416, "cpu_bytes_to_use": 32 << 30}
+    assert mapped.overrides.given() == {"max_model_len": 196416, "cpu_bytes_to_use": 32 << 30}
 
 
 def test_caret_notation_colour_codes_are_stripped():
@@ -185,12 +186,12 @@ def test_synthetic_full_log():
     assert {c.recipe.name for c in result.best} == SAME_ASSERT
     assert "same caller chain (schedule → build_connector_meta → _build_store_jobs)" in result.best[0].reasons
     mapped = setup_overrides_from_serve_args(summary.serve_args)
-    assert mapped.overrides["block_size"] == 16
-    assert mapped.overrides["gpu_blocks"] == 100000
-    assert mapped.overrides["_offloaded_block_size"] == 64
-    assert mapped.overrides["cpu_bytes_to_use"] == 64 << 30
-    assert mapped.overrides["async_scheduling"] is True
-    assert "extra_connector_config" not in mapped.overrides  # root_dir stays in the deployment
+    assert mapped.overrides.block_size == 16
+    assert mapped.overrides.gpu_blocks == 100000
+    assert mapped.overrides.offloaded_block_size == 64
+    assert mapped.overrides.cpu_bytes_to_use == 64 << 30
+    assert mapped.overrides.async_scheduling is True
+    assert mapped.overrides.extra_connector_config is None  # root_dir stays in the deployment
 
 
 def test_redaction_keeps_geometry_and_drops_secrets_paths_and_hosts():
@@ -229,7 +230,7 @@ def test_a_pasted_traceback_alone_and_a_no_match_starting_recipe(tmp_path):
     assert match_crash(summary.crash, RECIPES).candidates == []
     from kvdoctor.diagnose.app import starting_recipe_toml
 
-    recipe = load_recipe_text(starting_recipe_toml(summary, {"block_size": 16}), "start.toml")
+    recipe = load_recipe_text(starting_recipe_toml(summary, Overrides(block_size=16)), "start.toml")
     assert recipe.signature.exception == "AssertionError"
     assert recipe.signature.function == "update_state_after_alloc"
     assert recipe.signature.contains == "assert not req_status.transfer_jobs"
@@ -259,12 +260,12 @@ def test_pyrepr_reads_literals_and_never_evaluates():
 
 
 def test_one_mapping_for_serve_args():
-    assert set(SERVE_ARG_TO_SETUP.values()) <= {"block_size", "gpu_blocks", "async_scheduling",
-                                                 "enable_chunked_prefill", "max_num_batched_tokens",
-                                                 "max_num_seqs", "max_model_len"}
+    assert {row.field for row in SERVE_FLAGS.values() if row.from_log == "mapped" and row.field} == {
+        "block_size", "gpu_blocks", "async_scheduling", "enable_chunked_prefill", "max_num_batched_tokens",
+        "max_num_seqs", "max_model_len"}
     mapped = setup_overrides_from_serve_args({"block_size": "0", "max_num_seqs": "x", "kv_offloading_backend":
                                               "lmcache"})
-    assert mapped.overrides == {} and len(mapped.notes) == 3
+    assert mapped.overrides.given() == {} and len(mapped.notes) == 3
 
 
 def test_signature_callers_are_validated_with_lines():

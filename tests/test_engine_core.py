@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.matrix import data
 from kvdoctor.matrix.runner import failure_site
 from tests.cli_runner import invoke
@@ -80,19 +81,19 @@ def test_unknown_engine_level_is_a_usage_error_before_vllm() -> None:
 
 
 def test_a_step_the_engine_cannot_play_makes_the_recipe_not_applicable_naming_it() -> None:
-    from kvdoctor.app import resolve_setup
-    from kvdoctor.engine.core.runner import run_core_scenario
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve("offload-keys-lag-blocks")
-    setup = resolve_setup(recipe, {"worker": "simulated", "engine": "core"})
+    setup = resolve_setup(recipe, Overrides(worker="simulated", engine="core"))
     result = run_core_scenario(None, recipe, setup, "installed")  # decided before vLLM builds anything
     assert result.outcome.value == "not_applicable"
     assert "`delay_block_hashes`" in result.detail and "EngineCore" in result.detail
 
 
 def test_drain_is_playable_at_core_only_under_sync_scheduling() -> None:
-    from kvdoctor.engine.core.levels import why_not
+    from kvdoctor.levels.table import why_not
 
     assert why_not("drain", "core", async_scheduling=False) is None
     assert "batch" in why_not("drain", "core", async_scheduling=True)
@@ -117,6 +118,6 @@ def test_pyproject_registers_the_platform_plugin() -> None:
 
 
 def test_docs_table_is_generated_from_the_code() -> None:
-    from kvdoctor.engine.core.levels import markdown_table
+    from kvdoctor.levels.table import markdown_table
 
     assert markdown_table() in (ROOT / "docs" / "engine-levels.md").read_text()

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from tests.conftest import run_cli
 
 ALLOWED = set(sys.stdlib_module_names) | {"vllm", "__future__"}
@@ -63,22 +64,22 @@ def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
     assert "class StandInExecutor(Executor)" in executor
     assert "def default_kv_cache_layouts" in executor  # the adapter's one definition, copied in
     assert "[vllm.platform_plugins]" in script and "kvrepro_standin.executor.StandInExecutor" in script
-    from kvdoctor.engine.core.serve_client import STEP_LOG_PREFIX  # the step log the serve client reads
+    from kvdoctor.levels.serve_client import STEP_LOG_PREFIX  # the step log the serve client reads
 
     assert f'STEP_LOG_PREFIX = "{STEP_LOG_PREFIX}"' in executor and f'STEP_LOG_PREFIX = "{STEP_LOG_PREFIX}"' in script
 
 
 def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     """The same flags (less host/port/executor, which the script picks) and traffic as `--engine serve`."""
-    from kvdoctor.app import resolve_setup
-    from kvdoctor.engine.core import serve
+    from kvdoctor.levels import serve
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve("queued-abort")
     assignment = next(node for node in ast.parse(script).body
                       if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "RECIPE")
     data = json.loads(assignment.value.args[0].value)  # RECIPE = json.loads(r"""...""")
-    setup = serve.serve_setup(resolve_setup(recipe, {"engine": "serve"}))
+    setup = serve.serve_setup(resolve_setup(recipe, Overrides(engine="serve")))
     assert [e["kind"] for e in data["events"]] == [e.kind for e in serve.plan_traffic(recipe, setup)]
     assert data["aborted"] == ["B"]
     assert "--distributed-executor-backend" not in data["serve_args"] and "--port" not in data["serve_args"]

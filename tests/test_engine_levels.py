@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvdoctor.engine.core.levels import LEVEL_TABLE, LEVELS, Level, why_not
 from kvdoctor.errors import InternalError
-from kvdoctor.recipes.model import ACTIONS
+from kvdoctor.levels.table import LEVEL_TABLE, LEVELS, Level, why_not
 from kvdoctor.steps import REGISTRY, Need, kinds_needing
 
 
@@ -31,8 +30,7 @@ def test_every_level_answers_every_need_once() -> None:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_every_step_kind_has_a_handler_and_an_answer_at_every_level(async_scheduling: bool) -> None:
-    for kind in ACTIONS:
-        assert kind in REGISTRY, f"{kind}: no handler in kvdoctor.steps"
+    for kind in REGISTRY:
         for level in LEVELS:
             why = why_not(kind, level, async_scheduling=async_scheduling)  # raises where a level has no answer
             assert why is None or why.strip()
@@ -51,8 +49,27 @@ def test_the_level_answers_follow_the_kinds_needs() -> None:
     """core cannot intervene inside the scheduler; serve plays only requests and paced steps."""
     assert why_not("delay_block_hashes", "core") is not None and why_not("delay_block_hashes", "scheduler") is None
     assert why_not("hold_transfers", "core") is None and why_not("hold_transfers", "serve") is not None
-    playable = {kind for kind in ACTIONS if why_not(kind, "serve") is None}
+    playable = {kind for kind in REGISTRY if why_not(kind, "serve") is None}
     assert playable == {k for k, kind in REGISTRY.items() if set(kind.needs) <= {Need.ENGINE_INPUT, Need.ENGINE_STEP}}
+
+
+def test_one_table_chooses_the_level() -> None:
+    """Every level `--engine` accepts has its runner (and its needs row), and nothing else does; the
+    application functions ask the runner and never branch on a level's name."""
+    import ast
+    from pathlib import Path
+
+    from kvdoctor.levels.runners import RUNNERS, runner
+
+    assert list(RUNNERS) == list(LEVELS) and all(RUNNERS[name].name == name for name in LEVELS)
+    with pytest.raises(InternalError, match="unknown engine level 'teleport'"):
+        runner("teleport")
+    root = Path(__file__).resolve().parents[1] / "kvdoctor"
+    for source in (root / "app.py", root / "explore" / "triage.py"):
+        compared = [node.lineno for node in ast.walk(ast.parse(source.read_text())) if isinstance(node, ast.Compare)
+                    and any(isinstance(side, ast.Constant) and side.value in LEVELS
+                            for side in (node.left, *node.comparators))]
+        assert compared == [], f"{source.name} compares with a level's name at lines {compared}"
 
 
 def test_transfer_control_is_what_forces_the_copy_engine() -> None:
@@ -67,7 +84,7 @@ def core_audit():
     from kvdoctor.cli.options import DEFAULT_WORKER, worker_overrides
     from kvdoctor.errors import VllmUnavailableError
 
-    overrides = {**worker_overrides(None, None, None), "engine": "core"}
+    overrides = worker_overrides(None, None, None).replaced(engine="core")
     try:
         return app.audit(command="kvdoctor audit --engine core", overrides=overrides, default_worker=DEFAULT_WORKER)
     except VllmUnavailableError as exc:

@@ -33,7 +33,7 @@ PID_LINE = re.compile(r"child PID (\d+) on 127\.0\.0\.1:(\d+)")
 
 @pytest.fixture(scope="module")
 def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from kvdoctor.engine.core.serve import plugin_registered
+    from kvdoctor.levels.serve import plugin_registered
 
     env = dict(os.environ)
     if not plugin_registered():

@@ -6,8 +6,6 @@ One vLLM import for the module (the session `api` fixture); each search is a few
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import subprocess
 import sys
@@ -16,7 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kvdoctor import SCHEMA_VERSION
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.findings import cut_at_failure
 from kvdoctor.explore.generate import SETTLE_STEPS, Example, examples, to_recipe
 from kvdoctor.explore.search import ExploreConfig
@@ -78,7 +78,7 @@ def test_k1_is_found_shrunk_and_replays(searches, api):
     text = path.read_text(encoding="utf-8")
     assert text.startswith("# Found by kvdoctor explore: seed 0")
     assert "--seed 0" in finding.recipe.summary
-    replay = application.repro(str(path), {}, "all")
+    replay = application.repro(str(path), Overrides(), "all")
     outcomes = {r.logic: r.outcome for r in replay.results}
     assert outcomes["installed"] is Outcome.REPRODUCED
     assert outcomes["unpatched"] is Outcome.REPRODUCED
@@ -114,7 +114,7 @@ def test_every_finding_replays_with_its_signature(searches):
             if finding.kind not in ("exception", "invariant"):
                 continue
             assert finding.recipe.setup["worker"] == "simulated"
-            replay = application.repro(finding.file, {}, logic, default_worker=DEFAULT_WORKER).results[0]
+            replay = application.repro(finding.file, Overrides(), logic, default_worker=DEFAULT_WORKER).results[0]
             if replay.failure is not None and replay.failure_step == 0:
                 # A start-up refusal (triaged as such: no step sequence): repro reports vLLM's failure
                 # to build the scheduler, the same exception, as other_failure.
@@ -132,7 +132,7 @@ def test_same_seed_same_findings(api, tmp_path):
     again = explore(config, tmp_path / "again", api=api)
     assert [(f.signature, f.steps) for f in again.findings] == [(f.signature, f.steps) for f in first.findings]
     assert first.result.stats.scheduler_steps == again.result.stats.scheduler_steps
-    for f, g in zip(first.findings, again.findings):
+    for f, g in zip(first.findings, again.findings, strict=True):
         assert Path(f.file).read_text() == Path(g.file).read_text()
 
 
@@ -210,14 +210,14 @@ def test_generated_sequences_are_valid_recipes(raw):
             args = step.args
             length = (args.get("prompt_tokens") or args.get("prompt_chunks", 0) * example.geometry.chunk_tokens
                       or (example.geometry.gpu_blocks - 2) * example.geometry.block_size)
-            assert 1 <= length and length + args["max_tokens"] <= mml
+            assert length >= 1 and length + args["max_tokens"] <= mml
 
 
 def test_cut_at_failure_keeps_the_repeats_up_to_the_failing_one():
     steps = (Step("add", {"request": "A", "prompt_tokens": 3}, 0), Step("schedule", {"count": 5}, 0),
              Step("abort", {"request": "A"}, 0), Step("schedule", {}, 0))
-    assert cut_at_failure(steps, 3) == steps[:1] + (Step("schedule", {"count": 2}, 0),)
-    assert cut_at_failure(steps, 2) == steps[:1] + (Step("schedule", {}, 0),)
+    assert cut_at_failure(steps, 3) == (*steps[:1], Step("schedule", {"count": 2}, 0))
+    assert cut_at_failure(steps, 2) == (*steps[:1], Step("schedule", {}, 0))
     assert cut_at_failure(steps, 8) == steps
 
 
@@ -242,7 +242,8 @@ def test_every_finding_kind_writes_a_loadable_recipe():
         loaded = load_recipe_text(recipe_to_toml(written), "finding.toml")
         assert loaded.title == obs.signature and loaded.summary.startswith("summary\nline two\nImpact: ")
         if obs.kind == "check":
-            assert loaded.steps == tuple(Step(s.action, s.args, loaded.steps[i].line) for i, s in enumerate(recipe.steps))
+            assert loaded.steps == tuple(Step(s.action, s.args, loaded.steps[i].line)
+                                         for i, s in enumerate(recipe.steps))
             assert [c.args["connector_state"] for c in loaded.checks] == ["released"]
         else:
             assert len(loaded.steps) <= len(recipe.steps)
@@ -273,11 +274,10 @@ def test_the_seed_alone_names_the_draws():
     from kvdoctor.explore.search import draws_named_by_seed
 
     original = providers._get_local_constants
-    with pytest.raises(RuntimeError, match="stop"):
-        with draws_named_by_seed():
-            assert providers._get_local_constants is not original
-            assert len(providers._get_local_constants()) == 0
-            raise RuntimeError("stop")
+    with pytest.raises(RuntimeError, match="stop"), draws_named_by_seed():
+        assert providers._get_local_constants is not original
+        assert len(providers._get_local_constants()) == 0
+        raise RuntimeError("stop")
     assert providers._get_local_constants is original
 
 
@@ -290,8 +290,8 @@ def test_build_cache_changes_no_outcome(api, raw):
     from kvdoctor.engine.harness import BuildCache
     from kvdoctor.errors import UsageError
     from kvdoctor.explore.runner import InvalidExample, setup_of
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.observe.invariants import INVARIANTS
-    from kvdoctor.scenario import run_scenario
 
     recipe = to_recipe(Example.decode(raw))
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.findings import known_bug
 from kvdoctor.explore.impact import CALL_FAILS, ENGINE_DIES, LOST_HITS, WRONG_KV, impact_of
 from kvdoctor.observe.verdict import Outcome
@@ -32,14 +33,14 @@ FALSE_POSITIVES = ("full-prompt-hit-not-readmitted.toml", "final-store-flushed-b
 
 @pytest.mark.parametrize("name", FALSE_POSITIVES)
 def test_former_false_positive_runs_through_with_its_invariant_quiet(api, name):
-    report = application.repro(str(DATA / name), {}, "installed")
+    report = application.repro(str(DATA / name), Overrides(), "installed")
     result = report.results[0]
     assert result.outcome is Outcome.NOT_REPRODUCED, f"{result.outcome.value}: {result.detail}"
     assert not result.violations
 
 
 def test_k11_still_reproduces_for_its_own_reason(api):
-    report = application.repro("readmitted-stale-store-cursor", {}, "installed")
+    report = application.repro("readmitted-stale-store-cursor", Overrides(), "installed")
     result = report.results[0]
     if result.outcome is Outcome.NOT_REPRODUCED:
         pytest.skip("this release offers a re-admitted request's chunks again (K11 fixed here)")

@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, SPECULATIVE_DRAW, Example, Geometry, decode_speculative, examples, to_recipe,
+    GEOMETRY_RANGES,
+    SPECULATIVE_DRAW,
+    Example,
+    Geometry,
+    decode_speculative,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.writer import recipe_to_toml
@@ -145,7 +152,7 @@ def test_a_draw_runs_on_the_real_scheduler_with_no_finding(explored):
 
 def test_the_draw_replays_from_its_file(explored):
     geometry, _, path = explored
-    replay = application.repro(str(path), {}, "installed")
+    replay = application.repro(str(path), Overrides(), "installed")
     assert replay.setup.speculative_method == geometry.speculative_method == "eagle"
     assert (replay.setup.num_speculative_tokens, replay.setup.draft_acceptance) == (3, "0,2,1")
     assert replay.results[0].outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), replay.results[0].detail
@@ -154,7 +161,7 @@ def test_the_draw_replays_from_its_file(explored):
 def test_a_finished_requests_in_flight_drafts_are_not_committed(api):
     """Regression from explore's shrunk false positive on 0.26.0 (tests/data): vLLM's final store of a
     request that finished with its in-flight draft slots counted in num_computed_tokens is right."""
-    result = application.repro(str(DATA / "spec-async-finished-overshoot.toml"), {}, "installed").results[0]
+    result = application.repro(str(DATA / "spec-async-finished-overshoot.toml"), Overrides(), "installed").results[0]
     assert result.failure is None and result.outcome is Outcome.NOT_REPRODUCED, result.detail
 
 

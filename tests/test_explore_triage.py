@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.generate import LAYOUTS, SPECS, TIERING, Example, Geometry, decode_geometry, to_recipe
 from kvdoctor.explore.search import ExploreConfig
 from kvdoctor.explore.triage import CANDIDATE, CORE, HARNESS, KNOWN, SCHEDULER_ONLY, STARTUP, verdict
@@ -61,7 +62,7 @@ def test_tiering_spec_brings_k2_in_reach_shrunk_and_replayable(search):
     assert finding.known and finding.known[0] == "K2"
     assert finding.recipe.setup["spec_name"] == TIERING
     assert finding.steps <= 4
-    replay = application.repro(finding.file, {}, "installed")
+    replay = application.repro(finding.file, Overrides(), "installed")
     assert replay.results[0].outcome is Outcome.REPRODUCED
     triage = finding.triage
     assert triage.without_connector == "does not reproduce"
@@ -117,7 +118,7 @@ def test_reset_failure_is_the_connectors_and_reachable_a_candidate_with_its_repo
     assert "## Triage (kvdoctor explore)" in text and "RuntimeError" in text
     assert "- Impact: a call fails" in text and "- Diagnosis: " in text
     assert "- Through vLLM's EngineCore (`--engine core`): reproduced through vLLM's EngineCore" in text
-    no_connector = application.repro(finding.file, {"offloading": False}, "installed")
+    no_connector = application.repro(finding.file, Overrides(offloading=False), "installed")
     assert no_connector.results[0].outcome is Outcome.NOT_REPRODUCED
 
 
@@ -192,8 +193,8 @@ def test_no_connector_setup_builds_no_connector_and_k1_needs_it(api):
         assert harness.scheduler.connector is None and harness.connector_scheduler is None
     finally:
         harness.shutdown()
-    with_connector = application.repro("queued-abort", {}, "installed").results[0].outcome
-    without = application.repro("queued-abort", {"offloading": False}, "installed").results[0]
+    with_connector = application.repro("queued-abort", Overrides(), "installed").results[0].outcome
+    without = application.repro("queued-abort", Overrides(offloading=False), "installed").results[0]
     # no connector, no crash site: the run cannot test K1 (not_reached), which is why it needs the connector
     assert without.outcome is Outcome.NOT_REACHED, without.detail
     assert with_connector in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED)
@@ -284,7 +285,7 @@ def test_drawn_hash_delays_reach_k6_and_triage_reads_them_as_reachable_with_a_ca
     finding = Finding(obs.signature, obs.kind, obs.detail, finding_recipe(recipe, obs, "late"), 0, 0, 0, 1,
                       "installed", api.version_text, 0, 0.0)
     write_findings([finding], tmp_path)
-    replay = application.repro(finding.file, {}, "installed")
+    replay = application.repro(finding.file, Overrides(), "installed")
     assert replay.results[0].outcome is Outcome.REPRODUCED
     result = triage(api, finding)
     assert result.without_connector == "does not reproduce"

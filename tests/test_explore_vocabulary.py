@@ -6,15 +6,29 @@ seconds: one scheduler run per draw."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pathlib import Path
-
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, LOAD_CAPS, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS, Example, Geometry,
-    decode_event, decode_extension, decode_second_extension, event_steps, examples, to_recipe,
+    GEOMETRY_RANGES,
+    LOAD_CAPS,
+    PREFIX_MATCH_UNIT,
+    PRIORITY,
+    RECOMPUTE,
+    RETENTION,
+    SYNC_LOADS,
+    Example,
+    Geometry,
+    decode_event,
+    decode_extension,
+    decode_second_extension,
+    event_steps,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.loader import load_recipe_text
@@ -41,7 +55,8 @@ def test_zero_is_the_plain_geometry_and_an_absent_feature_its_default():
                if byte >> 5 & 3 >= 2 else {})}
     # a single group takes no prefix_match_unit (vLLM refuses one at start-up): never drawn there
     assert all(decode_extension(PLAIN, byte, ALL).prefix_match_unit is None for byte in range(256))
-    assert decode_extension(SWA, 8, ALL).prefix_match_unit == 4 and decode_extension(SWA, 16, ALL).prefix_match_unit == 2
+    assert decode_extension(SWA, 8, ALL).prefix_match_unit == 4
+    assert decode_extension(SWA, 16, ALL).prefix_match_unit == 2
     # vLLM's worker does not drive kvdoctor's second connector: no MultiConnector under --worker vllm
     assert not decode_extension(PLAIN, 32, ALL, worker="vllm").multi_connector
 
@@ -99,7 +114,7 @@ def test_each_draw_runs_on_the_real_scheduler_and_replays_from_its_file(api, fea
     assert obs.failure_index != 0, obs.detail
     path = tmp_path / "draw.toml"
     path.write_text(recipe_to_toml(recipe))
-    replay = application.repro(str(path), {}, "installed")
+    replay = application.repro(str(path), Overrides(), "installed")
     assert replay.results[0].outcome is not Outcome.SETUP_ERROR, replay.results[0].detail
     for key in ("prefix_match_unit", "multi_connector"):
         assert getattr(replay.setup, key) == getattr(geometry, key)
@@ -126,7 +141,7 @@ def test_a_sync_load_completes_in_its_step_with_no_finished_recving(api, feature
         return report
 
     monkeypatch.setattr(SimulatedWorker, "take_step", recording)  # kvdoctor's own worker, watched
-    result = application.repro(str(DATA / "sync-load-no-finished-recving.toml"), {}, "installed").results[0]
+    result = application.repro(str(DATA / "sync-load-no-finished-recving.toml"), Overrides(), "installed").results[0]
     assert result.failure is None and result.outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), result.detail
     if SYNC_LOADS in features:
         assert any(job.sync for job in seen), [(job.job_id, job.sync) for job in seen]
@@ -198,7 +213,7 @@ def test_each_second_draw_runs_on_the_real_scheduler_and_replays_from_its_file(a
     assert obs.failure_index != 0 and obs.scheduler_steps > 0, obs.detail
     path = tmp_path / "draw.toml"
     path.write_text(recipe_to_toml(recipe))
-    replay = application.repro(str(path), {}, "installed")
+    replay = application.repro(str(path), Overrides(), "installed")
     assert replay.results[0].outcome is not Outcome.SETUP_ERROR, replay.results[0].detail
     assert getattr(replay.setup, key) == getattr(geometry, key)
 
@@ -289,9 +304,9 @@ def test_pause_and_resume_go_through_the_engine_and_the_scheduler_level_says_why
         harness.shutdown()
     recipe = tmp_path / "pause.toml"
     recipe.write_text(PAUSE_RECIPE)
-    result = application.repro(str(recipe), {}, "installed").results[0]
+    result = application.repro(str(recipe), Overrides(), "installed").results[0]
     assert result.outcome is Outcome.NOT_APPLICABLE and "play it with --engine core" in result.detail, result.detail
-    core = application.repro(str(recipe), {"engine": "core"}, "installed").results[0]
+    core = application.repro(str(recipe), Overrides(engine="core"), "installed").results[0]
     assert core.outcome is Outcome.NOT_REPRODUCED and core.failure is None, core.detail
 
 

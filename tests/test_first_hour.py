@@ -150,10 +150,9 @@ def test_progress_draws_on_a_terminal_only():
     from kvdoctor.cli.progress import Progress
 
     master, slave = pty.openpty()
-    with os.fdopen(slave, "w") as terminal:
-        with Progress("audit", stream=terminal) as progress:
-            progress.callback(3, 13, "K1 queued-abort")
-            assert progress.line().startswith("audit  4/13  K1 queued-abort  ")
+    with os.fdopen(slave, "w") as terminal, Progress("audit", stream=terminal) as progress:
+        progress.callback(3, 13, "K1 queued-abort")
+        assert progress.line().startswith("audit  4/13  K1 queued-abort  ")
     drawn = b""
     while select.select([master], [], [], 0.5)[0]:
         try:
@@ -167,9 +166,8 @@ def test_progress_draws_on_a_terminal_only():
     os.close(master)
     assert "\r\x1b[2Kaudit  4/13  K1 queued-abort  0s" in drawn and drawn.endswith("\r\x1b[2K")
     read_end, write_end = os.pipe()
-    with os.fdopen(write_end, "w") as pipe:
-        with Progress("audit", stream=pipe) as progress:
-            progress.callback(3, 13, "K1 queued-abort")
+    with os.fdopen(write_end, "w") as pipe, Progress("audit", stream=pipe) as progress:
+        progress.callback(3, 13, "K1 queued-abort")
     with os.fdopen(read_end) as reader:
         assert reader.read() == ""
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
-from kvdoctor.engine.setup import Setup, parse_kv_transfer_config
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import parse_kv_transfer_config
+from kvdoctor.engine.setup import Setup
 from kvdoctor.recipes.geometry import NotApplicable, plan_fill, plan_preempt
 from tests.conftest import run_cli
 from tests.recipe_runs import measured
@@ -111,7 +114,7 @@ def test_impossible_pool_is_refused_at_once():
 def test_prompt_longer_than_max_model_len_is_refused_naming_the_step(tmp_path):
     from kvdoctor.recipes.builtins import resolve
 
-    source = open(resolve("queued-abort").source).read().replace("prompt_chunks = 4", "prompt_tokens = 300")
+    source = Path(resolve("queued-abort").source).read_text().replace("prompt_chunks = 4", "prompt_tokens = 300")
     path = tmp_path / "long.toml"
     path.write_text(source)
     # the user's own max_model_len: vLLM would reject the request (unfixed, kvdoctor derives a longer one)
@@ -127,7 +130,7 @@ def test_max_model_len_flag_is_validated():
 
 
 def test_kv_transfer_config_sets_the_cpu_tier():
-    assert parse_kv_transfer_config(ISSUE_FLAGS[-1])["cpu_bytes_to_use"] == 1 << 30
+    assert parse_kv_transfer_config(ISSUE_FLAGS[-1]).cpu_bytes_to_use == 1 << 30
 
 
 # Measured with the issue's deployment flags (block size 16, 512 blocks, 2048-token budget, 64 seqs,
@@ -145,15 +148,15 @@ UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents
 
 @pytest.mark.vllm
 def test_issue_geometry(api):
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     expected = {name: "untested" if name in UNTESTED_BY else measured(api, name, async_scheduling=True).value
                 for name in ISSUE_RECIPES}
-    overrides = dict(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64,
-                     enable_chunked_prefill=True, async_scheduling=True,
-                     **parse_kv_transfer_config(ISSUE_FLAGS[-1]))
+    overrides = Overrides(block_size=16, gpu_blocks=512, max_num_batched_tokens=2048, max_num_seqs=64,
+                          enable_chunked_prefill=True, async_scheduling=True).merged(
+        parse_kv_transfer_config(ISSUE_FLAGS[-1]))
     for name, outcome in expected.items():
         recipe = resolve(name)
         result = run_scenario(api, recipe, resolve_setup(recipe, overrides), "installed")
@@ -182,13 +185,13 @@ RESTATED = [
 @pytest.mark.vllm
 @pytest.mark.parametrize("geometry", RESTATED, ids=["chunks-of-4", "block-size-1", "100k-blocks"])
 def test_preemption_holds_at_restated_geometries(api, geometry):
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     expected = measured(api, "preemption", async_scheduling=geometry["async_scheduling"]).value
     recipe = resolve("preemption")
-    result = run_scenario(api, recipe, resolve_setup(recipe, geometry), "installed", record_timeline=True)
+    result = run_scenario(api, recipe, resolve_setup(recipe, Overrides(**geometry)), "installed", record_timeline=True)
     assert result.outcome.value == expected, (result.outcome.value, result.detail)
     aborted = next(i for i, e in enumerate(result.timeline) if e.action == "abort")
     assert any(e.events is not None and "B" in e.events.preempted for e in result.timeline[:aborted])
@@ -199,10 +202,10 @@ def test_preemption_holds_at_restated_geometries(api, geometry):
 # -- recipes planned at the user's geometry (issue 23): sizes the user did not give are derived ---------------
 
 def _planned(name, **overrides):
-    from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
-    return resolve_setup(resolve(name), {"worker": "simulated", **overrides})
+    return resolve_setup(resolve(name), Overrides(worker="simulated", **overrides))
 
 
 def test_a_pool_the_user_did_not_give_is_derived_for_the_trigger():

@@ -13,10 +13,12 @@ well under two minutes here.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
-from kvdoctor.app import resolve_setup
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.recipes.builtins import all_builtins
+from kvdoctor.resolution import resolve_setup
 from tests.recipe_runs import bug_present
 
 pytestmark = pytest.mark.vllm
@@ -62,11 +64,11 @@ def expectation(api, recipes) -> dict[str, str]:
                        max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=False))
 @given(geometry=geometries())
 def test_recipes_hold_at_any_geometry(api, recipes, expectation, geometry):
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.levels.scheduler import run_scenario
 
     outcomes = {}
     for recipe in recipes:
-        setup = resolve_setup(recipe, geometry)
+        setup = resolve_setup(recipe, Overrides(**geometry))
         result = run_scenario(api, recipe, setup, "installed")
         outcomes[recipe.name] = (result.outcome.value, result.detail)
     for name, (outcome, detail) in outcomes.items():

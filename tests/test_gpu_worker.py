@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
+
 torch = pytest.importorskip("torch")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
@@ -23,7 +25,7 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
     from kvdoctor.engine.harness import Harness
     from kvdoctor.recipes.builtins import resolve
 
-    setup = app.resolve_setup(resolve("queued-abort"), {**CUDA, "gpu_blocks": 16})
+    setup = app.resolve_setup(resolve("queued-abort"), Overrides(**CUDA, gpu_blocks=16))
     assert setup.kv_connector_extra_config().get("spec_name") is None  # vLLM's own CPUOffloadingSpec
     harness = Harness(api, setup)
     try:
@@ -39,7 +41,7 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
         for _ in range(4):
             harness.step()
         harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8, 9], 2)
+        harness.add("B", [*prompt, 7, 8, 9], 2)
         findings, loads = [], 0
         for _ in range(6):
             events = harness.step()
@@ -54,10 +56,10 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
 @pytest.mark.parametrize("name", ["queued-abort", "final-token-slot-stored"])
 def test_builtin_recipes_on_the_gpu_match_the_cpu_copy_engine(api, name):
     from kvdoctor import app
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
 
     recipe = resolve(name)
-    gpu = run_scenario(api, recipe, app.resolve_setup(recipe, CUDA), "installed")
-    cpu = run_scenario(api, recipe, app.resolve_setup(recipe, {"worker": "vllm", "device": "cpu"}), "installed")
+    gpu = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(**CUDA)), "installed")
+    cpu = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(worker="vllm", device="cpu")), "installed")
     assert gpu.outcome is cpu.outcome, (gpu.detail, cpu.detail)

@@ -8,14 +8,13 @@ no traceback, and with `--json` a parsable error document on stdout.
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 import time
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.observe.verdict import Outcome
 
@@ -117,11 +116,11 @@ def test_installed_variant_returns_vllms_own_result(api):
 
     cls.storable_chunks = spy
     try:
-        from kvdoctor.scenario import run_scenario
+        from kvdoctor.levels.scheduler import run_scenario
         from kvdoctor.recipes.builtins import resolve
 
         recipe = resolve("preemption")
-        result = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")
+        result = run_scenario(api, recipe, app.resolve_setup(recipe), "installed")
     finally:
         cls.storable_chunks = original
     assert seen, "vLLM called storable_chunks"
@@ -179,14 +178,14 @@ def _measured():
 def test_a_failure_by_another_request_is_not_the_bug(api, tmp_path):
     """The signature names the request the failure must involve: the same assertion for another
     request is other_failure, explained."""
-    normal = app.repro("queued-abort", {}, "installed").results[0]
+    normal = app.repro("queued-abort", Overrides(), "installed").results[0]
     if normal.outcome is not Outcome.REPRODUCED:
         pytest.skip(f"the installed logic does not fail on vLLM {api.version_text} (outcome {normal.outcome.value})")
     assert normal.failure.involved_request == "B"
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
     recipe = tmp_path / "wrong-request.toml"
     recipe.write_text(text.replace('request = "B"  # the aborted request', 'request = "A"  # wrong on purpose', 1))
-    (result,) = app.repro(str(recipe), {}, "installed").results
+    (result,) = app.repro(str(recipe), Overrides(), "installed").results
     assert result.outcome is Outcome.OTHER_FAILURE
     assert "fired for request B" in result.detail and "must involve request A" in result.detail
 
@@ -194,7 +193,8 @@ def test_a_failure_by_another_request_is_not_the_bug(api, tmp_path):
 def test_kv_transfer_config_keys_take_effect_or_are_refused(api):
     """Every key --kv-transfer-config accepts changes the KVTransferConfig vLLM builds, or is refused."""
     from kvdoctor.engine.harness import Harness
-    from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS, Setup, parse_kv_transfer_config
+    from kvdoctor.engine.serve_args import PASSED_THROUGH_KV_TRANSFER_KEYS, parse_kv_transfer_config
+    from kvdoctor.engine.setup import Setup
 
     values = {"kv_role": "kv_both", "kv_load_failure_policy": "fail", "kv_buffer_device": "cpu",
               "kv_buffer_size": 12345.0, "engine_id": "kvdoctor-engine-under-test"}
@@ -202,7 +202,7 @@ def test_kv_transfer_config_keys_take_effect_or_are_refused(api):
     taken = refused = 0
     for key, value in values.items():
         overrides = parse_kv_transfer_config(json.dumps({"kv_connector": "OffloadingConnector", key: value}))
-        setup = Setup().with_overrides(**overrides)
+        setup = Setup().with_overrides(**overrides.given())
         assert setup.kv_transfer_fields == {key: value}
         try:
             harness = Harness(api, setup)
@@ -267,13 +267,14 @@ def test_a_check_that_does_not_hold_is_other_failure(api, tmp_path):
     text = (ROOT / "repros" / "queued-abort.toml").read_text()
     recipe = tmp_path / "impossible-check.toml"
     recipe.write_text(text.replace("store_jobs_built = 0", "store_jobs_built = 5", 1))
-    (result,) = app.repro(str(recipe), {}, "fixed").results
+    (result,) = app.repro(str(recipe), Overrides(), "fixed").results
     assert result.outcome is Outcome.OTHER_FAILURE
     assert result.detail.startswith("check failed: no store job was built")
 
 
 def test_guard_explanations_name_only_what_bound():
     from kvdoctor.logic.patch import StorableCall
+    from kvdoctor.report.guards import guard_line
     from kvdoctor.scenario import explain_guards
 
     def call(**kw):
@@ -284,18 +285,23 @@ def test_guard_explanations_name_only_what_bound():
         base.update(kw)
         return StorableCall(**base)
 
-    (aborted,) = explain_guards([call()])
-    assert "PR #49285" in aborted
+    def explained(**kw):
+        """The one guard record these calls give, and its wording (report.guards)."""
+        (guard,) = explain_guards([call(**kw)])
+        return guard, guard_line(guard)
+
+    guard, aborted = explained()
+    assert "PR #49285" in aborted and guard.aborted_counts_computed
     # The same numbers for a request that finished normally: the basis rule is not #49285's.
-    (stopped,) = explain_guards([call(request_status="FINISHED_STOPPED", computed_tokens=16)])
-    assert "PR #49285" not in stopped and "cannot name" in stopped
+    guard, stopped = explained(request_status="FINISHED_STOPPED", computed_tokens=16)
+    assert "PR #49285" not in stopped and "cannot name" in stopped and not guard.aborted_counts_computed
     # Held to the allocated chunks, but removing the cap would not raise it: no cap is named.
-    (unknown,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=0,
-                                      computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "cannot name" in unknown and "PR #49146" not in unknown
-    (capped,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=4,
-                                     computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "this release's allocated-chunk cap (PR #49146)" in capped
-    (ours,) = explain_guards([call(num_offloadable_tokens=16, token_chunks=4, installed=4, unpatched=4,
-                                   computed_tokens=16, request_status="FINISHED_STOPPED")])
-    assert "kvdoctor's fixed logic" in ours
+    guard, unknown = explained(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=0,
+                               computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "cannot name" in unknown and "PR #49146" not in unknown and guard.cap is None
+    guard, capped = explained(num_offloadable_tokens=16, token_chunks=4, installed=0, unpatched=4,
+                              computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "this release's allocated-chunk cap (PR #49146)" in capped and guard.cap == "allocated_chunks"
+    guard, ours = explained(num_offloadable_tokens=16, token_chunks=4, installed=4, unpatched=4,
+                            computed_tokens=16, request_status="FINISHED_STOPPED")
+    assert "kvdoctor's fixed logic" in ours and guard.cap == "fixed_logic"

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 
 import pytest
 
+from kvdoctor import SCHEMA_VERSION
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.outcome_codes import exit_code_for
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvdoctor import app
 from kvdoctor.engine.harness import StepEvents
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe.invariants import INVARIANTS, StepContext, check_all
 from kvdoctor.observe.verdict import Outcome
@@ -45,7 +46,7 @@ def test_every_invariant_has_a_summary():
 
 def test_a_finished_requests_reused_blocks_are_fenced(api):
     """A finishes with its store held; B gets A's blocks next step: the store must be flushed then."""
-    report = app.repro(str(ROOT / "tests" / "data" / "reused-block-fenced.toml"), {}, "installed",
+    report = app.repro(str(ROOT / "tests" / "data" / "reused-block-fenced.toml"), Overrides(), "installed",
                        record_timeline=True)
     (result,) = report.results
     assert result.outcome is Outcome.NOT_REPRODUCED, result.detail

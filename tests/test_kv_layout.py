@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvdoctor.engine import kv_layout
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from tests.cli_runner import invoke
@@ -212,15 +213,15 @@ def test_a_mamba_model_runs_in_the_cache_mode_vllm_picks_with_prefix_caching() -
     """Qwen3-Next (linear attention) with no Mamba cache mode given: vLLM's MambaModelConfig picks `align` with
     prefix caching (state a block); left unset, the planner's Mamba block (max_model_len) did not divide the
     hash block and the run was other_failure (exit 4). vLLM's worker gives way to the simulated one, saying why."""
-    from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     model = str(CONFIGS / "qwen3-next-80b-a3b")
-    setup = resolve_setup(resolve("queued-abort"), {"model": model, "block_size": 16, "gpu_blocks": 500},
+    setup = resolve_setup(resolve("queued-abort"), Overrides(model=model, block_size=16, gpu_blocks=500),
                           default_worker="vllm")
     assert setup.mamba_cache_mode == "align"
     assert any(d.startswith("mamba_cache_mode: None -> align") for d in setup.derived), setup.derived
     assert setup.worker == "simulated" and "has a Mamba layer" in setup.worker_fallback
-    off = resolve_setup(resolve("queued-abort"), {"model": model, "block_size": 16, "gpu_blocks": 500,
-                                                  "enable_prefix_caching": False}, default_worker="vllm")
+    off = resolve_setup(resolve("queued-abort"), Overrides(model=model, block_size=16, gpu_blocks=500,
+                                                  enable_prefix_caching=False), default_worker="vllm")
     assert off.mamba_cache_mode is None  # vLLM keeps `none` without prefix caching

@@ -43,7 +43,7 @@ def test_bisect_names_0_27_0_as_the_first_release_where_queued_abort_stops(bisec
 
 
 def test_report_is_the_same_table_in_markdown(bisected):
-    proc, report = bisected
+    _, report = bisected
     text = report.read_text()
     assert "| 0.26.0 | reproduced: AssertionError at" in text
     assert "| 0.27.0 | not_reproduced |" in text

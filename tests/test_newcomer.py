@@ -6,11 +6,13 @@ that need no vLLM run first and stay cheap.
 
 from __future__ import annotations
 
+import io
 import json
 import re
-from pathlib import Path
 
 import pytest
+
+from kvdoctor.engine.overrides import Overrides
 
 from .cli_runner import invoke
 from .conftest import run_cli
@@ -74,7 +76,7 @@ def test_kv_offloading_size_builds_the_transfer_config_vllm_builds():
     assert merged["kv_connector_extra_config"] == {"block_size": 32, "cpu_bytes_to_use": 1 << 30}
     overrides = geometry_overrides(None, None, None, None, None, None, None, None, None,
                                    enable_prefix_caching=False, kv_offloading_size=1)
-    assert overrides["cpu_bytes_to_use"] == 1 << 30 and overrides["enable_prefix_caching"] is False
+    assert overrides.cpu_bytes_to_use == 1 << 30 and overrides.enable_prefix_caching is False
 
 
 def test_no_effect_serve_flags_are_dropped_with_a_note(capsys):
@@ -100,7 +102,7 @@ def test_workaround_field_is_validated_with_its_line_and_round_trips(tmp_path):
     assert recipe.workaround and "offload_prompt_only" in recipe.workaround
     assert load_recipe_text(recipe_to_toml(recipe), "x.toml").workaround == recipe.workaround
     text = recipe_to_toml(recipe).replace(f'workaround = "{recipe.workaround}"', 'workaround = "  "')
-    line = next(i for i, l in enumerate(text.splitlines(), 1) if l.startswith("workaround"))
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("workaround"))
     with pytest.raises(RecipeError, match=rf"^x\.toml:{line}: \[recipe\] workaround must say"):
         load_recipe_text(text, "x.toml")
     with pytest.raises(RecipeError, match=r"workaround must be a string"):
@@ -148,14 +150,14 @@ def test_hypothesis_storage_goes_to_a_removed_temporary_directory(tmp_path, monk
 def reports(api):
     from kvdoctor import app
 
-    return {name: app.repro(name, {}, "all", record_timeline=True, command=f"kvdoctor repro {name}")
+    return {name: app.repro(name, Overrides(), "all", record_timeline=True, command=f"kvdoctor repro {name}")
             for name in ("queued-abort", "preempt-reload-same-step")}
 
 
 def _render(renderables, width=WIDTH) -> str:
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=open("/dev/null", "w"), color_system=None)
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
     for item in renderables:
         console.print(item)
     return console.export_text()
@@ -213,8 +215,8 @@ def test_markdown_report_embeds_recipe_and_reproduce_section(reports):
 
 
 def test_audit_table_fits_80_columns_with_long_recipe_names(reports):
-    from kvdoctor.app import AuditReport, AuditRow
     from kvdoctor.report.tables import audit_renderables
+    from kvdoctor.results import AuditReport, AuditRow
 
     audit = AuditReport(vllm_version=reports["queued-abort"].vllm_version)
     for report in reports.values():

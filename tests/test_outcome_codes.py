@@ -31,6 +31,17 @@ def test_every_outcome_has_its_code():
         assert exit_code_for(outcome.value) is status  # a JSON document's string means the same
 
 
+def test_a_level_that_cannot_play_the_recipe_did_not_test_it():
+    """not_applicable to this vLLM (a probe) is 0; not_applicable because the engine level cannot play a
+    step (`--engine core` cannot withhold block hashes) is inconclusive: the bug may be there."""
+    level = SimpleNamespace(outcome=Outcome.NOT_APPLICABLE, unplayable=True)
+    probe = SimpleNamespace(outcome=Outcome.NOT_APPLICABLE, unplayable=False)
+    assert exit_code_for(level) is ExitStatus.INCONCLUSIVE
+    assert exit_code_for(probe) is ExitStatus.NOT_REPRODUCED
+    assert exit_code_for(SimpleNamespace(outcome=Outcome.REPRODUCED, unplayable=False)) is ExitStatus.REPRODUCED
+    assert exit_code_for_many([probe, level]) is ExitStatus.INCONCLUSIVE  # audit --engine core
+
+
 def test_a_cell_that_is_no_outcome_is_a_failure():
     """A matrix cell whose environment or kvdoctor child broke ("vllm_unavailable", "internal_error")."""
     assert exit_code_for("vllm_unavailable") is ExitStatus.SETUP_OR_OTHER_FAILURE

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
 from kvdoctor.logic.patch import storable_chunks_variant
 from kvdoctor.logic.variants import UncappedGroupState, evaluate, expand_logic
-from kvdoctor.errors import UsageError
 
 
 class Boom(Exception):
@@ -18,10 +21,9 @@ class Boom(Exception):
 def test_original_restored_after_raise(api, variant):
     cls = api.RequestOffloadState
     before = cls.__dict__["storable_chunks"]
-    with pytest.raises(Boom):
-        with storable_chunks_variant(api, variant):
-            assert cls.__dict__["storable_chunks"] is not before
-            raise Boom
+    with pytest.raises(Boom), storable_chunks_variant(api, variant):
+        assert cls.__dict__["storable_chunks"] is not before
+        raise Boom
     assert cls.__dict__["storable_chunks"] is before
 
 
@@ -30,7 +32,7 @@ def test_original_restored_after_a_real_vllm_crash(api):
     from kvdoctor import app
 
     before = api.RequestOffloadState.__dict__["storable_chunks"]
-    app.repro("queued-abort", {}, "all")
+    app.repro("queued-abort", Overrides(), "all")
     assert api.RequestOffloadState.__dict__["storable_chunks"] is before
 
 
@@ -62,8 +64,8 @@ def test_variants_on_a_real_request_state(api):
 
 def test_uncapped_view_only_hides_block_count():
     class GS:
-        offload_keys = [1, 2]
-        block_ids = [5]
+        offload_keys: ClassVar[list[int]] = [1, 2]
+        block_ids: ClassVar[list[int]] = [5]
         next_stored_chunk_idx = 1
 
     view = UncappedGroupState(GS())

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kvdoctor import SCHEMA_VERSION
-
 import json
 
 import pytest
 
-from kvdoctor import app
+from kvdoctor import SCHEMA_VERSION, app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
+from kvdoctor.report.guards import guard_lines
 
 from .recipe_runs import measured
 
@@ -23,7 +23,7 @@ MODES = {"sync": False, "async": True}
 @pytest.fixture(scope="module")
 def reports(api):
     return {
-        (geometry, mode): app.repro("queued-abort", {**overrides, "async_scheduling": is_async}, "all")
+        (geometry, mode): app.repro("queued-abort", Overrides(**{**overrides, "async_scheduling": is_async}), "all")
         for geometry, overrides in GEOMETRIES.items()
         for mode, is_async in MODES.items()
     }
@@ -62,7 +62,7 @@ def test_outcome_matrix(reports, expected, case):
     for logic in ("installed", "fixed", "unpatched"):
         assert results[logic].outcome is expected[case[1]][logic], (logic, results[logic].detail)
     if expected["unpatched_guard"]:
-        assert any(expected["unpatched_guard"] in g and g.startswith("B:") for g in results["unpatched"].guards)
+        assert any(expected["unpatched_guard"] in g and g.startswith("B:") for g in guard_lines(results["unpatched"]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -95,7 +95,7 @@ def test_fixed_logic_passes_upstream_regression_checks(reports, case):
 def test_fixed_logic_names_the_cap(reports, expected):
     if not expected["fixed_guard"]:
         pytest.skip("this release never reaches the cap for a queued abort")
-    guards = by_logic(reports[("issue-49118", "sync")])["fixed"].guards
+    guards = guard_lines(by_logic(reports[("issue-49118", "sync")])["fixed"])
     assert any(expected["fixed_guard"] in g and g.startswith("B:") for g in guards), guards
 
 
@@ -131,7 +131,7 @@ def test_a_precondition_that_does_not_hold_is_a_setup_error(api, tmp_path):
     # A no longer fills the pool: B gets blocks at once.
     recipe = tmp_path / "not-queued.toml"
     recipe.write_text(text.replace("fill_pool = true", "prompt_chunks = 1", 1))
-    report = app.repro(str(recipe), {}, "installed", record_timeline=True)
+    report = app.repro(str(recipe), Overrides(), "installed", record_timeline=True)
     (result,) = report.results
     assert result.outcome is Outcome.SETUP_ERROR
     assert "B must be queued" in result.detail and "observed B: status=RUNNING" in result.detail

@@ -17,6 +17,8 @@ import re
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
+
 from .conftest import ROOT, run_cli
 
 README = ROOT / "README.md"
@@ -46,7 +48,7 @@ def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
     from kvdoctor.cli.options import DEFAULT_WORKER
 
-    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}",
+    return app.repro(name, Overrides(**_cli_defaults()), logic, record_timeline=True, command=f"kvdoctor repro {name}",
                      default_worker=DEFAULT_WORKER)
 
 
@@ -61,7 +63,7 @@ def example_inspect_queued_abort_step_6() -> str:
 
     report = _repro("queued-abort", "installed")
     return ("$ kvdoctor inspect queued-abort --step 6\n"
-            + _render(timeline_renderables(report.results[0], 6) + [verdict_table(report)]))
+            + _render([*timeline_renderables(report.results[0], 6), verdict_table(report)]))
 
 
 def _audit():
@@ -132,11 +134,12 @@ def test_readme_lists_every_command_once_in_one_table_and_links_docs():
     text = README.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `kvdoctor ")]
     commands = {row.split("`")[1].split()[1] for row in rows}
-    from kvdoctor.cli.app import app
     from typer.main import get_command
+
+    from kvdoctor.cli.app import app
 
     assert commands == set(get_command(app).commands), rows
     for page in ("docs/commands.md", "docs/recipes.md", "docs/worker.md"):
         assert f"]({page}" in text and (ROOT / page).is_file(), page
-    for code in (*range(8), 130):
+    for code in (*range(9), 130):
         assert f"| {code} |" in text

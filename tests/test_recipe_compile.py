@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvdoctor.app import resolve_setup
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.explore.runner import expanded_actions
@@ -17,6 +17,7 @@ from kvdoctor.recipes.compile import compile_recipe, expand_counts
 from kvdoctor.recipes.geometry import plan_fill
 from kvdoctor.recipes.loader import load_recipe_text
 from kvdoctor.recipes.model import Step
+from kvdoctor.resolution import resolve_setup
 
 FILL = """
 [recipe]
@@ -110,7 +111,7 @@ def _replayed(exported: list[dict]) -> list[tuple]:
 
 @pytest.mark.parametrize("recipe", all_builtins(), ids=lambda r: r.name)
 def test_the_exported_script_plays_the_compiled_steps(recipe):
-    setup = resolve_setup(recipe, {})
+    setup = resolve_setup(recipe)
     compiled = compile_recipe(recipe.steps, dataclasses.replace(setup, worker="simulated", device=None))
     expected = []
     for play in compiled.steps:
@@ -123,6 +124,6 @@ def test_the_exported_script_plays_the_compiled_steps(recipe):
 
 def test_an_impossible_fill_is_a_usage_error_on_export():
     recipe = load_builtin("queued-abort")
-    setup = resolve_setup(recipe, {"block_size": 128, "gpu_blocks": 64, "max_model_len": 128})
+    setup = resolve_setup(recipe, Overrides(block_size=128, gpu_blocks=64, max_model_len=128))
     with pytest.raises(UsageError, match="cannot export queued-abort: a filler request needs"):
         recipe_data(recipe, setup)

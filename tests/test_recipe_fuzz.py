@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from kvdoctor.errors import RecipeError
 from kvdoctor.recipes.loader import load_recipe_file, load_recipe_text
-from kvdoctor.recipes.model import ACTIONS, EXPECT_FIELDS, STEP_FIELDS, Recipe
+from kvdoctor.recipes.model import Recipe
+from kvdoctor.steps import REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUED_ABORT = (REPO / "repros" / "queued-abort.toml").read_text(encoding="utf-8")
@@ -31,7 +32,8 @@ FUZZ_STRUCTURED = settings(FUZZ, max_examples=150)
 SETUP_KEYS = ["block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_seqs",
               "max_num_batched_tokens", "max_model_len", "enable_chunked_prefill", "offload_prompt_only",
               "cpu_bytes_to_use", "spec_name", "kv_connector_extra_config", "model"]
-FIELD_KEYS = sorted({key for fields in STEP_FIELDS.values() for key in fields} | set(EXPECT_FIELDS))
+ACTIONS = tuple(REGISTRY)  # the step kinds, in declaration order
+FIELD_KEYS = sorted({key for kind in REGISTRY.values() for key in kind.fields})
 TABLE_KEYS = {
     "recipe": ["name", "summary", "bug", "title", "refs", "requires", "invariants"],
     "setup": SETUP_KEYS,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.errors import RecipeError
 from kvdoctor.explore.findings import known_bug
 from kvdoctor.matrix.data import coverage_class
@@ -90,7 +91,7 @@ def test_function_aliases_round_trip_and_refuse_a_bad_name(tmp_path):
 def report(api):
     from kvdoctor import app
 
-    return app.repro(NAME, {}, "all")
+    return app.repro(NAME, Overrides(), "all")
 
 
 def result(report, logic):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import builtin_names, load_builtin
+from kvdoctor.report.guards import guard_lines
 
 from .recipe_runs import bug_present, measured
 
@@ -36,7 +38,7 @@ N = Outcome.NOT_REPRODUCED
 def reports(api):
     """Each recipe under each scheduling mode, all logic variants, timelines recorded."""
     return {
-        (name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+        (name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
         for name in RECIPES
         for mode in MODES
     }
@@ -130,7 +132,7 @@ def test_the_guard_that_held_is_named(reports, api, name, mode):
     if not wanted:
         pytest.skip(f"no guard measured for {name} on this release")
     for logic, ref in wanted.items():
-        guards = result(reports, name, mode, logic).guards
+        guards = guard_lines(result(reports, name, mode, logic))
         assert any(g.startswith("B:") and ref in g for g in guards), (logic, guards)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import RecipeError, UsageError
 from kvdoctor.matrix import data
@@ -138,7 +139,7 @@ def test_cache_config_field_requirement_is_judged_by_the_adapter():
 
 @pytest.fixture(scope="module")
 def reports(api):
-    return {mode: app.repro(K7, {"async_scheduling": mode}, "all", record_timeline=True) for mode in MODES}
+    return {mode: app.repro(K7, Overrides(async_scheduling=mode), "all", record_timeline=True) for mode in MODES}
 
 
 def result(reports, mode, logic):
@@ -190,14 +191,14 @@ def test_k7_with_vllms_worker_is_refused_in_one_line(api):
     before vLLM is imported (on 0.26.0 vLLM's register_kv_caches asserted first: other_failure)."""
     with pytest.raises(UsageError, match="layout mamba-hybrid has a Mamba layer, and kvdoctor's toy model writes "
                                          "attention KV only"):
-        app.repro(K7, {"worker": "vllm", "device": "cpu"}, "installed")
+        app.repro(K7, Overrides(worker="vllm", device="cpu"), "installed")
 
 
 # -- the diverged hit (mamba-swa-diverged-hit-load): one run, checked against the measured table ------
 
 @pytest.fixture(scope="module")
 def diverged(api):
-    return app.repro(K7_DIVERGED, {}, "installed").results[0]
+    return app.repro(K7_DIVERGED, Overrides(), "installed").results[0]
 
 
 @pytest.mark.vllm

@@ -15,12 +15,13 @@ import pytest
 
 from kvdoctor import app
 from kvdoctor.engine.harness import StepEvents
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe.invariants import StepContext, check_all
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
 
-from .recipe_runs import LOGICS, assert_outcome, load_described_builtins, index_of, reproduced_runs, result, snap
+from .recipe_runs import LOGICS, assert_outcome, index_of, load_described_builtins, reproduced_runs, result, snap
 
 K5 = "eagle-final-chunk-unstored"
 K6 = "offload-keys-lag-blocks"
@@ -37,7 +38,7 @@ N = Outcome.NOT_REPRODUCED
 
 @pytest.fixture(scope="module")
 def reports(api):
-    return {(name, mode): app.repro(name, {"async_scheduling": mode}, "all", record_timeline=True)
+    return {(name, mode): app.repro(name, Overrides(async_scheduling=mode), "all", record_timeline=True)
             for name in RECIPES for mode in MODES}
 
 
@@ -171,7 +172,8 @@ def test_k11_violation_names_the_skipped_chunk(reports):
     for run in reproduced_runs(reports, K11, False):
         assert [v.invariant for v in run.violations] == ["readmitted-chunks-offered-again"]
         message = run.violations[0].message
-        assert "B (group 0), re-admitted after a preemption: its store cursor is at chunk 2 but it runs from 64 computed tokens" in message
+        assert ("B (group 0), re-admitted after a preemption: its store cursor is at chunk 2 but it runs from 64 "
+                "computed tokens") in message
         assert "chunk 1," in message
         last = run.timeline[-1]
         assert last.failed and last.action == "schedule" and last.events.scheduled_tokens.get("B")

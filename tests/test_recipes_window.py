@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.matrix.data import coverage_class
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import load_builtin
@@ -36,7 +37,7 @@ R, N = Outcome.REPRODUCED, Outcome.NOT_REPRODUCED
 
 @pytest.fixture(scope="module")
 def reports(api):
-    return {name: app.repro(name, {}, "all", record_timeline=True) for name in (K3, K12)}
+    return {name: app.repro(name, Overrides(), "all", record_timeline=True) for name in (K3, K12)}
 
 
 def result(reports, name, logic):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
 from tests.conftest import ROOT, run_cli
 
 LLAMA = str(Path(__file__).parent / "data" / "configs" / "llama-3.1-8b")
@@ -92,12 +93,12 @@ def test_audit_runs_the_rest_when_one_recipe_needs_more_than_the_users_settings(
     """--kv-offloading-size 64: the tiering recipe would map a 64 GiB tier (untested, with the reason); the
     others run (on the simulated worker where vLLM's cannot map it here, saying so). Was: exit 2, nothing run."""
     from kvdoctor.app import audit
-    from kvdoctor.engine.setup import available_memory_bytes
+    from kvdoctor.engine.memory import available_memory_bytes
 
     if (available_memory_bytes() or 0) > 64 << 30:
         pytest.skip("this machine holds a 64 GiB tier: nothing is refused")
     start = time.perf_counter()
-    report = audit(overrides={"cpu_bytes_to_use": 64 << 30}, default_worker="vllm")
+    report = audit(overrides=Overrides(cpu_bytes_to_use=64 << 30), default_worker="vllm")
     took = time.perf_counter() - start
     rows = {row.recipe.name: row for row in report.rows}
     tiering = rows["finished-after-finalize"].installed
@@ -116,9 +117,9 @@ def test_the_default_worker_is_vllms_at_a_real_models_geometry():
     """Issue 23's Llama-3.1-8B run (20,000 blocks of 2 MiB, a 64 GiB tier): vLLM's worker holds fingerprints, not
     the model's pages, so the CLI's default worker runs it (it fell back to the simulated one before).
     tests/test_memory_bound.py runs it and measures peak RSS."""
-    from kvdoctor.app import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
-    setup = resolve_setup(resolve("queued-abort"), {"model": LLAMA, "block_size": 16, "gpu_blocks": 20_000,
-                                                    "cpu_bytes_to_use": 64 << 30}, default_worker="vllm")
+    setup = resolve_setup(resolve("queued-abort"), Overrides(model=LLAMA, block_size=16, gpu_blocks=20_000,
+                                                    cpu_bytes_to_use=64 << 30), default_worker="vllm")
     assert setup.worker == "vllm" and setup.worker_fallback is None

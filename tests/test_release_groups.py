@@ -29,7 +29,7 @@ def test_known_releases_are_ordered_and_in_range():
     assert versions == sorted(set(versions))
     assert all(releases.in_supported_range(v) for v in versions)
     assert versions[0] == releases.SUPPORTED_MIN
-    assert releases.NEWEST_MEASURED == releases.KNOWN_RELEASES[-1]
+    assert releases.KNOWN_RELEASES[-1] == releases.NEWEST_MEASURED
 
 
 def test_readme_and_help_state_the_same_range():

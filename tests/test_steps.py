@@ -1,30 +1,39 @@
-"""The step registry: every kind a recipe may name is played by exactly one handler, which uses only
-what the kind declares it needs; an unregistered kind is kvdoctor's bug, never a silent no-op; and
-`docs/steps.md` is the registry's own table."""
+"""The step registry: every kind a recipe may name is declared once and played by exactly one handler,
+which uses only what the kind declares it needs; an unregistered kind is kvdoctor's bug, never a silent
+no-op; every declared kind is played, exported or refused (in one line naming the step) at every level;
+and `docs/steps.md` is the registry's own table."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from kvdoctor.errors import InternalError
 from kvdoctor.recipes.compile import ConcreteStep, NewRequest
-from kvdoctor.recipes.model import ACTIONS, STEP_FIELDS, Step
+from kvdoctor.recipes.model import Step
 from kvdoctor.steps import REGISTRY, ExpectationFailed, Need, StepTarget, markdown_table, play
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "steps.md"
 
 
-def test_every_kind_the_loader_accepts_has_a_handler():
-    missing = [kind for kind in ACTIONS if kind not in REGISTRY]
-    assert not missing, f"step kinds the recipe loader accepts but kvdoctor.steps cannot play: {missing}"
+def test_the_loader_accepts_exactly_the_declared_kinds():
+    """The loader's vocabulary is the registry: a declared kind gets past the action check (to its own fields'
+    checks), an undeclared one is refused naming every declared kind."""
+    from kvdoctor.errors import RecipeError
+    from kvdoctor.recipes.loader import load_recipe_text
 
-
-def test_every_handler_plays_a_kind_the_loader_accepts():
-    unreachable = [kind for kind in REGISTRY if kind not in ACTIONS]
-    assert not unreachable, f"handlers for kinds no recipe can name: {unreachable}"
+    head = '[recipe]\nname = "x"\nsummary = "y"\n[signature]\nexception = "E"\nfunction = "f"\n'
+    add = '[[step]]\naction = "add"\nrequest = "A"\nprompt_tokens = 4\n'
+    for kind in REGISTRY:
+        try:
+            load_recipe_text(head + add + f'[[step]]\naction = "{kind}"\n', "t.toml")
+        except RecipeError as exc:
+            assert "unknown action" not in str(exc), str(exc)
+    with pytest.raises(RecipeError, match="unknown action 'teleport' \\(expected one of " + ", ".join(REGISTRY)):
+        load_recipe_text(head + '[[step]]\naction = "teleport"\n', "t.toml")
 
 
 def test_every_kind_declares_needs_and_every_need_is_used_and_explained():
@@ -84,13 +93,12 @@ class _Recorder:
 
 
 def _sample_step(kind: str) -> ConcreteStep:
-    args = {key: ("A" if types[0] is str else 1) for key, (types, required) in STEP_FIELDS[kind].items()
-            if required}
+    args = {key: ("A" if spec.types[0] is str else 1) for key, spec in REGISTRY[kind].fields.items() if spec.required}
     requests = (NewRequest("A", (1, 2, 3), 8),) if kind == "add" else ()
     return ConcreteStep(1, 0, Step(kind, args, 7), requests)
 
 
-@pytest.mark.parametrize("kind", ACTIONS)
+@pytest.mark.parametrize("kind", list(REGISTRY))
 def test_a_handler_uses_exactly_what_its_kind_needs(kind):
     used: list[Need] = []
     recorder = _Recorder(used)
@@ -129,21 +137,166 @@ def test_a_failed_expectation_names_what_was_observed():
 def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
     """On the real scheduler: with `abort`'s handler gone, queued-abort cannot quietly end
     not_reproduced (the abort never happening); the run raises kvdoctor's internal error."""
-    from kvdoctor.app import resolve_setup
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.builtins import load_builtin
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})
     with pytest.raises(InternalError, match="'abort'.*has no handler"):
-        run_scenario(api, recipe, resolve_setup(recipe, {}), "installed")
+        run_scenario(api, recipe, resolve_setup(recipe), "installed")
 
 
 def test_docs_steps_table_is_generated_from_the_registry():
     table = markdown_table()
-    for kind in ACTIONS:
+    for kind in REGISTRY:
         assert f"| `{kind}` |" in table
     if os.environ.get("KVDOCTOR_UPDATE_DOCS") == "1":
         DOC.write_text(table)
     assert DOC.exists() and DOC.read_text() == table, (
         "docs/steps.md drifted from kvdoctor/steps.py: KVDOCTOR_UPDATE_DOCS=1 pytest tests/test_steps.py")
+
+
+# -- every kind has an answer at every level: played, exported, or refused in one line naming the step ---------
+
+LEVELS = ("scheduler", "core", "serve", "exported scheduler script", "exported serve script")
+
+
+def _one_of_each(kind: str):
+    """A queued-abort-shaped recipe around one step of `kind` (step 3, line 3; its required fields name A): the
+    serve level and its exported script take exactly such recipes."""
+    from kvdoctor.recipes.model import Recipe, Signature
+
+    args = {key: ("A" if spec.types[0] is str else 1) for key, spec in REGISTRY[kind].fields.items() if spec.required}
+    if REGISTRY[kind].admits:
+        args = {**args, "request": "C", "prompt_tokens": 4}
+    steps = (Step("add", {"request": "A", "prompt_tokens": 4}, 1), Step("add", {"request": "B", "prompt_tokens": 4}, 2),
+             Step(kind, args, 3), Step("schedule", {}, 4), Step("abort", {"request": "B"}, 5))
+    return Recipe(f"one-{kind}", "one step of a kind", Signature(exception="AssertionError", function="f"), steps)
+
+
+def _calls(kind: str) -> set[str]:
+    """The harness (and worker) calls `kind`'s handler makes."""
+    names: list[str] = []
+
+    class Record:
+        def __getattr__(self, name: str):
+            if name == "worker":
+                return self
+            if name == "num_workers":
+                return 2
+
+            def call(*_args, **_kwargs):
+                names.append(name)
+                if name == "snapshot":
+                    raise _Stop
+            return call
+
+    step = _sample_step(kind)
+    try:
+        play(step, StepTarget(Record(), Record()))
+    except _Stop:
+        pass
+    return set(names) - {"snapshot"}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", list(REGISTRY))
+def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, level: str) -> None:
+    """Parametrised over the registry: a new kind without an answer somewhere fails here. Refusals are one line
+    naming step 3 and the kind; what is played is checked to be played (never a silent skip)."""
+    import ast
+    import inspect
+
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.errors import UsageError
+    from kvdoctor.export.script import export_script, serve_recipe_data
+    from kvdoctor.levels import serve
+    from kvdoctor.levels.table import unexpressible, why_not
+    from kvdoctor.steps import Unsupported
+
+    recipe, setup, declared = _one_of_each(kind), Setup(worker="simulated"), REGISTRY[kind]
+    named = f"step 3 (line 3) `{kind}`"
+    if level in ("scheduler", "core"):
+        reasons = unexpressible(list(recipe.steps), level, async_scheduling=False)
+        if why_not(kind, level) is not None:
+            assert len(reasons) == 1 and reasons[0].startswith(named), reasons
+            return
+        assert reasons == []
+        from kvdoctor.engine.core.harness import CoreHarness
+        from kvdoctor.engine.harness import Harness
+        from kvdoctor.engine.workers.simulated import SimulatedTransfers
+
+        harness = Harness if level == "scheduler" else CoreHarness
+        for call in _calls(kind):  # each call the handler makes is the level's own, not a refusal
+            owner = harness if hasattr(harness, call) else SimulatedTransfers
+            assert hasattr(owner, call), f"{level} harness lacks {call!r}"
+            assert "raise UsageError" not in inspect.getsource(getattr(owner, call)), f"{level} refuses {call!r}"
+    elif level == "serve":
+        reasons = serve.unplayable(recipe, setup, "the client")
+        if declared.serve is None:
+            assert len(reasons) == 1 and reasons[0].startswith(named), reasons
+            return
+        assert reasons == []
+        events = [e.kind for e in serve.plan_traffic(recipe, setup)]
+        assert events[:2] == ["add", "add"] and events[-2:] == ["step", "abort"]
+        assert len(events) == 4 + len(declared.serve(_sample_step(kind)) if not declared.admits else [1])
+    elif level == "exported scheduler script":
+        if isinstance(declared.script, Unsupported):
+            with pytest.raises(UsageError, match=re.escape(f"--export-script cannot reproduce {named}: ")):
+                export_script(recipe, setup)
+            return
+        script = export_script(recipe, setup)
+        ast.parse(script)
+        assert f"    def play_{kind}(args):" in script and f'"{kind}": play_{kind}' in script
+    else:
+        if declared.serve is None:
+            with pytest.raises(UsageError, match=re.escape(f"cannot export {recipe.name}: {named} cannot be played")):
+                serve_recipe_data(recipe, setup)
+            return
+        data = serve_recipe_data(recipe, setup)
+        assert [e["kind"] for e in data["events"]] == [e.kind for e in serve.plan_traffic(recipe, serve.serve_setup(setup))]
+
+
+def test_a_kind_the_serve_level_meets_but_sends_nothing_for_is_kvdoctors_bug(monkeypatch) -> None:
+    """A declared kind without serve events is never left out of the traffic: refused by its needs, or an
+    internal error where the level would play it."""
+    import dataclasses
+
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.levels import serve
+
+    monkeypatch.setitem(REGISTRY, "abort", dataclasses.replace(REGISTRY["abort"], serve=None))
+    with pytest.raises(InternalError, match="'abort' .*no serve events"):
+        serve.plan_traffic(_one_of_each("schedule"), Setup(worker="simulated"))
+
+
+def test_the_harnesses_offer_the_protocol() -> None:
+    """Both levels' harnesses offer every call of the `Harness` protocol; the scheduler harness refuses an
+    engine pause in one line (its level refuses `pause` by its need first)."""
+    from kvdoctor.engine.core.harness import CoreHarness
+    from kvdoctor.engine.harness import Harness as SchedulerHarness
+    from kvdoctor.errors import UsageError
+    from kvdoctor.steps import Harness
+
+    calls = {name for name in vars(Harness) if not name.startswith("_")} | set(Harness.__annotations__)
+    for harness in (SchedulerHarness, CoreHarness):
+        missing = {name for name in calls if not hasattr(harness, name) and name not in ("requests", "worker")}
+        assert not missing, (harness.__name__, missing)
+    with pytest.raises(UsageError, match="--engine core"):
+        SchedulerHarness.pause(object.__new__(SchedulerHarness), "keep", False)
+
+
+def test_the_exported_script_embeds_the_one_simulated_worker_and_step_loop() -> None:
+    """No second definition: the exported script carries engine/worker.py's and engine/step_loop.py's code."""
+    import inspect
+
+    from kvdoctor.engine import step_loop, worker
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.export.script import export_script
+
+    script = export_script(_one_of_each("finish"), Setup(worker="simulated"))
+    for module in (worker, step_loop):
+        body = inspect.getsource(module).split('"""\n', 2)[2].strip()  # after the module docstring
+        assert body in script, module.__name__
+    assert "class Worker:" not in script  # the old hand-written copy

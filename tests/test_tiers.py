@@ -1,8 +1,8 @@
-"""Tiering with a secondary tier (issue 27, item 6): vLLM's TieringOffloadingSpec (every release
-installed here, 0.26.0 to 0.34.0) with its `fs` tier in kvdoctor's throw-away directory. The tiering manager cascades CPU-tier chunks to the fs tier and
-promotes them back (fs -> CPU) on a CPU-tier miss, all in the scheduler's process (the fs tier's own I/O
-threads, polled by the manager each step), so the real manager runs unchanged. Every assertion is on
-vLLM's objects. Cheap: two harness runs (with and without the fs tier) and one recipe replay per module."""
+"""Tiering with a secondary tier (issue 27, item 6): vLLM's TieringOffloadingSpec (every release installed here,
+0.26.0 to 0.34.0) with its `fs` tier in kvdoctor's throw-away directory. The tiering manager cascades CPU-tier
+chunks to the fs tier and promotes them back (fs -> CPU) on a CPU-tier miss, all in the scheduler's process (the
+fs tier's own I/O threads, polled by the manager each step), so the real manager runs unchanged. Every assertion
+is on vLLM's objects. Cheap: two harness runs (with and without the fs tier) and one recipe replay per module."""
 
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ import pytest
 
 from kvdoctor import app
 from kvdoctor.engine.harness import Harness
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.levels.scheduler import run_scenario
 from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import all_builtins, resolve
-from kvdoctor.scenario import run_scenario
 from tests.conftest import ROOT
 from tests.recipe_runs import bug_present, measured, measured_if_any
 
@@ -59,8 +60,8 @@ def vllm_runs(api):
     for recipe in all_builtins():
         if recipe.name not in WORKER_RECIPES:  # newer recipes: not yet measured with vLLM's worker
             continue
-        setup = app.resolve_setup(recipe, VLLM_CPU)
-        simulated = run_scenario(api, recipe, app.resolve_setup(recipe, {}), "installed")
+        setup = app.resolve_setup(recipe, Overrides(**VLLM_CPU))
+        simulated = run_scenario(api, recipe, app.resolve_setup(recipe), "installed")
         runs[recipe.name] = (run_scenario(api, recipe, setup, "installed"), simulated)
     return runs
 
@@ -127,7 +128,7 @@ HELD_STORE = str(ROOT / "tests" / "data" / "held-store-blocks-reused.toml")
 
 def test_held_store_over_reused_blocks_is_fenced(api):
     """Released code: the flush makes the worker copy A's bytes before B computes into the blocks."""
-    (result,) = app.repro(HELD_STORE, VLLM_CPU, "installed", record_timeline=True).results
+    (result,) = app.repro(HELD_STORE, Overrides(**VLLM_CPU), "installed", record_timeline=True).results
     assert result.outcome is NOT, result.detail
     reuse = [e for e in result.timeline if e.events and e.events.reused_while_storing]
     assert reuse and all(set(e.events.reused_while_storing) <= set(e.events.jobs_to_flush) for e in reuse)
@@ -135,13 +136,13 @@ def test_held_store_over_reused_blocks_is_fenced(api):
 
 def test_missing_fence_shows_as_stale_bytes(api):
     with fence_removed(api):
-        (result,) = app.repro(HELD_STORE, VLLM_CPU, "installed").results
+        (result,) = app.repro(HELD_STORE, Overrides(**VLLM_CPU), "installed").results
     assert result.outcome is REPRODUCED, result.detail or result.failure
     (first, *_) = [v for v in result.violations if v.invariant == "store-copies-computed-kv"]
     assert "store job #" in first.message and "A layer" in first.message
     assert "stale: bytes of request B position" in first.message
     # and the scope restored vLLM's method: the released code holds again
-    (again,) = app.repro(HELD_STORE, VLLM_CPU, "installed").results
+    (again,) = app.repro(HELD_STORE, Overrides(**VLLM_CPU), "installed").results
     assert again.outcome is NOT
 
 
@@ -149,7 +150,7 @@ def test_bytes_really_move_and_loads_return_them(api):
     """Store a prefix, reset the GPU prefix cache, reload it: loaded pages equal stored ones,
     and the reader's forward checks every slot it reads."""
     recipe = resolve("queued-abort")
-    setup = app.resolve_setup(recipe, {**VLLM_CPU, "gpu_blocks": 16})
+    setup = app.resolve_setup(recipe, Overrides(**VLLM_CPU, gpu_blocks=16))
     harness = Harness(api, setup)
     try:
         prompt = list(range(100, 124))
@@ -157,7 +158,7 @@ def test_bytes_really_move_and_loads_return_them(api):
         for _ in range(4):
             harness.step()
         assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8, 9, 10, 11], 2)
+        harness.add("B", [*prompt, 7, 8, 9, 10, 11], 2)
         findings = []
         for _ in range(5):
             findings += harness.step().content_findings
@@ -194,8 +195,9 @@ def test_async_recipes_end_as_with_the_simulated_worker(api, name):
     more step than the simulated worker takes. These recipes wait for it (before, their expect
     step or final check saw the store still in flight: setup_error / other_failure)."""
     recipe = resolve(name)
-    real = run_scenario(api, recipe, app.resolve_setup(recipe, {**VLLM_CPU, "async_scheduling": True}), "installed")
-    simulated = run_scenario(api, recipe, app.resolve_setup(recipe, {"async_scheduling": True}), "installed")
+    real_setup = app.resolve_setup(recipe, Overrides(**VLLM_CPU, async_scheduling=True))
+    real = run_scenario(api, recipe, real_setup, "installed")
+    simulated = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(async_scheduling=True)), "installed")
     assert real.outcome is simulated.outcome, (real.detail, simulated.detail)
     assert real.outcome in (REPRODUCED, NOT), real.detail
     assert not [v for v in real.violations if v.invariant in CONTENT_INVARIANTS], real.violations
@@ -211,8 +213,8 @@ def test_the_worker_holds_fingerprints_at_the_schedulers_geometry(api, name, gro
     keeps the slots the scheduler computes from the real pages; bytes still move and loads return them."""
     recipe = resolve("queued-abort")
     tier = 1 << 30
-    setup = app.resolve_setup(recipe, {**VLLM_CPU, "model": str(CONFIGS / name), "block_size": 16,
-                                       "gpu_blocks": 64, "cpu_bytes_to_use": tier})
+    setup = app.resolve_setup(recipe, Overrides(**{**VLLM_CPU, "model": str(CONFIGS / name), "block_size": 16,
+                                       "gpu_blocks": 64, "cpu_bytes_to_use": tier}))
     harness = Harness(api, setup)
     try:
         worker = harness.worker
@@ -234,7 +236,7 @@ def test_the_worker_holds_fingerprints_at_the_schedulers_geometry(api, name, gro
         for _ in range(4):
             harness.step()
         assert harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
-        harness.add("B", prompt + [7, 8], 2)
+        harness.add("B", [*prompt, 7, 8], 2)
         findings = []
         for _ in range(5):
             findings += harness.step().content_findings

@@ -8,10 +8,17 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.explore.generate import (
-    GEOMETRY_RANGES, WORKERS_DRAW, Example, Geometry, decode_workers, examples, to_recipe,
+    GEOMETRY_RANGES,
+    WORKERS_DRAW,
+    Example,
+    Geometry,
+    decode_workers,
+    examples,
+    to_recipe,
 )
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.writer import recipe_to_toml
@@ -117,7 +124,7 @@ def _failed_load(api, num_workers: int) -> tuple[str, int, int]:
             harness.step()
         harness.reset_prefix_cache(False, False)  # A's blocks leave the GPU cache: B's hit is the CPU tier's
         harness.worker.hold(kind="load")
-        harness.add("B", PROMPT + [7, 8], 4)
+        harness.add("B", [*PROMPT, 7, 8], 4)
         harness.step()
         assert harness.worker.in_flight, "B's load was not issued: nothing to fail"
         if num_workers > 1:
@@ -166,7 +173,7 @@ def test_a_draw_runs_on_the_real_scheduler_with_no_finding(explored):
 def test_the_draw_replays_from_its_file(explored):
     geometry, _, path = explored
     assert "num_workers = 2" in path.read_text() and "worker = 1" in path.read_text()
-    replay = application.repro(str(path), {}, "installed")
+    replay = application.repro(str(path), Overrides(), "installed")
     assert (replay.setup.num_workers, replay.setup.late_worker_steps) == (2, 2) == (
         geometry.num_workers, geometry.late_worker_steps)
     assert replay.results[0].outcome in (Outcome.NOT_REPRODUCED, Outcome.NOT_REACHED), replay.results[0].detail

@@ -15,6 +15,8 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli.audit_cmd import audit
+from kvdoctor.cli.cache_cmd import cache
+from kvdoctor.cli.check_cmd import check
 from kvdoctor.cli.diagnose_cmd import diagnose
 from kvdoctor.cli.explore_cmd import explore
 from kvdoctor.cli.inspect_cmd import inspect
@@ -56,7 +58,8 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
     (explore, ["kvdoctor explore --time-budget 60",
                "kvdoctor explore --logic fixed --workers 2 --out findings/"], {
         ExitStatus.NOT_REPRODUCED: "nothing found", ExitStatus.REPRODUCED: "a failure found (written under --out)",
-        ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete"}),
+        ExitStatus.SETUP_OR_OTHER_FAILURE: "nothing found, but a search worker failed: the search is incomplete",
+        ExitStatus.INCONCLUSIVE: "no example ran within the time budget: nothing was tested"}),
     (matrix, ["kvdoctor matrix queued-abort --vllm 0.26.0..0.34.0 --bisect",
               "kvdoctor matrix --audit --vllm 0.30.0,0.34.0"], {
         ExitStatus.NOT_REPRODUCED: "nothing reproduced on any release",
@@ -71,10 +74,17 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
                 "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"], {
         ExitStatus.NOT_REPRODUCED: "not reproduced, nothing to run (--no-run) or no crash in the log",
         ExitStatus.REPRODUCED: "the best match reproduces under the installed logic"}),
+    (check, ["kvdoctor check --model ./Llama-3.1-8B --kv-offloading-size 64 --block-size 16",
+             "kvdoctor check --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\","
+             "\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":8589934592,\"block_size\":48}}' --no-audit"], {
+        ExitStatus.NOT_REPRODUCED: "vLLM starts at these flags and no known bug reproduces at them",
+        ExitStatus.REPRODUCED: "vLLM starts, and a known bug reproduces at these flags"}),
     (version, ["kvdoctor version", "kvdoctor version --json"], {
         ExitStatus.NOT_REPRODUCED: "vLLM imports and every probe holds",
         ExitStatus.VLLM_UNAVAILABLE: "vLLM missing, broken on import or too old, or a probe fails (named, with "
                                      "what changed)"}),
+    (cache, ["kvdoctor cache", "kvdoctor cache --clear"], {
+        ExitStatus.NOT_REPRODUCED: "shown (or cleared)"}),
 ]
 
 
@@ -105,18 +115,24 @@ for _command, _examples, _meanings in COMMANDS:
 
 
 def main() -> None:
-    """The console script: caches in a scratch folder kvdoctor removes, and the prompt back as soon
-    as the output is flushed (see `kvdoctor.cli.teardown`); in-process callers use `app`."""
-    from kvdoctor.cli.teardown import exit_now, redirect_caches, remove_scratch
+    """The console script: caches in a scratch folder kvdoctor removes, SIGTERM answered as Ctrl-C is,
+    and the prompt back as soon as the output is flushed (see `kvdoctor.cli.teardown`); in-process
+    callers use `app`."""
+    from kvdoctor.clean_exit import Terminated, exit_now
+    from kvdoctor.cli.streams import guard_process_streams
+    from kvdoctor.cli.teardown import prepare, remove_scratch, terminated
 
-    redirect_caches()
+    guard_process_streams()  # a closed stderr never changes the exit code
     try:
+        prepare()
         app()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
+    except Terminated:  # every `finally` on the way here ran: a server stopped, temp folders removed
+        code = terminated()
     except BaseException:  # not one of kvdoctor's outcomes: Python's own report, but no scratch left
         remove_scratch()
         raise

@@ -8,7 +8,7 @@ which imports them: the CLI has no import circle. Cheap to import (Typer only).
 from __future__ import annotations
 
 import shlex
-from typing import Callable
+from collections.abc import Callable
 
 import typer
 

@@ -18,7 +18,11 @@ import typer
 from kvdoctor.cli import options as opt
 from kvdoctor.cli.common import command_line, run
 from kvdoctor.explore import (
-    DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_OUT, DEFAULT_SEED, DEFAULT_TIME_BUDGET,
+    DEFAULT_MAX_EVENTS,
+    DEFAULT_MAX_EXAMPLES,
+    DEFAULT_OUT,
+    DEFAULT_SEED,
+    DEFAULT_TIME_BUDGET,
 )
 
 SEARCH = "Search"
@@ -38,9 +42,13 @@ def explore(
         "--time-budget", help="Seconds of exploring at most, after vLLM is imported (a failure being "
                               "shrunk when it runs out gets up to 30 s more).",
         rich_help_panel=SEARCH)] = DEFAULT_TIME_BUDGET,
-    workers: Annotated[int, typer.Option(
-        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds).",
-        rich_help_panel=SEARCH)] = 1,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="Processes searching in parallel (one vLLM import each, distinct seeds); at most one "
+                          "a CPU and a ~1.5 GiB of available memory (more is refused). Default 1; with --ray, "
+                          "Ray tasks: one per slot of the cluster.",
+        rich_help_panel=SEARCH)] = None,
+    ray: opt.Ray = False,
+    ray_address: opt.RayAddress = None,
     max_events: Annotated[int, typer.Option(
         "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,
     worker: Annotated[str, typer.Option(
@@ -89,13 +97,15 @@ def explore(
         from kvdoctor.explore.search import ExploreConfig
 
         fmt = opt.output_format(output_format, json_out)
-        explore_app.validate(logic, max_examples, time_budget, workers, max_events, worker)
+        address = opt.ray_address(ray, ray_address)
+        asked = workers if workers is not None else (0 if ray else 1)  # 0: one per slot of the Ray cluster
+        explore_app.validate(logic, max_examples, time_budget, asked, max_events, worker, ray=address)
         opt.check_output_dir("--out", out)
         from kvdoctor.explore.aim import parse_aim
 
         aim = parse_aim(target, force or [], exclude_trigger)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
-                               max_events=max_events, workers=workers, worker=worker, triage=triage, **aim)
+                               max_events=max_events, workers=asked, worker=worker, triage=triage, ray=address, **aim)
         display = _Display(config, quiet_lines=fmt == "json")
         with display:
             report = explore_app.explore(config, out, command=command_line(),
@@ -106,6 +116,11 @@ def explore(
 
         output.show(Shown(renderables=lambda: _summary(report),
                           document=lambda: explore_app.explore_document(report)), fmt)
+        untested = explore_app.nothing_tested(report)
+        if untested is not None and not report.result.errors:
+            from kvdoctor.cli.streams import note
+
+            note(f"kvdoctor: {untested}")
         return explore_app.exit_status(report)
 
     run(action, opt.wants_json(output_format, json_out))
@@ -117,8 +132,10 @@ class _Display:
     def __init__(self, config: Any, quiet_lines: bool) -> None:
         from rich.console import Console
 
+        from kvdoctor.cli.streams import current
+
         self.config = config
-        self.console = Console(stderr=True, highlight=False)
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live_mode = self.console.is_terminal
         self.quiet_lines = quiet_lines
         self.live: Any = None
@@ -126,7 +143,7 @@ class _Display:
         self.found: list[Any] = []
         self.started = time.monotonic()
 
-    def __enter__(self) -> "_Display":
+    def __enter__(self) -> _Display:
         if self.live_mode:
             from rich.live import Live
 
@@ -163,22 +180,32 @@ class _Display:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column()
-        head = f"logic {config.logic} · seed {config.seed} · workers {config.workers}"
+        head = f"logic {config.logic} · seed {config.seed} · workers {config.workers or 'per Ray slot'}"
+        if config.ray is not None:
+            head += f" · Ray {config.ray}"
         if self.result is None:
             from kvdoctor.cli.progress import elapsed_text
 
             grid.add_row("explore", head + f" · importing vLLM… {elapsed_text(time.monotonic() - self.started)}")
             return grid
-        stats = self.result.stats
+        stats, config = self.result.stats, self.result.config  # sized: under Ray, by the cluster
+        head = f"logic {config.logic} · seed {config.seed} · workers {config.workers}"
+        if config.ray is not None:
+            head += f" · Ray {config.ray}"
         grid.add_row("explore", f"vLLM {self.result.vllm_version} · {head}")
         budget = "" if config.max_examples is None else f"/{config.max_examples * config.workers}"
         grid.add_row("examples", f"{stats.examples}{budget} (+{stats.shrink_examples} while shrinking)"
                                  + (f" · {stats.invalid} refused by vLLM" if stats.invalid else ""))
-        grid.add_row("speed", f"{stats.steps_per_second:,.0f} scheduler steps/s "
+        rate = stats.examples / stats.elapsed if stats.elapsed > 0 else 0.0
+        grid.add_row("speed", f"{rate:,.1f} examples/s, {stats.steps_per_second:,.0f} scheduler steps/s "
                               f"({stats.scheduler_steps:,} steps in {stats.elapsed:.1f} s "
                               f"of {config.time_budget:g} s; "
                               f"{max(config.time_budget - stats.elapsed, 0):.0f} s left)")
         grid.add_row("doing", stats.phase)
+        if config.ray is not None and self.result.workers:
+            nodes = sorted({w.node for w in self.result.workers})
+            grid.add_row("cluster", f"{len(self.result.workers)} of {config.workers} tasks ready on "
+                                    f"{len(nodes)} node(s): {', '.join(nodes)}")
         failures = Text(str(len(self.found)), style="bold red" if self.found else "green")
         grid.add_row("failures", failures)
         for finding in self.found:
@@ -200,8 +227,18 @@ def _summary(report: Any) -> list[Any]:
     out: list[Any] = [Text(line)]
     for error in result.errors:
         out.append(Text(f"warning: {error}", style="yellow"))
+    for lost in result.lost:
+        out.append(Text(f"warning: {lost}", style="yellow"))
+    if config.ray is not None and result.workers:
+        nodes = sorted({w.node for w in result.workers})
+        out.append(Text(f"{config.workers} Ray tasks on {len(nodes)} node(s): {', '.join(nodes)}"))
     if not report.findings:
-        out.append(Text("no failure found", style="green"))
+        if result.lost:
+            out.append(Text("no failure found in the part of the search that ran (incomplete: see the warnings)",
+                            style="yellow"))
+        else:
+            out.append(Text("no example ran: nothing tested" if stats.examples == 0 else "no failure found",
+                            style="yellow" if stats.examples == 0 else "green"))
         return out
     table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
                   box=box.SIMPLE, title_justify="left")
@@ -211,9 +248,9 @@ def _summary(report: Any) -> list[Any]:
         table.add_row(Text(finding.label), str(finding.steps),
                       f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
                       Text(finding.file or ""))
-    from kvdoctor.report.layout import Fit, Items
+    from kvdoctor.report.layout import Fit, Hanging, Items
 
-    blocks: list[Any] = [Text(table.title or "")]
+    blocks: list[Any] = [table.title if isinstance(table.title, Text) else Text(table.title or "")]
     for finding in report.findings:
         blocks.append(Items(finding.label.split(" "), prefix=" ", sep=" ", indent=4))
         blocks.append(Text(f"    {finding.steps} steps, after {finding.elapsed_s:.1f} s, "
@@ -222,19 +259,20 @@ def _summary(report: Any) -> list[Any]:
     from rich.console import Group
 
     out.append(Fit(table, Group(*blocks)))
-    for finding in report.findings:
-        out.append(Text(f"{finding.label}: {finding.detail}"
-                        + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else "")))
-        out.append(Text(f"    impact: {finding.impact.line}"))
+    for finding in report.findings:  # Hanging: wrapped lines keep their indent (plain text, not markup)
+        out.append(Hanging(f"{finding.label}: {finding.detail}"
+                           + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else ""),
+                           extra=4))
+        out.append(Hanging(f"    impact: {finding.impact.line}", extra=8))
         if finding.triage is not None:
-            style = "bold" if finding.triage.report else None
-            out.append(Text(f"    triage: {finding.triage.line}", style=style))
+            style = "bold" if finding.triage.report else ""
+            out.append(Hanging(f"    triage: {finding.triage.line}", extra=8, style=style))
             for note in finding.triage.diagnosis:
-                out.append(Text(f"    diagnosis: {note}"))
+                out.append(Hanging(f"    diagnosis: {note}", extra=8))
             if finding.triage.report:
-                out.append(Text(f"    report attachment: {finding.triage.report}"))
+                out.append(Hanging(f"    report attachment: {finding.triage.report}", extra=8))
     for note in report.notes:
-        out.append(Text(f"note: {note}", style="yellow"))
+        out.append(Hanging(f"note: {note}", extra=6, style="yellow"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
                     + (f" --logic {config.logic}" if config.logic != "installed" else "")))
     return out
@@ -244,12 +282,13 @@ def write_attachment(finding: Any, result: Any) -> str | None:
     """`kvdoctor repro FILE --report` for a candidate finding's recipe, with its triage, written beside
     the recipe (`<name>.report.md`); explore's application calls it, the formatting stays here."""
     from kvdoctor import app as application
+    from kvdoctor.engine.overrides import Overrides
     from kvdoctor.report.markdown import render_markdown, triage_markdown
 
     path = Path(finding.file)
     target = path.with_suffix(".report.md")
     replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
-    report = application.repro(str(path), {}, finding.logic, record_timeline=True, command=replay)
+    report = application.repro(str(path), Overrides(), finding.logic, record_timeline=True, command=replay)
     try:
         target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
                           encoding="utf-8")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 
@@ -66,6 +67,10 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
     from kvdoctor.cli import streams
 
     streams.begin_command()
+    return streams.settle_stdout(_run(action, json_out))
+
+
+def _run(action: Callable[[], int], json_out: bool) -> int:
     try:
         return int(action())
     except KvdoctorError as exc:
@@ -78,7 +83,7 @@ def run_guarded(action: Callable[[], int], json_out: bool = False) -> int:
         return _fail(exc.kind, message, exc.exit_code, json_out)
     except KeyboardInterrupt:
         return _fail("interrupted", "interrupted", ExitStatus.INTERRUPTED, json_out)
-    except Exception as exc:  # noqa: BLE001 - kvdoctor's own failure, reported as such
+    except Exception as exc:
         if debug_enabled():
             traceback.print_exc(file=_stderr())
         where = _innermost(exc)

@@ -7,7 +7,7 @@ cheap (Typer only); the run is `kvdoctor.app.repro` with a timeline recorded.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -24,7 +24,7 @@ def inspect(
     logic: Annotated[str, typer.Option("--logic", metavar="LOGIC",
                                        help="installed | fixed | unpatched (see kvdoctor repro --help)")
                      ] = "installed",
-    step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Show only step N.")] = None,
+    step: Annotated[int | None, typer.Option("--step", metavar="N", help="Show only step N.")] = None,
     serve: ServeFlags = ServeFlags(),
     json_out: opt.Json = False,
     output_format: opt.Format = None,
@@ -67,9 +67,10 @@ def inspect(
                     entry["timeline"] = [e for e in entry["timeline"] if e["index"] == step]
             return doc
 
-        code = exit_code_for(run_result.outcome)
+        code = exit_code_for(run_result)
+        output.note_untested_level(run_result, result.setup.engine)
         output.show_result("inspect", result, fmt, document,
-                           lambda res: timeline_renderables(run_result, step) + [verdict_table(res)], svg, report)
+                           lambda res: [*timeline_renderables(run_result, step), verdict_table(res)], svg, report)
         return code
 
     run(action, opt.wants_json(output_format, json_out))

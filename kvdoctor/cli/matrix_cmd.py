@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -21,9 +21,9 @@ RELEASES = "Releases"
 
 
 def matrix(
-    recipes: Annotated[Optional[list[str]], typer.Argument(
+    recipes: Annotated[list[str] | None, typer.Argument(
         help="Built-in recipe names or recipe .toml files.", show_default=False, metavar="RECIPE")] = None,
-    vllm: Annotated[Optional[str], typer.Option(
+    vllm: Annotated[str | None, typer.Option(
         "--vllm", help=f"Releases: a list (0.26.0,0.30.0) or an inclusive range (0.26.0..0.34.0) of "
                        f"{', '.join(KNOWN_RELEASES)}. Default: all of them.",
         rich_help_panel=RELEASES, show_default=False)] = None,
@@ -33,16 +33,18 @@ def matrix(
         "--bisect", help="Find the first release where each recipe stops reproducing (and the last where it "
                          "still does), testing as few releases as a binary search needs.",
         rich_help_panel=RELEASES)] = False,
-    env_dir: Annotated[Optional[Path], typer.Option(
+    env_dir: Annotated[Path | None, typer.Option(
         "--env-dir", envvar="KVDOCTOR_MATRIX_ENV_DIR",
         help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
+    ray: opt.Ray = False,
+    ray_address: opt.RayAddress = None,
     engine: opt.Engine = None,
     json_out: opt.Json = False,
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
-    write_data: Annotated[Optional[Path], typer.Option(
+    write_data: Annotated[Path | None, typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
                              "FILE (rows of the releases measured are replaced; each release is audited "
                              "twice, as is and under --async-scheduling; for kvdoctor's maintainers).",
@@ -57,7 +59,8 @@ def matrix(
         from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out)
-        level = opt.engine_override(engine)["engine"] or "scheduler"
+        address = opt.ray_address(ray, ray_address)
+        level = opt.engine_override(engine).engine or "scheduler"
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
         if write_data is not None and level != "scheduler":
@@ -71,7 +74,8 @@ def matrix(
         with _Display() as display:
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
                                        command=command_line(), progress=display.callbacks(),
-                                       audit_async=write_data is not None, engine=level)
+                                       audit_async=write_data is not None, engine=level,
+                                       ray=address)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown
@@ -96,25 +100,43 @@ def matrix(
     run(action, opt.wants_json(output_format, json_out))
 
 
+def count_text(completed: float, total: float | None) -> str:
+    """`3/8`, or `3 done` where the total is not known beforehand (bisect picks its next release as it
+    goes): never `0/None`."""
+    return f"{int(completed)}/{int(total)}" if total else f"{int(completed)} done"
+
+
+def _count_column() -> Any:
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class CountColumn(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(count_text(task.completed, task.total))
+
+    return CountColumn()
+
+
 class _Display:
     """A rich progress bar on stderr while environments are built; one line per step otherwise."""
 
     def __init__(self) -> None:
         from rich.console import Console
 
-        self.console = Console(stderr=True, highlight=False)
+        from kvdoctor.cli.streams import current
+
+        self.console = Console(stderr=True, highlight=False, width=current().width())
         self.live = self.console.is_terminal
         self.progress: Any = None
         self.build_task: Any = None
         self.run_task: Any = None
 
-    def __enter__(self) -> "_Display":
+    def __enter__(self) -> _Display:
         if self.live:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                     console=self.console, transient=True)
+                                     _count_column(), TimeElapsedColumn(), console=self.console, transient=True)
             self.progress.__enter__()
         return self
 

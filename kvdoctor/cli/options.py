@@ -3,88 +3,62 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import SERVE_FLAGS
 from kvdoctor.errors import UsageError
 
-GEOMETRY = "Serving geometry (overrides the recipe's [setup])"  # plain help: no markup to escape
-WORKER = "Worker side"
 OUTPUT = "Output"
 
-BlockSize = Annotated[Optional[int], typer.Option("--block-size", help="GPU KV block size in tokens.",
-                                                  rich_help_panel=GEOMETRY)]
-BlocksPerChunk = Annotated[Optional[int], typer.Option(
-    "--blocks-per-chunk", help="GPU blocks per offloaded chunk (offloaded block size / block size).",
-    rich_help_panel=GEOMETRY)]
-GpuBlocks = Annotated[Optional[int], typer.Option(
-    "--num-gpu-blocks-override", "--gpu-blocks", help="Number of GPU KV blocks (the pool size).",
-    rich_help_panel=GEOMETRY)]
-AsyncScheduling = Annotated[Optional[bool], typer.Option(
-    "--async-scheduling/--no-async-scheduling", help="Use AsyncScheduler (outputs applied one step late).",
-    rich_help_panel=GEOMETRY, show_default=False)]
-MaxBatchedTokens = Annotated[Optional[int], typer.Option(
-    "--max-num-batched-tokens", help="Token budget per step.", rich_help_panel=GEOMETRY)]
-MaxModelLen = Annotated[Optional[int], typer.Option(
-    "--max-model-len", help="Model context length in tokens (prompt + output); longer prompts are refused.",
-    rich_help_panel=GEOMETRY)]
-MaxNumSeqs = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Max running requests.",
-                                                   rich_help_panel=GEOMETRY)]
-ChunkedPrefill = Annotated[Optional[bool], typer.Option(
-    "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Chunked prefill.",
-    rich_help_panel=GEOMETRY, show_default=False)]
-PrefixCaching = Annotated[Optional[bool], typer.Option(
-    "--enable-prefix-caching/--no-enable-prefix-caching",
-    help="Prefix caching (CacheConfig.enable_prefix_caching; on by default, as the recipes assume).",
-    rich_help_panel=GEOMETRY, show_default=False)]
-KvOffloadingSize = Annotated[Optional[float], typer.Option(
-    "--kv-offloading-size", metavar="GIB",
-    help="vllm serve's short form for the offloading connector: the CPU tier's size in GiB. Builds the "
-         "KVTransferConfig vLLM builds for the native backend (OffloadingConnector, kv_role kv_both, "
-         "cpu_bytes_to_use = GIB * 2**30); merged into --kv-transfer-config when both are given. "
-         "vLLM releases without the flag take the --kv-transfer-config form instead.",
-    rich_help_panel=GEOMETRY)]
-KvOffloadingBackend = Annotated[Optional[str], typer.Option(
-    "--kv-offloading-backend", metavar="native",
-    help="With --kv-offloading-size: native (OffloadingConnector, the only backend kvdoctor drives).",
-    rich_help_panel=GEOMETRY)]
-KvTransferConfig = Annotated[Optional[str], typer.Option(
-    "--kv-transfer-config", help="JSON exactly as `vllm serve --kv-transfer-config` takes it.",
-    rich_help_panel=GEOMETRY)]
-Model = Annotated[Optional[Path], typer.Option(
-    "--model", help="A local model directory (config.json only is read; nothing is downloaded).",
-    rich_help_panel=GEOMETRY)]
-Worker = Annotated[Optional[str], typer.Option(
-    "--worker", help="vllm (default): vLLM's worker-role connector on real KV tensors with KV content checks | "
-                     "simulated: bookkeeping only, fastest. A recipe vLLM's worker cannot drive (MultiConnector, a "
-                     "Mamba layout) runs simulated unless --worker vllm is given, and says so.",
-    rich_help_panel=WORKER, show_default=False)]
-ModelRunner = Annotated[Optional[str], typer.Option(
-    "--model-runner", help="v1 | v2: the model runner whose connector calls --worker vllm follows and whose "
-                           "output the scheduler shapes (default: what a GPU deployment of this vLLM runs).",
-    rich_help_panel=WORKER, show_default=False)]
-Device = Annotated[Optional[str], typer.Option(
-    "--device", help="cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
-                     "worker does the copies; default cuda when torch sees a GPU).",
-    rich_help_panel=WORKER, show_default=False)]
-Engine = Annotated[Optional[str], typer.Option(
-    "--engine", help="scheduler (default): kvdoctor calls vLLM's scheduler itself, fastest | core: vLLM's "
-                     "EngineCore in-process calls it (requests, aborts and steps through the engine) | serve: a "
-                     "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (queued-abort-shaped "
-                     "recipes). A step a level cannot play makes the recipe not_applicable there, naming it.",
-    rich_help_panel=WORKER, show_default=False)]
+
+def serve_option(name: str) -> Any:
+    """The Typer option of serve flag `name`, built from its row of the one table (`SERVE_FLAGS`)."""
+    row = SERVE_FLAGS[name]
+    return typer.Option(*row.option_names(), help=row.help, metavar=row.metavar, rich_help_panel=row.panel,
+                        show_default=row.show_default)
+
+
+# The value types are written here for the type checker; `cli/serve_flags.py` checks them against the table.
+BlockSize = Annotated[int | None, serve_option("block_size")]
+BlocksPerChunk = Annotated[int | None, serve_option("blocks_per_chunk")]
+GpuBlocks = Annotated[int | None, serve_option("gpu_blocks")]
+AsyncScheduling = Annotated[bool | None, serve_option("async_scheduling")]
+MaxBatchedTokens = Annotated[int | None, serve_option("max_num_batched_tokens")]
+MaxModelLen = Annotated[int | None, serve_option("max_model_len")]
+MaxNumSeqs = Annotated[int | None, serve_option("max_num_seqs")]
+ChunkedPrefill = Annotated[bool | None, serve_option("enable_chunked_prefill")]
+PrefixCaching = Annotated[bool | None, serve_option("enable_prefix_caching")]
+KvOffloadingSize = Annotated[float | None, serve_option("kv_offloading_size")]
+KvOffloadingBackend = Annotated[str | None, serve_option("kv_offloading_backend")]
+KvTransferConfig = Annotated[str | None, serve_option("kv_transfer_config")]
+Model = Annotated[Path | None, serve_option("model")]
+Worker = Annotated[str | None, serve_option("worker")]
+ModelRunner = Annotated[str | None, serve_option("model_runner")]
+Device = Annotated[str | None, serve_option("device")]
+Engine = Annotated[str | None, serve_option("engine")]
+RAY = "Ray"
+Ray = Annotated[bool, typer.Option(
+    "--ray", help="Run the work as Ray tasks across a cluster (pip install 'kvdoctor[ray]'): a local Ray "
+                  "instance started and stopped for this run, or the cluster --ray-address names.",
+    rich_help_panel=RAY)]
+RayAddress = Annotated[str | None, typer.Option(
+    "--ray-address", metavar="ADDRESS", show_default=False,
+    help="With --ray: auto (the cluster this machine joined: ray start, KubeRay), HOST:PORT or ray://HOST:PORT. "
+         "Default: a local instance.", rich_help_panel=RAY)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
                                     rich_help_panel=OUTPUT)]
-Format = Annotated[Optional[str], typer.Option(
+Format = Annotated[str | None, typer.Option(
     "--format", metavar="FORMAT", help="text (default) | json | markdown | svg: how the result is printed on "
                                        "stdout (markdown: the --report attachment; svg: the tables as an image).",
     rich_help_panel=OUTPUT, show_default=False)]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show each row's detail (refs, signature, "
                                                                 "what to do next).", rich_help_panel=OUTPUT)]
-ReportFile = Annotated[Optional[Path], typer.Option(
+ReportFile = Annotated[Path | None, typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
-SvgFile = Annotated[Optional[Path], typer.Option(
+SvgFile = Annotated[Path | None, typer.Option(
     "--svg", help="Save the rendered tables as SVG to FILE.", rich_help_panel=OUTPUT)]
 
 
@@ -141,31 +115,28 @@ def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu
                        kv_transfer_config: str | None, model: Path | None,
                        enable_prefix_caching: bool | None = None, kv_offloading_size: float | None = None,
                        kv_offloading_backend: str | None = None, max_model_len: int | None = None
-                       ) -> dict[str, Any]:
+                       ) -> Overrides:
     """Flags given on the command line, as `Setup` overrides (None = keep the recipe's)."""
-    from kvdoctor.engine.setup import parse_kv_transfer_config
+    from kvdoctor.engine.serve_args import parse_kv_transfer_config
 
     kv_transfer_config = kv_offloading_transfer_config(kv_offloading_size, kv_offloading_backend,
                                                        kv_transfer_config)
-    overrides: dict[str, Any] = {
-        "block_size": block_size, "blocks_per_chunk": blocks_per_chunk, "gpu_blocks": gpu_blocks,
-        "async_scheduling": async_scheduling, "max_num_batched_tokens": max_num_batched_tokens,
-        "max_num_seqs": max_num_seqs, "enable_chunked_prefill": enable_chunked_prefill,
-        "enable_prefix_caching": enable_prefix_caching,
-        "max_model_len": max_model_len,
-    }
-    for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
-                 "max_model_len"):
-        value = overrides[name]
+    sizes = {"block_size": block_size, "blocks_per_chunk": blocks_per_chunk, "gpu_blocks": gpu_blocks,
+             "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+             "max_model_len": max_model_len}
+    for name, value in sizes.items():
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    if model is not None:
-        if not model.is_dir():
-            raise UsageError(f"--model {model}: not a directory (kvdoctor reads a local config.json, never downloads)")
-        overrides["model"] = str(model)
+    if model is not None and not model.is_dir():
+        raise UsageError(f"--model {model}: not a directory (kvdoctor reads a local config.json, never downloads)")
+    given = Overrides(block_size=block_size, blocks_per_chunk=blocks_per_chunk, gpu_blocks=gpu_blocks,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      max_model_len=max_model_len, async_scheduling=async_scheduling,
+                      enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+                      model=None if model is None else str(model))
     if kv_transfer_config is not None:
-        overrides.update(parse_kv_transfer_config(kv_transfer_config))
-    return overrides
+        given = given.merged(parse_kv_transfer_config(kv_transfer_config))
+    return given
 
 
 def output_format(fmt: str | None, json_out: bool, svg: Path | None = None) -> str:
@@ -236,11 +207,11 @@ def _writable(target: Path) -> bool:
 DEFAULT_WORKER = "vllm"
 
 
-def worker_overrides(worker: str | None, model_runner: str | None, device: str | None) -> dict[str, Any]:
+def worker_overrides(worker: str | None, model_runner: str | None, device: str | None) -> Overrides:
     """--worker / --model-runner / --device as `Setup` overrides, checked before vLLM is imported.
 
     Without --worker, `worker` stays None: the command passes `DEFAULT_WORKER` to the setup resolution
-    (`app.resolve_setup`), where a recipe's own `worker` key wins over it and a recipe vLLM's worker
+    (`resolution.resolve_setup`), where a recipe's own `worker` key wins over it and a recipe vLLM's worker
     cannot drive falls back to the simulated one, visibly."""
     from kvdoctor.engine.setup import WORKERS
 
@@ -250,13 +221,28 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
             raise UsageError(f"{flag} must be one of {'|'.join(allowed)}, got {value!r}")
     if device is not None and (worker or DEFAULT_WORKER) != "vllm":
         raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
-    return {"worker": worker, "model_runner": model_runner, "device": device}
+    return Overrides(worker=worker, model_runner=model_runner, device=device)
 
 
-def engine_override(engine: str | None) -> dict[str, Any]:
+def ray_address(ray: bool, address: str | None) -> str | None:
+    """Where `--ray` runs ("local": an instance of its own; None: no Ray), refused in one line (exit 2) before
+    anything starts where the flags disagree or Ray is not installed."""
+    if address is not None and not ray:
+        raise UsageError("--ray-address needs --ray")
+    if not ray:
+        return None
+    if address is not None and not address.strip():
+        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
+    from kvdoctor.explore.ray_pool import import_ray
+
+    import_ray()  # without the extra: one line naming it
+    return address or "local"
+
+
+def engine_override(engine: str | None) -> Overrides:
     """--engine as a `Setup` override, checked before vLLM is imported."""
-    from kvdoctor.engine.core.levels import LEVELS
+    from kvdoctor.levels.table import LEVELS
 
     if engine is not None and engine not in LEVELS:
         raise UsageError(f"--engine must be one of {'|'.join(LEVELS)}, got {engine!r}")
-    return {"engine": engine}
+    return Overrides(engine=engine)

@@ -96,6 +96,21 @@ def write_output(path: Path, text: str, flag: str, what: str | None = None, whol
     return []
 
 
+def note_untested_level(result: Any, engine: str) -> None:
+    """One line on stderr when a run's result is not_applicable only because its engine level cannot
+    play the recipe (exit 6): the verdict says why in full; this says what to do."""
+    if not getattr(result, "unplayable", False):
+        return
+    import re
+
+    from kvdoctor.cli.streams import note
+
+    steps = list(dict.fromkeys(re.findall(r"`([a-z_]+)`", result.detail or "")))
+    what = f"its {', '.join(steps)} step(s)" if steps else "its setup"
+    note(f"kvdoctor: not tested: --engine {engine} cannot play {what}; the bug may still be in this vLLM "
+         f"(run it at --engine scheduler, the default)")
+
+
 def show_result(command: str, result: Any, output_format: str, document: Any, renderables: Any,
                 svg: Path | None, report: Path | None) -> None:
     """A run's result (repro, inspect, audit) on stdout in `--format`'s format (and as SVG), then its

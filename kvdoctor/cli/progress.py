@@ -19,7 +19,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 REDRAW_S = 0.25
 _CLEAR = "\r\x1b[2K"
@@ -55,11 +55,13 @@ class Progress:
         self.total = total
         self.done = 0
         self.label = label
+        self.stream: IO[str]
         if stream is None:
             from kvdoctor.cli.streams import current
 
-            stream = current().stderr_stream
-        self.stream = stream
+            self.stream = current().stderr_stream
+        else:
+            self.stream = stream
         self.enabled = enabled_for(self.stream) if enabled is None else enabled
         self.started = time.monotonic()
         self._lock = threading.Lock()
@@ -107,13 +109,17 @@ class Progress:
         text = self.line()
         if len(text) > width - 1:
             text = text[:max(width - 2, 1)] + "…"
+        show_status = getattr(self.stream, "show_status", None)  # the real stderr: others' lines clear it
         with self._draw_lock:
-            if text == self._shown:
+            if text == self._shown and getattr(self.stream, "status_shown", True):
                 return
             self._shown = text
             try:
-                self.stream.write(_CLEAR + text)
-                self.stream.flush()
+                if show_status is not None:
+                    show_status(text)
+                else:
+                    self.stream.write(_CLEAR + text)
+                    self.stream.flush()
             except (OSError, ValueError):  # the terminal went away: stop drawing, never fail the command
                 self.enabled = False
 
@@ -121,7 +127,7 @@ class Progress:
         while not self._stop.wait(REDRAW_S):
             self._draw()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled:
             self._draw()
             self._thread = threading.Thread(target=self._tick, name="kvdoctor-progress", daemon=True)
@@ -141,7 +147,7 @@ class Progress:
         if self.enabled:
             with self._draw_lock:
                 try:
-                    self.stream.write(_CLEAR)
+                    self.stream.write(_CLEAR)  # the real stderr: clears it and forgets the line
                     self.stream.flush()
                 except (OSError, ValueError):
                     pass

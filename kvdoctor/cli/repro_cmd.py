@@ -8,7 +8,7 @@ cheap (Typer only); the work is in `kvdoctor.app`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -25,7 +25,7 @@ LOGIC_HELP = ("installed | fixed | unpatched | all. installed: vLLM's own storab
 
 @with_serve_flags
 def repro(
-    recipe: Annotated[Optional[str], typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
+    recipe: Annotated[str | None, typer.Argument(help="A built-in recipe name or a path to a recipe .toml.",
                                                     show_default=False, metavar="RECIPE")] = None,
     list_recipes: Annotated[bool, typer.Option("--list", help="List the built-in recipes (one line each) and exit; "
                                                               "with RECIPE, show that one in full.")] = False,
@@ -36,7 +36,7 @@ def repro(
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
-    export_script: Annotated[Optional[Path], typer.Option(
+    export_script: Annotated[Path | None, typer.Option(
         "--export-script", help="Write a standalone Python script (vLLM APIs only) that reproduces the recipe, "
                                 "and exit.", rich_help_panel=opt.OUTPUT)] = None,
 ) -> None:
@@ -79,8 +79,9 @@ def repro(
         from kvdoctor.report.json_doc import repro_document
         from kvdoctor.report.tables import repro_renderables
 
-        code = exit_code_for(result.decisive.outcome)
+        code = exit_code_for(result.decisive)
         output.show_result("repro", result, fmt, repro_document, repro_renderables, svg, report)
+        output.note_untested_level(result.decisive, result.setup.engine)
         return code
 
     run(action, opt.wants_json(output_format, json_out))
@@ -94,9 +95,11 @@ def list_builtins(fmt: str, verbose: bool, name: str | None) -> int:
     recipes = [resolve(name)] if name is not None else all_builtins()
 
     def document() -> dict:
+        from kvdoctor import __version__
         from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
 
-        return {"schema_version": SCHEMA_VERSION, "recipes": [recipe_dict(r) for r in recipes]}
+        return {"schema_version": SCHEMA_VERSION, "kvdoctor_version": __version__,
+                "recipes": [recipe_dict(r) for r in recipes]}
 
     def renderables() -> list[Any]:
         from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables

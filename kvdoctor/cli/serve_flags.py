@@ -5,8 +5,9 @@ signature let them drift (audit lacked `--engine`); here `ServeFlags` is the one
 declaration (each field's annotation is its Typer option, from `options`), and
 `with_serve_flags` puts them into a command's signature where its `serve: ServeFlags`
 parameter stands, so Typer sees ordinary options and the command gets one value.
-`overrides` turns that value into the `Setup` overrides, checked before vLLM is
-imported. Cheap to import (Typer only).
+`overrides` turns that value into the `Setup` overrides (`engine.overrides.Overrides`),
+checked before vLLM is imported. The flags themselves (names, help, types) are rows of
+the one serve-flag table, `engine/serve_args.SERVE_FLAGS`. Cheap to import (Typer only).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, get_type_hints
 
 from kvdoctor.cli import options as opt
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import CLI_FLAGS
 
 PARAMETER = "serve"  # the parameter a command names to receive the flags
 
@@ -45,27 +48,34 @@ class ServeFlags:
 
 
 # Each flag, by name, -> the check in `options` that turns it into `Setup` overrides (the geometry and
-# connector flags, the worker side, the engine level). Flags are passed by keyword, so adding one cannot
-# shift the others; a flag missing from this table is refused when the module is imported.
-FLAG_CHECKS: dict[str, str] = {
-    **dict.fromkeys(("block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_batched_tokens",
-                     "max_num_seqs", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
-                     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "model"), "geometry"),
-    **dict.fromkeys(("worker", "model_runner", "device"), "worker"),
-    "engine": "engine",
-}
-_CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
+# connector flags, the worker side, the engine level): the table's `check` column. Flags are passed by
+# keyword, so adding one cannot shift the others.
+FLAG_CHECKS: dict[str, str] = {row.name: row.check for row in CLI_FLAGS}
+_CHECKS: dict[str, Callable[..., Overrides]] = {
     "geometry": opt.geometry_overrides, "worker": opt.worker_overrides, "engine": opt.engine_override}
-if set(FLAG_CHECKS) != {f.name for f in fields(ServeFlags)}:  # pragma: no cover - guards the table itself
-    raise TypeError(f"serve flags without a check: {sorted({f.name for f in fields(ServeFlags)} ^ set(FLAG_CHECKS))}")
 
 
-def overrides(flags: ServeFlags) -> dict[str, Any]:
+def _check_against_the_table() -> None:
+    """`ServeFlags` lists the table's CLI flags, in its order, each with the table's value type."""
+    names = [f.name for f in fields(ServeFlags)]
+    if names != [row.name for row in CLI_FLAGS] or set(FLAG_CHECKS) != set(names):  # pragma: no cover
+        raise TypeError(f"ServeFlags {names} against the serve-flag table {[row.name for row in CLI_FLAGS]}")
+    hints = get_type_hints(ServeFlags)
+    for row in CLI_FLAGS:
+        if hints[row.name] != (row.type | None):  # pragma: no cover - guards the annotations
+            raise TypeError(f"ServeFlags.{row.name} is {hints[row.name]}; the serve-flag table says {row.type}")
+
+
+_check_against_the_table()
+
+
+def overrides(flags: ServeFlags) -> Overrides:
     """The flags as `Setup` overrides (geometry, worker side, engine level), refused with a
     `UsageError` when one is out of range."""
-    result: dict[str, Any] = {}
+    result = Overrides()
     for name, check in _CHECKS.items():
-        result.update(check(**{flag: getattr(flags, flag) for flag, which in FLAG_CHECKS.items() if which == name}))
+        result = result.merged(
+            check(**{flag: getattr(flags, flag) for flag, which in FLAG_CHECKS.items() if which == name}))
     return result
 
 

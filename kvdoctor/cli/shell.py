@@ -12,8 +12,10 @@ Cheap to import: Typer only (rich is imported when something is shown).
 
 from __future__ import annotations
 
+import itertools
 import sys
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -114,20 +116,28 @@ class KvGroup(TyperGroup):
     def get_params(self, ctx: Any) -> list[Any]:
         return [_without_bool_metavar(p) if p.param_type_name == "option" else p for p in super().get_params(ctx)]
 
-    def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
-             standalone_mode: bool = True, **extra: Any) -> Any:
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         from kvdoctor.cli.streams import current, note
 
         argv = list(current().arguments if args is None else args)
         argv = accept_serve_flags(argv)
         try:
             code = super().main(argv, prog_name=prog_name or "kvdoctor", complete_var=complete_var,
-                                standalone_mode=False, **extra)
+                                standalone_mode=False, windows_expand_args=windows_expand_args, **extra)
         except ClickException as exc:
             code = _click_error(exc, argv)
         except (typer.Abort, KeyboardInterrupt, EOFError):
             note("kvdoctor: interrupted")
             code = ExitStatus.INTERRUPTED
+        except OSError as exc:  # click writing --help into a full disk (a closed pipe is below)
+            if isinstance(exc, BrokenPipeError):
+                raise
+            from kvdoctor.cli.streams import current, silence_stdout
+
+            silence_stdout()
+            current().stdout_failure = f"stdout: {exc.strerror or exc}"
+            code = ExitStatus.NOT_REPRODUCED
         except SystemExit as exc:
             # typer turns a BrokenPipeError that reaches it (click writing --help or --version
             # into a closed pipe) into exit 1; those print and exit 0, so 0 is what they earned.
@@ -139,6 +149,9 @@ class KvGroup(TyperGroup):
             silence_stdout()
             code = ExitStatus.NOT_REPRODUCED
         code = int(code or 0) if isinstance(code, int) else 0
+        from kvdoctor.cli.streams import settle_stdout
+
+        code = settle_stdout(code)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -176,7 +189,7 @@ def json_requested(argv: list[str]) -> bool:
     args = argv[:argv.index("--")] if "--" in argv else argv
     if "--json" in args or "--format=json" in args:
         return True
-    return any(a == "--format" and b == "json" for a, b in zip(args, args[1:]))
+    return any(a == "--format" and b == "json" for a, b in itertools.pairwise(args))
 
 
 # -- serve flags that do not reach the scheduler ----------------------------------------------

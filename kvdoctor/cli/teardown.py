@@ -1,18 +1,24 @@
-"""The real `kvdoctor` process: nothing left behind, and the prompt back once the output is out.
+"""The real `kvdoctor` process: nothing left behind, a SIGTERM answered, and the prompt back once the
+output is out.
 
-- torch and vLLM write caches on import and on `--model` runs (an empty `torchinductor_<user>`
-  in $TMPDIR, `~/.cache/vllm/modelinfos`). `redirect_caches` points them at one scratch folder
-  (env vars read when torch and vLLM are imported, so it runs first) and `exit_now` removes it.
-  A cache the user pointed somewhere themselves is left where they put it. Child processes
-  (explore's workers, matrix's runs in other environments) inherit the folder; only the process
-  that named it removes it.
-- The interpreter's teardown after importing vLLM takes 3-16 s (module finalisation, not atexit
-  handlers, which take milliseconds). `exit_now` flushes stdout/stderr, runs the atexit handlers
-  (logging's flush and close, multiprocessing's joins, tempfile's clean-ups), removes the scratch
-  folder, then ends the process with `os._exit`, skipping only the finalisation.
+- What is worth keeping is kept in kvdoctor's own cache directory (`kvdoctor.user_cache`: vLLM's
+  model-info cache, without which every run pays a second vLLM import); everything else a run
+  writes goes into one scratch folder removed at exit: torch's and Triton's caches (an empty
+  `torchinductor_<user>` otherwise) and the ZMQ sockets of a `vllm serve` child
+  (`VLLM_RPC_BASE_PATH`, three zero-byte sockets in $TMPDIR otherwise). These are variables read
+  when torch and vLLM are imported or the server starts, so `prepare` runs first. A cache the
+  user pointed somewhere themselves is left where they put it. Child processes (explore's workers,
+  matrix's runs in other environments, the server) inherit the folder; only the process that
+  made it removes it.
+- SIGTERM (a `timeout`, a CI runner) raises `Terminated` where the process is, so every `finally`
+  runs as on Ctrl-C (a server child stopped, temp folders removed); the command ends with one line
+  and exit 143 (128 + SIGTERM, what a shell reports for it). A second SIGTERM waits for that.
+- The interpreter's teardown after importing vLLM takes seconds: the process ends with
+  `clean_exit.exit_now` (flush, the atexit handlers, the scratch folder's removal among them,
+  then `os._exit`), as the exported scripts do.
 
 Only `kvdoctor.cli.app.main` (the console script and `python -m kvdoctor`) calls these; tests
-that call the Typer app in-process keep their interpreter.
+that call the Typer app in-process keep their interpreter and its signal handlers.
 """
 
 from __future__ import annotations
@@ -20,27 +26,34 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import sys
 import tempfile
-import uuid
+
+from kvdoctor.clean_exit import TERMINATED_EXIT, raise_on_sigterm, throwaway_paths
+from kvdoctor.user_cache import keep_vllm_cache
 
 SCRATCH_ENV = "KVDOCTOR_SCRATCH_DIR"  # set by the process that owns the folder; children reuse it
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")
 
 _owned: str | None = None
 
 
+def prepare() -> str:
+    """Answer SIGTERM, then redirect the caches (see the module's docstring); the scratch folder."""
+    raise_on_sigterm()
+    return redirect_caches()
+
+
 def redirect_caches() -> str:
-    """Name a scratch folder (created only by whoever writes into it) and point the caches at it."""
+    """Make (or reuse) the scratch folder and point torch's, Triton's and vLLM's throw-away paths at it;
+    vLLM's model-info cache at kvdoctor's cache directory."""
     global _owned
     scratch = os.environ.get(SCRATCH_ENV)
-    if not scratch:
-        scratch = os.path.join(tempfile.gettempdir(), f"kvdoctor-scratch-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    if not scratch or not os.path.isdir(scratch):
+        scratch = tempfile.mkdtemp(prefix="kvdoctor-scratch-")  # 0700, unique, short (socket paths)
         os.environ[SCRATCH_ENV] = scratch
         _owned = scratch
-    for name in CACHE_ENV:
-        if not os.environ.get(name):  # a cache the user placed stays theirs
-            os.environ[name] = os.path.join(scratch, name.lower())
+        atexit.register(remove_scratch)  # the last handler to run (they run last in, first out)
+    keep_vllm_cache()  # first: the model-info cache is kept, in kvdoctor's cache directory
+    throwaway_paths(scratch, os.environ, temp=False)  # kvdoctor's own temp folders are removed by their makers
     return scratch
 
 
@@ -51,20 +64,19 @@ def remove_scratch() -> None:
         _owned = None
 
 
-def exit_now(code: int) -> None:
-    """Flush, run the atexit handlers, remove the scratch folder, and end the process at once."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be written anyway
-            pass
+def terminated() -> int:
+    """The one line (and, under --json, the error document) a SIGTERM ends the command with; its code."""
+    from kvdoctor.cli import streams
+    from kvdoctor.cli.shell import json_requested
+
+    message = "terminated (SIGTERM): the run was stopped"
     try:
-        atexit._run_exitfuncs()  # noqa: SLF001 - the handlers a normal exit would run
-    finally:
-        remove_scratch()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        streams.note(f"kvdoctor: error: {message}")
+        if json_requested(streams.current().arguments) and not streams.document_written():
+            from kvdoctor.cli.failures import error_document
+            from kvdoctor.report.json_doc import dumps
+
+            streams.write_document(dumps(error_document("terminated", message, TERMINATED_EXIT)))
+    except (OSError, ValueError):  # the reader is gone too: the code still says what happened
+        pass
+    return TERMINATED_EXIT

@@ -14,10 +14,12 @@ def version(json_out: opt.Json = False) -> None:
     version only); this command imports vLLM."""
 
     def action() -> int:
-        from kvdoctor.cli.streams import write_document, write_stdout
+        from kvdoctor.cli.progress import Progress
+        from kvdoctor.cli.streams import current, write_document, write_stdout
         from kvdoctor.version_report import version_report
 
-        report = version_report()
+        with Progress("version", label="importing vLLM and running kvdoctor's probes"):  # ~19 s, on a terminal
+            report = version_report()
         if json_out:
             from kvdoctor.report.json_doc import SCHEMA_VERSION, dumps
 
@@ -25,7 +27,7 @@ def version(json_out: opt.Json = False) -> None:
         else:
             from kvdoctor.report.version import version_text
 
-            write_stdout(version_text(report) + "\n")
+            write_stdout(version_text(report, current().width() or 80) + "\n")
         return report.exit_code
 
     from kvdoctor.cli.failures import run_guarded

@@ -14,8 +14,18 @@ from kvdoctor.diagnose.kinds import ENGINE, GENERIC_FRAMES, CrashKind, classify
 from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log
 from kvdoctor.diagnose.reader import LogSummary, read_log
 from kvdoctor.diagnose.traceback import display_path
+from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
 from kvdoctor.errors import ExitStatus, UsageError, VllmUnavailableError
+from kvdoctor.export.script import export_script
+from kvdoctor.installed import vllm_version
+from kvdoctor.levels.scheduler import run_scenario
+from kvdoctor.matrix.known import fixed_in
+from kvdoctor.outcome_codes import exit_code_for
+from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.recipes.writer import recipe_to_toml
+from kvdoctor.resolution import resolve_setup
+from kvdoctor.results import RunResult
 
 MAX_RUNS = 3  # matched recipes run at most: the simplest recipe of each best-ranked bug, in bug order
 # Above these a geometry is production-sized: it is scaled down to the limit (and said). The
@@ -31,12 +41,12 @@ class RecipeRun:
     recipe: Any  # Recipe
     setup: Any  # Setup
     geometry: str  # "log" (the log's geometry, scaled) | "recipe" (the recipe's own)
-    results: list[Any] = field(default_factory=list)  # RunResult, installed first
-    log_geometry_attempt: list[Any] = field(default_factory=list)  # results under the log geometry, if replaced
+    results: list[RunResult] = field(default_factory=list)  # installed first
+    log_geometry_attempt: list[RunResult] = field(default_factory=list)  # results under the log geometry, if replaced
     log_geometry_problem: str = ""
 
     @property
-    def installed(self) -> Any:
+    def installed(self) -> RunResult | None:
         return next((r for r in self.results if r.logic == "installed"), self.results[0] if self.results else None)
 
 
@@ -125,45 +135,30 @@ class DiagnoseReport:
         installed = self.runs[0].installed
         if installed is None:
             return ExitStatus.NOT_REPRODUCED
-        from kvdoctor.outcome_codes import exit_code_for
 
-        return exit_code_for(installed.outcome)
+        return exit_code_for(installed)
 
 
-def scale_geometry(geometry: MappedGeometry) -> tuple[dict[str, Any], list[str]]:
+def scale_geometry(geometry: MappedGeometry) -> tuple[Overrides, list[str]]:
     """The log's overrides with production-sized values dropped (the recipe's are used), and what was dropped."""
-    overrides = dict(geometry.overrides)
+    overrides = geometry.overrides
     notes = []
     for name, limit in TOY_LIMITS.items():
-        value = overrides.get(name)
+        value = getattr(overrides, name)
         if isinstance(value, int) and value > limit:
-            overrides[name] = limit
+            overrides = overrides.replaced(**{name: limit})
             notes.append(f"{name} {value:,} is production-sized: scaled down to {limit:,}")
     return overrides, notes
-
-
-def _installed_version() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def fixing_releases(recipes: list[Any]) -> dict[str, Any]:
     """Per recipe: the first measured release where it stops reproducing and the last where it does
     (`kvdoctor matrix` measurements, `kvdoctor/data/release_outcomes.toml`); None when unknown."""
-    from kvdoctor.matrix.known import fixed_in
-
     return {recipe.name: fixed_in(recipe.name) for recipe in recipes}
 
 
-def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], logics: list[str],
+def _run_candidate(api: Any, candidate: Candidate, overrides: Overrides, logics: list[str],
                    progress: Callable[[str], None] | None = None) -> RecipeRun:
-    from kvdoctor.app import resolve_setup
-    from kvdoctor.scenario import run_scenario
-
     recipe = candidate.recipe
 
     def run_all(setup: Any, geometry: str) -> list[Any]:
@@ -181,14 +176,14 @@ def _run_candidate(api: Any, candidate: Candidate, overrides: dict[str, Any], lo
     except UsageError as exc:
         problem = f"the log's geometry does not fit this recipe: {exc}"
     attempt: list[Any] = []
-    if setup is not None and not overrides:  # the log names no geometry: the recipe's own it is
+    if setup is not None and not overrides.any_given():  # the log names no geometry: the recipe's own it is
         return RecipeRun(recipe, setup, "recipe", run_all(setup, "the recipe's geometry"))
     if setup is not None:
         attempt = run_all(setup, "the log's geometry")
         if attempt[0].outcome.value in _FINE:
             return RecipeRun(recipe, setup, "log", attempt)
         problem = f"under the log's geometry the run ended {attempt[0].outcome.value}: {attempt[0].detail}"
-    own = resolve_setup(recipe, {})
+    own = resolve_setup(recipe)
     results = run_all(own, "the recipe's geometry")
     return RecipeRun(recipe, own, "recipe", results, log_geometry_attempt=attempt, log_geometry_problem=problem)
 
@@ -201,7 +196,7 @@ def _code_for_contains(code: str) -> str | None:
     return best if best and len(best) <= 200 else None
 
 
-def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
+def _fragment_recipe(summary: LogSummary, overrides: Overrides) -> str:
     """A starting recipe from a fragment (no whole traceback): a frame's function and its exception or
     statement; "" when the fragment names no function."""
     loose = summary.loose
@@ -217,7 +212,7 @@ def _fragment_recipe(summary: LogSummary, overrides: dict[str, Any]) -> str:
                         _code_for_contains(statement) if statement else None, (), overrides)
 
 
-def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
+def starting_recipe_toml(summary: LogSummary, overrides: Overrides) -> str:
     """The crash's signature as a recipe file to edit: steps are a placeholder the user replaces."""
     crash = summary.crash
     inner = innermost_vllm(crash) if crash is not None else None
@@ -232,11 +227,8 @@ def starting_recipe_toml(summary: LogSummary, overrides: dict[str, Any]) -> str:
 
 
 def _recipe_toml(exception: str, function: str, file: str, line: int, contains: str | None,
-                 callers: tuple[str, ...], overrides: dict[str, Any]) -> str:
-    from kvdoctor.recipes.model import Recipe, Signature, Step
-    from kvdoctor.recipes.writer import recipe_to_toml
-
-    setup = {k: v for k, v in overrides.items() if k in (
+                 callers: tuple[str, ...], overrides: Overrides) -> str:
+    setup = {k: v for k, v in overrides.given().items() if k in (
         "block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_seqs", "max_num_batched_tokens",
         "max_model_len", "enable_chunked_prefill", "offload_prompt_only", "cpu_bytes_to_use", "spec_name")}
     recipe = Recipe(
@@ -277,7 +269,7 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
     geometry = setup_overrides_from_serve_args(summary.serve_args)
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
-                            installed_vllm=_installed_version())
+                            installed_vllm=vllm_version())
     report.fixed_in = fixing_releases([c.recipe for c in match.candidates])
     if not match.candidates:
         engine = summary.crash is None or classify(summary.crash) is ENGINE
@@ -306,8 +298,6 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
         report.runs.append(_run_candidate(api, candidate, overrides, logics, progress))
     best = report.runs[0]
     if not best.recipe.signature.invariant:
-        from kvdoctor.export.script import export_script
-
         try:
             report.script = export_script(best.recipe, best.setup)
         except UsageError:

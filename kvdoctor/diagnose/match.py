@@ -26,10 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit
+from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit, units
+from kvdoctor.diagnose.sites import load
 from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
 from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, display_path
 from kvdoctor.recipes.model import Recipe, bug_order
+from kvdoctor.releases import KNOWN_RELEASES
 
 STRENGTHS = ("exact", "strong", "moderate", "weak")
 _KIND_ORDER = {"exact": 0, "renamed": 1, "partial": 2, "partial-renamed": 3}
@@ -96,8 +98,6 @@ def _tail(path: str) -> str:
 
 def _releases_text(releases: list[str]) -> str:
     """Contiguous runs of KNOWN_RELEASES: `0.26.0–0.29.0, 0.34.0`."""
-    from kvdoctor.releases import KNOWN_RELEASES
-
     index = sorted({KNOWN_RELEASES.index(r) for r in releases if r in KNOWN_RELEASES})
     others = sorted(r for r in releases if r not in KNOWN_RELEASES)
     runs: list[str] = []
@@ -143,8 +143,6 @@ class Known:
 def known_bugs(recipes: list[Recipe], sites: list[Any] | None = None) -> list[Known]:
     """Group recipes by signature and attach each release's measured statements (`sites.load()`)."""
     if sites is None:
-        from kvdoctor.diagnose.sites import load
-
         sites = load()
     groups: dict[tuple[Any, ...], list[Recipe]] = {}
     for recipe in recipes:
@@ -423,8 +421,6 @@ def match_crash(crash: LogTraceback | None, recipes: list[Recipe], sites: list[A
 
 
 def summary_units(summary: Any) -> list[Unit]:
-    from kvdoctor.diagnose.evidence import units
-
     return units(summary)
 
 

@@ -5,7 +5,7 @@ Sources, first found wins: the start-up banner (`vLLM API server version X`,
 crash dump's `Dumping input data for V1 LLM engine (vX)`), else a
 container image tag `vllm/vllm-openai:vX`; the `non-default args: {...}` line,
 else a `vllm serve ...` command line. Only the arguments of
-`serve_args.SERVE_ARGS_OF_INTEREST` are kept, so nothing else from the args
+the serve-flag table's `serve_args.SERVE_ARGS_OF_INTEREST` are kept, so nothing else from the args
 line (API keys, hosts, paths) is ever held.
 """
 
@@ -16,7 +16,7 @@ import shlex
 from typing import Any
 
 from kvdoctor.diagnose.pyrepr import parse_repr
-from kvdoctor.engine.serve_args import SERVE_ARGS_OF_INTEREST, normalise_arg_name
+from kvdoctor.engine.serve_args import SERVE_ARGS_OF_INTEREST, SWITCH_ARGS, normalise_arg_name
 
 _VERSION = r"(\d+\.\d+\.\d+(?:[.+\-][\w.+\-]*)?|\d+\.\d+\.\d+)"
 _BANNER_VERSIONS = (
@@ -28,7 +28,6 @@ _LOGO_VERSION = re.compile(r"[\u2580-\u259f].*\bversion " + _VERSION)
 _IMAGE_VERSION = re.compile(r"vllm/vllm-openai:v" + _VERSION)
 _ARGS = re.compile(r"non-default args:\s*(\{.*)")
 _SERVE = re.compile(r"(?:^|[\s/])vllm\s+serve\s+(.*)|vllm\.entrypoints\.openai\.api_server\s+(.*)")
-_BOOL_FLAGS = {"async_scheduling", "enable_chunked_prefill", "enable_prefix_caching"}
 
 
 def banner_version(body: str) -> str | None:
@@ -88,7 +87,7 @@ def command_line_args(body: str) -> dict[str, Any] | None:
             args[normalise_arg_name(name)] = value
             continue
         name = normalise_arg_name(word)
-        if name.startswith("no_") and name[3:] in _BOOL_FLAGS:
+        if name.startswith("no_") and name[3:] in SWITCH_ARGS:
             args[name[3:]] = False
             continue
         if i < len(words) and not words[i].startswith("--"):

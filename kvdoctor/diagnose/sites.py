@@ -22,11 +22,16 @@ import ast
 import re
 import sys
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from kvdoctor.diagnose.statement import message_pattern
+from kvdoctor.matrix import data
+from kvdoctor.recipes.model import bug_order
+from kvdoctor.recipes.writer import toml_multiline, toml_string
+from kvdoctor.releases import KNOWN_RELEASES
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "crash_statements.toml"
 DATA_FORMAT_VERSION = 1  # the layout of crash_statements.toml (not a --json document)
@@ -54,15 +59,13 @@ class Site:
     reached: bool = False  # a kvdoctor run on this release failed at this statement (release-outcomes data)
 
     def as_toml(self) -> list[str]:
-        from kvdoctor.recipes.writer import toml_multiline, toml_string
-
         lines = ["[[site]]", f"bug = {toml_string(self.bug)}",
                  "recipes = [" + ", ".join(toml_string(r) for r in self.recipes) + "]",
                  f"release = {toml_string(self.release)}", f"exception = {toml_string(self.exception)}",
                  f"function = {toml_string(self.function)}"]
         for key in ("file", "line", "statement", "message", "absent", "reached"):
             value = getattr(self, key)
-            if value is None or key == "reached" and self.absent:
+            if value is None or (key == "reached" and self.absent):
                 continue
             if isinstance(value, bool):
                 lines.append(f"{key} = {'true' if value else 'false'}")
@@ -72,7 +75,7 @@ class Site:
                 lines.append(f"{key} = {toml_multiline(value)}")
             else:
                 lines.append(f"{key} = {toml_string(value)}")
-        return lines + [""]
+        return [*lines, ""]
 
 
 def load(path: Path = DATA_FILE) -> list[Site]:
@@ -94,11 +97,7 @@ def _unwrap(text: str | None) -> str | None:
 
 
 def render(sites: Iterable[Site]) -> str:
-    from kvdoctor.releases import KNOWN_RELEASES
-
     def order(site: Site) -> tuple[Any, ...]:
-        from kvdoctor.recipes.model import bug_order
-
         index = KNOWN_RELEASES.index(site.release) if site.release in KNOWN_RELEASES else len(KNOWN_RELEASES)
         return bug_order(site.bug), site.recipes, index, site.line or 0
 
@@ -203,8 +202,8 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
         aliases[sig.function] = aliases.get(sig.function, ()) + tuple(getattr(sig, "function_aliases", ()))
     sites: list[Site] = []
     for (bug, exception, function, contains), names in groups.items():
-        measured = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]
-        measured = [(r, m) for r, m in measured if m and m.group("func") in (function, *aliases[function])]
+        matched = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]
+        measured = [(r, m) for r, m in matched if m is not None and m.group("func") in (function, *aliases[function])]
         hint = measured[0][1].group("file") if measured else None
         here = [int(m.group("line")) for r, m in measured if r.release == release]
         base = dict(bug=bug, recipes=tuple(sorted(names)), release=release, exception=exception, function=function)
@@ -223,8 +222,9 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
             if found:
                 break
         if len(found) > 1 and here:  # the run measured which one fails on this release
-            found = [(s, end) for s, end in found if s.line <= here[0] <= end] or found
-        found = [(Site(**{**s.__dict__, "reached": any(s.line <= line <= end for line in here)}), end)
+            found = [(s, end) for s, end in found if s.line is not None and s.line <= here[0] <= end] or found
+        found = [(Site(**{**s.__dict__, "reached": any(s.line is not None and s.line <= line <= end
+                                                       for line in here)}), end)
                  for s, end in found]
         if not found:
             why = (f"no statement holding {contains!r} in {function}" if contains else f"no function {function}")
@@ -247,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("envs", nargs="+", type=Path, help="virtual environments (or site-packages) with vLLM")
     parser.add_argument("--write", type=Path, help="write the data file (releases measured replace theirs)")
     args = parser.parse_args(argv)
-    from kvdoctor.matrix import data
     from kvdoctor.recipes.builtins import all_builtins
 
     recipes, rows = all_builtins(), data.load()

@@ -15,13 +15,14 @@ from typing import Any
 
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.secondary_tier import empty_tier_directory
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.step_loop import DECODE_TOKEN, EOS_TOKEN, StepLoop, sample
 from kvdoctor.engine.tiny_model import tiny_draft_dir, tiny_model_dir
 from kvdoctor.engine.worker import Job
+from kvdoctor.engine.workers.multi import SeveralWorkers
+from kvdoctor.engine.workers.simulated import SimulatedTransfers
 from kvdoctor.errors import UsageError
-
-EOS_TOKEN = 2
-DECODE_TOKEN = 7
 
 _MODEL_CONFIGS: dict[tuple[str, int], Any] = {}
 
@@ -95,7 +96,6 @@ def build_scheduler(api: VllmApi, setup: Setup, cache: BuildCache | None = None)
 
 def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
     """(VllmConfig, plan, scheduler KVCacheConfig, block size, hash block size) for a setup."""
-    config_mod = api.mods["config"]
     model_config = _model_config(api, setup.max_model_len)
     scheduler_kwargs: dict[str, Any] = dict(
         max_num_seqs=setup.max_num_seqs,
@@ -122,12 +122,12 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             tiny_draft_dir() if setup.speculative_method == "eagle" else None,
             {"disable_lookahead_block_hashes": True} if setup.disable_lookahead_block_hashes else None)
     try:
-        vllm_config = config_mod.VllmConfig(
+        vllm_config = api.config_class("VllmConfig")(
             model_config=model_config,
-            cache_config=config_mod.CacheConfig(**cache_kwargs),
-            scheduler_config=config_mod.SchedulerConfig(**scheduler_kwargs),
+            cache_config=api.config_class("CacheConfig")(**cache_kwargs),
+            scheduler_config=api.config_class("SchedulerConfig")(**scheduler_kwargs),
             kv_transfer_config=kv_transfer_config,
-            device_config=config_mod.DeviceConfig("cpu"),
+            device_config=api.config_class("DeviceConfig")("cpu"),
             **speculative,
             **({"parallel_config": api.parallel_config(setup.num_workers)} if setup.num_workers > 1 else {}),
         )
@@ -211,8 +211,6 @@ class Harness:
         self.api = api
         self.setup = setup
         if setup.secondary_tier:  # a previous run's chunk files would be hits in this one
-            from kvdoctor.engine.secondary_tier import empty_tier_directory
-
             empty_tier_directory()
         self.scheduler, self.kv_plan = build_scheduler(api, setup, build_cache)
         self._attach_worker_side()
@@ -233,13 +231,11 @@ class Harness:
         # (it stands for another asynchronous connector; holds and failures apply to the watched one).
         self.companion = None
         if setup.multi_connector:
-            from kvdoctor.engine.workers.simulated import SimulatedTransfers
-
             self.companion = SimulatedTransfers(api)
         self.requests: dict[str, Any] = {}
         self.step_index = 0
         self._finish_next: set[str] = set()
-        self._pending_output: tuple[Any, Any] | None = None  # async: last step's output, not yet applied
+        self.loop = StepLoop(self.scheduler, setup.async_scheduling)  # async: keeps the output in flight
         self.store_jobs_by_request: dict[str, list[int]] = {}
         # Requests whose new block hashes are withheld (delay_block_hashes): vLLM's hasher is
         # incremental, so the withheld hashes are computed when the request is released.
@@ -267,17 +263,12 @@ class Harness:
 
             return VllmWorker(self.api, self.scheduler, self.setup.device or "cpu", self.model_runner)
         if self.setup.num_workers > 1:
-            from kvdoctor.engine.workers.multi import SeveralWorkers
-
             return SeveralWorkers(self.api, self.setup.num_workers, self.setup.late_worker_steps)
-        from kvdoctor.engine.workers.simulated import SimulatedTransfers
 
         return SimulatedTransfers(self.api)
 
     def _make_block_hasher(self) -> Any:
-        kcu = self.api.mods["kv_cache_utils"]
-        sha256 = self.api.mods["hashing"].sha256
-        kcu.init_none_hash(sha256)
+        sha256 = self.api.block_hash_fn()
         # As vLLM's engine core builds it: with 0.34's lookahead (a hash covers tokens past its block).
         hasher = self.api.request_block_hasher(self.kv_plan.hash_block_size, sha256,
                                                self.api.vllm_config_of(self.scheduler))
@@ -336,11 +327,17 @@ class Harness:
 
     def drain(self) -> bool:
         """Apply the output still in flight (async scheduling), as an engine that goes idle does."""
-        if self._pending_output is None:
-            return False
-        pending, self._pending_output = self._pending_output, None
-        self.scheduler.update_from_output(*pending)
-        return True
+        return self.loop.drain()
+
+    def pause(self, mode: str, clear_cache: bool) -> None:
+        """Pausing is the engine's (EngineCore.pause_scheduler gates its own step loop): this level refuses
+        `pause`/`resume` by their need before anything is played; reaching here is a usage error."""
+        raise UsageError("pause: kvdoctor's scheduler harness cannot pause an engine (the engine's own step loop "
+                         "does); play it with --engine core")
+
+    def resume(self) -> None:
+        raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
+                         "loop does); play it with --engine core")
 
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
@@ -359,16 +356,15 @@ class Harness:
         """schedule(), the worker's output, update_from_output(); async applies it one step late."""
         self.step_index += 1
         events = StepEvents()
-        output = self.scheduler.schedule()
-        runner_output = self.worker_step(output, events)
-        if self._tiering is not None:
-            self.api.settle_secondary_tiers(self._tiering)
-        if self.setup.async_scheduling:
-            previous, self._pending_output = self._pending_output, (output, runner_output)
-            if previous is not None:
-                self.scheduler.update_from_output(*previous)
-        else:
-            self.scheduler.update_from_output(output, runner_output)
+
+        def worker_side(output: Any) -> Any:
+            runner_output = self.worker_step(output, events)
+            if self._tiering is not None:
+                self.api.settle_secondary_tiers(self._tiering)
+            return runner_output
+
+        output = self.loop.step(worker_side)
+        if not self.setup.async_scheduling:
             self._propose_drafts(output)
         return events
 
@@ -454,17 +450,8 @@ class Harness:
     def _sample(self, output: Any, spec_tokens: dict[str, int]) -> dict[str, list[int]]:
         """The token each scheduled request samples (EOS where a recipe finishes it); `spec_tokens`: the
         drafts each request verifies in this step (`StepEvents.spec_tokens`)."""
-        sampled: dict[str, list[int]] = {}
-        for req_id in output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            # A token is sampled only once every known token is computed (not mid-prefill).
-            if request is not None and request.num_computed_tokens >= request.num_tokens:
-                token = EOS_TOKEN if req_id in self._finish_next else DECODE_TOKEN
-                self._finish_next.discard(req_id)
-                sampled[req_id] = [DECODE_TOKEN] * self._accepted(spec_tokens.get(req_id, 0)) + [token]
-            else:
-                sampled[req_id] = []
-        return sampled
+        return sample(self.requests, output.num_scheduled_tokens, self._finish_next,
+                      lambda req_id: self._accepted(spec_tokens.get(req_id, 0)))
 
     def _accepted(self, num_drafts: int) -> int:
         """The stand-in rejection sampler: how many of a request's `num_drafts` drafts it accepts (the

@@ -127,7 +127,7 @@ def _read_layout(model_dir: str, source: str | None, sliding_window: int | None)
                       for k in _layers_of(draft, draft_dir, sliding_window))
     if not layers:
         raise UsageError(f"{directory / 'config.json'}: no layer keeps a KV cache")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     heads = _positive(text, "num_key_value_heads", text.get("num_attention_heads", 1), directory)
     head_size = text.get("head_dim")
     if head_size is None:
@@ -161,7 +161,7 @@ def _read_with_transformers(directory: Path, config: dict[str, Any], source: str
                          f"vLLM); it is not importable here") from None
     try:
         cfg = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
-    except Exception as exc:  # noqa: BLE001 - transformers raises ValueError/KeyError/OSError for unknown types
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError for unknown types
         raise UsageError(f"{where}: transformers cannot read model_type {model_type!r} "
                          f"({type(exc).__name__}: {_first_line(exc)}); kvdoctor cannot map its KV layout") from None
     text = cfg.get_text_config()
@@ -248,7 +248,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _positive(config: dict, key: str, default: Any, where: Path) -> int:
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config.json (`text_config` in a multimodal model's), else the config."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _positive(config: dict[str, Any], key: str, default: Any, where: Path) -> int:
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"{where / 'config.json'}: {key} must be a positive integer, got {value!r}")
@@ -256,7 +262,7 @@ def _positive(config: dict, key: str, default: Any, where: Path) -> int:
 
 
 def _layers_of(config: dict[str, Any], directory: Path, window_override: int | None) -> list[LayerKind]:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    text = _text_config(config)
     window = window_override or text.get("sliding_window")
     where = directory / "config.json"
     if "layer_types" in text:
@@ -318,11 +324,16 @@ class KvPlan:
     hash_block_size: int
     planner: str  # which vLLM functions grouped the layers
     notes: list[str] = field(default_factory=list)
+    # The max_model_len vLLM's start-up admission check was run with while planning, where the pool is
+    # too small for one request of the setup's max_model_len (None: the check passed as configured).
+    # The engine level runs its own planning with the same length.
+    admission_len: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.layout.source, "planner": self.planner, "num_blocks": self.num_blocks,
                 "scheduler_block_size": self.scheduler_block_size, "hash_block_size": self.hash_block_size,
-                "groups": [g.as_dict() for g in self.groups], "notes": list(self.notes)}
+                "groups": [g.as_dict() for g in self.groups], "notes": list(self.notes),
+                "admission_len": self.admission_len}
 
     def describe(self) -> str:
         return "; ".join(g.describe() for g in self.groups)
@@ -351,31 +362,32 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
     """
     import torch
 
-    kvi = api.mods["kv_cache_interface"]
+    spec_class = api.kv_cache_spec_class
     dtype = getattr(torch, layout.dtype)
-    full = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
-                                 head_size=layout.head_size, dtype=dtype)
+    full = spec_class("FullAttentionSpec")(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                           head_size=layout.head_size, dtype=dtype)
     specs: dict[str, Any] = {}
-    for name, layer in zip(layout.layer_names(), layout.layers):
+    for name, layer in zip(layout.layer_names(), layout.layers, strict=True):
         if layer.kind == MLA:
-            spec = kvi.MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=layer.head_size,
-                                        dtype=dtype)
+            spec = spec_class("MLAAttentionSpec")(block_size=block_size, num_kv_heads=1, head_size=layer.head_size,
+                                                  dtype=dtype)
         elif layer.kind == FULL and (layer.num_kv_heads or layer.head_size):
-            spec = kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
-                                         head_size=layer.head_size or layout.head_size, dtype=dtype)
+            spec = spec_class("FullAttentionSpec")(block_size=block_size,
+                                                   num_kv_heads=layer.num_kv_heads or layout.num_kv_heads,
+                                                   head_size=layer.head_size or layout.head_size, dtype=dtype)
         elif layer.kind == FULL:
             spec = full
         elif layer.kind == SLIDING:
-            spec = kvi.SlidingWindowSpec(block_size=block_size, num_kv_heads=layout.num_kv_heads,
-                                         head_size=layout.head_size, dtype=dtype,
-                                         sliding_window=layer.sliding_window)
+            spec = spec_class("SlidingWindowSpec")(block_size=block_size, num_kv_heads=layout.num_kv_heads,
+                                                   head_size=layout.head_size, dtype=dtype,
+                                                   sliding_window=layer.sliding_window)
         else:
             mode = mamba_cache_mode or "none"
             state = full.page_size_bytes // 2 // 2  # fp16 elements in half the attention page
             conv = max(1, state // 4)
-            spec = kvi.MambaSpec(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
-                                 block_size=block_size if mode == "align" else max_model_len,
-                                 page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
+            spec = spec_class("MambaSpec")(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
+                                           block_size=block_size if mode == "align" else max_model_len,
+                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
         specs[name] = spec
     return specs
 
@@ -390,7 +402,7 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
         notes.append(note)
     specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
     names = layout.layer_names()
-    drafts = {name for name, layer in zip(names, layout.layers) if layer.draft}
+    drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
     try:
         _, scheduler_config, block_size, hash_block_size, planner, checked_len = api.plan_kv_cache(
             vllm_config, specs, setup.gpu_blocks, drafts)
@@ -412,7 +424,9 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     if any(layer.kind == MAMBA for layer in layout.layers):
         notes.append("Mamba state pages are padded to the attention page (a GPU deployment may instead grow "
                      "the attention block size to match the state)")
-    return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes),
+    admission_len = checked_len if checked_len < setup.max_model_len else None
+    return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes,
+                   admission_len),
             scheduler_config, block_size, hash_block_size)
 
 

@@ -1,17 +1,21 @@
-"""The serving geometry a scenario runs under, validated before vLLM is imported.
+"""The serving geometry a scenario runs under: the recipe's pure geometry, checked without the machine.
 
 Field names follow `vllm serve` flags so an operator can paste theirs; the
 offloaded chunk size is `block_size * blocks_per_chunk` (the connector's
-`kv_connector_extra_config["block_size"]`).
+`kv_connector_extra_config["block_size"]`). `Setup.validate` reads nothing from this
+machine (no /proc/meminfo, no config.json, no torch): what depends on the machine
+(memory, a model directory's layout, the device) is judged in `kvdoctor.resolution`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
+from kvdoctor.engine.serve_args import flag_name
+from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
 from kvdoctor.errors import UsageError
 
 DEFAULT_CPU_BYTES = 64 << 20  # plenty for toy geometries; recipes shrink it on purpose
@@ -31,31 +35,6 @@ _NOT_A_RECIPE_KEY = {RECIPE_KEY: False}
 # to build (100,000 blocks: 2.3 s). Above this the build alone takes minutes: refuse, in one line.
 MAX_GPU_BLOCKS = 4_000_000
 BYTES_PER_GPU_BLOCK = 400  # a generous estimate of that object's cost, for the memory check
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def total_memory_bytes() -> int | None:
-    """MemTotal + SwapTotal from /proc/meminfo: the most one mapping may reserve (None where unreadable)."""
-    total = 0
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith(("MemTotal:", "SwapTotal:")):
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return total or None
 
 
 @dataclass(frozen=True)
@@ -111,13 +90,13 @@ class Setup:
     model_runner: str | None = None  # "v1" | "v2"
     # Set by kvdoctor, never by a recipe: why vLLM's worker was asked for (the command line's default, or
     # `kvdoctor audit --worker vllm`) but this recipe's setup ran with the simulated worker instead (see
-    # `vllm_worker_refusal`).
+    # `resolution.vllm_worker_refusal`).
     worker_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Set by kvdoctor, never by a recipe: why this vLLM-worker run keeps its KV on the CPU although a GPU
-    # was there or asked for (`kvdoctor.app.resolve_device`).
+    # was there or asked for (`kvdoctor.resolution.resolve_device`).
     device_fallback: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Who calls vLLM's scheduler: "scheduler" (kvdoctor, in-process), "core" (vLLM's EngineCore
-    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/engine/core/levels.py.
+    # in-process), "serve" (a `vllm serve` child driven over HTTP); see kvdoctor/levels/table.py.
     engine: str = "scheduler"
     # Set by kvdoctor, never by a recipe: the fields the user gave (flags, or a user recipe's own [setup]);
     # `recipes.geometry.plan_setup` keeps these and derives the others to meet the recipe's trigger.
@@ -155,13 +134,9 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            from kvdoctor.engine.secondary_tier import tier_config
-
             cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
-            from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
-
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
             cfg["spec_module_path"] = "kvdoctor.engine.workers.cpu_copy_spec"
         return cfg
@@ -177,17 +152,8 @@ class Setup:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def vllm_worker_refusal(self) -> str | None:
-        """Why vLLM's worker-role connector cannot run this setup; None where it can."""
-        return self.vllm_worker_unsupported() or self.vllm_worker_memory_refusal()
-
-    def vllm_worker_memory_refusal(self) -> str | None:
-        """Memory past this machine for kvdoctor's copy engine on CPU tensors (on a GPU the memory is the
-        GPU's): None under --device cuda."""
-        return None if self.device == "cuda" else self.worker_memory_refusal()
-
     def vllm_worker_unsupported(self) -> str | None:
-        """Why vLLM's worker cannot drive this kind of setup at all, whatever its sizes."""
+        """Why vLLM's worker cannot drive this kind of setup at all, whatever its sizes and layout."""
         if self.num_workers > 1:
             return ("num_workers > 1: kvdoctor runs one vLLM worker-role connector (one rank's KV); several "
                     "workers are stood in for by the simulated worker only")
@@ -203,14 +169,7 @@ class Setup:
         if self.speculative_method is not None:
             return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
                     "(vLLM's model runner would need a real drafter)")
-        if self.layout or self.model:  # the config.json is read here, before vLLM is imported
-            from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
-
-            layout = resolve_layout(self.model, self.layout, self.sliding_window)
-            if any(layer.kind == MAMBA for layer in layout.layers):
-                named = f"layout {self.layout}" if self.layout else f"--model {self.model}"
-                return f"{named} has a Mamba layer, and kvdoctor's toy model writes attention KV only"
-        return None
+        return None  # a Mamba layout (read from its config.json): `resolution.vllm_worker_unsupported`
 
     def device_described(self) -> str | None:
         """`device` as reports show it: the fallback and its reason where there was one."""
@@ -272,15 +231,13 @@ class Setup:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
         if self.secondary_tier is not None:
-            from kvdoctor.engine.secondary_tier import SECONDARY_TIERS
-
             if self.secondary_tier not in SECONDARY_TIERS:
                 raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "
                                  f"got {self.secondary_tier!r}")
             if self.spec_name != "TieringOffloadingSpec":
                 raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
-        refusal = self.vllm_worker_refusal() if self.worker == "vllm" else None
+        refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
                              f"(kvdoctor audit --worker vllm falls back to it for such a recipe)")
@@ -288,18 +245,8 @@ class Setup:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "
                 f"blocks (vLLM's scheduler builds one Python object per block; this pool would take "
-                f"~{self.gpu_blocks * 22e-6 / 60:.0f} min and ~{self.gpu_blocks * BYTES_PER_GPU_BLOCK / 2**30:.0f} GiB)")
-        needed = self.gpu_blocks * BYTES_PER_GPU_BLOCK + (
-            self.cpu_bytes_to_use if self.spec_name == "TieringOffloadingSpec" else 0)  # tiering maps its tier
-        available = available_memory_bytes()
-        if available is not None and needed > available:
-            raise UsageError(f"this geometry needs ~{needed / 2**30:.1f} GiB of memory to simulate "
-                             f"(pool of {self.gpu_blocks:,} blocks, CPU tier {self.cpu_bytes_to_use:,} bytes); "
-                             f"{available / 2**30:.1f} GiB are available")
-        if self.model is not None:  # an architecture kvdoctor cannot map: exit 2 before vLLM is imported
-            from kvdoctor.engine.kv_layout import resolve_layout
-
-            resolve_layout(self.model, self.layout, self.sliding_window)
+                f"~{self.gpu_blocks * 22e-6 / 60:.0f} min and "
+                f"~{self.gpu_blocks * BYTES_PER_GPU_BLOCK / 2**30:.0f} GiB)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -339,18 +286,6 @@ class Setup:
                              f"got {self.draft_acceptance!r}")
         return pattern
 
-    def worker_memory_refusal(self) -> str | None:
-        """Why this machine cannot hold what vLLM's worker allocates here (None: it can). The worker holds a
-        fingerprint page per GPU block and CPU slot (`engine/workers/fingerprint.py`), never the model's real
-        pages; the simulated worker holds neither. Judged before vLLM is imported (else the kernel kills the
-        run), and again, exactly, once vLLM has planned the groups."""
-        from kvdoctor.engine.kv_layout import resolve_layout
-        from kvdoctor.engine.workers.fingerprint import estimate
-
-        layout = resolve_layout(self.model, self.layout, self.sliding_window)
-        return estimate(layout, self.block_size, self.blocks_per_chunk, self.gpu_blocks,
-                        self.cpu_bytes_to_use).refusal()
-
     def with_overrides(self, **overrides: Any) -> "Setup":
         """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
         recorded in `fixed` (planning keeps them)."""
@@ -375,88 +310,6 @@ class Setup:
 # The sizes and switches a recipe's plan may derive where the user did not give them.
 PLANNED_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_batched_tokens", "max_num_seqs",
                   "max_model_len", "async_scheduling", "enable_chunked_prefill", "cpu_bytes_to_use")
-_FLAGS = {"gpu_blocks": "--num-gpu-blocks-override",
-          # set through --kv-offloading-size or --kv-transfer-config, as with vllm serve
-          "cpu_bytes_to_use": "kv_connector_extra_config.cpu_bytes_to_use"}
-
-
-def flag_name(name: str, value: bool | None = None) -> str:
-    """The flag that sets Setup field `name` (a switch: the form that sets it to `value`)."""
-    flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
-    if value is False:
-        return "--no-" + flag[2:]
-    return flag
-
-
-# KVTransferConfig fields kvdoctor passes through as given (vLLM validates them; a release
-# without the field refuses it, see `harness.build_scheduler`).
-PASSED_THROUGH_KV_TRANSFER_KEYS = ("kv_role", "kv_load_failure_policy", "kv_buffer_device", "kv_buffer_size",
-                                   "engine_id")
-# Keys that cannot take effect in kvdoctor's run: refused with the reason.
-_REFUSED_KV_TRANSFER_KEYS = {
-    "kv_connector_module_path": "kvdoctor drives vLLM's own OffloadingConnector; it loads no connector module",
-}
-
-
-def parse_kv_transfer_config(text: str) -> dict[str, Any]:
-    """Turn `--kv-transfer-config '<json>'` (as `vllm serve` takes it) into setup overrides.
-
-    Geometry-bearing keys of `kv_connector_extra_config` map onto `Setup`
-    fields; the rest of it is passed through to the connector untouched, and so
-    are the KVTransferConfig fields in `PASSED_THROUGH_KV_TRANSFER_KEYS`, so
-    vLLM's own validation judges them. Every key either takes effect or is
-    refused (exit 2).
-    """
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--kv-transfer-config is not valid JSON: {exc.msg} (column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise UsageError("--kv-transfer-config must be a JSON object")
-    for key, reason in _REFUSED_KV_TRANSFER_KEYS.items():
-        if key in data:
-            raise UsageError(f"--kv-transfer-config: {key} is not supported: {reason}")
-    known = {"kv_connector", "kv_connector_extra_config", *PASSED_THROUGH_KV_TRANSFER_KEYS}
-    unknown = set(data) - known
-    if unknown:
-        raise UsageError(f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))} "
-                         f"(kvdoctor takes {', '.join(sorted(known))})")
-    connector = data.get("kv_connector", "OffloadingConnector")
-    if connector != "OffloadingConnector":
-        raise UsageError(f"--kv-transfer-config: kvdoctor drives OffloadingConnector, not {connector!r}")
-    extra = data.get("kv_connector_extra_config", {}) or {}
-    if not isinstance(extra, dict):
-        raise UsageError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
-    extra = dict(extra)
-    overrides: dict[str, Any] = {}
-    if "cpu_bytes_to_use" in extra:
-        overrides["cpu_bytes_to_use"] = _as_int("cpu_bytes_to_use", extra.pop("cpu_bytes_to_use"))
-    if "offload_prompt_only" in extra:
-        value = extra.pop("offload_prompt_only")
-        if not isinstance(value, bool):
-            raise UsageError("--kv-transfer-config: offload_prompt_only must be true or false")
-        overrides["offload_prompt_only"] = value
-    if "spec_name" in extra:
-        overrides["spec_name"] = str(extra.pop("spec_name"))
-    if "block_size" in extra:
-        overrides["_offloaded_block_size"] = _as_int("block_size", extra.pop("block_size"))
-    overrides["extra_connector_config"] = extra
-    fields = {key: data[key] for key in PASSED_THROUGH_KV_TRANSFER_KEYS if key in data}
-    if fields:
-        overrides["kv_transfer_fields"] = fields
-    return overrides
-
-
-def _as_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}")
-    if isinstance(value, float) and not value.is_integer():  # int() would cut it silently
-        raise UsageError(f"--kv-transfer-config: {key} must be a whole number, got {value!r}")
-    try:
-        number = int(value)
-    except ValueError:
-        raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}") from None
-    return number
 
 
 def resolve_blocks_per_chunk(block_size: int, offloaded_block_size: int) -> int:

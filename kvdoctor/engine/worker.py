@@ -6,9 +6,11 @@ vLLM's scheduler side learns about transfers only through the worker's output
 output says, the way a real worker would but on command. Jobs named in
 `jobs_to_flush` complete in the step that flushes them, as the real worker
 waits for them.
-"""
 
-from __future__ import annotations
+The one definition of the simulated worker: the harness runs it (`workers/simulated.py`), and a
+script exported with `--export-script` gets this module's code copied in on export
+(`compat.inline_portable`). Hence no kvdoctor import, no vLLM import and no `from __future__` here.
+"""
 
 from dataclasses import dataclass, field
 

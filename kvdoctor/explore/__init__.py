@@ -4,7 +4,7 @@ Hypothesis draws a serving geometry and a list of events (add requests, with
 shared prefixes; schedule; abort; finish by EOS; hold / complete / fail
 transfers; reset the prefix cache), `generate` turns them into an ordinary
 `Recipe` (valid by construction), `runner` runs it with
-`kvdoctor.scenario.run_scenario` under every named invariant and classifies
+`kvdoctor.levels.scheduler.run_scenario` under every named invariant and classifies
 what broke, `search` drives `hypothesis.find` once per new failure signature
 (hypothesis both finds and shrinks), and `findings` writes each shrunk failure
 as a recipe file that `kvdoctor repro FILE` replays.

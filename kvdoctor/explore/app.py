@@ -9,13 +9,28 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
-from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.engine import compat
+from kvdoctor.engine.memory import available_memory_bytes
+from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
+from kvdoctor.explore.findings import write_findings
+from kvdoctor.explore.pools import ProcessPool
+from kvdoctor.explore.search import WorkerPool
+from kvdoctor.explore.triage import triage
+from kvdoctor.logic.variants import LOGIC_VARIANTS
+
+
+class ExploreInterrupted(KvdoctorError):
+    """Ctrl-C during a search: what was found so far is on disk already; the message says how much, where."""
+
+    exit_code = ExitStatus.INTERRUPTED
+    kind = "interrupted"
 
 
 @dataclass
@@ -32,21 +47,50 @@ class ExploreReport:
 
 
 def validate(logic: str, max_examples: int | None, time_budget: float, workers: int, max_events: int,
-             worker: str = "simulated") -> None:
-    from kvdoctor.logic.variants import LOGIC_VARIANTS
-
+             worker: str = "simulated", ray: str | None = None) -> None:
     if logic not in LOGIC_VARIANTS:
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_VARIANTS)} for explore, got {logic!r}")
     if max_examples is not None and max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {max_examples}")
     if not time_budget > 0:
         raise UsageError(f"--time-budget must be > 0 seconds, got {time_budget}")
-    if workers < 1:
+    if workers < (0 if ray is not None else 1):  # 0 under Ray: one per slot of the cluster
         raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and ray is None:  # Ray sizes its tasks by the cluster (`RayPool.size`)
+        refusal = workers_refusal(workers)
+        if refusal:
+            raise UsageError(refusal)
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
     if worker not in ("simulated", "vllm"):
         raise UsageError(f"--worker must be simulated or vllm, got {worker!r}")
+
+
+# One explore worker is one busy process with its own vLLM import: measured 1.0 GiB peak RSS after the
+# import and warm-up on 0.26.0 (searching adds to it), so 1.5 GiB a worker is the estimate checked.
+WORKER_BYTES = 3 << 29
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the system says)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def workers_refusal(workers: int) -> str | None:
+    """Why `--workers N` is more than this machine holds, in one line (None: it fits). Each worker
+    imports vLLM: more workers than CPUs only share them, and more than memory allows is the OOM
+    killer's (1000 workers drove one machine's load to 305 and killed another process)."""
+    cpus = usable_cpus()
+    available = available_memory_bytes()
+    by_memory = cpus if available is None else max(1, available // WORKER_BYTES)
+    most = max(1, min(cpus, by_memory))
+    if workers <= most:
+        return None
+    memory = "" if available is None else f" and {available / 2**30:.1f} GiB available"
+    return (f"--workers {workers}: this machine has {cpus} CPU(s){memory}; each worker is a process with its "
+            f"own vLLM import (~{WORKER_BYTES / 2**30:.1f} GiB): at most {most} here")
 
 
 @contextmanager
@@ -83,34 +127,54 @@ def explore(config: Any, out_dir: Path, command: str = "",
     with one worker, triaging it and writing its report) as soon as it is shrunk: a run killed at its
     time limit keeps what it found. `write_attachment(finding, triage)`: writes a candidate's report
     attachment beside its recipe (the CLI supplies it; formatting is not this module's job).
-    `--time-budget` bounds the whole run from here: vLLM's import,
-    search, shrinking and triage (a triage started before the end may finish a few seconds after)."""
+    `--time-budget` bounds the run from vLLM's import on (several workers: each one's own): search,
+    shrinking and triage (a triage started before the end may finish a few seconds after)."""
     import dataclasses
 
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.findings import write_findings
     from kvdoctor.explore.search import explore as search
 
     validate(config.logic, config.max_examples, config.time_budget, config.workers, config.max_events,
-             config.worker)
-    if config.stop_at is None:
-        config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
-    if config.workers > 1 and api is None:
+             config.worker, ray=config.ray)
+    parallel = config.ray is not None or config.workers > 1
+    if config.ray is not None:
+        from kvdoctor.explore.ray_pool import import_ray
+
+        import_ray()  # without the extra: one line, exit 2, before vLLM is imported
+    if parallel and api is None:
         declared = compat.installed_vllm_version()  # fail here, once, rather than in every worker
         if declared is None:
             raise compat.VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
-    if config.workers <= 1 and api is None:
-        api = compat.load()  # here, not in the search: each finding is triaged as it comes
+    if not parallel:
+        from kvdoctor.explore.search import warm_up
+
+        if api is None:
+            api = compat.load()  # here, not in the search: each finding is triaged as it comes
+        warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+    pool: WorkerPool | None = ProcessPool() if parallel and config.ray is None else None
+    if config.ray is not None:  # joined (or started) here; the search stops it, whatever happens
+        from kvdoctor.explore.ray_pool import RayPool
+
+        ray_pool = RayPool(config.ray)
+        config = dataclasses.replace(config, workers=ray_pool.size(config.workers))
+        pool = ray_pool
+    # The budget starts once vLLM is imported (and warmed up): here for one worker; for several (local
+    # processes or Ray tasks), in each worker once it has imported vLLM (its search's own clock, with no
+    # shared end), the parent's triage after them.
+    reserve = min(0.2 * config.time_budget, 60.0) if parallel and config.triage else 0.0
+    relative = config.stop_at is None and parallel
+    if config.stop_at is None and not relative:
+        config = dataclasses.replace(config, stop_at=time.time() + config.time_budget)
     start = time.monotonic()
     facts: list[Any] = []
 
+    written: set[str] = set()
+
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
+        written.add(finding.signature)
         if config.triage and api is not None and time.time() < config.stop_at:
-            from kvdoctor.explore.triage import triage
-
             if not facts:
                 facts.append(api.engine_core_facts())
             finding.triage = triage(api, finding, facts[0], write_attachment)
@@ -118,21 +182,25 @@ def explore(config: Any, out_dir: Path, command: str = "",
             on_finding(finding)
 
     searched = config
-    if config.workers > 1 and config.triage:
+    if reserve:
         # Several workers triage nothing themselves: the parent triages after them, once it has
         # imported vLLM, in the last part of the budget.
-        searched = dataclasses.replace(config, stop_at=config.stop_at - min(0.2 * config.time_budget, 60.0))
-    with hypothesis_storage():
-        result = search(searched, on_progress=on_progress, on_finding=found, api=api)
+        searched = (dataclasses.replace(config, time_budget=config.time_budget - reserve) if relative
+                    else dataclasses.replace(config, stop_at=config.stop_at - reserve))
+    try:
+        with hypothesis_storage():
+            result = search(searched, on_progress=on_progress, on_finding=found, api=api, pool=pool)
+    except KeyboardInterrupt:
+        raise ExploreInterrupted(f"interrupted: {len(written)} finding(s) kept in {out_dir}") from None
+    if relative:
+        config = dataclasses.replace(config, stop_at=time.time() + reserve)
     result.config = config
     if result.errors and len(result.errors) >= config.workers:
-        from kvdoctor.errors import InternalError
-
         code = next((c for c in result.error_codes if c is not None), None)
         error = (KvdoctorError if code is not None else InternalError)(
             "every explore worker failed: " + "; ".join(result.errors))
         if code is not None:
-            error.exit_code = code
+            error.exit_code = ExitStatus(code)
         raise error
     write_findings(result.findings, out_dir)  # merged across workers: each signature's smallest
     notes: list[str] = []
@@ -149,9 +217,6 @@ def triage_findings(result: Any, stop_at: float | None = None,
                     write_attachment: Callable[[Any, Any], str | None] | None = None) -> int:
     """Triage every finding not yet triaged (see `kvdoctor.explore.triage`) while time is left before
     `stop_at`; returns how many were left untriaged."""
-    from kvdoctor.engine import compat
-    from kvdoctor.explore.triage import triage
-
     pending = [f for f in result.findings if f.triage is None]
     if not pending:
         return 0
@@ -167,15 +232,27 @@ def triage_findings(result: Any, stop_at: float | None = None,
 
 
 def exit_status(report: ExploreReport) -> int:
-    """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found"."""
-    from kvdoctor.errors import ExitStatus
-
+    """1 when a failure was found; else a failed worker makes the search incomplete, never "nothing found";
+    else 6 (inconclusive) when no example ran at all: nothing tested is not nothing found."""
     if report.findings:
         return ExitStatus.REPRODUCED
+    if report.result.lost:  # part of the search did not run: not "nothing found"
+        return ExitStatus.SETUP_OR_OTHER_FAILURE
     if report.result.errors:
         codes = [c for c in report.result.error_codes if c is not None]
         return codes[0] if codes else ExitStatus.INTERNAL_ERROR  # a worker crashed outside kvdoctor's errors
+    if nothing_tested(report):
+        return ExitStatus.INCONCLUSIVE
     return ExitStatus.NOT_REPRODUCED
+
+
+def nothing_tested(report: ExploreReport) -> str | None:
+    """The one line saying no example ran (the budget was spent before the first), else None."""
+    stats, config = report.result.stats, report.result.config
+    if stats.examples > 0 or report.findings:
+        return None
+    return (f"explore: 0 examples ran in --time-budget {config.time_budget:g} s (after vLLM's import): "
+            f"nothing was tested; give it a longer --time-budget")
 
 
 def explore_document(report: ExploreReport) -> dict[str, Any]:
@@ -202,4 +279,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "steps_per_second": round(stats.steps_per_second, 1),
         "findings": [finding.as_dict() for finding in report.findings],
         "errors": list(result.errors),
+        "lost": list(result.lost),
+        "ray": config.ray,
+        "nodes": sorted({w.node for w in result.workers}),
     }

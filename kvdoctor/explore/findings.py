@@ -34,8 +34,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.explore.impact import impact_of, impact_of_finding
 from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions, setup_of
-from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.explore.triage import STARTUP
+from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.model import Recipe, Signature, Step, bug_order
+from kvdoctor.recipes.writer import recipe_to_toml
 
 
 @dataclass
@@ -79,9 +84,6 @@ class Finding:
     @property
     def impact(self) -> Any:
         """What it does to a server and its clients (`kvdoctor.explore.impact`)."""
-        from kvdoctor.explore.impact import impact_of_finding
-        from kvdoctor.explore.triage import STARTUP
-
         return impact_of_finding(self, startup=self.triage is not None and self.triage.verdict == STARTUP)
 
     @property
@@ -171,23 +173,22 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     finding took (`setup`: its recipe's [setup], `detail`: its failure's message; see MECHANISMS).
     Where several bugs share the signature, the one whose recipes use the finding's trigger-shaping
     actions (`actions`: the finding's step actions) comes first, then the catalogue's order."""
-    from kvdoctor.errors import KvdoctorError
     from kvdoctor.recipes.builtins import all_builtins
 
     try:
         recipes = all_builtins()
     except KvdoctorError:  # an installation without its recipes labels nothing
         return None
-    from kvdoctor.recipes.model import bug_order
 
     # K1 and K6 share `_build_store_jobs`' assert: a finding that withholds hashes is K6's.
     shaping = actions & TRIGGER_ACTIONS
     matches = sorted((r for r in recipes if r.bug and _signature_matches(r.signature, signature, haystack)
                       and takes_path(r.bug, setup, detail, actions)),
                      key=lambda r: (shaping != step_actions(r.steps) & TRIGGER_ACTIONS, bug_order(r.bug)))
-    if not matches:
+    bug = matches[0].bug if matches else None
+    if bug is None:
         return None
-    return matches[0].bug, tuple(r.name for r in matches if r.bug == matches[0].bug)
+    return bug, tuple(r.name for r in matches if r.bug == bug)
 
 
 def finding_key(signature: str, path: str) -> str:
@@ -241,8 +242,6 @@ def cut_at_failure(steps: tuple[Step, ...], failure_index: int, setup: Any = Non
     """The steps up to and including the run-time step `failure_index` (1-based). `setup`: the geometry
     that expands a `schedule until` (a hand-written base recipe); explore's own steps repeat by count."""
     if setup is not None:
-        from kvdoctor.recipes.compile import compile_recipe
-
         actions = [(play.index, play.step.action) for play in compile_recipe(steps, setup).steps]
     else:
         actions = expanded_actions(steps)
@@ -273,7 +272,6 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
         signature = observed_signature(obs)
-    from kvdoctor.explore.impact import impact_of
 
     failing = steps[-1].action if obs.kind in ("exception", "harness") and steps else None
     summary = f"{summary}\nImpact: {impact_of(obs.kind, obs.invariant, failing).line}"
@@ -323,9 +321,6 @@ def header_text(finding: Finding) -> str:
 
 def write_findings(findings: list[Finding], out_dir: Path) -> None:
     """Write one recipe per finding (sets `finding.file`), replacing this signature's (and path's) earlier file."""
-    from kvdoctor.errors import UsageError
-    from kvdoctor.recipes.writer import recipe_to_toml
-
     if not findings:
         return  # nothing to write: no folder either
     try:

@@ -81,7 +81,10 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from kvdoctor.engine.kv_layout import resolve_layout
+from kvdoctor.errors import InternalError
 from kvdoctor.recipes.model import Recipe, Signature, Step
+from kvdoctor.steps import REGISTRY
 
 # Never matches a failure: the explorer classifies failures itself (see runner.py).
 PLACEHOLDER_SIGNATURE = Signature(exception="(explore: any failure)", function="(explore)")
@@ -195,6 +198,12 @@ class Geometry:
 # where bytes are uniform.
 EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule", "finish",
                "hold", "complete", "fail", "reset", "schedule", "add", "abort", "drain", "delay", "release")
+# The step kind each event plays: the kinds' `explore` names (`kvdoctor.steps`). A kind declared drawn that
+# the table never draws, or an event no kind declares, is kvdoctor's bug, at import.
+EVENT_KINDS = {kind.explore: name for name, kind in REGISTRY.items() if isinstance(kind.explore, str)}
+if set(EVENT_KINDS) != set(EVENT_TABLE):
+    raise InternalError(f"explore's EVENT_TABLE and the step kinds' declared events differ: "
+                        f"{sorted(set(EVENT_KINDS) ^ set(EVENT_TABLE))}")
 BLOCK_SIZES = (4, 2, 8, 16, 1)
 MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
@@ -328,8 +337,6 @@ def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "
 def kv_bytes_per_token(geometry: "Geometry") -> int:
     """KV bytes one token takes in the geometry's layout (the sync-load budget is counted in them, as
     the offloading scheduler counts its loads: tokens x kv_bytes_per_token)."""
-    from kvdoctor.engine.kv_layout import resolve_layout
-
     layout = resolve_layout(None, geometry.layout, geometry.sliding_window)
     return max(1, layout.page_bytes(geometry.block_size) // geometry.block_size)
 
@@ -574,7 +581,7 @@ def event_steps(example: Example) -> list[Step]:
         if steps and steps[-1].action == "schedule":
             count += steps[-1].args.get("count", 1)
             steps.pop()
-        steps.append(Step("schedule", {"count": count} if count > 1 else {}, 0))
+        steps.append(Step(EVENT_KINDS["schedule"], {"count": count} if count > 1 else {}, 0))
 
     for event in example.events:
         action = event[0]
@@ -616,16 +623,16 @@ def event_steps(example: Example) -> list[Step]:
                     args["priority"] = priority
             names.append(rid)
             lengths[rid] = length
-            steps.append(Step("add", args, 0))
+            steps.append(Step(EVENT_KINDS[action], args, 0))
         elif action in ("abort", "finish"):
             if names:
-                steps.append(Step(action, {"request": pick(event[1])}, 0))
+                steps.append(Step(EVENT_KINDS[action], {"request": pick(event[1])}, 0))
         elif action in ("delay", "release"):
             if names:
                 rid = pick(event[1])
                 if (rid in withheld) == (action == "release"):  # only a change: delay once, release once
                     (withheld.add if action == "delay" else withheld.discard)(rid)
-                    steps.append(Step(f"{action}_block_hashes", {"request": rid}, 0))
+                    steps.append(Step(EVENT_KINDS[action], {"request": rid}, 0))
         elif action in ("hold", "complete", "fail"):
             _, target, kind = event
             args = {}
@@ -637,7 +644,7 @@ def event_steps(example: Example) -> list[Step]:
                 args["kind"] = kind
             if action == "fail" and g.fail_worker is not None:
                 args["worker"] = g.fail_worker
-            steps.append(Step(f"{action}_transfers", args, 0))
+            steps.append(Step(EVENT_KINDS[action], args, 0))
         elif action == "reset":
             _, running, connector = event
             args = {}
@@ -645,13 +652,13 @@ def event_steps(example: Example) -> list[Step]:
                 args["reset_running_requests"] = True
             if connector:
                 args["reset_connector"] = True
-            steps.append(Step("reset_prefix_cache", args, 0))
+            steps.append(Step(EVENT_KINDS[action], args, 0))
         elif action == "drain":
-            steps.append(Step("drain", {}, 0))
+            steps.append(Step(EVENT_KINDS[action], {}, 0))
         else:  # pragma: no cover - the strategy draws only the events above
             raise ValueError(f"unknown event {event!r}")
     # Late hashes arrive in the end: the settle tail then judges a request whose keys all exist.
-    steps.extend(Step("release_block_hashes", {"request": rid}, 0) for rid in names if rid in withheld)
+    steps.extend(Step(EVENT_KINDS["release"], {"request": rid}, 0) for rid in names if rid in withheld)
     return steps
 
 

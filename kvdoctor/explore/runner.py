@@ -1,6 +1,6 @@
 """Run one generated recipe on the real scheduler and say what, if anything, broke.
 
-A run is `kvdoctor.scenario.run_scenario` with every named invariant of
+A run is `kvdoctor.levels.scheduler.run_scenario` with every named invariant of
 `kvdoctor.observe.invariants` checked after every step, plus the end-of-run
 check below. Its failure signature is:
 
@@ -20,10 +20,12 @@ from typing import Any
 
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
+from kvdoctor.levels.scheduler import run_scenario
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.compile import expand_counts
 from kvdoctor.recipes.model import Recipe, Step
+from kvdoctor.resolution import resolve_setup
 
 RELEASE_CHECK = "finished-requests-released"
 
@@ -53,10 +55,8 @@ def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, st
 
 def setup_of(recipe: Recipe) -> Setup:
     """The `Setup` exactly as `kvdoctor repro` resolves it from the recipe's [setup]."""
-    from kvdoctor.app import resolve_setup
-
     try:
-        return resolve_setup(recipe, {})
+        return resolve_setup(recipe)
     except UsageError as exc:  # a geometry the generator should not have drawn
         raise InvalidExample(str(exc)) from exc
 
@@ -72,8 +72,6 @@ def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | 
     `harness.BuildCache` the caller keeps across its runs (a search: its examples, their other
     scheduling mode and hypothesis' shrinking repeat setups, and a setup's VllmConfig and KV cache
     plan are most of a build: 0.15 of 0.19 s over 154 explored setups on 0.26.0)."""
-    from kvdoctor.scenario import run_scenario
-
     names = tuple(INVARIANTS) if invariants is None else invariants
     setup = setup or setup_of(recipe)
     actions = expanded_actions(recipe.steps)

@@ -23,16 +23,37 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Protocol
 
+from kvdoctor.engine import compat
+from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
+from kvdoctor.engine.harness import BuildCache, Harness
+from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import InternalError
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import (
     Finding, finding_key, finding_recipe, merge, path_of, step_actions, summary_text,
 )
 from kvdoctor.explore.generate import (
-    EXTENSION_GATE, SECOND_GATE, SPECULATIVE_DRAW, TIER_DRAW, WORKERS_DRAW, Example, examples, mode_variants,
+    EXTENSION_GATE,
+    LOAD_CAPS,
+    NO_LOOKAHEAD_HASHES,
+    PREFIX_MATCH_UNIT,
+    PRIORITY,
+    RECOMPUTE,
+    RETENTION,
+    SECOND_GATE,
+    SPECS,
+    SPECULATIVE_DRAW,
+    SYNC_LOADS,
+    TIER_DRAW,
+    WORKERS_DRAW,
+    Example,
+    examples,
+    mode_variants,
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
@@ -61,6 +82,9 @@ class ExploreConfig:
     # Draw speculative decoding (`generate.decode_speculative`): None where the release has 0.34's
     # speculative machinery in the offloading path (probed), True / False to force it either way.
     speculative: bool | None = None
+    # `--ray ADDRESS`: the workers run as Ray tasks (`ray_pool.RayPool`: "local", "auto" or an address);
+    # None: local processes. Under Ray, workers = 0 means one per slot of the cluster.
+    ray: str | None = None
     # The hunt's aim (`--target EXC:FUNCTION`): only failures of that exception in that function count; others
     # are run past. None: every failure counts.
     target: tuple[str, str] | None = None
@@ -118,6 +142,8 @@ class ExploreResult:
     worker_stats: list[Stats] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     error_codes: list[int | None] = field(default_factory=list)  # a KvdoctorError's exit code, else None
+    lost: list[str] = field(default_factory=list)  # shares not searched: a worker lost or stopped, and why
+    workers: list[WorkerIdentity] = field(default_factory=list)  # who reported ready, where (pool runs)
     api: Any = None  # the in-process vLLM adapter (one worker), for the triage reruns
 
 
@@ -126,7 +152,7 @@ class _StopExploring(BaseException):
 
 
 @contextmanager
-def draws_named_by_seed():
+def draws_named_by_seed() -> Iterator[None]:
     """Draw without the constants Hypothesis mines from the "local" modules loaded in the process.
 
     Hypothesis (6.1xx) mixes such constants into its draws, so one seed gave different examples
@@ -170,8 +196,6 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     from hypothesis import HealthCheck, Phase, Verbosity, find, settings
     from hypothesis.errors import HypothesisException, NoSuchExample
 
-    from kvdoctor.engine.harness import BuildCache
-
     stats = Stats(phase="searching")
     found: dict[str, Finding] = {}
     specs = available_specs(api)
@@ -211,7 +235,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         invariants = tuple(name for name in (INVARIANTS if config.invariants is None else config.invariants)
                            if not any(f.signature == f"invariant {name}" for f in found.values()))
 
-        def condition(raw: Any) -> bool:
+        # this round's lock and invariants, bound now (hypothesis calls it only within the round)
+        def condition(raw: Any, lock: dict[str, Any] = lock, invariants: tuple[str, ...] = invariants) -> bool:
             now = time.monotonic()
             shrinking = lock["signature"] is not None
             if (not shrinking and now >= deadline) or now >= hard_stop:
@@ -309,8 +334,6 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
 def available_specs(api: Any) -> frozenset[str]:
     """The drawable offloading specs this vLLM registers (others are drawn as the default spec)."""
-    from kvdoctor.explore.generate import SPECS
-
     return frozenset(name for name in SPECS if name is not None and api.has_offloading_spec(name))
 
 
@@ -321,11 +344,6 @@ def available_features(api: Any) -> frozenset[str]:
     `prefix_cache_retention_interval` where CacheConfig has them, per-request caps where the offloading
     scheduler's request state reads `max_load_tokens`, the priority policy where SchedulerConfig takes it,
     speculative decoding where the offloading path has lookahead block hashes or the EAGLE block drop."""
-    from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
-    from kvdoctor.explore.generate import (
-        LOAD_CAPS, NO_LOOKAHEAD_HASHES, PREFIX_MATCH_UNIT, PRIORITY, RECOMPUTE, RETENTION, SYNC_LOADS,
-    )
-
     probes = {SYNC_LOADS: api.offload_config_reads(SYNC_LOADS),
               RECOMPUTE: api.kv_transfer_config_has_field(RECOMPUTE),
               PREFIX_MATCH_UNIT: api.cache_config_has_field(PREFIX_MATCH_UNIT),
@@ -348,6 +366,9 @@ def available_features(api: Any) -> frozenset[str]:
 
 # -- several processes ---------------------------------------------------------------------------
 
+_warmed: set[int] = set()
+
+
 def warm_up(api: Any) -> None:
     """Pay the one-off costs before the budget clock starts: the first scheduler build (vLLM
     inspects the model architecture once per process), hypothesis' strategies; then move
@@ -356,8 +377,9 @@ def warm_up(api: Any) -> None:
     import gc
     import logging
 
-    from kvdoctor.engine.harness import Harness
-    from kvdoctor.engine.setup import Setup
+    if id(api) in _warmed:  # once a process (explore.app warms up before it starts the budget's clock)
+        return
+    _warmed.add(id(api))
 
     # Generated runs fail loads on purpose, and vLLM logs each at ERROR level, on stdout (which
     # would break --json); every failure explore reports comes from its own observation instead.
@@ -368,21 +390,24 @@ def warm_up(api: Any) -> None:
     gc.freeze()
 
 
-def _worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
-    """Entry point of a spawned worker: import vLLM, search, send progress and findings."""
+def worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
+    """The body of one search worker, wherever it runs (a spawned process, a Ray task): import vLLM,
+    search, and send what happens as messages on `queue` (anything with `put`): ("ready", worker,
+    `WorkerIdentity` as a dict), ("progress", worker, stats), ("finding", worker, Finding), ("done",
+    worker, stats) or ("error", worker, (text, exit code or None))."""
     try:
         from kvdoctor.engine import compat
 
         api = compat.load()
         warm_up(api)
-        queue.put(("ready", worker, api.version_text))
+        queue.put(("ready", worker, WorkerIdentity.here(api.version_text).as_dict()))
         worker_config = dataclasses.replace(config, workers=1)
-        findings, stats = worker_search(
+        _, stats = worker_search(
             api, worker_config, worker,
             on_progress=lambda s: queue.put(("progress", worker, s.as_dict())),
             on_finding=lambda f: queue.put(("finding", worker, f)))
         queue.put(("done", worker, stats.as_dict()))
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it, one line
+    except BaseException as exc:  # the parent reports it, one line
         from kvdoctor.errors import KvdoctorError
 
         code = exc.exit_code if isinstance(exc, KvdoctorError) else None
@@ -390,13 +415,58 @@ def _worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
         queue.put(("error", worker, (text, code)))
 
 
-def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None = None,
-            on_finding: Callable[[Finding], None] | None = None, api: Any = None) -> ExploreResult:
-    """Run the whole search (in-process for one worker, spawned processes for more)."""
-    if config.workers <= 1:
-        if api is None:
-            from kvdoctor.engine import compat
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who a worker is: the releases it runs (every worker must run the driver's) and where it runs."""
 
+    vllm: str
+    kvdoctor: str
+    node: str
+    pid: int
+
+    @classmethod
+    def here(cls, vllm_version: str) -> WorkerIdentity:
+        import os
+        import socket
+
+        from kvdoctor import __version__
+
+        return cls(vllm=vllm_version, kvdoctor=__version__, node=socket.gethostname(), pid=os.getpid())
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class WorkerPool(Protocol):
+    """Where the workers of a parallel search run (`kvdoctor.explore.pools`): each runs `worker_main`
+    and its messages reach the driver's loop (`explore`) through `get`, whatever carries them."""
+
+    name: str  # how messages name the pool ("local processes", "Ray cluster at ...")
+
+    def start(self, config: ExploreConfig) -> None:
+        """Start `config.workers` workers; each runs `worker_main(config, i, queue)`."""
+
+    def get(self, timeout: float) -> tuple[str, int, Any] | None:
+        """The next message, or None when none came within `timeout` seconds."""
+
+    def gone(self, workers: set[int]) -> dict[int, str]:
+        """Of `workers` (those that have not said their last word), the ones no longer running, with
+        why. Asked only once `get` found no message, so every message they sent has been read."""
+
+    def cancel(self, worker: int) -> None:
+        """Stop one worker now (its share is then not searched)."""
+
+    def close(self) -> None:
+        """Stop every worker still running and release what the pool started; safe to call twice."""
+
+
+def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None = None,
+            on_finding: Callable[[Finding], None] | None = None, api: Any = None,
+            pool: WorkerPool | None = None) -> ExploreResult:
+    """Run the whole search: in-process for one worker without a `pool`, else in the pool's workers
+    (spawned processes, or Ray tasks: `kvdoctor.explore.pools`)."""
+    if pool is None and config.workers <= 1:
+        if api is None:
             api = compat.load()
         warm_up(api)
         result = ExploreResult(vllm_version=api.version_text, config=config)
@@ -412,32 +482,40 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
         result.api = api
         result.findings = merge(findings)
         return result
-    return _explore_parallel(config, on_progress, on_finding)
+    if pool is None:
+        raise InternalError(f"a search with {config.workers} workers needs a pool to run them in "
+                            f"(kvdoctor.explore.pools.ProcessPool or ray_pool.RayPool)")
+    return _explore_in_pool(config, pool, on_progress, on_finding)
 
 
-def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None,
-                      on_finding: Callable[[Finding], None] | None) -> ExploreResult:
-    import multiprocessing
-    import queue as queue_mod
-
+def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Callable[[ExploreResult], None] | None,
+                     on_finding: Callable[[Finding], None] | None) -> ExploreResult:
+    """The driver's loop, the same for every pool: read the workers' messages, stream each new
+    signature's finding out at once, and merge all findings by signature (the fewest steps kept).
+    A worker that runs another vLLM or kvdoctor than the driver is stopped; it and a worker lost
+    without its last word (a killed process, a lost node) are `lost` shares: not counted as searched."""
+    from kvdoctor import __version__
     from kvdoctor.engine.compat import installed_vllm_version
 
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that imported torch
-    queue = ctx.Queue()
-    result = ExploreResult(vllm_version=installed_vllm_version() or "?", config=config)
+    driver_vllm = installed_vllm_version() or "?"
+    result = ExploreResult(vllm_version=driver_vllm, config=config)
     per_worker: dict[int, Stats] = {i: Stats(phase="importing vLLM") for i in range(config.workers)}
-    processes = [ctx.Process(target=_worker_main, args=(config, i, queue), daemon=True)
-                 for i in range(config.workers)]
-    for process in processes:
-        process.start()
     findings: list[Finding] = []
     running = set(range(config.workers))
     seen: set[str] = set()
+    lost: set[int] = set()
+
+    def lose(worker: int, why: str) -> None:
+        lost.add(worker)
+        running.discard(worker)
+        result.lost.append(f"worker {worker} ({pool.name}): {why}; its share is not counted as searched")
 
     def publish() -> None:
         result.worker_stats = [per_worker[i] for i in sorted(per_worker)]
-        total = Stats(phase=", ".join(sorted({s.phase for s in result.worker_stats})))
-        for s in result.worker_stats:
+        total = Stats(phase=", ".join(sorted({s.phase for i, s in per_worker.items() if i not in lost}) or {"stopped"}))
+        for i, s in sorted(per_worker.items()):
+            if i in lost:
+                continue
             total.examples += s.examples
             total.shrink_examples += s.shrink_examples
             total.runs += s.runs
@@ -455,20 +533,27 @@ def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResul
             on_progress(result)
 
     try:
+        pool.start(config)
         while running:
-            try:
-                kind, worker, payload = queue.get(timeout=0.5)
-            except queue_mod.Empty:
-                for i in list(running):  # gone without a last word (its messages are all read by now)
-                    if not processes[i].is_alive():
-                        result.errors.append(f"worker {i} died (exit code {processes[i].exitcode})")
-                        result.error_codes.append(None)
-                        running.discard(i)
+            message = pool.get(timeout=0.5)
+            if message is None:
+                for i, why in pool.gone(running).items():  # gone without a last word
+                    lose(i, why)
                 publish()
                 continue
+            kind, worker, payload = message
+            if worker in lost:  # a stopped worker's last messages
+                continue
             if kind == "ready":
-                result.vllm_version = payload
-                per_worker[worker].phase = "searching"
+                identity = WorkerIdentity(**payload)
+                result.workers.append(identity)
+                if (identity.vllm, identity.kvdoctor) != (driver_vllm, __version__):
+                    pool.cancel(worker)
+                    lose(worker, f"node {identity.node} runs vLLM {identity.vllm} and kvdoctor "
+                                 f"{identity.kvdoctor}, the driver vLLM {driver_vllm} and kvdoctor {__version__}: "
+                                 f"stopped")
+                else:
+                    per_worker[worker].phase = "searching"
             elif kind == "progress":
                 per_worker[worker] = Stats(**payload)
             elif kind == "finding":
@@ -487,10 +572,7 @@ def _explore_parallel(config: ExploreConfig, on_progress: Callable[[ExploreResul
                 running.discard(worker)
             publish()
     finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.terminate()
+        pool.close()
     result.findings = merge(findings)
     publish()
     return result

@@ -32,7 +32,7 @@ Three questions, each answered by running or by reading vLLM, never assumed:
     what an engine does between and during its steps.
 
 (c) *Through vLLM's EngineCore.* The shrunk recipe is replayed with `--engine
-    core` (`kvdoctor.engine.core.runner.run_core_scenario`: vLLM's own
+    core` (the core level of `kvdoctor.levels.runners`: vLLM's own
     EngineCore calls the scheduler, kvdoctor only hosts the executor). It is
     "reproduced through vLLM's EngineCore", "not reproduced through EngineCore
     (scheduler-level only)", or, for a recipe with a step the engine core
@@ -53,8 +53,17 @@ nothing in this package imports the report formatters.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+from kvdoctor.engine import compat
+from kvdoctor.errors import KvdoctorError, UsageError
+from kvdoctor.explore.runner import setup_of
+from kvdoctor.levels.core import CORE as CORE_LEVEL
+from kvdoctor.levels.scheduler import run_scenario
+from kvdoctor.levels.table import why_not
+from kvdoctor.observe.verdict import Outcome
 
 CANDIDATE = "candidate upstream report"
 KNOWN = "known bug"
@@ -123,18 +132,12 @@ class Triage:
 
 
 def _setup(recipe: Any, **changes: Any) -> Any:
-    from kvdoctor.explore.runner import setup_of
-
     setup = setup_of(recipe)
     return dataclasses.replace(setup, **changes).validate() if changes else setup
 
 
 def without_connector(api: Any, finding: Any) -> tuple[str, str]:
     """Rerun the shrunk recipe with no KV connector: (outcome word, detail)."""
-    from kvdoctor.errors import UsageError
-    from kvdoctor.observe.verdict import Outcome
-    from kvdoctor.scenario import run_scenario
-
     if finding.kind == "harness":
         return "not run", "the exception was kvdoctor's own"
     try:
@@ -161,22 +164,14 @@ def through_engine_core(api: Any, finding: Any) -> tuple[str, str]:
     `reproduced`; a leak finding's [[check]] fails: `other_failure`, the same check) comes out of the
     engine core too. A step the engine core cannot play makes the recipe `not_applicable` there,
     before vLLM builds anything; the steps it names are the detail."""
-    import re
-
-    from kvdoctor.engine.core.runner import run_core_scenario
-    from kvdoctor.errors import KvdoctorError
-    from kvdoctor.observe.verdict import Outcome
-
     if finding.kind == "harness":
         return NOT_RUN_AT_CORE, "the exception was kvdoctor's own"
     try:
         setup = _setup(finding.recipe, engine="core")
-        result = run_core_scenario(api, finding.recipe, setup, finding.logic)
+        result = CORE_LEVEL.run(api, finding.recipe, setup, finding.logic)
     except KvdoctorError as exc:  # a setup the engine level refuses (kvdoctor's own refusal, one line)
         return NOT_PLAYABLE_AT_CORE, str(exc)
     if result.outcome is Outcome.NOT_APPLICABLE:
-        from kvdoctor.engine.core.levels import why_not
-
         steps = list(dict.fromkeys(step.action for step in finding.recipe.steps
                                    if why_not(step.action, "core", setup.async_scheduling)))
         return NOT_PLAYABLE_AT_CORE, (", ".join(f"`{step}`" for step in steps) if steps else result.detail)
@@ -206,8 +201,6 @@ def _in_flight_resets(steps: tuple[Any, ...], async_scheduling: bool) -> tuple[l
 
 def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[str], list[str]]:
     """(reasons the harness may have caused it, why each liberty taken is reachable, caveats)."""
-    from kvdoctor.scenario import run_scenario
-
     reasons: list[str] = []
     reachable: list[str] = []
     caveats: list[str] = []
@@ -271,8 +264,6 @@ def triage(api: Any, finding: Any, facts: Any | None = None,
            write_attachment: WriteAttachment | None = None) -> Triage:
     """The three checks, the verdict, and (for a candidate, through `write_attachment`) the report
     attachment next to the recipe."""
-    from kvdoctor.engine import compat
-
     facts = facts or compat.load().engine_core_facts()
     word, detail = without_connector(api, finding)
     reasons, reachable, caveats = harness_check(api, finding, facts)
@@ -316,10 +307,6 @@ def diagnose_reset_failure(api: Any, finding: Any) -> list[str]:
     say what the scheduler held there. vLLM preempts every running request first, then finds blocks
     still referenced and raises before `reset_connector`; under async scheduling the batch in flight
     still holds its blocks (its frees are deferred until its output is applied)."""
-    import dataclasses as dc
-
-    from kvdoctor.scenario import run_scenario
-
     sig = finding.recipe.signature
     steps = finding.recipe.steps
     if (finding.kind != "exception" or sig.exception != "RuntimeError" or sig.function != "reset_prefix_cache"
@@ -327,8 +314,8 @@ def diagnose_reset_failure(api: Any, finding: Any) -> list[str]:
             or not steps[-1].args.get("reset_running_requests")):
         return []
     setup = _setup(finding.recipe)
-    before = dc.replace(finding.recipe, steps=steps[:-1], checks=(),
-                        signature=dc.replace(sig, exception="(none)", function="(none)", contains=None))
+    nothing = dataclasses.replace(sig, exception="(none)", function="(none)", contains=None)
+    before = dataclasses.replace(finding.recipe, steps=steps[:-1], checks=(), signature=nothing)
     result = run_scenario(api, before, setup, finding.logic)
     waiting_remote = [s.request for s in result.requests if s.status == "WAITING_FOR_REMOTE_KVS"]
     running = [s.request for s in result.requests if s.status == "RUNNING"]

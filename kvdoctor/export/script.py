@@ -1,21 +1,36 @@
 """Write a recipe as a standalone Python script that uses vLLM's own APIs only.
 
 The script body is `kvdoctor/export/standalone.py` (kept as real, testable
-Python); exporting replaces its `RECIPE = ...` line with the resolved recipe:
-prompts as token ids, the setup as the connector receives it.
+Python); exporting replaces its `RECIPE = ...` line with the resolved recipe
+(prompts as token ids, the setup as the connector receives it), its `PLAYS`
+line with each step kind's `script` lines from its declaration (`kvdoctor.steps`;
+a kind without one refuses the export, naming the step), and copies in the one
+definition of the adapter's vLLM-only reads, the simulated worker and the step loop.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from kvdoctor import clean_exit
+from kvdoctor.engine import step_loop, worker
+from kvdoctor.engine.compat import inline_portable
+from kvdoctor.engine.serve_args import exported_setup
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.tiny_model import config_json
 from kvdoctor.errors import UsageError
+from kvdoctor.levels import serve
+from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.geometry import NotApplicable
 from kvdoctor.recipes.model import Recipe
+from kvdoctor.steps import REGISTRY, Unsupported, kind_of
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
 _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export'
+_PLAYS_LINE = ("    PLAYS = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on "
+               "export\n")
 _CONFIG_LINE = "CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export"
 
 
@@ -26,10 +41,24 @@ def _raw(name: str, text: str) -> str:
     return f"{name} = r'''{text}'''"
 
 
+def _plays(kinds: set[str]) -> str:
+    """`PLAYS`, inside the script's `main`: one function per step kind the recipe uses, its body the kind's
+    `script` lines (`kvdoctor.steps`), in declaration order."""
+    import textwrap
+
+    lines = []
+    for name, kind in REGISTRY.items():
+        if name in kinds:
+            if isinstance(kind.script, Unsupported):  # pragma: no cover - export_script refused it first
+                raise RuntimeError(f"step kind {name!r} has no exported form")
+            body = textwrap.indent(kind.script.strip("\n") + "\n", " " * 8)
+            lines.append(f"    def play_{name}(args):\n{body}\n")
+    table = ", ".join(f'"{name}": play_{name}' for name in REGISTRY if name in kinds)
+    return "".join(lines) + f"    PLAYS = {{{table}}}\n"
+
+
 def _with_tiny_config(template: str) -> str:
     """The template with kvdoctor's one tiny-model config.json (`engine.tiny_model`) embedded as text."""
-    from kvdoctor.engine.tiny_model import config_json
-
     if _CONFIG_LINE not in template:  # pragma: no cover - guards the template itself
         raise RuntimeError("standalone template lost its CONFIG_JSON line")
     return template.replace(_CONFIG_LINE, _raw("CONFIG_JSON", config_json()))
@@ -41,41 +70,35 @@ def recipe_data(recipe: Recipe, setup: Setup) -> dict:
     engine, which a vLLM-only script cannot import (`--worker vllm` exports this same form)."""
     import dataclasses
 
-    from kvdoctor.recipes.compile import compile_recipe
-    from kvdoctor.recipes.geometry import NotApplicable
-
     setup = dataclasses.replace(setup, worker="simulated", device=None)
     try:
         compiled = compile_recipe(recipe.steps, setup)
     except NotApplicable as exc:
         raise UsageError(f"cannot export {recipe.name}: {exc}") from None
-    steps = []
+    steps: list[dict[str, Any]] = []
     for play in compiled.steps:
         if play.repeat > 1:  # the script repeats a schedule by its count
             continue
+        kind = kind_of(play.action)
         args = dict(play.args)
-        if play.action == "schedule" and args.pop("until", None) is not None:
+        if kind.repeats and args.pop("until", None) is not None:
             args.pop("request", None)
             args["count"] = play.repeats
-        if args.get("fill_pool"):  # a fill: each of its requests, by token ids
-            steps.extend({"action": "add", "args": {"request": new.request, "prompt": list(new.prompt),
-                                                    "max_tokens": new.max_tokens}} for new in play.requests)
-            continue
-        if play.action == "add":
-            args["prompt"] = list(play.requests[0].prompt)
-            for key in ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
-                        "trim_tokens", "shared_prefix_chunks", "prompt_rest_of_pool"):
-                args.pop(key, None)
+        if kind.admits:  # each of its requests by token ids (a fill admits several)
+            sizing = ("prompt_tokens", "prompt_chunks", "fill_pool", "shared_prefix_with", "shared_prefix_tokens",
+                      "trim_tokens", "shared_prefix_chunks", "prompt_rest_of_pool")
+            kept = {key: value for key, value in args.items() if key not in sizing}
+            if args.get("fill_pool"):
+                steps.extend({"action": play.action, "args": {"request": new.request, "prompt": list(new.prompt),
+                                                              "max_tokens": new.max_tokens}} for new in play.requests)
+                continue
+            args = {**kept, "prompt": list(play.requests[0].prompt)}
         args.pop("description", None)
         steps.append({"action": play.action, "args": args})
     return {
         "name": recipe.name,
         "setup": {
-            "block_size": setup.block_size, "gpu_blocks": setup.gpu_blocks, "max_model_len": setup.max_model_len,
-            "max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": setup.max_num_batched_tokens,
-            "enable_chunked_prefill": setup.enable_chunked_prefill, "async_scheduling": setup.async_scheduling,
-            "enable_prefix_caching": setup.enable_prefix_caching,
-            **({"scheduling_policy": setup.scheduling_policy} if setup.scheduling_policy else {}),
+            **exported_setup(setup),  # the serve geometry, from the one serve-flag table
             "kv_connector_extra_config": setup.kv_connector_extra_config(),
         },
         "steps": steps,
@@ -89,27 +112,29 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
     if setup.model is not None or setup.layout is not None:
         raise UsageError("--export-script builds one full-attention KV cache group; it cannot reproduce a "
                          "multi-group layout yet (drop --model / [setup] layout, or attach `kvdoctor repro --report`)")
-    from kvdoctor.steps import REGISTRY, Need
-
-    # the script plays requests, engine steps and transfers; scheduler-side interventions it cannot
-    late = sorted({s.action for s in recipe.steps if Need.SCHEDULER_CONTROL in REGISTRY[s.action].needs})
-    paused = sorted({s.action for s in recipe.steps if Need.ENGINE_PAUSE in REGISTRY[s.action].needs})
-    if paused:  # the script drives the scheduler; pausing is the engine's
-        raise UsageError(f"--export-script cannot reproduce an engine pause ({', '.join(paused)}): it drives "
-                         f"vLLM's scheduler, not its EngineCore; attach `kvdoctor repro --engine core --report`")
-    if late or setup.multi_connector or setup.speculative_method:
-        what = ("late block hashes (" + ", ".join(late) + ")" if late else "a MultiConnector (multi_connector)"
-                if setup.multi_connector else "speculative decoding (kvdoctor's stand-in drafter)")
+    for number, step in enumerate(recipe.steps, 1):  # a kind the script cannot play: refused, never skipped
+        script = kind_of(step.action).script
+        if isinstance(script, Unsupported):
+            raise UsageError(f"--export-script cannot reproduce step {number} (line {step.line}) `{step.action}`: "
+                             f"{script.why}")
+    if setup.multi_connector or setup.speculative_method:
+        what = ("a MultiConnector (multi_connector)" if setup.multi_connector
+                else "speculative decoding (kvdoctor's stand-in drafter)")
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     if setup.num_workers > 1:  # the script's one bookkeeping worker would report each job once
         raise UsageError(f"--export-script cannot reproduce num_workers = {setup.num_workers} yet (several "
                          f"workers' reports combined): attach `kvdoctor repro --report` instead")
-    from kvdoctor.engine.compat import inline_portable
 
-    template = _with_tiny_config(inline_portable(_TEMPLATE.read_text()))  # the adapter's vLLM-only reads, copied in
-    if _RECIPE_LINE not in template:  # pragma: no cover - guards the template itself
-        raise RuntimeError("standalone template lost its RECIPE line")
-    payload = json.dumps(recipe_data(recipe, setup), indent=1)
+    template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
+    for module in (worker, step_loop):  # the simulated worker and the step loop, copied in
+        template = inline_portable(template, module)
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
+    template = _with_tiny_config(template)
+    if _RECIPE_LINE not in template or _PLAYS_LINE not in template:  # pragma: no cover - guards the template
+        raise RuntimeError("standalone template lost its RECIPE or PLAYS line")
+    data = recipe_data(recipe, setup)
+    template = template.replace(_PLAYS_LINE, _plays({step["action"] for step in data["steps"]}))
+    payload = json.dumps(data, indent=1)
     header = (f"# Generated by kvdoctor from recipe {recipe.name!r}"
               + (f" ({recipe.bug}: {', '.join(recipe.refs)})" if recipe.bug else "") + "\n")
     return header + template.replace(_RECIPE_LINE, f'RECIPE = json.loads(r"""{payload}""")')
@@ -141,8 +166,6 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing."""
     import dataclasses
 
-    from kvdoctor.engine.core import serve
-
     reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
         raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: {reasons[0]}")
@@ -166,15 +189,15 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
 def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     """A script that imports only vLLM and the standard library: it writes the two stand-ins beside itself,
     starts `vllm serve`, plays the recipe's clients and exits 1 when the engine dies, 0 when it survives."""
-    from kvdoctor.engine.compat import inline_portable
-
     if recipe.signature.invariant:
         raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
                          f"shows crashes only: attach `kvdoctor repro --report` instead")
-    from kvdoctor.engine.core import serve_client
+    from kvdoctor import clean_exit
+    from kvdoctor.levels import serve_client
 
     data = serve_recipe_data(recipe, setup)
     template = _with_tiny_config(inline_portable(_SERVE_TEMPLATE.read_text(), serve_client))  # the client, copied in
+    template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     for key, line in _SERVE_LINES.items():
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")

@@ -19,15 +19,20 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-# The adapter's vLLM-only reads and feature probes; an export copies their one definition in here.
+# Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out (see `__main__` below);
+# an export copies kvdoctor's one definition in here.
+from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
+
+# The adapter's vLLM-only reads and feature probes, the simulated worker and the engine's step loop; an
+# export copies their one definition in here.
 from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
                                              request_states, runner_output_takes_req_id_to_index,
                                              worker_reports_failed_jobs)
+from kvdoctor.engine.worker import Job, SimulatedWorker  # noqa: E402
+from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: E402
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
 
-EOS_TOKEN = 2
-DECODE_TOKEN = 7
 LAYER = "model.layers.0.self_attn.attn"
 CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
@@ -70,33 +75,6 @@ def build_scheduler(setup):
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
 
 
-class Worker:
-    """Completes transfer jobs at once unless held; flushed jobs always complete."""
-
-    def __init__(self):
-        self.in_flight, self.holds, self.to_complete, self.to_fail = {}, [], set(), set()
-
-    @staticmethod
-    def _matches(rule, job):
-        return rule[0] in (None, job["req_id"]) and rule[1] in (None, job["kind"])
-
-    def select(self, request, kind):
-        rule = (request, kind)
-        self.holds = [h for h in self.holds if not (request in (None, h[0]) and kind in (None, h[1]))]
-        return {jid for jid, job in self.in_flight.items() if self._matches(rule, job)}
-
-    def take_step(self, new_jobs, flush):
-        for job in new_jobs:
-            self.in_flight[job["id"]] = job
-            if not any(self._matches(h, job) for h in self.holds):
-                self.to_complete.add(job["id"])
-        self.to_complete.update(j for j in flush if j in self.in_flight)
-        failed = [self.in_flight.pop(j) for j in sorted(self.to_fail) if j in self.in_flight]
-        done = [self.in_flight.pop(j) for j in sorted(self.to_complete - self.to_fail) if j in self.in_flight]
-        self.to_complete, self.to_fail = set(), set()
-        return done, failed
-
-
 def main():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
     from vllm.sampling_params import SamplingParams
@@ -117,54 +95,41 @@ def main():
     connector = scheduler.connector.connector_scheduler
     init_none_hash(sha256)
     hasher = get_request_block_hasher(setup["block_size"], sha256)
-    requests, worker, finish_next, pending = {}, Worker(), set(), None
+    requests, worker, finish_next = {}, SimulatedWorker(), set()
+    loop = StepLoop(scheduler, setup["async_scheduling"])
+    steps_taken = 0
 
-    def step():
-        nonlocal pending
-        out = scheduler.schedule()
+    def worker_side(out):
+        """The simulated worker on one scheduler output: its jobs, what it reports, the sampled tokens."""
+        nonlocal steps_taken
+        steps_taken += 1
         meta = out.kv_connector_metadata
-        jobs = [{"id": j, "req_id": t.req_id, "kind": "store", "dst": ()} for j, t in meta.store_jobs.items()]
+        jobs = [Job(j, t.req_id, "store", steps_taken) for j, t in meta.store_jobs.items()]
         for j, t in meta.load_jobs.items():
             ids = getattr(t.dst_spec, "block_ids", None)
-            jobs.append({"id": j, "req_id": t.req_id, "kind": "load",
-                         "dst": tuple(int(b) for b in ids) if ids is not None else ()})
-        done, failed = worker.take_step(jobs, set(meta.jobs_to_flush or ()))
+            jobs.append(Job(j, t.req_id, "load", steps_taken, tuple(int(b) for b in ids) if ids is not None else ()))
+        report = worker.take_step(jobs, set(meta.jobs_to_flush or ()), steps_taken)
         worker_meta = OffloadingWorkerMetadata()
-        for job in done:
-            worker_meta.mark_completed(job["id"])
-        for job in failed:  # 0.34+: the worker reports a failed transfer; before, it has no failure path
+        for job in report.completed:
+            worker_meta.mark_completed(job.job_id)
+        for job in report.failed:  # 0.34+: the worker reports a failed transfer; before, it has no failure path
             if reports_failed_jobs:
-                worker_meta.mark_completed(job["id"], success=False)
+                worker_meta.mark_completed(job.job_id, success=False)
             else:
-                worker_meta.mark_completed(job["id"])
+                worker_meta.mark_completed(job.job_id)
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            req = requests.get(rid)
-            if req is not None and req.num_computed_tokens >= req.num_tokens:
-                sampled.append([EOS_TOKEN if rid in finish_next else DECODE_TOKEN])
-                finish_next.discard(rid)
-            else:
-                sampled.append([])
-        recving = {j["req_id"] for j in done + failed if j["kind"] == "load"}
-        kv_output = {"kv_connector_worker_meta": worker_meta, "finished_recving": recving or None}
-        failed_loads = [j for j in failed if j["kind"] == "load"]
+        sampled = sample(requests, req_ids, finish_next)
+        kv_output = {"kv_connector_worker_meta": worker_meta, "finished_recving": report.finished_recving or None}
         if reports_failed_jobs:
-            if failed_loads:
-                kv_output["failed_recving"] = {j["req_id"] for j in failed_loads}
+            if report.failed_loads:
+                kv_output["failed_recving"] = report.failed_loads
         else:  # the base scheduler's generic path for KV that could not be loaded
-            kv_output["invalid_block_ids"] = {b for j in failed_loads for b in j["dst"]}
-        runner_kwargs = {"req_ids": req_ids, "sampled_token_ids": sampled,
+            kv_output["invalid_block_ids"] = report.invalid_block_ids
+        runner_kwargs = {"req_ids": req_ids, "sampled_token_ids": [sampled[rid] for rid in req_ids],
                          "kv_connector_output": KVConnectorOutput(**kv_output)}
         if takes_req_id_to_index:  # gone in 0.34
             runner_kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
-        runner_output = ModelRunnerOutput(**runner_kwargs)
-        if setup["async_scheduling"]:  # the engine applies the previous step's output
-            previous, pending = pending, (out, runner_output)
-            if previous is not None:
-                scheduler.update_from_output(*previous)
-        else:
-            scheduler.update_from_output(out, runner_output)
+        return ModelRunnerOutput(**runner_kwargs)
 
     def expect(args):
         req = requests[args["request"]]
@@ -187,45 +152,19 @@ def main():
             print(f"precondition failed for {args['request']}: " + "; ".join(problems))
             sys.exit(2)
 
+    PLAYS = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on export
+
     for number, (action, args) in enumerate(((s["action"], s["args"]) for s in RECIPE["steps"]), start=1):
         print(f"step {number}: {action} {json.dumps(args) if args else ''}")
-        if action == "add":
-            # a client's kv_transfer_params travel in the sampling params' extra_args, where vLLM reads them
-            extra = ({"extra_args": {"kv_transfer_params": args["kv_transfer_params"]}}
-                     if args.get("kv_transfer_params") else {})
-            req = Request(request_id=args["request"], prompt_token_ids=args["prompt"],
-                          sampling_params=SamplingParams(max_tokens=args.get("max_tokens", 8),
-                                                         stop_token_ids=[EOS_TOKEN], **extra),
-                          pooling_params=None, block_hasher=hasher, priority=args.get("priority", 0))
-            requests[req.request_id] = req
-            scheduler.add_request(req)
-        elif action == "schedule":
-            for _ in range(args.get("count", 1)):
-                step()
-        elif action == "drain":  # async: apply the output still in flight
-            if pending is not None:
-                previous, pending = pending, None
-                scheduler.update_from_output(*previous)
-        elif action == "abort":
-            scheduler.finish_requests(args["request"], RequestStatus.FINISHED_ABORTED)
-        elif action == "finish":
-            finish_next.add(args["request"])
-        elif action == "hold_transfers":
-            worker.holds.append((args.get("request"), args.get("kind")))
-        elif action == "complete_transfers":
-            worker.to_complete |= worker.select(args.get("request"), args.get("kind"))
-        elif action == "fail_transfers":
-            worker.to_fail |= worker.select(args.get("request"), args.get("kind"))
-        elif action == "reset_prefix_cache":
-            scheduler.reset_prefix_cache(reset_running_requests=args.get("reset_running_requests", False),
-                                         reset_connector=args.get("reset_connector", False))
-            if args.get("reset_connector", False):
-                worker.in_flight.clear()
-        elif action == "expect":
-            expect(args)
+        PLAYS[action](args)
     print("the scenario ran through: no crash")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise_on_sigterm()
+    SCRATCH = tempfile.mkdtemp(prefix="kv-repro-")  # temp files and vLLM's/torch's caches: removed at exit
+    atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)
+    throwaway_paths(SCRATCH, os.environ)
+    tempfile.tempdir = SCRATCH
+    exit_now(run_main(main))

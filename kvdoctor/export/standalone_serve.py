@@ -19,14 +19,17 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 
+# Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out; an export copies
+# kvdoctor's one definition in here.
+from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_paths
+
 # kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
 # definition in here.
-from kvdoctor.engine.core.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
+from kvdoctor.levels.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''
@@ -84,15 +87,12 @@ def main():
                 "KVREPRO_ADMISSION_LEN": str(RECIPE["admission_len"]), "VLLM_LOGGING_LEVEL": "INFO",
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+    throwaway_paths(model_dir, env)  # the server's sockets, temp files and caches: removed below with the model
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
                "--port", str(port), *RECIPE["serve_args"],
                "--distributed-executor-backend", f"{STANDIN}.executor.StandInExecutor"]
     print(f"recipe {RECIPE['name']}: starting vllm serve on 127.0.0.1:{port} (stand-ins in {folder})", flush=True)
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)  # a `timeout` or CI runner stops the server too
     ready = served = False
     server = None
     try:
@@ -137,4 +137,5 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise_on_sigterm()  # a `timeout` or CI runner stops the server too
+    exit_now(run_main(main))

@@ -16,9 +16,10 @@ it is attributed to kvdoctor (see `observe.failure`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.errors import InternalError
@@ -86,7 +87,7 @@ def record_call(api: Any, original: Any, req_state: Any, group_config: Any, args
     try:
         keys_uncapped: int | None = int(call(req_state, group_config,
                                              UncappedGroupState(group_state, (compat.GROUP_STATE_OFFLOAD_KEYS,)), n))
-    except Exception:  # noqa: BLE001 - a release whose method needs the real key list: unknown
+    except Exception:  # a release whose method needs the real key list: unknown
         keys_uncapped = None
     return StorableCall(
         req_id=request.req_id,
@@ -123,7 +124,7 @@ def storable_chunks_variant(api: Any, variant: str, log: CallLog | None = None) 
         returned = original(self, group_config, *args, **kwargs)  # vLLM's method, untouched
         try:
             log.calls.append(record_call(api, original, self, group_config, args, kwargs, returned, returned))
-        except Exception as exc:  # noqa: BLE001 - never raised into vLLM's call; reported after the step
+        except Exception as exc:  # never raised into vLLM's call; reported after the step
             log.errors.append(exc)
         return returned
 
@@ -134,7 +135,7 @@ def storable_chunks_variant(api: Any, variant: str, log: CallLog | None = None) 
         if variant == "unpatched":
             try:
                 returned = evaluate(variant, call, self, group_config, group_state, n, bpc)
-            except Exception as exc:  # noqa: BLE001 - vLLM's code on kvdoctor's stand-in object
+            except Exception as exc:  # vLLM's code on kvdoctor's stand-in object
                 raise InternalError(f"the unpatched variant cannot evaluate this release's storable_chunks: "
                                     f"{type(exc).__name__}: {exc}") from exc
         else:
@@ -143,8 +144,8 @@ def storable_chunks_variant(api: Any, variant: str, log: CallLog | None = None) 
         return returned
 
     patched = installed if variant == "installed" else variant_of_kvdoctor
-    patched.__wrapped__ = original  # type: ignore[attr-defined]
-    patched.__qualname__ = "RequestOffloadState.storable_chunks[kvdoctor:%s]" % variant
+    patched.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps's attribute, set by hand
+    patched.__qualname__ = f"RequestOffloadState.storable_chunks[kvdoctor:{variant}]"
     cls.storable_chunks = patched
     try:
         yield log

@@ -14,12 +14,14 @@ lives in `kvdoctor.logic.patch`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvdoctor.engine import compat
+from kvdoctor.errors import UsageError
 
 LOGIC_VARIANTS = ("installed", "fixed", "unpatched")
-LOGIC_CHOICES = LOGIC_VARIANTS + ("all",)
+LOGIC_CHOICES = (*LOGIC_VARIANTS, "all")
 
 # A bound call of vLLM's original method: (req_state, group_config, group_state, n) -> int
 OriginalCall = Callable[[Any, Any, Any, int], int]
@@ -29,8 +31,6 @@ def expand_logic(choice: str) -> list[str]:
     if choice == "all":
         return list(LOGIC_VARIANTS)
     if choice not in LOGIC_VARIANTS:
-        from kvdoctor.errors import UsageError
-
         raise UsageError(f"--logic must be one of {', '.join(LOGIC_CHOICES)}, got {choice!r}")
     return [choice]
 
@@ -50,7 +50,7 @@ class _Unbounded:
 class UncappedGroupState:
     """A read-only view of a group state whose named lists look unbounded."""
 
-    __slots__ = ("_inner", "_fields")
+    __slots__ = ("_fields", "_inner")
 
     def __init__(self, inner: Any, fields: tuple[str, ...] = (compat.GROUP_STATE_BLOCK_IDS,)) -> None:
         object.__setattr__(self, "_inner", inner)

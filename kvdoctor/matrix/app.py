@@ -8,16 +8,22 @@ every cell is in, so a failure leaves nothing half-written.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor import __version__
 from kvdoctor.errors import ExitStatus, UsageError
 from kvdoctor.matrix.bisect import Bisection, bisect_releases
+from kvdoctor.matrix.data import OutcomeRow
 from kvdoctor.matrix.envs import EnvStore, ReleaseEnv
 from kvdoctor.matrix.releases import parse_spec
-from kvdoctor.matrix.runner import Cell, Runner
+from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE, Cell, Runner
+from kvdoctor.outcome_codes import exit_code_for_many
+
+if TYPE_CHECKING:
+    from kvdoctor.matrix.ray_runner import RayRunner
 
 AUDIT = "(audit)"
 
@@ -48,8 +54,6 @@ class MatrixReport:
     def exit_status(self) -> ExitStatus:
         """Audit's rule over every cell (`outcome_codes.exit_code_for_many`): a cell whose environment
         or kvdoctor child broke counts as a failure (4)."""
-        from kvdoctor.outcome_codes import exit_code_for_many
-
         return exit_code_for_many(c.outcome for c in self.cells.values())
 
 
@@ -84,9 +88,11 @@ def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
 
 def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: bool,
            env_dir: Path | None = None, command: str = "", progress: Progress | None = None,
-           audit_async: bool = False, engine: str = "scheduler") -> MatrixReport:
+           audit_async: bool = False, engine: str = "scheduler", ray: str | None = None) -> MatrixReport:
     """`audit_async` (with `audit`): audit each release a second time under --async-scheduling and
-    record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time)."""
+    record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time).
+    `ray`: run each release's kvdoctor as a Ray task (`matrix.ray_runner`; an address, or "local"),
+    all releases at once without `bisect`."""
     progress = progress or Progress()
     recipes = resolve_recipes(recipe_refs, audit)
     releases = parse_spec(vllm_spec)
@@ -116,7 +122,13 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
             envs[release] = ready
         return envs[release]
 
-    with Runner(engine=engine) as runner:
+    if ray is not None:
+        from kvdoctor.matrix.ray_runner import RayRunner
+
+        runner_context: Runner | RayRunner = RayRunner(ray, engine=engine)
+    else:
+        runner_context = Runner(engine=engine)
+    with runner_context as runner:
         def run(release: str, name: str, ref: str) -> Cell:
             if (release, name) not in report.cells:
                 env = env_for(release)
@@ -147,16 +159,24 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
                 report.bisections.append(
                     bisect_releases(name, releases, lambda release: run(release, name, ref).outcome))
         else:
+            runner.prefetch([call for release in releases for call in _calls(env_for(release), recipes, audit,
+                                                                              audit_async)])
             for release in releases:
                 for name, ref in recipes:
                     run(release, name, ref)
     return report
 
 
+def _calls(env: ReleaseEnv, recipes: list[tuple[str, str]], audit: bool,
+           audit_async: bool) -> list[tuple[str, ReleaseEnv, Any]]:
+    """What `run` will ask of one release's environment, in the runner's call form."""
+    if audit:
+        return [("audit", env, False)] + ([("audit", env, True)] if audit_async else [])
+    return [("recipe", env, ref) for _, ref in recipes]
+
+
 def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> None:
     """The async audit's outcomes beside the sync ones; a broken async audit leaves them unmeasured."""
-    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
-
     for async_cell in async_cells:
         cell = report.cells.get((release, async_cell.recipe))
         if cell is None or async_cell.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE):
@@ -167,16 +187,12 @@ def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> N
 
 def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
     """Releases whose run broke (environment or kvdoctor failure): no measurement to keep."""
-    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
-
     return {c.release: f"{c.outcome}: {c.detail}" for c in report.cells.values()
             if c.outcome in (ENV_FAILURE, KVDOCTOR_FAILURE)}
 
 
 def data_rows(report: MatrixReport) -> list:
     """The report's cells as release-outcomes rows, leaving out releases whose run broke."""
-    from kvdoctor.matrix.data import OutcomeRow
-
     broken = unmeasured_releases(report)
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
                        failure_site=c.failure_site if c.outcome == "reproduced" else None, coverage=c.coverage,

@@ -7,8 +7,8 @@ every release). Outcomes come from `probe(release)`, which runs kvdoctor there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 REPRODUCING = "reproduced"
 NOT_REPRODUCING = ("not_reproduced", "not_applicable")

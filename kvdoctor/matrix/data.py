@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from kvdoctor.errors import UsageError
+from kvdoctor.recipes.writer import toml_string
 from kvdoctor.releases import KNOWN_RELEASES
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "release_outcomes.toml"
@@ -109,8 +110,6 @@ def _order(row: OutcomeRow) -> tuple[int, str]:
 
 
 def render(rows: Iterable[OutcomeRow]) -> str:
-    from kvdoctor.recipes.writer import toml_string
-
     lines = [HEADER, f"schema_version = {DATA_SCHEMA_VERSION}", ""]
     for row in sorted(rows, key=_order):
         lines.append("[[outcome]]")

@@ -33,8 +33,8 @@ MARKER = ".kvdoctor-env.json"
 # Packages kvdoctor needs next to vLLM (kvdoctor's own dependencies, from pyproject).
 RUNTIME_REQUIREMENTS = ("typer>=0.12", "rich>=13.7")
 OVERRIDES = ("flashinfer-python; sys_platform == 'never'",)
-_NETWORK_WORDS = ("failed to fetch", "not found in the cache", "dns error", "connection refused", "connect error", "network",
-                  "timed out", "offline", "error sending request", "tcp connect", "could not connect")
+_NETWORK_WORDS = ("failed to fetch", "not found in the cache", "dns error", "connection refused", "connect error",
+                  "network", "timed out", "offline", "error sending request", "tcp connect", "could not connect")
 
 
 class EnvironmentBuildError(VllmUnavailableError):
@@ -158,6 +158,6 @@ def _why(stderr: str) -> str:
     lines = [line for line in lines if line and not line.startswith("hint:")] or ["uv failed"]
     text = " ".join(lines).lower()
     if any(word in text for word in _NETWORK_WORDS):
-        detail = next((l for l in reversed(lines) if any(w in l.lower() for w in _NETWORK_WORDS)), lines[-1])
+        detail = next((line for line in reversed(lines) if any(w in line.lower() for w in _NETWORK_WORDS)), lines[-1])
         return f"the package registry cannot be reached ({detail[:200]})"
     return lines[-1][:300]

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvdoctor.matrix import data
-from kvdoctor.releases import KNOWN_RELEASES
-
+from kvdoctor.recipes.model import bug_order
+from kvdoctor.releases import KNOWN_RELEASES, release_tuple
 
 
 class FixedIn(NamedTuple):
@@ -28,7 +28,7 @@ def fixed_in(recipe_name: str, path: Path | None = None) -> FixedIn | None:
     measured release, or when the next release's run did not reach the site."""
     try:
         rows = [r for r in data.load(path or data.DATA_FILE) if r.recipe == recipe_name and r.release in KNOWN_RELEASES]
-    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+    except Exception:
         return None
     rows.sort(key=lambda r: KNOWN_RELEASES.index(r.release))
     last = max((i for i, r in enumerate(rows) if r.outcome == "reproduced"), default=None)
@@ -58,16 +58,13 @@ def upgrade_hint(reproducing: dict[str, list[str]], installed_version: str,
     no newer release was measured or none fixes any of them."""
     import re
 
-    from kvdoctor.recipes.model import bug_order
-    from kvdoctor.releases import release_tuple
-
     match = re.match(r"(\d+)\.(\d+)\.(\d+)", installed_version or "")
     if not reproducing or match is None:
         return None
     here = tuple(int(part) for part in match.groups())
     try:
         rows = data.load(path or data.DATA_FILE)
-    except Exception:  # noqa: BLE001 - a hint must never break a verdict
+    except Exception:
         return None
     outcomes = {(r.release, r.recipe): r for r in rows}
     best: UpgradeHint | None = None

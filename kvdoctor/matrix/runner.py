@@ -79,6 +79,9 @@ class Runner:
         if self._pythonpath is not None:
             self._pythonpath.cleanup()
 
+    def prefetch(self, calls: list[tuple[str, ReleaseEnv, Any]]) -> None:
+        """Local runs go one at a time, when asked: nothing to start ahead (`matrix.ray_runner` starts them)."""
+
     def recipe(self, env: ReleaseEnv, recipe_ref: str) -> Cell:
         """`kvdoctor repro RECIPE --logic installed --json` on the release."""
         started = time.monotonic()

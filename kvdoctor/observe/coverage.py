@@ -23,9 +23,12 @@ import builtins
 import linecache
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType, FunctionType
-from typing import Any, Iterable
+from typing import Any
+
+from kvdoctor.engine.compat.names import function_spellings
 
 # Where in vLLM a site's function is looked for when the engine's own objects do not hold it.
 _MODULE_HINTS = ("offload", "kv_connector", "vllm.v1.core")
@@ -192,8 +195,10 @@ def _statements(code: CodeType) -> list[tuple[int, int, str, ast.stmt]]:
         if not isinstance(node, ast.stmt):
             continue
         body = getattr(node, "body", None)
-        compound = isinstance(body, list) and body and isinstance(body[0], ast.stmt)
-        end = max(node.lineno, body[0].lineno - 1) if compound else (node.end_lineno or node.lineno)
+        if isinstance(body, list) and body and isinstance(body[0], ast.stmt):  # a compound statement: its header
+            end = max(node.lineno, body[0].lineno - 1)
+        else:
+            end = node.end_lineno or node.lineno
         text = _normalize(" ".join(lines[n - 1].strip() for n in range(node.lineno, end + 1)))
         out.append((node.lineno, end, text, node))
         for attr in ("body", "orelse", "finalbody", "handlers"):
@@ -250,7 +255,9 @@ def _compare_of(node: ast.stmt, filename: str) -> Any:
     left, right = test.left, test.comparators[0]
     if not (_safe(left) and _safe(right)):
         return None
-    compile_ = lambda expr: compile(ast.Expression(expr), filename, "eval")  # noqa: E731
+    def compile_(expr: ast.expr) -> CodeType:
+        return compile(ast.Expression(expr), filename, "eval")
+
     return _OPS[type(test.ops[0])], compile_(left), compile_(right)
 
 
@@ -318,7 +325,7 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
                             is FunctionType)
         site.lines[code] = frozenset(n for first, end, _, _ in matched for n in range(first, end + 1))
         site.starts[code] = {n: first for first, end, _, _ in matched for n in range(first, end + 1)}
-        for first, _, text, node in matched:
+        for first, _, _, node in matched:
             site.compares[(code, first)] = _compare_of(node, code.co_filename)
         if not site.source:
             first, _, text, _ = matched[0]
@@ -373,9 +380,10 @@ class SiteTracer:
         self.coverage.executed += 1
         if self.site.when is not None:
             try:
-                if not eval(self.site.when, _WHEN_BUILTINS, frame.f_locals):  # noqa: S307 - parse_when
+                # a condition parse_when checked (names, literals, compares only)
+                if not eval(self.site.when, _WHEN_BUILTINS, frame.f_locals):
                     return
-            except Exception:  # noqa: BLE001 - a name not bound here: not the bug's case
+            except Exception:  # a name not bound here: not the bug's case
                 return
         self.coverage.hits += 1
         compare = self.site.compares.get((code, start))
@@ -385,9 +393,9 @@ class SiteTracer:
     def _measure(self, compare: Any, frame: FrameType) -> None:
         op, left_code, right_code = compare
         try:
-            left = eval(left_code, frame.f_globals, frame.f_locals)  # noqa: S307 - checked by _safe
-            right = eval(right_code, frame.f_globals, frame.f_locals)  # noqa: S307
-        except Exception:  # noqa: BLE001 - a value not yet bound: no measurement, never a failure
+            left = eval(left_code, frame.f_globals, frame.f_locals)  # checked by _safe
+            right = eval(right_code, frame.f_globals, frame.f_locals)
+        except Exception:  # a value not yet bound: no measurement, never a failure
             return
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (left, right)):
             return
@@ -484,7 +492,7 @@ class SiteTracer:
 
     # 3.12+: LINE events on the site's code objects only
     def _start_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
         tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
         if tool is None:  # every tool id taken: count nothing rather than disturb another tool
             self.coverage.measured = False
@@ -508,7 +516,7 @@ class SiteTracer:
             monitoring.set_local_events(tool, code, events.LINE | events.PY_START)
 
     def _stop_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
         for code in self._codes:
             monitoring.set_local_events(self._tool, code, 0)
         monitoring.register_callback(self._tool, monitoring.events.LINE, None)
@@ -531,13 +539,17 @@ def site_tracer(signature: Any, harness: Any) -> Any:
         return contextlib.nullcontext(None)
     roots = (harness.scheduler, harness.connector_scheduler)
     when = getattr(signature, "site_when", None)
-    # The statement under `function`, else under its first alias that holds it (vLLM moved it).
-    aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
+    # The statement under the site's function, else under its first other spelling that holds it (vLLM moved
+    # it): the adapter's names table for any site function, and the recipe's own `function_aliases` where the
+    # site is its `function`.
+    recipe_aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
+    spellings = tuple(dict.fromkeys((*function_spellings(crash_site[0]), *recipe_aliases)))
+    aliases = spellings[1:]
     asserts_only = getattr(signature, "exception", None) == "AssertionError"  # the crash statement is an assert
     key = (*crash_site, *aliases, when or "", tuple(type(r) for r in roots), asserts_only)
     site = _SITES.get(key)
     if site is None:
-        sites = [find_site(name, crash_site[1], roots, when, asserts_only) for name in (crash_site[0], *aliases)]
+        sites = [find_site(name, crash_site[1], roots, when, asserts_only) for name in spellings]
         site = _SITES[key] = next((found for found in sites if not found.gone), sites[0])
         if site.gone and aliases:
             site.gone = "; ".join(found.gone or "" for found in sites)

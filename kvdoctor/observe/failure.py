@@ -85,6 +85,10 @@ def describe_exception(exc: BaseException) -> Failure:
     message = str(exc).strip()
     if not message and in_vllm and innermost_vllm is not None:
         message = innermost_vllm.code  # a bare `assert` says nothing; its source line does
+    file: str | None
+    line: int | None
+    function: str | None
+    code: str | None
     if in_vllm and innermost_vllm is not None:
         file, line, function, code = (innermost_vllm.file, innermost_vllm.line, innermost_vllm.function,
                                       innermost_vllm.code)

@@ -8,8 +8,9 @@ asked to check is an `other_failure`. Each check reads what the step did
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
 
@@ -54,7 +55,8 @@ def _store_covers_computed(ctx: StepContext) -> list[str]:
             finished = call.request_status.startswith("FINISHED")
             # Draft tokens verified in this step are not known tokens yet: vLLM clamps a store to
             # `Request.num_tokens`, which counts no draft (a rejected draft's slot holds wrong KV).
-            scheduled = ctx.events.scheduled_tokens.get(req_id, 0) - getattr(ctx.events, "spec_tokens", {}).get(req_id, 0)
+            drafts = getattr(ctx.events, "spec_tokens", {}).get(req_id, 0)
+            scheduled = ctx.events.scheduled_tokens.get(req_id, 0) - drafts
             limit = call.computed_tokens + (0 if finished else scheduled)
             end = call.returned * call.tokens_per_chunk
             if end > limit:
@@ -184,7 +186,8 @@ def _content(name: str) -> Check:
 invariant("store-copies-computed-kv",
           "a store job copies only KV slots whose bytes are what their tokens say (judged on the bytes "
           "vLLM's worker copies, when it copies them: a store flushed before the step's forward by the "
-          "bytes it read then, not by what a new owner of its blocks wrote since)")(_content("store-copies-computed-kv"))
+          "bytes it read then, not by what a new owner of its blocks wrote since)")(
+    _content("store-copies-computed-kv"))
 invariant("reads-see-their-tokens",
           "every KV slot a forward reads holds the KV its tokens say (a stale or wrong load shows here)")(
     _content("reads-see-their-tokens"))
@@ -202,7 +205,7 @@ def unknown(names: list[str]) -> list[str]:
 
 
 def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
-    violations = []
+    violations: list[Violation] = []
     for name in names:
         messages = INVARIANTS[name][1](ctx)
         if messages:

@@ -10,11 +10,15 @@ N requests with disjoint prefixes and the same offloaded lengths.
 
 from __future__ import annotations
 
+import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvdoctor.engine.harness import Harness
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import InternalError
 
 MAX_STEPS = 200
 
@@ -58,14 +62,18 @@ def _steps_to_first_tokens(api: Any, setup: Setup, prompts: list[list[int]], see
         # Put every seed prompt in the CPU tier only: run them, let their stores land, empty the GPU cache.
         for i, prompt in enumerate(seeds):
             harness.add(f"seed{i}", prompt, max_tokens=1)
-        seeds_done = lambda: all(harness.requests[f"seed{i}"].is_finished() for i in range(len(seeds)))  # noqa: E731
+        def seeds_done() -> bool:
+            return all(harness.requests[f"seed{i}"].is_finished() for i in range(len(seeds)))
+
         _run_until(harness, seeds_done, "seeding the CPU tier")
         _run_until(harness, lambda: not harness.worker.in_flight, "draining the seed stores")
         if not harness.reset_prefix_cache(reset_running_requests=False, reset_connector=False):
             raise MeasurementIncomplete("K10 measurement: the GPU prefix cache could not be reset")
         for i, prompt in enumerate(prompts):
             harness.add(f"R{i}", prompt, max_tokens=4)
-        started = lambda: all(harness.requests[f"R{i}"].num_output_tokens >= 1 for i in range(len(prompts)))  # noqa: E731
+        def started() -> bool:
+            return all(harness.requests[f"R{i}"].num_output_tokens >= 1 for i in range(len(prompts)))
+
         return _run_until(harness, started, "first tokens for every request")
     finally:
         harness.shutdown()
@@ -85,3 +93,34 @@ def measure_prefix_sharing(api: Any, requests: int = 4, latency: int = 2) -> Pre
     shared = _steps_to_first_tokens(api, setup, with_tails(shared_seeds), shared_seeds, latency)
     baseline = _steps_to_first_tokens(api, setup, with_tails(disjoint_seeds), disjoint_seeds, latency)
     return PrefixSharingMetric(requests, latency, shared, baseline)
+
+
+_MEASURED_BUGS = Path(__file__).resolve().parents[1] / "data" / "measured_bugs.toml"
+
+
+@dataclass(frozen=True)
+class MeasuredBug:
+    """A known bug measured as a number (kvdoctor/data/measured_bugs.toml), as the recipes are data."""
+
+    bug: str
+    title: str
+    refs: tuple[str, ...]
+    measure: str  # this module's `measure_<measure>` takes it
+    doing: str  # what the progress line says while it runs
+
+
+def measured_bugs(path: Path = _MEASURED_BUGS) -> list[MeasuredBug]:
+    with path.open("rb") as handle:
+        entries = tomllib.load(handle)["bug"]
+    bugs = [MeasuredBug(bug=e["bug"], title=e["title"], refs=tuple(e["refs"]), measure=e["measure"], doing=e["doing"])
+            for e in entries]
+    unknown = [bug.bug for bug in bugs if not callable(globals().get(f"measure_{bug.measure}"))]
+    if unknown:
+        raise InternalError(f"{path.name}: no measure_<measure> function in kvdoctor.observe.metrics for {unknown}")
+    return bugs
+
+
+def take_measurement(bug: MeasuredBug, api: Any) -> PrefixSharingMetric:
+    """Take one measured bug's measurement (looked up by name when taken: this module's `measure_<name>`)."""
+    measure: Callable[[Any], PrefixSharingMetric] = globals()[f"measure_{bug.measure}"]
+    return measure(api)

@@ -121,7 +121,8 @@ class Observer:
                 visited_next = awaiting or view.status == "RUNNING"
                 n = api.offloadable_tokens(self.cs, state, self._basis_tokens(request))
                 call_next = api.storable_caller(original, api.next_store_extra_args(self.cs))
-                for group_config, group_state in zip(configs, api.group_states(state)):
+                group_config: Any
+                for group_config, group_state in zip(configs, api.group_states(state), strict=True):
                     group = api.group_view(group_config, group_state)
                     call = recorded.get((req_id, group.group_idx))
                     if call is not None:

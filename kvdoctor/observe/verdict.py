@@ -31,8 +31,25 @@ def matches_exception(signature: Signature, failure: Failure) -> bool:
     return True
 
 
+def failure_verdict(signature: Signature, failure: Failure, names_request: bool = True) -> tuple[Outcome, str]:
+    """The outcome a vLLM exception gives a recipe, and why when it is not the bug (the one rule for
+    every level): the signature's exception at its function reproduces it, and where the run can tell
+    which request was involved (`names_request`), only for the signature's request; anything else is
+    another failure. The detail is empty for `reproduced` (the level says how it saw it)."""
+    if not matches_exception(signature, failure):
+        return Outcome.OTHER_FAILURE, (f"{failure.exception} in vLLM's {failure.function}"
+                                       + (f": {failure.message}" if failure.message else ""))
+    if names_request and signature.request is not None and failure.involved_request != signature.request:
+        whom = (f"request {failure.involved_request}" if failure.involved_request
+                else "a request kvdoctor could not identify")
+        return Outcome.OTHER_FAILURE, (f"{failure.exception} in {failure.function} fired for {whom}, but this "
+                                       f"recipe's bug must involve request {signature.request}: the same "
+                                       f"assertion reached by another path, not the bug the recipe is about")
+    return Outcome.REPRODUCED, ""
+
+
 def apply_coverage(result: Any, signature: Signature) -> Any:
-    """Let the crash site's coverage qualify a run's outcome (`result`: a scenario.RunResult).
+    """Let the crash site's coverage qualify a run's outcome (`result`: a results.RunResult).
 
     `not_reproduced` stays only where the run executed the site and it held, or where the site is
     gone from the installed vLLM (said in the detail); a run that never executed it did not test

@@ -3,10 +3,11 @@
 Recipes size their requests and repeats relative to the geometry (`fill_pool`,
 `prompt_chunks`, `shared_prefix_chunks`, `schedule until = "filled"` /
 `"prefilled"`). The scenario, the script exporter and explore's runner all need
-the same concrete form: every request's token ids, how often each `schedule`
-runs and the run-time step counter each play gets (a schedule's repeats count
-one each; report timelines, failure steps and explore's cuts use it). This is
-the one place that expansion is written. Pure data: no vLLM.
+the same concrete form: every request's token ids (of the kinds declared `admits`
+in `kvdoctor.steps`), how often each `schedule` (declared `repeats`) runs and the
+run-time step counter each play gets (a schedule's repeats count one each; report
+timelines, failure steps and explore's cuts use it). This is the one place that
+expansion is written. Pure data: no vLLM.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kvdoctor.recipes.geometry import (
     PREEMPT_NEXT, PreemptPlan, plan_fill, preempt_plan, prompt_length, shared_prefix_length,
 )
 from kvdoctor.recipes.model import Step
+from kvdoctor.steps import kind_of
+
 
 @dataclass(frozen=True)
 class NewRequest:
@@ -107,7 +110,7 @@ def _added(args: dict[str, Any], setup: Setup, prompts: dict[str, tuple[int, ...
 
 
 def _repeats(step: Step, fill_steps: int, prompts: dict[str, tuple[int, ...]], setup: Setup | None) -> int:
-    if step.action != "schedule":
+    if not kind_of(step.action).repeats:
         return 1
     until = step.args.get("until")
     if until is None:
@@ -130,7 +133,7 @@ def compile_recipe(steps: tuple[Step, ...] | list[Step], setup: Setup) -> Compil
     plays: list[ConcreteStep] = []
     for index, step in enumerate(steps):
         requests: tuple[NewRequest, ...] = ()
-        if step.action == "add":
+        if kind_of(step.action).admits:
             requests, planned_steps = _added(step.args, setup, prompts, preempt)
             fill_steps = planned_steps if planned_steps is not None else fill_steps
         repeats = _repeats(step, fill_steps, prompts, setup)

@@ -36,7 +36,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvdoctor.engine.setup import Setup, flag_name
+from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+from kvdoctor.engine.serve_args import flag_name
+from kvdoctor.engine.setup import PLANNED_FIELDS, Setup
 from kvdoctor.errors import UsageError
 
 
@@ -659,8 +661,6 @@ def plan_setup(recipe, setup: Setup) -> Setup:
     the user fixed, the recipe is untested at this geometry: `Setup.untested` names the flag and the
     smallest change that allows it. A user's recipe file fixes its own [setup] values as well.
     """
-    from kvdoctor.engine.setup import PLANNED_FIELDS
-
     fixed = set(setup.fixed) | (set() if recipe.builtin else set(recipe.setup) & set(PLANNED_FIELDS))
     setup, mamba = _server_mamba_cache_mode(setup)
     start = setup
@@ -704,7 +704,6 @@ def _server_mamba_cache_mode(setup: Setup) -> tuple[Setup, tuple[str, ...]]:
     model class, and left unset its Mamba groups' block (max_model_len) would not divide the hash block."""
     if setup.model is None or setup.mamba_cache_mode is not None or not setup.enable_prefix_caching:
         return setup, ()
-    from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
 
     if not any(layer.kind == MAMBA for layer in resolve_layout(setup.model, None, setup.sliding_window).layers):
         return setup, ()

@@ -15,24 +15,45 @@ import bisect
 import dataclasses
 import re
 import tomllib
+import typing
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
-from kvdoctor.engine.setup import RECIPE_KEY, WORKERS, Setup
+from kvdoctor.engine.kv_layout import shipped_layouts
+from kvdoctor.engine.serve_args import PASSED_THROUGH_KV_TRANSFER_KEYS
+from kvdoctor.engine.setup import MAX_GPU_BLOCKS, RECIPE_KEY, WORKERS, Setup
 from kvdoctor.errors import RecipeError
+from kvdoctor.observe.coverage import parse_when
 from kvdoctor.observe.invariants import INVARIANTS
+from kvdoctor.recipes.model import Recipe, Signature, Step
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
-from kvdoctor.recipes.model import (
-    ACTIONS, CONNECTOR_STATES, EXPECT_FIELDS, PAUSE_MODES, STEP_FIELDS, TRANSFER_KINDS, Recipe, Signature, Step,
-)
+from kvdoctor.steps import EXPECT_FIELDS, REGISTRY, Field
+from kvdoctor.steps import shown as _show
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
+MAX_NAME = 100  # a recipe's name: one line a report can head (a 2 MB name printed 60,734 lines)
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
                    "request": (str,), "callers": (list,), "function_aliases": (list,), "site_function": (str,), "site": (str,),
                    "site_when": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
+_SETUP_TABLES = ("kv_transfer_fields",)  # [setup] keys that are tables, checked apart
+
+
+def _value_types(name: str, hint: Any) -> tuple[type, ...]:
+    """The TOML value type a `Setup` field takes, from its real annotation (`int | None` -> int); a field
+    of any other type is refused here, when the module is imported, never guessed."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else (hint,)
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (int, bool, str):
+        raise TypeError(f"Setup.{name}: a [setup] key of type {hint!r} has no TOML reading; add one")
+    return (kinds[0],)
+
+
+_SETUP_HINTS = typing.get_type_hints(Setup)
+_SETUP_TYPES = {name: _value_types(name, _SETUP_HINTS[name]) for name in _SETUP_KEYS if name not in _SETUP_TABLES}
 _WORKER_CHOICES = " or ".join(f'"{worker}"' for worker in WORKERS)
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "true or false", list: "an array", dict: "a table"}
 _NESTING_SHOWN = 100  # where a too-deep nesting is reported
@@ -201,13 +222,9 @@ class _Reader:
         if not ok:
             expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
             raise self.fail(line, f"{what} must be {expected}, got {_show(value)}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+            raise self.fail(line, f"{what} must fit in 64 bits (|n| < 2**63), got {_show(value)}")
         return value
-
-
-def _show(value: Any) -> str:
-    """A value as a message shows it: its repr (so never a raw newline), at most 40 characters."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _label(name: str) -> str:
@@ -303,6 +320,10 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
     for key, types in _RECIPE_KEYS.items():
         if key in meta:
             r.check_type(meta[key], types, r.index.key(meta_line, key), f"[recipe] {key}")
+    name = meta["name"]
+    if len(name) > MAX_NAME or "\n" in name:  # it heads every report and names files
+        raise r.fail(r.index.key(meta_line, "name"), f"[recipe] name must be one line of at most {MAX_NAME} "
+                                                     f"characters, got {_show(name)} ({len(name):,} characters)")
     if "workaround" in meta and not meta["workaround"].strip():
         raise r.fail(r.index.key(meta_line, "workaround"),
                      "[recipe] workaround must say what avoids the bug (leave the key out when none is known)")
@@ -326,13 +347,13 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
 
     setup = _setup(r, data.get("setup", {}))
     signature = _signature(r, data)
-    steps = _steps(r, data, "step", STEP_FIELDS)
+    steps = _steps(r, data, "step", {name: kind.fields for name, kind in REGISTRY.items()})
     if not steps:
         raise r.fail(0, "a recipe needs at least one [[step]]")
     checks = _steps(r, data, "check", {"expect": EXPECT_FIELDS}, implicit_action="expect")
     _check_request_ids(r, steps, checks)
     if signature.request is not None:
-        added = {step.args["request"] for step in steps if step.action == "add"}
+        added = {step.args["request"] for step in steps if REGISTRY[step.action].admits}
         if signature.request not in added:
             raise r.fail(r.index.key(r.index.table("signature"), "request"),
                          f"[signature] request {_show(signature.request)} is not added by any step")
@@ -378,24 +399,21 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
             setup["extra_connector_config"] = dict(value)
             continue
         if key == "kv_transfer_fields":
-            from kvdoctor.engine.setup import PASSED_THROUGH_KV_TRANSFER_KEYS
-
             r.check_type(value, (dict,), r.index.table("setup.kv_transfer_fields") or key_line,
                          "[setup] kv_transfer_fields")
             _known_keys(r, value, set(PASSED_THROUGH_KV_TRANSFER_KEYS), key_line, "[setup] kv_transfer_fields")
             setup[key] = dict(value)
             continue
-        field = _SETUP_KEYS[key]
-        types: tuple[type, ...] = {"int": (int,), "bool": (bool,), "str": (str,), "str | None": (str,)}.get(
-            str(field.type), (int,))
-        r.check_type(value, types, key_line, f"[setup] {key}")
-        if types == (int,) and value < 1:
+        kinds = _SETUP_TYPES[key]
+        r.check_type(value, kinds, key_line, f"[setup] {key}")
+        if kinds == (int,) and value < 1:
             raise r.fail(key_line, f"[setup] {key} must be a positive integer, got {value}")
+        if key == "gpu_blocks" and value > MAX_GPU_BLOCKS:  # Setup's own check names the CLI flag
+            raise r.fail(key_line, f"[setup] gpu_blocks {value}: kvdoctor simulates pools up to "
+                                   f"{MAX_GPU_BLOCKS:,} blocks (vLLM's scheduler builds one Python object per block)")
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout":
-            from kvdoctor.engine.kv_layout import shipped_layouts
-
             if value not in shipped_layouts():
                 raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
                                        f"(expected one of {', '.join(shipped_layouts())})")
@@ -434,8 +452,6 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
         raise r.fail(r.index.key(line, "site"), "[signature] site needs 'site_function' with an invariant: "
                                                 "the vLLM function that holds the statement")
     if "site_when" in raw:
-        from kvdoctor.observe.coverage import parse_when
-
         try:
             parse_when(raw["site_when"])
         except ValueError as exc:
@@ -456,8 +472,9 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
     return Signature(**raw)
 
 
-def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, Any],
+def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, dict[str, Field]],
            implicit_action: str | None = None) -> list[Step]:
+    """The `[[table]]` entries as steps; `vocabulary`: each kind's declared fields (`kvdoctor.steps`)."""
     raw = data.get(table, [])
     if not isinstance(raw, list):
         raise r.fail(r.index.table(table), f"[[{table}]] must be an array of tables")
@@ -476,23 +493,22 @@ def _steps(r: _Reader, data: dict[str, Any], table: str, vocabulary: dict[str, A
                              f"use [[step]] action = ... for steps")
         else:
             if "action" not in entry:
-                raise r.fail(line, f"{where} needs 'action' (one of {', '.join(ACTIONS)})")
+                raise r.fail(line, f"{where} needs 'action' (one of {', '.join(vocabulary)})")
             action = entry.pop("action")
-            if not isinstance(action, str) or action not in ACTIONS:
+            if not isinstance(action, str) or action not in vocabulary:
                 raise r.fail(r.index.key(line, "action"),
-                             f"{where}: unknown action {_show(action)} (expected one of {', '.join(ACTIONS)})")
+                             f"{where}: unknown action {_show(action)} (expected one of {', '.join(vocabulary)})")
         fields = vocabulary[action]
         for key, value in entry.items():
             if key not in fields:
                 allowed = ", ".join(sorted(fields)) or "no fields"
                 raise r.fail(r.index.key(line, key),
                              f"{where} ({action}): unknown field {_quoted(key)} (expected {allowed})")
-            types, _ = fields[key]
-            r.check_type(value, types, r.index.key(line, key), f"{where} ({action}) {key}")
-        for key, (_, required) in fields.items():
-            if required and key not in entry:
+            r.check_type(value, fields[key].types, r.index.key(line, key), f"{where} ({action}) {key}")
+        for key, spec in fields.items():
+            if spec.required and key not in entry:
                 raise r.fail(line, f"{where} ({action}) needs '{key}'")
-        _check_values(r, action, entry, line, where)
+        _check_values(r, action, fields, entry, line, where)
         steps.append(Step(action=action, args=entry, line=line))
     _check_preempt_fill(r, steps, table)
     return steps
@@ -515,99 +531,46 @@ def _check_preempt_fill(r: _Reader, steps: list[Step], table: str) -> None:
                                 f"fill_pool = \"preempt_next\" (the fill whose blocks it is sized by)")
 
 
-# Upper bounds of a step's sizes: tokens past any model's context (2**24), steps and chunks past what a run
-# can take in minutes. A recipe above them is refused at load, naming the file and line.
-MAX_STEP_VALUE = {"prompt_tokens": 1 << 24, "max_tokens": 1 << 24, "shared_prefix_tokens": 1 << 24,
-                  "trim_tokens": 1 << 24, "prompt_chunks": 1 << 20, "shared_prefix_chunks": 1 << 20,
-                  "count": 100_000}
+def _check_values(r: _Reader, action: str, fields: dict[str, Field], args: dict[str, Any], line: int,
+                  where: str) -> None:
+    """Each field's declared bounds and choices, in declaration order, then the kind's own checks across
+    its fields (`validate` in its `kvdoctor.steps` declaration)."""
+    def fail(key: str | None, text: str) -> RecipeError:
+        return r.fail(line if key is None else r.index.key(line, key), f"{where} ({action}) {text}")
 
-
-def _check_values(r: _Reader, action: str, args: dict[str, Any], line: int, where: str) -> None:
-    def at(key: str) -> int:
-        return r.index.key(line, key)
-
-    for key in ("prompt_tokens", "prompt_chunks", "max_tokens", "count", "shared_prefix_tokens", "trim_tokens",
-                "shared_prefix_chunks"):
-        if key in args and args[key] < 1:
-            raise r.fail(at(key), f"{where} ({action}) {key} must be a positive integer, got {args[key]}")
-        if key in args and args[key] > MAX_STEP_VALUE[key]:
+    for key, spec in fields.items():
+        if key not in args:
+            continue
+        value = args[key]
+        if spec.minimum is not None and value < spec.minimum:
+            raise fail(key, f"{key} must be a positive integer, got {value}" if spec.minimum == 1
+                       else f"{key} must be >= {spec.minimum}, got {value}")
+        if spec.maximum is not None and value > spec.maximum:
             # vLLM has no context that long, and a plan or run at such a size would take minutes
-            raise r.fail(at(key), f"{where} ({action}) {key} = {args[key]} is above kvdoctor's bound "
-                                  f"{MAX_STEP_VALUE[key]:,}")
-    for key in ("allocated_blocks", "min_allocated_blocks", "in_flight_jobs", "min_in_flight_jobs",
-                "store_jobs_built", "min_store_jobs_built"):
-        if key in args and args[key] < 0:
-            raise r.fail(at(key), f"{where} ({action}) {key} must be >= 0, got {args[key]}")
-    if action == "add":
-        sizes = [k for k in ("prompt_tokens", "prompt_chunks", "prompt", "fill_pool", "prompt_rest_of_pool")
-                 if k in args]
-        if len(sizes) != 1 or args.get("fill_pool") is False or args.get("prompt_rest_of_pool") is False:
-            raise r.fail(line, f"{where} (add) needs exactly one of 'prompt_tokens', 'prompt_chunks', "
-                               f"'prompt', 'fill_pool = true', 'fill_pool = \"preempt_next\"' or "
-                               f"'prompt_rest_of_pool = true'")
-        if isinstance(args.get("fill_pool"), str) and args["fill_pool"] != "preempt_next":
-            raise r.fail(at("fill_pool"), f"{where} (add) fill_pool must be true (queue the next request) or "
-                                          f"\"preempt_next\" (preempt it mid-prefill), got {_show(args['fill_pool'])}")
-        if "prompt" in args:
-            if not args["prompt"] or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1024
-                                             for t in args["prompt"]):
-                raise r.fail(at("prompt"), f"{where} (add) prompt must be a non-empty array of token ids in [0, 1024)")
-        prefix_sizes = [k for k in ("shared_prefix_tokens", "shared_prefix_chunks") if k in args]
-        if ("shared_prefix_with" in args) != bool(prefix_sizes) or len(prefix_sizes) > 1:
-            raise r.fail(line, f"{where} (add) needs both 'shared_prefix_with' and one of 'shared_prefix_tokens' "
-                               f"or 'shared_prefix_chunks'")
-        if "trim_tokens" in args and "prompt_chunks" not in args:
-            raise r.fail(at("trim_tokens"), f"{where} (add) trim_tokens shortens a prompt_chunks prompt; "
-                                            f"give prompt_chunks")
-    if action == "schedule" and "until" in args:  # noqa: SIM102
-        if args["until"] not in ("filled", "prefilled"):
-            raise r.fail(at("until"), f"{where} (schedule) until must be \"filled\" (the steps the fill_pool "
-                                      f"before it needs) or \"prefilled\" (with request: the steps its prompt "
-                                      f"needs at the step budget), got {_show(args['until'])}")
-        if "count" in args:
-            raise r.fail(line, f"{where} (schedule) takes 'count' or 'until', not both")
-        if (args["until"] == "prefilled") != ("request" in args):
-            raise r.fail(line, f"{where} (schedule) takes 'request' with until = \"prefilled\", and only then")
-    elif action == "schedule" and "request" in args:
-        raise r.fail(at("request"), f"{where} (schedule) takes 'request' only with until = \"prefilled\"")
-    if action == "pause" and args.get("mode", "keep") not in PAUSE_MODES:
-        raise r.fail(at("mode"), f"{where} (pause) mode must be one of {', '.join(PAUSE_MODES)}, "
-                                 f"got {_show(args['mode'])}")
-    if "kind" in args and args["kind"] not in TRANSFER_KINDS:
-        raise r.fail(at("kind"), f"{where} ({action}) kind must be one of {', '.join(TRANSFER_KINDS)}, "
-                                 f"got {_show(args['kind'])}")
-    if "connector_state" in args and args["connector_state"] not in CONNECTOR_STATES:
-        raise r.fail(at("connector_state"),
-                     f"{where} ({action}) connector_state must be one of {', '.join(CONNECTOR_STATES)}, "
-                     f"got {_show(args['connector_state'])}")
-    if "status" in args:
-        statuses = args["status"] if isinstance(args["status"], list) else [args["status"]]
-        if not statuses:
-            raise r.fail(at("status"), f"{where} ({action}) status must name at least one RequestStatus")
-        for status in statuses:
-            if not isinstance(status, str) or not re.fullmatch(r"[A-Z_]+", status):
-                raise r.fail(at("status"), f"{where} ({action}) status must be a RequestStatus name "
-                                           f"such as WAITING or PREEMPTED, got {_show(status)}")
+            raise fail(key, f"{key} = {value} is above kvdoctor's bound {spec.maximum:,}")
+        if spec.choices and value not in spec.choices:
+            raise fail(key, f"{key} must be one of {', '.join(spec.choices)}, got {_show(value)}")
+    REGISTRY[action].validate(args, fail)
 
 
 def _check_request_ids(r: _Reader, steps: list[Step], checks: list[Step]) -> None:
     adds: dict[str, tuple[int, int]] = {}  # request -> (its add's step number, line), first add only
     for i, step in enumerate(steps):
-        if step.action == "add":
+        if REGISTRY[step.action].admits:
             adds.setdefault(step.args["request"], (i + 1, step.line))
     added: dict[str, int] = {}
     for i, step in enumerate(steps):
-        if step.action == "add":
+        if REGISTRY[step.action].admits:
             rid = step.args["request"]
             if rid in added:
                 first, first_line = adds[rid]
                 raise r.fail(r.index.key(step.line, "request"),
-                             f"step {i + 1} (add): request {_quoted(rid)} was already added "
+                             f"step {i + 1} ({step.action}): request {_quoted(rid)} was already added "
                              f"(step {first}, line {first_line}); request ids must be unique")
             other = step.args.get("shared_prefix_with")
             if other is not None and other not in added:
                 raise r.fail(r.index.key(step.line, "shared_prefix_with"),
-                             f"step {i + 1} (add): shared_prefix_with names unknown request {_quoted(other)} "
+                             f"step {i + 1} ({step.action}): shared_prefix_with names unknown request {_quoted(other)} "
                              f"(added so far: {_known(added)})")
             added[rid] = i
             continue

@@ -1,7 +1,7 @@
 """What a recipe is: metadata, a setup, ordered steps, checks, and a failure signature.
 
 Recipes are data. Nothing in them is executed, imported or evaluated; the
-runner interprets the fixed step vocabulary below.
+runner interprets the fixed step vocabulary declared in `kvdoctor.steps`.
 """
 
 from __future__ import annotations
@@ -9,73 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ACTIONS = (
-    "add", "schedule", "drain", "abort", "finish", "complete_transfers", "hold_transfers",
-    "fail_transfers", "reset_prefix_cache", "expect", "delay_block_hashes", "release_block_hashes",
-    "pause", "resume",
-)
-
-# The fields each action accepts: name -> (python type(s), required)
-STEP_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
-    "add": {
-        "request": ((str,), True),
-        "prompt_tokens": ((int,), False),
-        "prompt": ((list,), False),
-        "prompt_chunks": ((int,), False),
-        "fill_pool": ((bool, str), False),  # true | "preempt_next"
-        "prompt_rest_of_pool": ((bool,), False),  # the blocks a fill_pool = "preempt_next" before it leaves
-        "max_tokens": ((int,), False),
-        "shared_prefix_with": ((str,), False),
-        "shared_prefix_tokens": ((int,), False),
-        # geometry-relative sizes: a prompt_chunks prompt N tokens short; a prefix of N chunks
-        "trim_tokens": ((int,), False),
-        "shared_prefix_chunks": ((int,), False),
-        # what a client sends with the request: vLLM's `kv_transfer_params` (0.34's offloading connector
-        # reads max_load_tokens / max_offload_tokens from it) and its priority (lower is served first,
-        # under [setup] scheduling_policy = "priority")
-        "kv_transfer_params": ((dict,), False),
-        "priority": ((int,), False),
-    },
-    # until = "filled": as many steps as the fill_pool before it needs at this geometry
-    # until = "prefilled" (with request): ceil(its prompt / max_num_batched_tokens) steps
-    "schedule": {"count": ((int,), False), "until": ((str,), False), "request": ((str,), False)},
-    "drain": {},  # async: apply the output still in flight, without scheduling (the engine goes idle)
-    "abort": {"request": ((str,), True)},
-    "finish": {"request": ((str,), True)},
-    "complete_transfers": {"request": ((str,), False), "kind": ((str,), False)},
-    "hold_transfers": {"request": ((str,), False), "kind": ((str,), False)},
-    # worker = i (num_workers > 1): only worker i fails the jobs, the others complete them
-    "fail_transfers": {"request": ((str,), False), "kind": ((str,), False), "worker": ((int,), False)},
-    "reset_prefix_cache": {"reset_running_requests": ((bool,), False), "reset_connector": ((bool,), False)},
-    "expect": {},  # filled from EXPECT_FIELDS
-    # block hashes (and so offload keys) that arrive later than blocks, as in P/D and hybrid deployments
-    "delay_block_hashes": {"request": ((str,), True)},
-    "release_block_hashes": {"request": ((str,), True)},
-    # the engine pauses its scheduler (EngineCore.pause_scheduler): "keep" its requests or "abort" them;
-    # clear_cache resets the prefix cache (and the connector's) as vLLM's pause does
-    "pause": {"mode": ((str,), False), "clear_cache": ((bool,), False)},
-    "resume": {},
-}
-
-# State a step of kind `expect` (a precondition) or a `[[check]]` (a post-condition) can assert.
-EXPECT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "request": ((str,), True),
-    "status": ((str, list), False),
-    "allocated_blocks": ((int,), False),
-    "min_allocated_blocks": ((int,), False),
-    "connector_state": ((str,), False),  # "present" | "released"
-    "in_flight_jobs": ((int,), False),
-    "min_in_flight_jobs": ((int,), False),
-    "store_jobs_built": ((int,), False),
-    "min_store_jobs_built": ((int,), False),
-    "description": ((str,), False),
-}
-STEP_FIELDS["expect"] = EXPECT_FIELDS
-
-TRANSFER_KINDS = ("store", "load")
-# pause modes an in-process EngineCore takes ("wait" is refused there: it needs the engine's own loop)
-PAUSE_MODES = ("keep", "abort")
-CONNECTOR_STATES = ("present", "released")
+from kvdoctor.engine.compat.names import function_spellings
 
 
 @dataclass(frozen=True)
@@ -117,8 +51,11 @@ class Signature:
     site_when: str | None = None
 
     def functions(self) -> tuple[str, ...]:
-        """`function` and its aliases: the names under which the failure matches."""
-        return (self.function, *self.function_aliases) if self.function else ()
+        """`function` and its aliases (the recipe's, and its other spellings in the adapter's names table):
+        the names under which the failure matches."""
+        if not self.function:
+            return ()
+        return tuple(dict.fromkeys((*function_spellings(self.function), *self.function_aliases)))
 
     def crash_site(self) -> tuple[str, str] | None:
         """(function, statement) of the crash site, or None when the signature names none."""

@@ -7,20 +7,27 @@ missing is `not_applicable`, with the reason.
 
 from __future__ import annotations
 
-REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>", "secondary_tier:<type>",
-                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests|last_token_in_prompt_block|prefill_in_one_step>")
+from typing import TYPE_CHECKING
+
+from kvdoctor.recipes.geometry import is_known_setup_requirement
+
+if TYPE_CHECKING:
+    from kvdoctor.engine.compat import VllmApi
+
+REQUIREMENT_FORMS = ("spec:<OffloadingSpec name>", "kv_cache_group_field:<field>", "cache_config_field:<field>",
+                     "secondary_tier:<type>",
+                     "setup:<sync_scheduling|one_chunk_cpu_tier|own_geometry|two_running_requests"
+                     "|last_token_in_prompt_block|prefill_in_one_step>")
 
 
 def is_known_requirement(text: str) -> bool:
     kind, _, value = text.partition(":")
     if kind == "setup":  # judged on the geometry, before vLLM is imported (recipes/geometry.py)
-        from kvdoctor.recipes.geometry import is_known_setup_requirement
-
         return is_known_setup_requirement(value)
     return kind in ("spec", "kv_cache_group_field", "cache_config_field", "secondary_tier") and bool(value)
 
 
-def missing(api, requirements: tuple[str, ...]) -> list[str]:
+def missing(api: VllmApi, requirements: tuple[str, ...]) -> list[str]:
     """Reasons the installed vLLM cannot run this recipe (empty when it can)."""
     reasons = []
     for requirement in requirements:

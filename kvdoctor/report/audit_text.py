@@ -1,8 +1,10 @@
-"""The wording of an audit row's hint and of a measured performance bug (`app.AuditRow`, `app.MetricRow`)."""
+"""The wording of an audit row's hint and of a measured performance bug (`results.AuditRow`, `results.MetricRow`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from kvdoctor.report.guards import guard_lines
 
 
 def row_hint(row: Any) -> str:
@@ -22,7 +24,7 @@ def row_hint(row: Any) -> str:
     if outcome == "not_reproduced":
         coverage = row.installed.coverage
         site = [row.installed.detail if coverage.gone else "crash site " + coverage.line()] if coverage else []
-        return "; ".join(site + row.installed.guards) or "this vLLM handles the trigger"
+        return "; ".join(site + guard_lines(row.installed)) or "this vLLM handles the trigger"
     return row.installed.detail
 
 

@@ -315,13 +315,15 @@ SECTIONS = (("What the log says", log_lines), ("The crash", crash_lines), ("Whic
 def diagnose_renderables(report: Any) -> list[Any]:
     from rich.text import Text
 
+    from kvdoctor.report.layout import Hanging
+
     out: list[Any] = []
     for title, lines in SECTIONS:
         body = lines(report)
         if not body:
             continue
         out.append(Text(title, style="bold underline"))
-        out += [Text(line) for line in body]  # Text(): `[...]` from a log is not rich markup
+        out += [Hanging(line) for line in body]  # plain text: `[...]` from a log is not rich markup
         if title == "Which known bug" and report.starting_recipe:
             out.append(Text(report.starting_recipe.rstrip()))
         out.append(Text(""))

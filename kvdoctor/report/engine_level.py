@@ -1,4 +1,4 @@
-"""How reports name the engine level a run played at (`--engine`; kvdoctor/engine/core/levels.py)."""
+"""How reports name the engine level a run played at (`--engine`; kvdoctor/levels/table.py)."""
 
 from __future__ import annotations
 

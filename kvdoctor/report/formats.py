@@ -9,8 +9,11 @@ Cheap to import: rich is imported when a formatter renders.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
+from kvdoctor.report.json_doc import dumps
 
 FORMATS = ("text", "json", "markdown", "svg")
 
@@ -52,8 +55,6 @@ class JsonFormatter:
     name = "json"
 
     def render(self, shown: Shown, width: int | None = None) -> str:
-        from kvdoctor.report.json_doc import dumps
-
         return dumps(shown.document()) + "\n"
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
 from kvdoctor.report.audit_text import metric_summary, row_hint
+from kvdoctor.report.guards import guard_lines
 
 __all__ = ["SCHEMA_VERSION", "audit_document", "dumps", "recipe_dict", "repro_document"]
 
@@ -29,7 +30,7 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "failure_step": result.failure_step,
         "requests": [r.as_dict() for r in result.requests],
         "checks": [c.__dict__ for c in result.checks],
-        "guards": list(result.guards),
+        "guards": guard_lines(result),
         "violations": [v.__dict__ for v in result.violations],
         "worker": getattr(result, "worker", "") or None,
         "model_runner": getattr(result, "model_runner", "") or None,

@@ -8,7 +8,8 @@ a name, path or request id is never split or cut.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.measure import Measurement
@@ -64,6 +65,38 @@ class Items:
                       + [self.indent + item.cell_len for item in self.items])
         total = self.prefix.cell_len + sum(len(self.sep) + item.cell_len for item in self.items)
         return Measurement(min(longest, options.max_width), min(total, options.max_width))
+
+
+class Hanging:
+    """Lines of plain text wrapped at the width with a hanging indent: each continuation goes under its
+    line's own indent plus `extra`, so `    impact: ...` and `  K1 ...` keep their shape when wrapped
+    (plain rich Text starts continuations at column 0). A line that fits is shown as it is."""
+
+    def __init__(self, text: str, extra: int = 2, style: str = "") -> None:
+        self.lines = text.split("\n")
+        self.extra = extra
+        self.style = style
+
+    def _indent(self, line: str, width: int) -> str:
+        lead = len(line) - len(line.lstrip(" "))
+        return " " * min(lead + self.extra, width // 2)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        import textwrap
+
+        width = options.max_width
+        for line in self.lines:
+            if len(line) <= width:
+                yield Text(line, style=self.style)
+                continue
+            for wrapped in textwrap.wrap(line, width=width, subsequent_indent=self._indent(line, width),
+                                         break_on_hyphens=False) or [line]:  # a word longer than a line: cut, indented
+                yield Text(wrapped, style=self.style)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        longest = max(len(line) for line in self.lines)
+        words = max((len(word) for line in self.lines for word in line.split()), default=0)
+        return Measurement(min(words + self.extra, options.max_width), min(longest, options.max_width))
 
 
 def plural(count: int, word: str, plural_word: str | None = None) -> str:

@@ -11,10 +11,12 @@ import os
 import time
 from typing import Any
 
+from kvdoctor.installed import environment
+from kvdoctor.recipes.writer import recipe_to_toml
 from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
-from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields
+from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields, why_lines
 
 
 def _scrub(text: str) -> str:
@@ -25,8 +27,6 @@ def _scrub(text: str) -> str:
 
 
 def _env_section() -> list[str]:
-    from kvdoctor.app import environment
-
     env = environment()
     try:
         import torch
@@ -60,8 +60,6 @@ def _state_table(requests: list[Any]) -> list[str]:
 
 
 def _result_rows(report: Any) -> list[str]:
-    from kvdoctor.report.tables import why_lines
-
     lines = ["| logic | outcome | where / why |", "|---|---|---|"]
     for result in report.results:
         lines.append(f"| {result.logic} | **{result.outcome.value}** | "
@@ -92,8 +90,6 @@ def _next_steps_section(steps: list[tuple[str, str]]) -> list[str]:
 
 
 def _reproduce_section(report: Any, command_line: str) -> list[str]:
-    from kvdoctor.recipes.writer import recipe_to_toml
-
     recipe = report.recipe
     lines = ["## Recipe (TOML)", "", "```toml", recipe_to_toml(recipe).rstrip(), "```", ""]
     file_name = f"{recipe.name}.toml"
@@ -112,7 +108,7 @@ def _reproduce_section(report: Any, command_line: str) -> list[str]:
 def _failure(result: Any) -> list[str]:
     f = result.failure
     lines = [f"### Failure under the `{result.logic}` logic (step {result.failure_step})", "",
-             f"`{f.exception}: {f.message}` at `{f.file}:{f.line}` in `{f.function}()`", "",
+             f"`{f.exception}{': ' + f.message if f.message else ''}` at `{f.file}:{f.line}` in `{f.function}()`", "",
              "vLLM frames (outermost first):", "", "```"]
     lines += [f"{fr.file}:{fr.line} {fr.function}: {fr.code}" for fr in f.vllm_frames]
     lines += ["```", "", "Request state when it fired:", ""]
@@ -175,9 +171,8 @@ def render_markdown(command: str, report: Any) -> str:
     lines += _reproduce_section(report, command_line)
     for result in report.results:
         lines += _timeline(result)
-    server_log = getattr(report, "server_log", "")  # --engine serve: the server's own log, its last lines
-    if server_log:
-        tail = server_log.splitlines()[-200:]
+    if report.server_log:  # --engine serve: the server's own log, its last lines
+        tail = report.server_log.splitlines()[-200:]
         lines += ["## Server log (`vllm serve`, last lines)", "", "<details><summary>server.log</summary>", "",
                   "```", *tail, "```", "", "</details>", ""]
     return _scrub("\n".join(lines)) + "\n"

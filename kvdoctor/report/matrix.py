@@ -28,7 +28,8 @@ def _bisect_line(b: Any) -> str:
         return (f"{b.recipe}: stops reproducing in vLLM {b.first_not_reproducing} "
                 f"(last reproducing: {b.last_reproducing}; tested: {tested})")
     if b.first_not_reproducing:
-        return f"{b.recipe}: does not reproduce from the first release asked, {b.first_not_reproducing} (tested: {tested})"
+        return (f"{b.recipe}: does not reproduce from the first release asked, {b.first_not_reproducing} "
+                f"(tested: {tested})")
     if b.last_reproducing:
         return f"{b.recipe}: still reproduces on the last release asked, {b.last_reproducing} (tested: {tested})"
     return f"{b.recipe}: nothing tested"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Group
@@ -12,7 +13,9 @@ from rich.text import Text
 
 from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import level_note, report_engine_phrase
+from kvdoctor.report.guards import guard_lines
 from kvdoctor.report.layout import Cut, Fit, Items
+from kvdoctor.report.next_steps import FIXED_LOGIC, next_steps
 
 OUTCOME_STYLE = {
     "reproduced": "bold red",
@@ -64,7 +67,7 @@ def why_lines(result: Any) -> list[str]:
     coverage = getattr(result, "coverage", None)
     if coverage is not None and not coverage.gone and coverage.reached:
         parts.append("crash site " + coverage.line())
-    parts.extend(result.guards)
+    parts.extend(guard_lines(result))
     passed = [c.description for c in result.checks if c.passed]
     if passed:
         parts.append("checks held: " + "; ".join(passed))
@@ -78,10 +81,16 @@ def why(result: Any) -> str:
     return "\n".join(why_lines(result))
 
 
+def _message(f: Any) -> tuple[str, ...]:
+    """`: message` after an exception's name; nothing where it has none (a bare `assert`), not an empty
+    `AssertionError: ` heading."""
+    return (": ", f.message) if f.message else ()
+
+
 def failure_panel(result: Any) -> Any:
     f = result.failure
     lines = [
-        Text.assemble(("exception  ", "bold"), (f.exception, "red"), ": ", f.message),
+        Text.assemble(("exception  ", "bold"), (f.exception, "red"), *_message(f)),
         Text.assemble(("where      ", "bold"), f"{f.file}:{f.line} in {f.function}()"),
         Text("vLLM frames (outermost first):", style="bold"),
     ]
@@ -92,7 +101,7 @@ def failure_panel(result: Any) -> Any:
     title = f"{result.logic} logic: failure at step {result.failure_step}"
     panel = Panel(Group(*lines), title=title, border_style="red", expand=False)
     block: list[Any] = [Text(title, style="bold red"),
-                        Text.assemble("  ", (f.exception, "red"), ": ", f.message),
+                        Text.assemble("  ", (f.exception, "red"), *_message(f)),
                         Text(f"  in {f.function}() at"), Text(f"  {f.file}:{f.line}"),
                         Text("  vLLM frames (outermost first):", style="bold")]
     for frame in f.vllm_frames:
@@ -189,8 +198,6 @@ def next_steps_renderable(steps: list[tuple[str, str]]) -> Any:
 
 
 def repro_renderables(report: Any) -> list[Any]:
-    from kvdoctor.report.next_steps import FIXED_LOGIC, next_steps
-
     items: list[Any] = [
         Text.assemble(("recipe ", "bold"), report.recipe.name,
                       f" ({report.recipe.bug})" if report.recipe.bug else "", " — ", report.recipe.title or ""),
@@ -440,8 +447,6 @@ def audit_detail_renderables(report: Any) -> list[Any]:
 
 
 def audit_table(report: Any) -> Any:
-    from kvdoctor.report.next_steps import FIXED_LOGIC
-
     title = f"known KV-offload bugs on vLLM {report.vllm_version}{report_engine_phrase(report)}"
     table = Table(title=title, box=box.SIMPLE_HEAVY, title_justify="left", caption=FIXED_LOGIC,
                   caption_justify="left")
@@ -468,8 +473,6 @@ def audit_table(report: Any) -> Any:
 
 
 def row_next_steps(row: Any) -> list[tuple[str, str]]:
-    from kvdoctor.report.next_steps import next_steps
-
     outcome = row.installed.outcome.value
     cap = row.fixed.outcome.value != "reproduced" if row.fixed is not None else None
     steps = next_steps(row.recipe, outcome, getattr(row, "fixed_in", None), cap, row.installed.detail)

@@ -1,11 +1,23 @@
-"""`kvdoctor version` as plain text: one `name: value` line each, then one line per probe."""
+"""`kvdoctor version` as plain text: one `name: value` line each, then one line per probe, each
+wrapped at the terminal's width with its continuation under its value (probe answers ran to 102
+columns at 80)."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 
-def version_text(report: Any) -> str:
+def _wrapped(line: str, indent: int, width: int) -> list[str]:
+    """`line` cut at spaces to `width`, continuations indented by `indent`; a word longer than a line
+    (a path) is kept whole rather than broken."""
+    if len(line) <= width:
+        return [line]
+    return textwrap.wrap(line, width=width, subsequent_indent=" " * indent, break_long_words=False,
+                         break_on_hyphens=False) or [line]
+
+
+def version_text(report: Any, width: int = 80) -> str:
     lines = [f"kvdoctor: {report.kvdoctor}",
              f"vLLM: {report.vllm or 'not installed'}",
              f"torch: {report.torch or 'not installed'}",
@@ -15,11 +27,14 @@ def version_text(report: Any) -> str:
         lines.append(f"problem: {report.problem}")
     if report.note:
         lines.append(f"note: {report.note}")
+    out = [wrapped for line in lines for wrapped in _wrapped(line, line.index(":") + 2, width)]
     if report.probes:
         held = sum(p.holds for p in report.probes)
-        lines.append(f"probes: {held} of {len(report.probes)} hold")
-        width = max(len(p.name) for p in report.probes)
+        out.append(f"probes: {held} of {len(report.probes)} hold")
+        names = max(len(p.name) for p in report.probes)
         for probe in report.probes:
             mark = "holds" if probe.holds else "FAILS"
-            lines.append(f"  {probe.name:<{width}}  {mark}  {probe.answer}")
-    return "\n".join(lines)
+            line = f"  {probe.name:<{names}}  {mark}  {probe.answer}"
+            answer_at = min(2 + names + 2 + len(mark) + 2, width // 2)  # a hanging indent that leaves room
+            out += _wrapped(line, answer_at, width)
+    return "\n".join(out)

@@ -27,18 +27,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvdoctor.engine.compat import portable
+from kvdoctor.engine.compat import names, portable, probes
+from kvdoctor.engine.compat.engine import EngineGlue
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
-from kvdoctor.engine.compat.engine import (  # noqa: F401 - the engine level's names, re-exported
-    default_kv_cache_layouts, engine_batch_queue_len, engine_core_class, engine_core_request, engine_step_fn_name,
-    executor_base_class, lean_engine_core_lifecycle, resolve_executor_class)
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
-from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
+from kvdoctor.errors import IncompatibleVllmError, UsageError, VllmUnavailableError
+from kvdoctor.installed import vllm_version
 from kvdoctor.releases import NEWEST_MEASURED, SUPPORTED_MIN, SUPPORTED_RANGE_TEXT, release_tuple
 
-OFFLOADING_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler"
-OFFLOADING_COMMON_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common"
 # RequestGroupState's lists whose len() a storable_chunks guard compares: the allocated GPU blocks (the
 # PR #49146 cap) and the offload keys (0.30's key cap). The logic variants hide their length.
 GROUP_STATE_BLOCK_IDS = "block_ids"
@@ -98,7 +95,7 @@ class RequestView:
 
 
 @dataclass
-class VllmApi(WorkerGlue, SpeculativeGlue):
+class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
 
     version_text: str
@@ -106,8 +103,20 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
     mods: dict[str, Any]
 
     # -- public classes -------------------------------------------------
-    def cls(self, module_key: str, name: str) -> Any:
-        return _require(self.mods[module_key], name, self.mods[module_key].__name__)
+    def config_class(self, name: str) -> Any:
+        """A class of `vllm.config` (VllmConfig, CacheConfig, SchedulerConfig, DeviceConfig, ...)."""
+        return self.cls("config", name)
+
+    def kv_cache_spec_class(self, name: str) -> Any:
+        """A per-layer KV spec class of `vllm.v1.kv_cache_interface` (FullAttentionSpec, MambaSpec, ...)."""
+        return self.cls("kv_cache_interface", name)
+
+    def block_hash_fn(self) -> Any:
+        """vLLM's sha256 block hash, with the chain's NONE_HASH seeded from it (`init_none_hash`), as the
+        engine core sets hashing up before building a request block hasher."""
+        sha256 = _require(self.mods["hashing"], "sha256", "vllm.utils.hashing")
+        _require(self.mods["kv_cache_utils"], "init_none_hash", "kv_cache_utils")(sha256)
+        return sha256
 
     @cached_property
     def RequestOffloadState(self) -> Any:
@@ -141,7 +150,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
     def split_storable_args(self, req_state: Any, group_config: Any, args: tuple, kwargs: dict
                             ) -> tuple[Any, int, dict[str, Any]]:
         """(group_state, num_offloadable_tokens, other arguments) of one call vLLM made."""
-        bound = dict(zip(self.storable_chunks_params[1:], args))
+        bound = dict(zip(self.storable_chunks_params[1:], args, strict=False))  # the rest came as keywords
         bound.update(kwargs)
         n = int(bound.pop("num_offloadable_tokens"))
         group_state = bound.pop("group_state", None)
@@ -263,7 +272,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         Read from the method's bytecode names (a feature probe, not a version
         check); only used to predict the next step in `inspect`, never for a verdict.
         """
-        code = self.OffloadingConnectorScheduler._build_store_jobs.__code__
+        code = names.get(self.OffloadingConnectorScheduler, names.BUILD_STORE_JOBS).__code__
         return "FINISHED_ABORTED" in code.co_names
 
     def kv_transfer_config(self, extra_config: dict[str, Any], fields: dict[str, Any],
@@ -273,8 +282,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         A field this release's KVTransferConfig does not have is refused (exit 2)
         rather than dropped.
         """
-        from kvdoctor.errors import UsageError
-
         cls = self.cls("config", "KVTransferConfig")
         known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
             getattr(cls, "model_fields", {}) or {})
@@ -308,12 +315,9 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
     # -- private state the connector keeps ------------------------------
     @staticmethod
     def sub_connectors(connector: Any) -> list[Any] | None:
-        """A MultiConnector's sub-connectors (0.34 `sub_connectors`, earlier `_connectors`); None otherwise."""
-        for name in ("sub_connectors", "_connectors"):
-            value = getattr(connector, name, None)
-            if value is not None:
-                return list(value)
-        return None
+        """A MultiConnector's sub-connectors (`names.SUB_CONNECTORS`); None for any other connector."""
+        value = names.get(connector, names.SUB_CONNECTORS, None)
+        return list(value) if value is not None else None
 
     def connector_scheduler(self, scheduler: Any, index: int = 0) -> Any:
         """The OffloadingConnector's scheduler side; under a MultiConnector, that of sub-connector `index`."""
@@ -365,7 +369,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
                                         "kvdoctor's adapter needs an update") from None
 
     def jobs(self, connector_scheduler: Any) -> dict[int, Any]:
-        return _require(connector_scheduler, "_jobs", "OffloadingConnectorScheduler")
+        return dict(names.get(connector_scheduler, names.JOBS))
 
     def offload_config(self, connector_scheduler: Any) -> Any:
         return _require(connector_scheduler, "config", "OffloadingConnectorScheduler")
@@ -413,7 +417,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         return bool(getattr(config, "offload_prompt_only", True))
 
     @staticmethod
-    def group_view(group_config: Any, group_state: Any) -> "GroupView":
+    def group_view(group_config: Any, group_state: Any) -> GroupView:
         """The numbers kvdoctor reads from one KV group of one request, as plain ints."""
         return GroupView(
             group_idx=int(_require(group_config, "group_idx", "GroupOffloadConfig")),
@@ -424,7 +428,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         )
 
     @staticmethod
-    def request_view(request: Any) -> "RequestView":
+    def request_view(request: Any) -> RequestView:
         status = request.status
         return RequestView(
             req_id=str(request.request_id),
@@ -449,30 +453,28 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         Only a registry without that name means "no": a factory that fails to
         import or has moved is an adapter problem (exit 3), not "not applicable".
         """
-        module = "vllm.v1.kv_offload.factory"
-        factory = _import(module)
-        cls = _require(factory, "OffloadingSpecFactory", module)
-        registry = _require(cls, "_registry", "OffloadingSpecFactory")
-        return name in registry
+        module = names.SPEC_REGISTRY.module
+        cls = _require(_import(module), "OffloadingSpecFactory", module)
+        return name in names.get(cls, names.SPEC_REGISTRY)
 
     def has_secondary_tier(self, tier_type: str) -> bool:
         """Whether the tiering spec's `secondary_tiers: [{"type": tier_type}]` resolves in this vLLM (0.34's
         SecondaryTierFactory registry); a release without that factory has no secondary tiers ("no")."""
         import importlib.util
 
-        module = "vllm.v1.kv_offload.tiering.factory"
-        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+        module = names.SECONDARY_TIER_REGISTRY.module
+        if importlib.util.find_spec(names.TIERING_PACKAGE) is None or importlib.util.find_spec(module) is None:
             return False
         cls = getattr(_import(module), "SecondaryTierFactory", None)
-        return tier_type in (getattr(cls, "_registry", None) or {})
+        return tier_type in (names.get(cls, names.SECONDARY_TIER_REGISTRY, None) or {})
 
     def tiering_defers_write_release(self) -> bool:
         """Whether the tiering spec's CPU primary tier defers a failed promotion's slot release
         (`defer_write_release`, 0.34): the newest tiering machinery, which explore draws secondary tiers for."""
         import importlib.util
 
-        module = "vllm.v1.kv_offload.tiering.manager"
-        if importlib.util.find_spec("vllm.v1.kv_offload.tiering") is None or importlib.util.find_spec(module) is None:
+        module = names.TIERING_MANAGER_MODULE
+        if importlib.util.find_spec(names.TIERING_PACKAGE) is None or importlib.util.find_spec(module) is None:
             return False
         primary = getattr(_import(module), "CPUPrimaryTierOffloadingManager", None)
         return hasattr(primary, "defer_write_release")
@@ -493,14 +495,14 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         deadline = time.monotonic() + timeout_s
         for tier in manager.secondary_tiers:
             tier.drain_jobs()
-            lookups = getattr(tier, "_lookup_manager", None)
-            states = getattr(lookups, "_lookup_state", None)
+            lookups = names.get(tier, names.TIER_LOOKUP_MANAGER, None)
+            states = names.get(lookups, names.LOOKUP_STATE, None)
             if lookups is None or states is None:
                 continue
             while True:
                 lookups.drain_results()
                 # submitted = not in this step's unsent batch (0.26-0.29 batch (key, ctx); 0.30+ (key, ctx, gen))
-                unsent = {entry[0] for entry in getattr(lookups, "_lookup_batch", ())}
+                unsent = {entry[0] for entry in names.get(lookups, names.LOOKUP_BATCH, ())}
                 if all(state.result is not None or key in unsent for key, state in states.items()):
                     break
                 if time.monotonic() > deadline:
@@ -509,7 +511,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
 
     def promotion_jobs(self, manager: Any) -> int:
         """Secondary-tier -> CPU promotion jobs the tiering manager holds in flight now."""
-        jobs = getattr(manager, "_transfer_jobs", None) or {}
+        jobs = names.get(manager, names.TIER_TRANSFER_JOBS, None) or {}
         # 0.34: JobMetadata wraps a TransferJob; earlier releases' JobMetadata is the job itself
         return sum(1 for job in jobs.values() if getattr(job, "transfer_job", job).is_promotion)
 
@@ -558,8 +560,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
         A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
         `cache_config_field:<field>` so that such a release reads not_applicable instead)."""
-        from kvdoctor.errors import UsageError
-
         kwargs: dict[str, Any] = {}
         for name, value in setup_fields.items():
             if value is None:
@@ -618,12 +618,6 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         """0.33+: a load job entry's `sync` (a sync load, within the `sync_load_budget_bytes` of its step:
         vLLM's worker waits for it in that step and reports no finished_recving); before: always async."""
         return bool(getattr(load_job, "sync", False))
-
-    @staticmethod
-    def block_ids_of(spec: Any) -> tuple[int, ...]:
-        """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
-        ids = getattr(spec, "block_ids", None)
-        return tuple(int(b) for b in ids) if ids is not None else ()
 
     @staticmethod
     def block_ids_by_group(spec: Any) -> tuple[tuple[int, ...], ...]:
@@ -685,7 +679,8 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
         """Group per-layer specs and place them in a pool of `num_blocks` blocks, as the engine core does.
 
         Returns (worker KVCacheConfig, scheduler KVCacheConfig, scheduler block size,
-        hash block size, which planner ran, the max_model_len its admission check was run with). 0.26-0.32: `kv_cache_utils.get_kv_cache_configs`;
+        hash block size, which planner ran, the max_model_len its admission check was run with).
+        0.26-0.32: `kv_cache_utils.get_kv_cache_configs`;
         0.33+: the KV cache layout is resolved first, then `kv_cache_planning`'s
         `get_global_kv_cache_groups` + `get_kv_cache_configs`.
         """
@@ -763,25 +758,23 @@ class VllmApi(WorkerGlue, SpeculativeGlue):
 
     def offloadable_tokens(self, connector_scheduler: Any, req_state: Any, num_tokens: int) -> int:
         """The connector's own clamp (prompt-only, max_offload_tokens) of a token count."""
-        method = _require(connector_scheduler, "_calc_num_offloadable_tokens", "OffloadingConnectorScheduler")
+        method = names.get(connector_scheduler, names.CALC_OFFLOADABLE_TOKENS)
         return int(method(req_state, num_tokens))
 
     def engine_core_facts(self) -> EngineCoreFacts:
         """Feature probes of `vllm.v1.engine.core` (imported here only: the scheduler never needs it)."""
-        module = _import("vllm.v1.engine.core")
-        core = _require(module, "EngineCore", "vllm.v1.engine.core")
+        module = _import(names.ENGINE_CORE_MODULE)
+        core = _require(module, "EngineCore", names.ENGINE_CORE_MODULE)
         proc = getattr(module, "EngineCoreProc", None)
         reset = getattr(core, "reset_prefix_cache", None)
         params = frozenset(inspect.signature(reset).parameters) - {"self"} if reset is not None else frozenset()
         return EngineCoreFacts(reset_params=params, batch_queue=hasattr(core, "step_with_batch_queue"),
-                               utilities_between_steps=proc is not None and hasattr(proc, "_process_input_queue")
+                               utilities_between_steps=proc is not None and names.has(proc, names.PROCESS_INPUT_QUEUE)
                                and hasattr(proc, "run_busy_loop"))
 
     @cached_property
     def worker_side_checked(self) -> bool:
         """The worker-side probes, asked once before vLLM's worker is built (exit 3 naming a failing one)."""
-        from kvdoctor.engine.compat import probes
-
         probes.require(self, worker_side=True)
         return True
 
@@ -804,9 +797,9 @@ _MODULES = {
     "sampling_params": "vllm.sampling_params",
     "hashing": "vllm.utils.hashing",
     "outputs": "vllm.v1.outputs",
-    "offload_common": OFFLOADING_COMMON_MODULE,
-    "offload_scheduler": OFFLOADING_SCHEDULER_MODULE,
-    "multi_connector": "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
+    "offload_common": names.OFFLOADING_COMMON_MODULE,
+    "offload_scheduler": names.OFFLOADING_SCHEDULER_MODULE,
+    "multi_connector": names.MULTI_CONNECTOR_MODULE,
 }
 
 
@@ -827,7 +820,7 @@ def _within_admission_check(vllm_config: Any, plan: Any) -> tuple[list[Any], int
             try:
                 return plan(), length
             except ValueError as exc:
-                if "max_model_len" not in str(exc) and "KV cache" not in str(exc) or length <= 1:
+                if ("max_model_len" not in str(exc) and "KV cache" not in str(exc)) or length <= 1:
                     raise
                 length //= 2
                 model_config.max_model_len = length
@@ -844,14 +837,7 @@ class EngineCoreFacts:
     utilities_between_steps: bool  # EngineCoreProc's busy loop handles client calls between steps
 
 
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its metadata, without importing it."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
+installed_vllm_version = vllm_version  # the one reader (kvdoctor.installed), under the adapter's name
 
 
 def import_vllm() -> VllmApi:
@@ -886,7 +872,6 @@ def load() -> VllmApi:
     if _API is not None:
         return _API
     api = import_vllm()
-    from kvdoctor.engine.compat import probes
 
     probes.require(api, worker_side=False)  # exit 3 naming the first probe that fails
     note = newer_release_note(api.version_text, api.version)

@@ -5,15 +5,19 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from kvdoctor.errors import IncompatibleVllmError, VllmUnavailableError
 from kvdoctor.releases import SUPPORTED_RANGE_TEXT
+from kvdoctor.user_cache import keep_vllm_cache
 
 
 def _quiet_environment() -> None:
-    """Keep vLLM offline and quiet: no hub look-ups, no usage stats, no INFO spam."""
+    """Keep vLLM offline and quiet: no hub look-ups, no usage stats, no INFO spam; its model-info cache
+    in kvdoctor's cache directory, never the user's ~/.cache/vllm (`kvdoctor.user_cache`)."""
+    keep_vllm_cache()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -49,7 +53,7 @@ def _import(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == "vllm" or module.startswith(exc.name + ".") and exc.name == "vllm"):
+        if exc.name and (exc.name == "vllm" or (module.startswith(exc.name + ".") and exc.name == "vllm")):
             raise VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{SUPPORTED_RANGE_TEXT})"
             ) from None
@@ -65,6 +69,16 @@ def _import(module: str) -> Any:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else ""
+
+
+class AdapterBase:
+    """What every part of the adapter (`VllmApi` and the glue mixed into it) reads: vLLM's imported modules,
+    by key (`compat._MODULES`, worker-side ones added on first use), and their classes."""
+
+    mods: dict[str, Any]
+
+    def cls(self, module_key: str, name: str) -> Any:
+        return _require(self.mods[module_key], name, self.mods[module_key].__name__)
 
 
 def _require(obj: Any, name: str, where: str) -> Any:

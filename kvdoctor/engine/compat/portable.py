@@ -7,30 +7,31 @@ verbatim by `inline_portable`, so the two can never drift apart.
 
 import dataclasses
 import inspect
+from typing import Any
 
 
-def request_states(connector_scheduler):
+def request_states(connector_scheduler: Any) -> dict[str, Any]:
     """The OffloadingConnector scheduler's per-request offload state, by request id (a private dict)."""
     return connector_scheduler._req_status
 
 
-def allocated_block_count(group_state):
+def allocated_block_count(group_state: Any) -> int:
     """GPU blocks a request's KV group holds (`RequestGroupState.block_ids`): what PR #49146 caps by."""
     return len(group_state.block_ids)
 
 
-def worker_reports_failed_jobs(worker_metadata_cls):
+def worker_reports_failed_jobs(worker_metadata_cls: Any) -> bool:
     """Feature probe: `OffloadingWorkerMetadata.mark_completed(job_id, success)` (0.34+) lets a
     worker report a failed transfer; before, the offloading worker asserts every transfer succeeds."""
     return "success" in inspect.signature(worker_metadata_cls.mark_completed).parameters
 
 
-def runner_output_takes_req_id_to_index(model_runner_output_cls):
+def runner_output_takes_req_id_to_index(model_runner_output_cls: Any) -> bool:
     """Feature probe: `ModelRunnerOutput.req_id_to_index` (a field until 0.33, gone in 0.34)."""
     return "req_id_to_index" in {f.name for f in dataclasses.fields(model_runner_output_cls)}
 
 
-def kv_cache_tensor(kv_cache_tensor_cls, size, layer, page_bytes, num_blocks):
+def kv_cache_tensor(kv_cache_tensor_cls: Any, size: int, layer: str, page_bytes: int, num_blocks: int) -> Any:
     """One layer's `KVCacheTensor`: `shared_by` until 0.32, layout fields (`layers`, strides) from 0.33."""
     names = {f.name for f in dataclasses.fields(kv_cache_tensor_cls)}
     if "shared_by" in names:
@@ -41,7 +42,7 @@ def kv_cache_tensor(kv_cache_tensor_cls, size, layer, page_bytes, num_blocks):
     raise TypeError(f"KVCacheTensor has unknown fields {sorted(names)}")
 
 
-def default_kv_cache_layouts():
+def default_kv_cache_layouts() -> list[str]:
     """0.33+ asks each worker for its KV cache layouts, most preferred first: vLLM's own default
     preference (a private constant), or NHD where this release has none."""
     try:
@@ -51,7 +52,8 @@ def default_kv_cache_layouts():
     return [layout.name for layout in _DEFAULT_LAYOUT_PREFERENCE]
 
 
-def aliased_kv_cache_tensors(kv_cache_tensor_cls, group_layers, page_bytes, num_blocks):
+def aliased_kv_cache_tensors(kv_cache_tensor_cls: Any, group_layers: list[list[str]], page_bytes: int,
+                             num_blocks: int) -> list[Any]:
     """KVCacheTensors for `group_layers` (per group, its layers), placed as vLLM places a hybrid model's:
     layer j of every group aliases the same bytes. Until 0.32 one tensor per j (`shared_by`); from 0.33 one
     tensor per group over a single backing allocation (`layers`, strides), the groups overlaid."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from kvdoctor.engine.compat.imports import AdapterBase
 from kvdoctor.errors import UsageError
 
 # What the installed release adds to speculative decoding (explore weights its draws toward these):
@@ -24,10 +25,8 @@ EAGLE_BLOCK_DROP = "eagle_block_drop"  # SpeculativeConfig.use_eagle_block_drop(
 SPECULATIVE = "speculative"  # SpeculativeConfig builds here with no download (ngram / a local eagle config)
 
 
-class SpeculativeGlue:
+class SpeculativeGlue(AdapterBase):
     """Mixed into `VllmApi`: the speculative-decoding reads, in one calling style."""
-
-    mods: dict[str, Any]
 
     def speculative_config(self, model_config: Any, method: str, num_tokens: int, draft_dir: str | None,
                            options: dict[str, Any] | None = None) -> Any:

@@ -11,12 +11,14 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
+import kvdoctor.engine.compat.names as names
 import kvdoctor.engine.compat.portable as portable
-from kvdoctor.engine.compat.imports import _import, _require, _silenced_stderr
-from kvdoctor.errors import IncompatibleVllmError
+from kvdoctor.engine.compat.imports import AdapterBase, _import, _require, _silenced_stderr
+from kvdoctor.errors import IncompatibleVllmError, UsageError
 
 _WORKER_MODULES = {
     "connector_factory": "vllm.distributed.kv_transfer.kv_connector.factory",
@@ -37,10 +39,14 @@ _OPTIONAL_WORKER_MODULES = {
 SCHEDULER_RUNNER_AGNOSTIC = "any (this release's scheduler output does not depend on the runner)"
 
 
-class WorkerGlue:
+class WorkerGlue(AdapterBase):
     """vLLM's worker-role connector and the model runners' connector calls, per release."""
 
-    mods: dict[str, Any]
+    @staticmethod
+    def block_ids_of(spec: Any) -> tuple[int, ...]:
+        """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
+        ids = getattr(spec, "block_ids", None)
+        return tuple(int(b) for b in ids) if ids is not None else ()
 
     def worker_mods(self) -> dict[str, Any]:
         """The worker-side modules, imported once (added to `self.mods`)."""
@@ -51,7 +57,7 @@ class WorkerGlue:
                 for key, name in _OPTIONAL_WORKER_MODULES.items():
                     try:
                         self.mods[key] = importlib.import_module(name)
-                    except Exception:  # noqa: BLE001 - absent in this release: probed where used
+                    except Exception:  # absent in this release: probed where used
                         self.mods[key] = None
         return self.mods
 
@@ -62,7 +68,7 @@ class WorkerGlue:
     def offloading_spec_class(self, name: str) -> Any:
         """A registered spec class by its `spec_name` (e.g. CPUOffloadingSpec, TieringOffloadingSpec)."""
         factory = _require(_import("vllm.v1.kv_offload.factory"), "OffloadingSpecFactory", "vllm.v1.kv_offload.factory")
-        registry = getattr(factory, "_registry", {}) or {}
+        registry = names.get(factory, names.SPEC_REGISTRY, None) or {}
         if name not in registry:
             raise IncompatibleVllmError(f"this vLLM registers no offloading spec named {name!r}")
         return registry[name]()
@@ -122,19 +128,19 @@ class WorkerGlue:
         """The runner a CUDA deployment of this release picks for this model: V2 where vLLM
         names the architecture a default-V2 model and reports no unsupported feature (Triton is
         assumed present, as on a GPU); V1 otherwise or where the release has no V2 runner."""
-        if importlib.util.find_spec("vllm.v1.worker.kv_connector_model_runner_mixin") is None:
+        if importlib.util.find_spec(names.RUNNER_MIXIN_MODULE) is None:
             return "v2"  # this release has no V1 runner glue: V2 is the only runner
         env_choice = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
         if env_choice is not None:
             return "v2" if env_choice.strip().lower() in ("1", "true") else "v1"
-        is_default = getattr(vllm_config, "_is_default_v2_model_runner_model", None)  # 0.26: per architecture
-        unsupported = getattr(vllm_config, "_get_v2_model_runner_unsupported_features", None)
+        is_default = names.get(vllm_config, names.IS_DEFAULT_V2_RUNNER_MODEL, None)  # 0.26: per architecture
+        unsupported = names.get(vllm_config, names.V2_RUNNER_UNSUPPORTED, None)
         if unsupported is None:
             return "v1"
         try:
             default_model = is_default() if is_default is not None else True  # 0.33: V2 for every model
             return "v2" if default_model and not unsupported() else "v1"
-        except Exception:  # noqa: BLE001 - a probe that cannot answer means the release's plain default
+        except Exception:  # a probe that cannot answer means the release's plain default
             return "v1"
 
     def has_v2_kv_connector(self) -> bool:
@@ -152,13 +158,12 @@ class WorkerGlue:
     def active_worker_connector(self, connector: Any) -> Iterator[None]:
         """What `get_kv_transfer_group()` returns inside vLLM's runner glue, restored afterwards."""
         state = self.worker_mods()["kv_transfer_state"]
-        _require(state, "_KV_CONNECTOR_AGENT", "kv_transfer_state")
-        saved = state._KV_CONNECTOR_AGENT
-        state._KV_CONNECTOR_AGENT = connector
+        saved = names.get(state, names.KV_CONNECTOR_AGENT)
+        names.put(state, names.KV_CONNECTOR_AGENT, connector)
         try:
             yield
         finally:
-            state._KV_CONNECTOR_AGENT = saved
+            names.put(state, names.KV_CONNECTOR_AGENT, saved)
 
     def forward_context(self, vllm_config: Any) -> Any:
         return _require(self.worker_mods()["forward_context"], "set_forward_context", "vllm.forward_context")(
@@ -168,8 +173,6 @@ class WorkerGlue:
         """V1 GPUModelRunner's connector lifecycle (`KVConnectorModelRunnerMixin`)."""
         mod = self.worker_mods().get("runner_mixin")
         if mod is None:
-            from kvdoctor.errors import UsageError
-
             raise UsageError("--model-runner v1: this vLLM has no V1 model runner connector glue "
                              "(KVConnectorModelRunnerMixin); use --model-runner v2")
         return _require(mod, "KVConnectorModelRunnerMixin", "kv_connector_model_runner_mixin")
@@ -183,7 +186,7 @@ class WorkerGlue:
     def v1_forward_output(mixin: Any, scheduler_output: Any) -> Any:
         """V1 runner, around the forward: the context manager yielding the step's KVConnectorOutput
         (`KVConnectorModelRunnerMixin._get_kv_connector_output`, private to vLLM)."""
-        method = _require(mixin, "_get_kv_connector_output", "KVConnectorModelRunnerMixin")
+        method = names.get(mixin, names.GET_KV_CONNECTOR_OUTPUT)
         return method(scheduler_output)
 
     @staticmethod
@@ -248,7 +251,7 @@ class WorkerGlue:
             return None
         try:
             return probe(self.vllm_config_of(scheduler))
-        except Exception:  # noqa: BLE001 - a connector that cannot say asks for nothing in particular
+        except Exception:  # a connector that cannot say asks for nothing in particular
             return None
 
     def allocate_kv_caches(self, kv_cache_config: Any, device: Any, fill: int,
@@ -267,11 +270,11 @@ class WorkerGlue:
             layout_name = getattr(kv_cache_config, "kv_cache_layout", None) or layout_name
             members = layout_mod.KVCacheLayout.__members__
             layout = members[layout_name] if layout_name in members else next(iter(members.values()))
-            kv = allocate(kv_cache_config, torch.device(device), layout)
-            for tensor in kv.values():
+            allocated: dict[str, Any] = allocate(kv_cache_config, torch.device(device), layout)
+            for tensor in allocated.values():
                 first = tensor[0] if isinstance(tensor, list) else tensor
                 torch.tensor([], dtype=torch.int8, device=first.device).set_(first.untyped_storage()).fill_(fill)
-            return kv
+            return allocated
         n = kv_cache_config.num_blocks
         specs = self.kv_layer_specs(kv_cache_config)
         kv: dict[str, Any] = {}
@@ -294,14 +297,14 @@ class WorkerGlue:
         specs = [self._group_layer_specs(group) for group in groups]
         page = fingerprint_page_bytes(slot_bytes, [int(group.kv_cache_spec.block_size) for group in groups])
         new_groups = []
-        for group, names, per_layer in zip(groups, kept, specs):
-            shrunk = {name: _shrink_spec(per_layer[name], page) for name in names}
+        for group, layer_names, per_layer in zip(groups, kept, specs, strict=True):
+            shrunk = {name: _shrink_spec(per_layer[name], page) for name in layer_names}
             spec = group.kv_cache_spec
             if getattr(spec, "kv_cache_specs", None) is not None:  # UniformTypeKVCacheSpecs
                 spec = dataclasses.replace(spec, kv_cache_specs=shrunk)
             else:
-                spec = shrunk[names[0]]
-            new_groups.append(dataclasses.replace(group, layer_names=names, kv_cache_spec=spec))
+                spec = shrunk[layer_names[0]]
+            new_groups.append(dataclasses.replace(group, layer_names=layer_names, kv_cache_spec=spec))
         cls = self.cls("kv_cache_interface", "KVCacheTensor")
         tensors = portable.aliased_kv_cache_tensors(cls, kept, page, int(kv_cache_config.num_blocks))
         return dataclasses.replace(kv_cache_config, kv_cache_tensors=tensors, kv_cache_groups=new_groups)

@@ -16,13 +16,16 @@ embeds too); each scheduler output goes to a *worker side*:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME as QUALNAME, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
+from kvdoctor.engine.core.simulated_side import SimulatedSide
 from kvdoctor.engine.core.standin_executor import StandInExecutor
 
-__all__ = ["ADMISSION_ENV", "HANDOFFS", "Handoff", "KvdoctorExecutor", "QUALNAME", "STEP_SECONDS_ENV"]
+__all__ = ["ADMISSION_ENV", "HANDOFFS", "QUALNAME", "STEP_SECONDS_ENV", "Handoff", "KvdoctorExecutor"]
 
 
 @dataclass
@@ -69,8 +72,6 @@ class KvdoctorExecutor(StandInExecutor):
         super().initialize_from_config(kv_cache_configs)
         self.kv_cache_config = kv_cache_configs[0]
         if self.handoff is None:  # a `vllm serve` child: the worker side lives here
-            from kvdoctor.engine.core.simulated_side import SimulatedSide
-
             self.simulated = SimulatedSide(self.vllm_config)
 
     def shutdown(self) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoctor.engine import compat, kv_layout
+from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
 
 
 class CoreHarness(Harness):
@@ -36,12 +37,12 @@ class CoreHarness(Harness):
         layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
         specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
         vllm_config.parallel_config.distributed_executor_backend = QUALNAME
-        handoff = Handoff(specs=specs, admission_len=_admission_len(self.kv_plan, setup))
+        handoff = Handoff(specs=specs, admission_len=self.kv_plan.admission_len)
         HANDOFFS[id(vllm_config)] = handoff
         try:
-            executor_class = compat.resolve_executor_class(vllm_config)
-            with compat.lean_engine_core_lifecycle():
-                self.core = compat.engine_core_class()(vllm_config, executor_class, log_stats=True)
+            executor_class = self.api.resolve_executor_class(vllm_config)
+            with self.api.lean_engine_core_lifecycle():
+                self.core = self.api.engine_core_class()(vllm_config, executor_class, log_stats=True)
         finally:
             HANDOFFS.pop(id(vllm_config), None)
         self.executor = self.core.model_executor
@@ -49,7 +50,7 @@ class CoreHarness(Harness):
         self.scheduler = self.core.scheduler
         self._attach_worker_side()
         self._events: StepEvents | None = None
-        self.step_fn_name = compat.engine_step_fn_name(self.core)
+        self.step_fn_name = self.api.engine_step_fn_name(self.core)
         self.executor.attach(self._execute)
 
     def _note_plan_differences(self) -> None:
@@ -65,7 +66,7 @@ class CoreHarness(Harness):
     def add(self, req_id: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
             priority: int = 0) -> None:
         params = sampling_params(self.api, max_tokens, kv_transfer_params)
-        request, wave = self.core.preprocess_add_request(compat.engine_core_request(req_id, prompt, params, priority))
+        request, wave = self.core.preprocess_add_request(self.api.engine_core_request(req_id, prompt, params, priority))
         self.requests[req_id] = request
         self.core.add_request(request, wave)
 
@@ -97,6 +98,16 @@ class CoreHarness(Harness):
     def resume(self) -> None:
         self.core.resume_scheduler()
 
+    def delay_block_hashes(self, req_id: str) -> None:
+        """vLLM's engine hashes blocks with its own request_block_hasher: the core level refuses late hashes by
+        their need before anything is played; reaching here is a usage error, never a step that does nothing."""
+        raise UsageError(f"delay_block_hashes {req_id}: vLLM's EngineCore computes block hashes with its own "
+                         f"hasher and offers no way to withhold them; play it at --engine scheduler")
+
+    def release_block_hashes(self, req_id: str) -> None:
+        raise UsageError(f"release_block_hashes {req_id}: vLLM's EngineCore computes block hashes with its own "
+                         f"hasher and offers no way to withhold them; play it at --engine scheduler")
+
     def drain(self) -> bool:
         """Sync scheduling: nothing is in flight between engine steps (the runner refuses async drains)."""
         return False
@@ -104,7 +115,7 @@ class CoreHarness(Harness):
     def shutdown(self) -> None:
         self.worker.shutdown()
         try:
-            with compat.lean_engine_core_lifecycle():
+            with self.api.lean_engine_core_lifecycle():
                 self.core.shutdown()
         except Exception:  # noqa: BLE001 - a crashed engine may not shut down cleanly
             pass
@@ -125,13 +136,3 @@ class CoreHarness(Harness):
         events = self._events if self._events is not None else StepEvents()
         return self.worker_step(output, events)
 
-
-def _admission_len(kv_plan: Any, setup: Setup) -> int | None:
-    """The length the scheduler level ran vLLM's admission check with (its plan notes say when lowered)."""
-    import re
-
-    for note in kv_plan.notes:
-        match = re.search(r"planned with the check at max_model_len=(\d+)", note)
-        if match:
-            return int(match.group(1))
-    return None

@@ -10,12 +10,11 @@ from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.worker import Job
+from kvdoctor.engine.workers.simulated import SimulatedTransfers
 
 
 class SimulatedSide:
     def __init__(self, vllm_config: Any) -> None:
-        from kvdoctor.engine.workers.simulated import SimulatedTransfers
-
         self.api = compat.load()
         self.worker = SimulatedTransfers(self.api)
         self.connector = vllm_config.kv_transfer_config is not None

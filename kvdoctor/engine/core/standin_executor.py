@@ -26,6 +26,7 @@ import os
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.logger import init_logger
@@ -41,14 +42,14 @@ STEP_LOG_PREFIX = "kvdoctor-engine step"  # the serve client reads it (serve_cli
 DECODE_TOKEN = 7
 
 
-def _done(value):
-    future = Future()
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
     future.set_result(value)
     return future
 
 
-def _failed(exc):
-    future = Future()
+def _failed(exc: BaseException) -> Future[Any]:
+    future: Future[Any] = Future()
     future.set_exception(exc)
     return future
 
@@ -61,20 +62,20 @@ class StandInExecutor(Executor):
     NO_MEMORY_REASON = "the stand-in executor measures no device memory"
 
     @classmethod
-    def supports_async_scheduling(cls):
+    def supports_async_scheduling(cls) -> bool:
         return True
 
-    def _init_executor(self):
+    def _init_executor(self) -> None:
         self.step_seconds = float(os.environ.get(self.STEP_SECONDS_ENV, "0") or 0)
         admission = os.environ.get(self.ADMISSION_ENV)
         self.admission_len = int(admission) if admission else None
-        self.original_len = None
-        self.to_sample = deque()
-        self.num_tokens = {}
+        self.original_len: int | None = None
+        self.to_sample: deque[Any] = deque()
+        self.num_tokens: dict[str, int] = {}
         self.steps = 0
 
     # -- start-up ---------------------------------------------------------------------------
-    def get_kv_cache_specs(self):
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
         """The pool is deliberately tiny (--num-gpu-blocks-override): vLLM's start-up check that one
         max_model_len request fits runs with `admission_len`, restored before the scheduler is built."""
         if self.admission_len is not None:
@@ -83,28 +84,29 @@ class StandInExecutor(Executor):
             model_config.max_model_len = min(self.original_len, self.admission_len)
         return [self.layer_specs()]
 
-    def layer_specs(self):
+    def layer_specs(self) -> dict[str, Any]:
         """One full-attention spec per decoder layer of the model config (the tiny Llama)."""
         mc, pc = self.vllm_config.model_config, self.vllm_config.parallel_config
         spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size,
                                  num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(), dtype=mc.dtype)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_num_layers(pc))}
 
-    def determine_available_memory(self):
+    def determine_available_memory(self) -> list[int]:
         return [1 << 40]  # --num-gpu-blocks-override decides the pool
 
-    def initialize_from_config(self, kv_cache_configs):
+    def initialize_from_config(self, kv_cache_configs: Any) -> None:
         if self.original_len is not None:
             self.vllm_config.model_config.max_model_len = self.original_len
             self.original_len = None
 
-    def check_health(self):
+    def check_health(self) -> None:
         return None
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         return None
 
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False, **_):
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False, **_: Any) -> Any:
         """Everything else EngineCore asks of 'all workers': one answer per worker (one here). A method
         `rpc_<name>` gives the answers that matter; any other call is answered None."""
         kwargs = kwargs or {}
@@ -115,27 +117,27 @@ class StandInExecutor(Executor):
             results = handler(*args, **kwargs) if handler is not None else [None]
         return _done(results) if non_block else results
 
-    def rpc_get_supported_tasks(self):
+    def rpc_get_supported_tasks(self) -> list[tuple[str, ...]]:
         return [("generate",)]
 
-    def rpc_get_kv_connector_handshake_metadata(self):
+    def rpc_get_kv_connector_handshake_metadata(self) -> list[Any]:
         return []  # the OffloadingConnector has no handshake
 
-    def rpc_compile_or_warm_up_model(self):
+    def rpc_compile_or_warm_up_model(self) -> list[Any]:
         return []  # 0.27+: no CompilationTimes (the list is read only when non-empty)
 
-    def rpc_get_supported_kv_cache_layouts(self):
+    def rpc_get_supported_kv_cache_layouts(self) -> list[list[str]]:
         """0.33+: each worker's KV layouts, most preferred first: what the connector requires, then vLLM's."""
         return [default_kv_cache_layouts()]
 
-    def rpc_extensible_kv_cache_unsupported_reason(self):
+    def rpc_extensible_kv_cache_unsupported_reason(self) -> list[str]:
         return [self.NO_MEMORY_REASON]  # 0.34: the extensible KV cache stays off
 
     # -- one step ---------------------------------------------------------------------------
-    def execute_model(self, scheduler_output, non_block=False):
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         try:
             output = self.run_step(scheduler_output)
-        except Exception as exc:  # noqa: BLE001 - the engine sees it where a GPU worker's error surfaces
+        except Exception as exc:  # the engine sees it where a GPU worker's error surfaces
             if non_block:
                 return _failed(exc)
             raise
@@ -144,23 +146,23 @@ class StandInExecutor(Executor):
             output = None
         return _done(output) if non_block else output
 
-    def sample_tokens(self, grammar_output, non_block=False):
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
         output = self.to_sample.popleft()
         return _done(output) if non_block else output
 
-    def take_draft_token_ids(self):
+    def take_draft_token_ids(self) -> None:
         return None
 
-    def run_step(self, so):
+    def run_step(self, so: Any) -> Any:
         self.steps += 1
         if self.step_seconds:
             time.sleep(self.step_seconds)
         return self.step_output(so)
 
-    def step_output(self, so):
+    def step_output(self, so: Any) -> Any:
         """One decode token for each request that has computed all its known tokens; the step's log line;
         the transfers' report (`transfers`)."""
-        computed = {}
+        computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
             self.num_tokens[new.req_id] = len(tokens)
@@ -169,7 +171,7 @@ class StandInExecutor(Executor):
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
         req_ids = list(so.num_scheduled_tokens)
-        sampled = {}
+        sampled: dict[str, list[int]] = {}
         for req_id in req_ids:
             after = computed.get(req_id, 0) + so.num_scheduled_tokens[req_id]
             known = self.num_tokens.get(req_id, after)
@@ -189,7 +191,7 @@ class StandInExecutor(Executor):
             kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
         return ModelRunnerOutput(**kwargs)
 
-    def transfers(self, so, sampled):
+    def transfers(self, so: Any, sampled: dict[str, list[int]]) -> Any:
         """What the worker-role OffloadingConnector reports when every transfer finishes at once."""
         meta = getattr(so, "kv_connector_metadata", None)
         if meta is None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,7 @@ class TransferControl:
         self.cpu_slots: int | None = None
 
 
+# mypy cannot check a base class computed at import (vLLM's OffloadingWorker, found by the adapter)
 class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[misc]
     def __init__(self, kv_caches: Any, blocks_per_chunk: int, num_cpu_slots: int,
                  control: TransferControl) -> None:
@@ -78,8 +80,9 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         self._queue: list[Transfer] = []  # in submission order, like chained stream events
         self._due: dict[int, int] = {}
         self._calls = 0
-        # (cpu tensor, slot, sub-block) -> bytes stored there: a load is compared against it
-        self.stored: dict[tuple[int, int, int], bytes] = {}
+        # (cpu tensor, slot, sub-block), packed in one int as the copies carry it -> bytes stored there: a load
+        # is compared against it
+        self.stored: dict[int, bytes] = {}
         self.submitted: list[tuple[str, int]] = []
 
     # -- the copy plan (vLLM's direct layout) --------------------------------
@@ -96,7 +99,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         copies: list[tuple[int, int, int, int, int]] = []
         nbytes = 0
         src_off = dst_off = 0
-        for group, (size, first) in enumerate(zip(sizes, indices)):
+        for group, (size, first) in enumerate(zip(sizes, indices, strict=False)):
             if size == 0:
                 continue
             s_skip, d_skip = first % src_per, first % dst_per
@@ -115,7 +118,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
                 self._sub_block_ptrs(dst_ids[dst_off:d_end], dst_per, dp, dst_tensors[ref.tensor_idx],
                                      skip_count=d_skip)
                 page = int(ref.page_size_bytes)
-                for i, (s, d) in enumerate(zip(sp.tolist(), dp.tolist())):
+                for i, (s, d) in enumerate(zip(sp.tolist(), dp.tolist(), strict=True)):
                     slot, sub = slots[i]
                     copies.append((s, d, page, int(gpu_ids[i]), ref.tensor_idx * (1 << 40) + slot * bpc + sub))
                 nbytes += size * page
@@ -144,7 +147,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
         gpu_blocks: list[int] = []
         for group, (size, n_refs, first) in enumerate(zip(device_ptrs.group_block_counts,
                                                           device_ptrs.group_data_ref_counts,
-                                                          device_ptrs.block_indices)):
+                                                          device_ptrs.block_indices, strict=True)):
             size = int(size)
             if size == 0:
                 continue
@@ -158,7 +161,7 @@ class CopyEngineWorker(compat.load().offloading_worker_base()):  # type: ignore[
                 cp = np.empty(size, dtype=np.int64)
                 self._sub_block_ptrs(chunk_ids, bpc, cp, self.cpu_tensors[ref.tensor_idx], skip_count=skip)
                 page = int(ref.page_size_bytes)
-                for i, (g, c) in enumerate(zip(gp, cp.tolist())):
+                for i, (g, c) in enumerate(zip(gp, cp.tolist(), strict=True)):
                     block = (g - gpu_t.data_ptr()) // gpu_t.stride(0)
                     if d == 0:
                         gpu_blocks.append(block)

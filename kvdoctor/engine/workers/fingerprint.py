@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvdoctor.engine.kv_layout import MAMBA, MLA
+from kvdoctor.engine.memory import available_memory_bytes, total_memory_bytes
 from kvdoctor.errors import UsageError
 
 FINGERPRINT_SLOT_BYTES = 16  # word 0: the prefix's 64-bit key, word 1: the layer's tag (toy_model)
@@ -47,8 +49,6 @@ class FingerprintPlan:
         """Why this machine cannot hold the fingerprints (None: it can). The GPU-side tensors are written
         whole (poison first); the CPU tier is mapped lazily, costing only the slots stored into, but a mapping
         larger than the machine's memory and swap is refused by the kernel."""
-        from kvdoctor.engine.setup import available_memory_bytes, total_memory_bytes
-
         available = available_memory_bytes()
         if available is not None and self.gpu_bytes > available:
             return (f"its fingerprint KV pages need {self.gpu_bytes / 2**30:,.1f} GiB ({self.num_blocks:,} blocks x "
@@ -95,8 +95,6 @@ def estimate(layout: Any, block_size: int, blocks_per_chunk: int, gpu_blocks: in
              cpu_bytes_to_use: int) -> FingerprintPlan:
     """The same costs from the model's layout before vLLM is imported (one group per kind of layer; a
     group's page is unified with the widest layer's, as vLLM's planner does)."""
-    from kvdoctor.engine.kv_layout import MAMBA, MLA
-
     attention = [layer for layer in layout.layers if layer.kind != MAMBA]
     per_token = [(1 if layer.kind == MLA else 2) * (layer.num_kv_heads or layout.num_kv_heads)
                  * (layer.head_size or layout.head_size) for layer in attention] or [1]

@@ -16,8 +16,11 @@ partitions a page works.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvdoctor.errors import UsageError
 
 POISON_BYTE = 0x5A  # every KV byte starts as this: a slot never written reads back as poison
 POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
@@ -38,7 +41,8 @@ class ContentFinding:
 
     @property
     def message(self) -> str:
-        job = f"store job #{self.job}: " if self.job is not None and self.invariant != "load-returns-stored-bytes" else (
+        stored_by_job = self.job is not None and self.invariant != "load-returns-stored-bytes"
+        job = f"store job #{self.job}: " if stored_by_job else (
             f"load job #{self.job}: " if self.job is not None else "")
         return (f"{job}{self.request} layer {self.layer} position {self.position} (block {self.block}): "
                 f"{self.found}")
@@ -53,8 +57,8 @@ class RequestKv:
 
 
 def _next_key(previous: int, token: int) -> int:
-    digest = hashlib.blake2b(previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True),
-                             digest_size=8).digest()
+    chained = previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True)
+    digest = hashlib.blake2b(chained, digest_size=8).digest()
     key = int.from_bytes(digest, "little", signed=True)
     return key if key not in (0, POISON_WORD) else key + 1
 
@@ -97,10 +101,13 @@ class ToyModel:
         self.checked_slots = 0
         self._reported: set[tuple[int, str, int]] = set()
 
-    @classmethod
-    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> "ToyModel":
-        from kvdoctor.errors import UsageError
+    def release(self) -> None:
+        """Drop the KV tensors and copies this model reads (a finished run's pages go with it)."""
+        self.layers = []
+        self._copied.clear()
 
+    @classmethod
+    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> ToyModel:
         layers = []
         n = kv_cache_config.num_blocks
         check_attention_only(api, kv_cache_config)
@@ -197,10 +204,10 @@ class ToyModel:
         rows = key_t[:, None].repeat(1, layer.slots.shape[-1])
         rows[:, 1] = layer.tag
         layer.slots[blocks, offs] = rows
-        for p, key in zip(positions, keys):
+        for p, key in zip(positions, keys, strict=True):
             self.origin.setdefault(key, (rid, p))
 
-    def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: list[int | None],
+    def _check(self, layer: _Layer, rid: str, table: list[int], positions: range, keys: Sequence[int | None],
                invariant: str, job: int | None, source: Any = None) -> None:
         if not len(positions):
             return
@@ -259,7 +266,7 @@ class ToyModel:
         start = 0
         for group, size in enumerate(group_sizes):
             table = state.block_ids[group] if group < len(state.block_ids) else []
-            bs = next((l.block_size for l in self.layers if l.group == group), None)
+            bs = next((layer.block_size for layer in self.layers if layer.group == group), None)
             for block in gpu_blocks[start:start + size]:
                 if bs is None or block not in table:
                     continue
@@ -331,8 +338,6 @@ def cls_int64() -> Any:
 def check_attention_only(api: Any, kv_cache_config: Any) -> None:
     """Refuse a layout with a layer the toy model cannot write (Mamba state), before vLLM's worker
     connector registers the KV caches (0.26.0's register_kv_caches asserts on such a layer first)."""
-    from kvdoctor.errors import UsageError
-
     for name, (_group, spec) in sorted(api.kv_layer_specs(kv_cache_config).items()):
         if not api.is_attention_spec(spec):
             raise UsageError(f"--worker vllm: layer {name} is {type(spec).__name__}; the toy model writes "

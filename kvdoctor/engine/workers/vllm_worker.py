@@ -12,13 +12,14 @@ On a CPU the KV bytes are fingerprints sized by what the content checks need (`f
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
 from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
-from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
 from kvdoctor.engine.workers.copy_engine import TransferControl
+from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
 from kvdoctor.engine.workers.fingerprint import fingerprint_plan
 from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel, check_attention_only
 from kvdoctor.errors import UsageError
@@ -30,7 +31,7 @@ class VllmWorker:
     name = "vllm"
 
     def __init__(self, api: Any, scheduler: Any, device: str, model_runner: str) -> None:
-        api.worker_side_checked  # noqa: B018 - exit 3 naming a worker-side probe that fails
+        assert api.worker_side_checked  # the worker-side probes, asked once: exit 3 naming one that fails
         self.api = api
         self.device = device
         self.model_runner = model_runner
@@ -57,7 +58,7 @@ class VllmWorker:
         self.kv_caches = api.allocate_kv_caches(self.worker_kv_cache_config, device, POISON_BYTE,
                                                 api.required_kv_cache_layout(scheduler))
         self.connector = api.create_worker_connector(self.vllm_config, self.worker_kv_cache_config)
-        self._v2 = None
+        self._v2: Any = None  # Model Runner V2's ActiveKVConnector (vLLM's), under --model-runner v2
         with api.active_worker_connector(self.connector):
             if model_runner == "v2":
                 if not api.has_v2_kv_connector():
@@ -164,14 +165,13 @@ class VllmWorker:
                 + (f"; {self.fingerprint.describe()}" if self.fingerprint is not None else ""))
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a crashed run may not shut down cleanly
             self.connector.shutdown()
-        except Exception:  # noqa: BLE001 - a crashed run may not shut down cleanly
-            pass
         CONTROLS.pop(self.control_id, None)
         # This run's KV tensors (a fingerprint page per block, and the copy engine's CPU tier) go with it: the
         # next variant allocates its own (kept, three variants of a pool tripled the peak).
         if self.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
             self.engine.gpu_tensors, self.engine.cpu_tensors, self.engine.stored = [], [], {}
         self.control.engine = None
-        self.engine = self.model = self.kv_caches = self.connector = self._v2 = None
+        self.model.release()
+        self.engine = self.kv_caches = self.connector = self._v2 = None

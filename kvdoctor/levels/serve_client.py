@@ -13,14 +13,16 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 STEP_LOG_PREFIX = "kvdoctor-engine step"  # the stand-in executor's per-step log line (standin_executor.py)
 STOP_LIMIT_S = 20.0
 REQUEST_LIMIT_S = 120.0
 
 
-def free_port():
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -29,17 +31,17 @@ def free_port():
 class Server:
     """One `vllm serve` child in its own session; `stop()` ends its whole process group, bounded."""
 
-    def __init__(self, command, env, log_path):
+    def __init__(self, command: list[str], env: dict[str, str], log_path: str | os.PathLike[str]) -> None:
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         self.pid = self.proc.pid
 
-    def alive(self):
+    def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self):
+    def stop(self) -> None:
         """SIGTERM to the group (API server and engine core), SIGKILL after STOP_LIMIT_S; the group is
         signalled even when the API server already exited (its engine core may linger)."""
         for sig, wait in ((signal.SIGTERM, STOP_LIMIT_S), (signal.SIGKILL, 10.0)):
@@ -55,7 +57,7 @@ class Server:
         self.proc.poll()
 
 
-def _group_alive(pgid):
+def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -65,7 +67,8 @@ def _group_alive(pgid):
     return True
 
 
-async def http(port, method, path, body=None, headers=None, timeout=30.0):
+async def http(port: int, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+               timeout: float = 30.0) -> tuple[int, str]:
     """One HTTP/1.1 request on its own loopback connection, as (status, body); cancelling the task closes
     the socket (the client's disconnect)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
@@ -84,18 +87,18 @@ async def http(port, method, path, body=None, headers=None, timeout=30.0):
         writer.close()
 
 
-def request_tag(name):
+def request_tag(name: str) -> str:
     return f"kvdoctor-{name}-r"
 
 
-async def wait_ready(port, server, limit):
+async def wait_ready(port: int, server: Server, limit: float) -> bool:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline and server.alive():
         try:
             status, _ = await http(port, "GET", "/health", timeout=5)
             if status == 200:
                 return True
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         await asyncio.sleep(1.0)
     return False
@@ -103,21 +106,22 @@ async def wait_ready(port, server, limit):
 
 @dataclass
 class Played:
-    notes: list = field(default_factory=list)
-    answers: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)
     healthy: bool = False
     fresh_served: bool = False
 
 
-async def play(port, model, events, step_seconds, echo=None):
+async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_seconds: float,
+               echo: Callable[[str], None] | None = None) -> Played:
     """The recipe's clients (events as dicts: kind add | step | abort, request, prompt, max_tokens, and
     an add's `extra` body fields: kv_transfer_params, priority); then whether the server answers
     /health and a fresh request. `echo` sees each note as it is taken."""
     played = Played()
-    tasks = {}
+    tasks: dict[str, asyncio.Task[tuple[int, str]]] = {}
     start = time.monotonic()
 
-    def note(text):
+    def note(text: str) -> None:
         played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
         if echo is not None:
             echo(played.notes[-1])
@@ -154,7 +158,7 @@ async def play(port, model, events, step_seconds, echo=None):
                 status, _ = task.result()
                 played.answers[name] = f"HTTP {status}"
                 note(f"{name} answered HTTP {status}")
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError) as exc:
                 played.answers[name] = type(exc).__name__
                 note(f"{name} failed: {type(exc).__name__}")
             continue
@@ -167,7 +171,7 @@ async def play(port, model, events, step_seconds, echo=None):
         status, _ = await http(port, "GET", "/health", timeout=10)
         played.healthy = status == 200
         note(f"/health: HTTP {status}")
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError) as exc:
         note(f"/health failed: {type(exc).__name__}")
     if played.healthy:
         try:
@@ -176,12 +180,12 @@ async def play(port, model, events, step_seconds, echo=None):
                                    {"X-Request-Id": request_tag("fresh")}, 60)
             played.fresh_served = status == 200
             note(f"a fresh request answered HTTP {status}")
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             note(f"a fresh request failed: {type(exc).__name__}")
     return played
 
 
-def step_log(lines):
+def step_log(lines: Iterable[str]) -> list[dict[str, Any]]:
     """The stand-in executor's step records (what each engine step scheduled and finished), in order."""
     steps = []
     for line in lines:
@@ -196,7 +200,7 @@ def step_log(lines):
     return steps
 
 
-def aborted_while_queued(lines, name):
+def aborted_while_queued(lines: Iterable[str], name: str) -> bool | None:
     """From the executor's step log: True when the request finished without ever being scheduled;
     False when it was scheduled first; None when the log never names it."""
     tag = request_tag(name)
@@ -212,6 +216,6 @@ def aborted_while_queued(lines, name):
     return not scheduled
 
 
-def ever_scheduled(lines, name):
+def ever_scheduled(lines: Iterable[str], name: str) -> bool:
     tag = request_tag(name)
     return any(tag in rid for step in step_log(lines) for rid in step.get("scheduled", {}))

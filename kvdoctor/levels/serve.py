@@ -18,7 +18,6 @@ kvdoctor fails or is interrupted.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import io
@@ -31,13 +30,32 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvdoctor.engine.core.levels import unexpressible
+from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME, STEP_SECONDS_ENV
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
-from kvdoctor.engine.core.serve_client import (Played, Server, aborted_while_queued, ever_scheduled, free_port,
-                                               play, step_log, wait_ready)
-from kvdoctor.errors import UsageError
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.engine.serve_args import serve_command_flags
+from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.tiny_model import tiny_model_dir
+from kvdoctor.errors import InternalError, UsageError
+from kvdoctor.installed import vllm_version
+from kvdoctor.levels.in_process import Progress
+from kvdoctor.levels.table import unexpressible
+from kvdoctor.matrix.known import FixedIn
+from kvdoctor.observe.failure import Failure, Frame
+from kvdoctor.observe.verdict import Outcome, failure_verdict
+from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.model import Recipe
+from kvdoctor.results import AuditRow, ReproReport, RunResult
+from kvdoctor.steps import REGISTRY, kind_of
+
+if TYPE_CHECKING:
+    from kvdoctor.diagnose.reader import LogSummary
+    from kvdoctor.diagnose.traceback import LogTraceback
+
+NAME = "serve"
 
 STEP_SECONDS = float(os.environ.get("KVDOCTOR_SERVE_STEP_SECONDS", "1.0"))  # engine step pacing
 STARTUP_LIMIT_S = float(os.environ.get("KVDOCTOR_SERVE_STARTUP_S", "420"))
@@ -52,26 +70,22 @@ class Event:
     extra: dict[str, Any] = field(default_factory=dict)  # the add's kv_transfer_params / priority, as a client sends
 
 
-def plan_traffic(recipe: Any, setup: Any) -> list[Event]:
-    """The recipe's add/schedule/abort steps as client events, compiled exactly as the scheduler level
-    plays them (the same fill plan, prompts and repeats: `recipes.compile.compile_recipe`)."""
-    from kvdoctor.recipes.compile import compile_recipe
-    from kvdoctor.steps import add_extras
-
+def plan_traffic(recipe: Recipe, setup: Setup) -> list[Event]:
+    """The recipe's steps as client events, each kind's as its declaration says (`serve` in `kvdoctor.steps`),
+    compiled exactly as the scheduler level plays them (the same fill plan, prompts and repeats:
+    `recipes.compile.compile_recipe`). A kind without serve events is refused first (`unplayable`); reaching
+    one here is kvdoctor's bug, never a step left out of the traffic."""
     events: list[Event] = []
     for play in compile_recipe(recipe.steps, setup).steps:
-        action = play.step.action
-        if action == "add":
-            extra = add_extras(play.step.args)
-            events += [Event("add", new.request, list(new.prompt), new.max_tokens, extra) for new in play.requests]
-        elif action == "schedule":
-            events.append(Event("step"))
-        elif action == "abort":
-            events.append(Event("abort", play.step.args["request"]))
+        serve_events = kind_of(play.action).serve
+        if serve_events is None:
+            raise InternalError(f"step kind {play.action!r} (line {play.step.line}) has no serve events and was "
+                                f"not refused")
+        events += [Event(**event) for event in serve_events(play)]
     return events
 
 
-def admission_len(setup: Any) -> int:
+def admission_len(setup: Setup) -> int:
     """The max_model_len vLLM's start-up check is run with (halved until one request fits the tiny
     pool; `compat._within_admission_check` does the same at the scheduler level)."""
     length = setup.max_model_len
@@ -80,32 +94,20 @@ def admission_len(setup: Any) -> int:
     return length
 
 
-def serve_command(setup: Any, model_dir: str, port: int) -> list[str]:
-    from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
-
+def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
     extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
     kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
                    **setup.kv_transfer_fields}
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
-            "--block-size", str(setup.block_size), "--num-gpu-blocks-override", str(setup.gpu_blocks),
-            "--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs),
-            "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
-            "--enable-prefix-caching" if setup.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--enable-chunked-prefill" if setup.enable_chunked_prefill else "--no-enable-chunked-prefill",
-            "--async-scheduling" if setup.async_scheduling else "--no-async-scheduling",
+            *serve_command_flags(setup),  # the geometry, from the one serve-flag table
             "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", QUALNAME,
-            *(["--scheduling-policy", setup.scheduling_policy] if setup.scheduling_policy else []),
-            *(["--prefix-cache-retention-interval", str(setup.prefix_cache_retention_interval)]
-              if setup.prefix_cache_retention_interval else [])]
+            "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
-def serve_env(setup: Any) -> dict[str, str]:
-    from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
-
+def serve_env(setup: Setup) -> dict[str, str]:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[3])  # kvdoctor's own code first, in both server processes
+    root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({PLATFORM_ENV: "1", STEP_SECONDS_ENV: str(STEP_SECONDS), ADMISSION_ENV:
                 str(admission_len(setup)), "KVDOCTOR_VERBOSE_IMPORT": "1", "VLLM_LOGGING_LEVEL": "INFO",
@@ -130,7 +132,7 @@ def check_plugin() -> None:
                          "reinstall kvdoctor here (pip install -e . / uv sync)")
 
 
-def engine_crash(summary: Any) -> Any:
+def engine_crash(summary: LogSummary) -> LogTraceback | None:
     """The engine core's fatal traceback, if the log has one. Not the API server's re-raise, and not a
     traceback the API server logs and survives (0.34's chat-template warm-up without a tokenizer)."""
     for tb in summary.tracebacks:
@@ -141,12 +143,10 @@ def engine_crash(summary: Any) -> Any:
     return None
 
 
-def _failure_from_log(crash: Any) -> Any:
-    from kvdoctor.diagnose.match import innermost_vllm
-    from kvdoctor.diagnose.traceback import display_path
-    from kvdoctor.observe.failure import Failure, Frame
+def _failure_from_log(crash: LogTraceback) -> Failure:
+    from kvdoctor.diagnose.traceback import display_path  # deferred with the log reader (run_serve)
 
-    frame = innermost_vllm(crash)
+    frame = crash.vllm_frames[-1] if crash.vllm_frames else None  # the innermost vLLM frame
     frames = []
     for f in crash.vllm_frames:
         try:
@@ -158,22 +158,35 @@ def _failure_from_log(crash: Any) -> Any:
                    code=frame.code if frame else None, vllm_frames=frames, in_vllm=frame is not None)
 
 
-def unplayable(recipe: Any, setup: Any, client: str) -> list[str]:
+def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
-    the exported serve script alike. `expect` is not played: the client checks its own precondition (that an
-    aborted request was still queued, from the executor's step log), so a recipe without an abort is refused."""
-    reasons = unexpressible([s for s in recipe.steps if s.action != "expect"], "serve", setup.async_scheduling)
+    the exported serve script alike: the kinds without serve events, by their needs (`expect` sends nothing:
+    the client checks its own precondition, that an aborted request was still queued, from the executor's
+    step log, so a recipe without an abort is refused)."""
+    sending = frozenset(name for name, kind in REGISTRY.items() if kind.serve is not None)
+    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling, played_otherwise=sending)
     if not reasons and not any(s.action == "abort" for s in recipe.steps):
         reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
     return reasons
 
 
-def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
-    """Play the recipe against a fresh server; returns (RunResult, the server's log text)."""
+def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
+    """Play the recipe against a fresh server; returns (its result, the server's log text)."""
+    # Deferred to a served run: the HTTP client (asyncio) and diagnose's log reader cost ~0.2 s that every
+    # in-process repro would pay when `levels.runners` imports this module.
+    import asyncio
+
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.engine.tiny_model import tiny_model_dir
-    from kvdoctor.observe.verdict import Outcome, matches_exception
-    from kvdoctor.scenario import RunResult
+    from kvdoctor.levels.serve_client import (
+        Played,
+        Server,
+        aborted_while_queued,
+        ever_scheduled,
+        free_port,
+        play,
+        step_log,
+        wait_ready,
+    )
 
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
@@ -182,6 +195,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
+        result.unplayable = True
         return result, ""
     check_plugin()
     events = plan_traffic(recipe, setup)
@@ -193,7 +207,7 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     played = Played()
     ready = False
     with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), log_path)
+        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
         try:
             print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                   f"group when the run ends)", file=sys.stderr, flush=True)
@@ -208,28 +222,28 @@ def run_serve(recipe: Any, setup: Any) -> tuple[Any, str]:
     lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
     engine_steps = len(step_log(lines))
+    crash = engine_crash(summary)
     if not ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
                          f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if engine_crash(summary) is not None:
-            result.failure = _failure_from_log(engine_crash(summary))
+        if crash is not None:
+            result.failure = _failure_from_log(crash)
         return result, text
-    crash = engine_crash(summary)
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if crash is not None:
         failure = _failure_from_log(crash)
         result.failure = failure
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
-        if matches_exception(recipe.signature, failure):
-            result.outcome = Outcome.REPRODUCED
+        # the server's traceback does not name the request: the signature's request cannot be checked
+        result.outcome, why = failure_verdict(recipe.signature, failure, names_request=False)
+        if result.outcome is Outcome.REPRODUCED:
             seen = ", ".join(f"{name} {'was scheduled before' if ever_scheduled(lines, name) else 'never scheduled'}"
                              for name in aborted)
             result.detail = (f"the engine died ({seen}, per the executor's step log; the server's traceback "
                              f"does not name the request)")
         else:
-            result.outcome = Outcome.OTHER_FAILURE
-            result.detail = f"the engine died with {failure.exception} in vLLM's {failure.function}: {failure.message}"
+            result.detail = f"the engine died with {why}"
         return result, text
     if played.healthy and played.fresh_served:
         missed = [name for name, was in queued.items() if not was]
@@ -254,6 +268,9 @@ def _terminate_as_interrupt() -> Any:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):  # the console script's (cli/teardown)
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: leave signals alone
@@ -269,7 +286,7 @@ def _tail(lines: list[str], count: int = 5) -> str:
     return " | ".join(line.strip() for line in lines[-count:])
 
 
-def serve_setup(setup: Any) -> Any:
+def serve_setup(setup: Setup) -> Setup:
     """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor."""
     return dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
                                worker_fallback=(None if setup.worker == "simulated" else
@@ -280,15 +297,34 @@ def serve_setup(setup: Any) -> Any:
 UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fixed logic is not played at serve"
 
 
-def repro_serve(recipe: Any, setup: Any, command: str = "", fixed_in: Any = None) -> Any:
-    """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
-    from kvdoctor.app import ReproReport
-    from kvdoctor.engine.compat import installed_vllm_version
+class ServeLevel:
+    """The served level: one `vllm serve` child per recipe, installed logic only (the server runs vLLM
+    unpatched); vLLM is not imported in this process to play it."""
 
-    setup = serve_setup(setup)
-    result, log_text = run_serve(recipe, setup)
-    report = ReproReport(recipe=recipe, setup=setup, vllm_version=installed_vllm_version() or "?", command=command,
-                         fixed_in=fixed_in)
-    report.results.append(result)
-    report.server_log = log_text  # type: ignore[attr-defined]
-    return report
+    name = NAME
+
+    def check_logic(self, logic: str) -> None:
+        if logic not in ("all", "installed"):
+            raise UsageError(f"--logic {logic}: the served engine runs the installed vLLM unpatched (--engine serve "
+                             f"runs --logic installed only)")
+
+    def check_ready(self) -> None:
+        check_plugin()  # before vLLM is imported: one line, exit 2
+
+    def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
+              fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
+        """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
+        setup = serve_setup(setup)
+        result, log_text = run_serve(recipe, setup)
+        return ReproReport(recipe=recipe, setup=setup, vllm_version=vllm_version() or "?", command=command,
+                           fixed_in=fixed_in, results=[result], server_log=log_text)
+
+    def audit_row(self, api: VllmApi, recipe: Recipe, setup: Setup, fixed_in: FixedIn | None) -> AuditRow:
+        """One recipe through a `vllm serve` child; the fixed logic cannot be played there."""
+        setup = serve_setup(setup)
+        installed, log_text = run_serve(recipe, setup)
+        fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
+        return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text)
+
+
+SERVE = ServeLevel()

@@ -10,11 +10,12 @@ the step (`unexpressible`). `docs/engine-levels.md` shows the tables (`markdown_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvdoctor.engine.setup import ENGINE_LEVELS as LEVELS
 from kvdoctor.errors import InternalError
+from kvdoctor.recipes.model import Step
 from kvdoctor.steps import REGISTRY, Need
 
 DEFAULT_LEVEL = "scheduler"
@@ -37,7 +38,7 @@ class Level:
             return self.cannot[need]
         if need not in self.meets:
             raise InternalError(f"engine level {self.name!r} gives no answer for need {need.value!r} "
-                                f"(kvdoctor/engine/core/levels.py)")
+                                f"(kvdoctor/levels/table.py)")
         return self.sync_only.get(need) if async_scheduling else None
 
 
@@ -106,12 +107,16 @@ def why_not(action: str, level_name: str, async_scheduling: bool = False) -> str
     return None
 
 
-def unexpressible(steps: list[Any], level_name: str, async_scheduling: bool) -> list[str]:
-    """One line per step kind this level cannot play: 'step N (line L) `kind`: why'."""
+def unexpressible(steps: Sequence[Step], level_name: str, async_scheduling: bool,
+                  played_otherwise: frozenset[str] = frozenset()) -> list[str]:
+    """One line per step kind this level cannot play: 'step N (line L) `kind`: why'. `played_otherwise`: kinds
+    the level plays its own way whatever their needs (the serve client's own precondition check for `expect`)."""
     reasons: list[str] = []
     seen: set[str] = set()
     title = level(level_name).title
     for index, step in enumerate(steps, 1):
+        if step.action in played_otherwise:
+            continue
         why = why_not(step.action, level_name, async_scheduling)
         if why and step.action not in seen:
             seen.add(step.action)
@@ -130,8 +135,6 @@ def _cell(lvl: Level, needs: tuple[Need, ...]) -> str:
 
 def markdown_table() -> str:
     """Need x level, then step kind x level (from the step registry); docs/engine-levels.md embeds it."""
-    from kvdoctor.recipes.model import ACTIONS
-
     names = list(LEVELS)
     head = " | ".join(names)
     lines = [f"| need | {head} | how |", "|---|" + "---|" * len(names) + "---|"]
@@ -139,8 +142,7 @@ def markdown_table() -> str:
         cells = " | ".join(_cell(LEVEL_TABLE[n], (need,)) for n in names)
         lines.append(f"| `{need.value}` | {cells} | {HOW.get(need, '')} |")
     lines += ["", f"| step | needs | {head} |", "|---|---|" + "---|" * len(names)]
-    order = {name: i for i, name in enumerate(ACTIONS)}
-    for kind in sorted(REGISTRY.values(), key=lambda k: (order.get(k.name, len(order)), k.name)):
+    for kind in REGISTRY.values():  # declaration order: the loader's vocabulary order
         needs = ", ".join(f"`{need.value}`" for need in kind.needs)
         cells = " | ".join(_cell(LEVEL_TABLE[n], kind.needs).split(":")[0] for n in names)
         lines.append(f"| `{kind.name}` | {needs} | {cells} |")
