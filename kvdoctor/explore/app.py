@@ -173,7 +173,7 @@ def explore(config: Any, out_dir: Path, command: str = "",
 
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
-        written.add(finding.signature)
+        written.add(finding.key)  # one per signature and path
         if config.triage and api is not None and time.time() < config.stop_at:
             if not facts:
                 facts.append(api.engine_core_facts())
