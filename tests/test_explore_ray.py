@@ -1,6 +1,7 @@
 """`kvdoctor explore --ray` on a local Ray instance started by kvdoctor on this machine (2 CPUs, no
 dashboard): two Ray tasks search with their own seeds, their findings stream to the driver, which
-merges them by signature and writes one recipe per signature that `kvdoctor repro FILE` replays;
+merges them by signature and path (`Finding.key`) and writes one recipe per key that `kvdoctor repro FILE`
+replays;
 a task whose worker is killed is a lost share (not counted as searched; exit 4 when nothing was
 found); Ctrl-C stops every task and the Ray instance; without Ray, `--ray` is refused in one line.
 
@@ -70,14 +71,15 @@ def test_two_ray_tasks_find_k1_merged_to_one_recipe_per_signature(api, two_task_
     assert {w.pid for w in result.workers} and os.getpid() not in {w.pid for w in result.workers}
     assert result.stats.examples == 2 * EXAMPLES  # both shares searched, counted once each
     signatures = [f.signature for f in report.findings]
-    assert len(signatures) == len(set(signatures))  # merged: one finding a signature
+    keys = [f.key for f in report.findings]
+    assert len(keys) == len(set(keys))  # merged: one finding a signature and path
     recipes = sorted(out.glob("*.toml"))
-    assert len(recipes) == len(report.findings)  # one file a signature, none left from a worker's copy
+    assert len(recipes) == len(report.findings)  # one file a key, none left from a worker's copy
     if not has_k1(api):
         assert K1 not in signatures
         return
     assert K1 in signatures
-    k1 = next(f for f in report.findings if f.signature == K1)
+    k1 = min((f for f in report.findings if f.signature == K1), key=lambda f: f.steps)
     replay = invoke("repro", k1.file, "--logic", "installed")
     assert replay.returncode == 1, replay.stdout + replay.stderr
 
@@ -176,5 +178,5 @@ def test_local_workers_share_the_driver_loop_and_merge_rule(api, tmp_path):
     assert not result.errors and not result.lost, (result.errors, result.lost)
     assert len(result.workers) == 2 and {w.vllm for w in result.workers} == {api.version_text}
     assert result.stats.examples == 2 * 40
-    signatures = [f.signature for f in report.findings]
-    assert len(signatures) == len(set(signatures)) == len(list(tmp_path.glob("*.toml")))
+    keys = [f.key for f in report.findings]
+    assert len(keys) == len(set(keys)) == len(list(tmp_path.glob("*.toml")))

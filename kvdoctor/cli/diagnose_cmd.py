@@ -35,7 +35,9 @@ def diagnose(
     fixed logic, with the log's geometry (scaled down when production-sized).
 
     A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7. The
-    installed logic's outcome on the best match sets the exit code."""
+    installed logic's outcome on the best match sets the exit code. LOG may be one pasted line
+    (`kvdoctor diagnose "TimeoutError: ..."`) and a gzip, xz or bzip2 (zstd where the `zstandard`
+    module is installed) compressed log; a file that is not text is refused (exit 2)."""
     def action() -> int:
         from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
@@ -64,11 +66,13 @@ def diagnose(
         if report is not None:
             unwritten += output.write_output(report, render.render_diagnose_markdown(result), "--report", "report")
         if write_recipe is not None:
-            if not result.starting_recipe:
-                raise UsageError("--write-recipe: a known bug matches (or the log names no function and "
-                                 "exception to start from); no starting recipe to write")
-            unwritten += output.write_output(write_recipe, result.starting_recipe, "--write-recipe",
-                                             "starting recipe")
+            if result.starting_recipe:
+                unwritten += output.write_output(write_recipe, result.starting_recipe, "--write-recipe",
+                                                 "starting recipe")
+            else:  # the diagnosis stands (its exit code too): only the file is not written, and why
+                from kvdoctor.cli.streams import note
+
+                note(f"--write-recipe: {write_recipe} not written: {result.no_recipe_reason}")
         raise_unwritten(unwritten)
         return int(result.exit_status)
 

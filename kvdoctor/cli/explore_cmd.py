@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -60,8 +60,17 @@ def explore(
                                      "EngineCore, and check its steps against what an engine core can produce "
                                      "(on by default).",
         rich_help_panel=SEARCH)] = True,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", help="EXC:FUNCTION: only failures of that exception in that vLLM function count (e.g. "
+                         "AssertionError:_build_store_jobs); others are run past.", rich_help_panel=SEARCH)] = None,
+    force: Annotated[Optional[list[str]], typer.Option(
+        "--force", help="Draw a feature whatever this vLLM's probes say: speculative | fs-tier | workers "
+                        "(repeatable).", rich_help_panel=SEARCH)] = None,
+    exclude_trigger: Annotated[Optional[str], typer.Option(
+        "--exclude-trigger", help="Known bugs (K1,K6) whose trigger a finding must not go through: a run "
+                                  "through one is that bug, not a new route.", rich_help_panel=SEARCH)] = None,
     out: Annotated[Path, typer.Option(
-        "--out", help="Folder for the shrunk recipes, one file per failure signature.",
+        "--out", help="Folder for the shrunk recipes, one file per failure signature and path.",
         rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
     json_out: opt.Json = False,
     output_format: opt.Format = None,
@@ -92,8 +101,11 @@ def explore(
         asked = workers if workers is not None else (0 if ray else 1)  # 0: one per slot of the Ray cluster
         explore_app.validate(logic, max_examples, time_budget, asked, max_events, worker, ray=address)
         opt.check_output_dir("--out", out)
+        from kvdoctor.explore.aim import parse_aim
+
+        aim = parse_aim(target, force or [], exclude_trigger)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
-                               max_events=max_events, workers=asked, worker=worker, triage=triage, ray=address)
+                               max_events=max_events, workers=asked, worker=worker, triage=triage, ray=address, **aim)
         display = _Display(config, quiet_lines=fmt == "json")
         with display:
             report = explore_app.explore(config, out, command=command_line(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
+from kvdoctor.diagnose.kinds import ENGINE, GENERIC_FRAMES, CrashKind, classify
 from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log
 from kvdoctor.diagnose.reader import LogSummary, read_log
 from kvdoctor.diagnose.traceback import display_path
@@ -67,6 +68,56 @@ class DiagnoseReport:
     def versions_differ(self) -> bool:
         return bool(self.summary.version and self.installed_vllm
                     and self.summary.version.split("+")[0] != self.installed_vllm.split("+")[0])
+
+    @property
+    def kind(self) -> CrashKind | None:
+        """Where the log's crash happened (engine, transfer worker, start-up, native): its traceback's, else its
+        loose lines'; None when the log shows neither."""
+        from kvdoctor.diagnose.kinds import from_loose
+
+        body = self.summary.crash if self.summary.crash is not None else from_loose(self.summary.loose)
+        return classify(body) if body is not None else None
+
+    @property
+    def no_recipe_reason(self) -> str:
+        """Why there is no starting recipe to write ("" when there is one)."""
+        if self.starting_recipe:
+            return ""
+        if self.match.candidates:
+            bugs = ", ".join(self.match.best_bugs)
+            return f"a known bug matches ({bugs}): its recipe is `kvdoctor repro {self.match.best[0].recipe.name}`"
+        if not self.summary.holds_crash:
+            return "the log holds no engine crash to start from"
+        kind = self.kind
+        if kind is not None and kind is not ENGINE:
+            return (f"the crash is a {kind.label}: a recipe drives the scheduler, which this crash is not in")
+        crash = self.summary.crash
+        if crash is not None and crash.cut_short:
+            return ("the traceback is cut short before its exception line: a recipe needs the exception and the "
+                    "function it was raised in (find the rest of the traceback, or write the recipe's [signature] "
+                    "by hand)")
+        return "the log names no function and exception to start from"
+
+    @property
+    def hunt_command(self) -> str:
+        """For an unknown crash in the scheduler with its exception and function: the explore command that aims
+        at its site, forces the features the log names and excludes the triggers of known bugs that reach
+        the same function ("" otherwise)."""
+        crash = self.summary.crash
+        if self.match.candidates or crash is None or crash.cut_short or self.kind is not ENGINE:
+            return ""
+        site = innermost_vllm(crash)
+        if site is None or not crash.exception:
+            return ""
+        from kvdoctor.recipes.builtins import all_builtins
+
+        same_site = sorted({r.bug for r in all_builtins() if r.bug and site.function in r.signature.functions()})
+        force = [flag for feature, flag in (("speculative decoding", "speculative"),
+                                            ("KV tiers (TieringOffloadingSpec)", "fs-tier"))
+                 if feature in self.summary.features]
+        return (f"kvdoctor explore --target {crash.exception}:{site.function}"
+                + (f" --exclude-trigger {','.join(same_site)}" if same_site else "")
+                + "".join(f" --force {flag}" for flag in force) + " --time-budget 120")
 
     @property
     def unnamed_crash(self) -> bool:
@@ -164,8 +215,12 @@ def _fragment_recipe(summary: LogSummary, overrides: Overrides) -> str:
 def starting_recipe_toml(summary: LogSummary, overrides: Overrides) -> str:
     """The crash's signature as a recipe file to edit: steps are a placeholder the user replaces."""
     crash = summary.crash
-    inner = innermost_vllm(crash)
-    callers = tuple(dict.fromkeys(f.function for f in crash.vllm_frames[:-1]))[-3:]
+    inner = innermost_vllm(crash) if crash is not None else None
+    if crash is None or inner is None or crash.exception is None:
+        return ""  # nothing to start from (the caller asks only for a complete crash with a vLLM frame)
+    frames = crash.vllm_frames
+    above = frames[:frames.index(inner)] if inner in frames else frames[:-1]
+    callers = tuple(dict.fromkeys(f.function for f in above if f.function not in GENERIC_FRAMES))[-3:]
     contains = _code_for_contains(inner.code) if inner.code else None
     return _recipe_toml(crash.exception, inner.function, display_path(inner.file), inner.line, contains, callers,
                         overrides)
@@ -204,13 +259,23 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
         match = MatchResult(why_none=f"the engine's fatal error is at line {summary.fatal_line}, but no frame of "
                                      f"its traceback follows it in this log: nothing to match a signature against",
                             ruled_out=match.ruled_out)
+    if not match.candidates and not summary.holds_crash and summary.crash is not None:
+        crash = summary.crash  # logged as a warning: the process went on, whatever the traceback lacks
+        site = innermost_vllm(crash)
+        match = MatchResult(why_none=f"no engine crash: the traceback ({classify(crash).label}"
+                                     + (f", {crash.exception} in {site.function}" if crash.exception and site else "")
+                                     + f") was logged as a {crash.level}: the process went on",
+                            ruled_out=match.ruled_out)
     geometry = setup_overrides_from_serve_args(summary.serve_args)
     overrides, scaled = scale_geometry(geometry)
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
                             installed_vllm=vllm_version())
     report.fixed_in = fixing_releases([c.recipe for c in match.candidates])
     if not match.candidates:
-        if summary.crash is not None and not summary.crash.cut_short and innermost_vllm(summary.crash):
+        engine = summary.crash is None or classify(summary.crash) is ENGINE
+        if not engine:
+            pass  # a worker's, start-up or native crash: a scheduler recipe cannot start from it
+        elif summary.crash is not None and not summary.crash.cut_short and innermost_vllm(summary.crash):
             report.starting_recipe = starting_recipe_toml(summary, overrides)
         elif report.unnamed_crash:
             report.starting_recipe = _fragment_recipe(summary, overrides)

@@ -18,18 +18,33 @@ from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, _excepti
 
 MAX_ITEMS = 64
 MAX_STATEMENT_LINES = 12
+MAX_BODY = 8192  # characters of a line looked at for loose evidence
 # Frames written other than `File "...", line N, in f`: `scheduler.py, in f`, `scheduler.py, line 9, in f`,
 # `scheduler.py:975 in f`, `scheduler.py:975, in f()`; and `f() at scheduler.py:975`, `f (scheduler.py:975)`.
+# The file starts where a path does (the lookbehind): tried from inside a long word, it backtracked
+# quadratically (a 4 KiB word took 1 s).
 _LOOSE_FRAME = re.compile(
-    r"""(?P<file>[\w.\-/\\]*\w\.py)"?(?:,?\s*line\s+(?P<line>\d{1,7})|:(?P<line2>\d{1,7}))?,?\s+in\s+"""
+    r"""(?<![\w.\-/\\])(?P<file>[\w.\-/\\]*\w\.py)"?(?:,?\s*line\s+(?P<line>\d{1,7})|:(?P<line2>\d{1,7}))?,?\s+in\s+"""
     r"""(?P<func>[A-Za-z_]\w{0,199})\b""")
 _LOOSE_FRAME_AFTER = re.compile(
     r"""\b(?P<func>[A-Za-z_]\w{0,199})(?:\(\))?\s+(?:at\s+|\()(?P<file>[\w.\-/\\]*\w\.py):(?P<line>\d{1,7})""")
 _ASSERT_START = re.compile(r"^\s*(?:[>$#|]\s*)?(?P<stmt>assert\b(?:\s|\().*)$")
 _QUOTED_ASSERT = re.compile(r"`(?P<stmt>assert\b[^`]{3,300})`")
 # A function named in prose: `_build_store_jobs`, _build_store_jobs(), `update_state_after_alloc()`.
-_MENTION = re.compile(r"`(?P<a>[A-Za-z_]\w*_\w*)(?:\(\))?`|\b(?P<b>[A-Za-z_]\w*_\w*)\(\)"
-                      r"|\bin\s+(?P<c>_?[A-Za-z]\w*_\w*)\b(?!\.py)")
+# Names are matched whole (possessive `\w*+`) and must hold an underscore after their first character
+# (`_mentioned`): `\w*_\w*` backtracked quadratically over a long word (8 KiB took 5 s).
+_MENTION = re.compile(r"`(?P<a>[A-Za-z_]\w*+)(?:\(\))?`|\b(?P<b>[A-Za-z_]\w*+)\(\)"
+                      r"|\bin\s+(?P<c>_?[A-Za-z]\w*+)(?!\.py)")
+
+
+def _mentioned(match: re.Match[str]) -> str | None:
+    """The function a `_MENTION` match names, when it looks like one (an underscore inside the name)."""
+    name = match.group("a") or match.group("b")
+    if name is not None:
+        return name if "_" in name[1:] else None
+    name = match.group("c") or ""
+    bare = name.removeprefix("_")
+    return name if "_" in bare[1:] else None
 # `assert` inside prose: "crashes in f (assert len(a) == len(b))"; what follows it up to where its
 # brackets would close below zero.
 _INLINE_ASSERT = re.compile(r"(?:^|[\s(\[\"'])(?P<stmt>assert\s+\S.*)")
@@ -39,7 +54,7 @@ _DUMP = re.compile(r"Dumping input data for V1 LLM engine|Dumping scheduler outp
 # An exception line outside a traceback names a class: `AssertionError`, `torch.AcceleratorError`; not a
 # bare `Error:` of prose, nor a warning.
 _LOOSE_EXCEPTION = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*?[a-z]\w*?(?:Error|Exception|Failure|Interrupt)")
-_LOGGER_TAG = re.compile(r"\[[\w.\-]+\.py:\d+\]")
+_LOGGER_TAG = re.compile(r"\[[\w.\-/]+\.py:\d+\]")
 
 
 @dataclass
@@ -99,7 +114,7 @@ class LooseCollector:
         self._pending_frame = None
 
     def feed(self, line: LogLine, number: int) -> None:
-        body = line.body
+        body = line.body[:MAX_BODY]  # fragments are short lines; a long one (a config dump) is cut here
         if self._message is not None:  # `AssertionError:` then the statement, indented, under it
             if body[:1] in " \t" and body.strip() and len(self._message) < MAX_STATEMENT_LINES:
                 self._message.append(body.strip())
@@ -132,8 +147,8 @@ class LooseCollector:
             if _LOOSE_EXCEPTION.fullmatch(named.group(1)):
                 self._add(self.found.exceptions, (named.group(1).rsplit(".", 1)[-1], "", number))
         for mention in _MENTION.finditer(_QUOTED_ASSERT.sub("", body)):
-            name = mention.group("a") or mention.group("b") or mention.group("c")
-            if all(f.function != name for f in self.found.mentions):
+            name = _mentioned(mention)
+            if name is not None and all(f.function != name for f in self.found.mentions):
                 self._add(self.found.mentions, LogFrame(MENTIONED, 0, name))
         searched = _LOGGER_TAG.sub("", body)
         frame = _LOOSE_FRAME.search(searched)

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 _ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b")
 _ISO_STAMP = re.compile(r"^\s*\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?\s+(?:(?:>>|\|)\s+)?")
-_PROCESS = re.compile(r"^\((?P<proc>[A-Za-z_][\w.\-]*) pid=(?P<pid>\d+)\)\s?")
+# `(EngineCore_DP0 pid=7) `; Ray nests them: `(API Server pid=11) (RayWorkerProc pid=12) (Worker_TP6 pid=12) `
+# (the innermost, last one, is the process that wrote the line; a name may hold spaces).
+_PROCESS = re.compile(r"^\((?P<proc>[A-Za-z_][\w.\- ]{0,80}?) pid=(?P<pid>\d+)(?:, ip=[\w.:]+)?\)\s?")
 _LOGGER = re.compile(
     r"^(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+"
-    r"\[?[\w.\-]+:\d+\]\s?")
+    r"\[?[\w.\-/]+:\d+\]\s?")  # `[core.py:1332]`, newer `[v1/executor/multiproc_executor.py:962]`
 _BARE_LEVEL = re.compile(r"^(?P<level>INFO|WARNING|ERROR|CRITICAL|DEBUG):\s+")
 
 
@@ -38,9 +40,10 @@ def clean(raw: str) -> LogLine:
     text = _ISO_STAMP.sub("", text, count=1)
     process = None
     match = _PROCESS.match(text)
-    if match:
-        process = match.group("proc")
+    while match:
+        process = match.group("proc").replace(" ", "")
         text = text[match.end():]
+        match = _PROCESS.match(text)
     level = None
     match = _LOGGER.match(text)
     if match:

@@ -29,7 +29,7 @@ from typing import Any
 from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit, units
 from kvdoctor.diagnose.sites import load
 from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
-from kvdoctor.diagnose.traceback import ELIDED, LogTraceback, display_path
+from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, display_path
 from kvdoctor.recipes.model import Recipe, bug_order
 from kvdoctor.releases import KNOWN_RELEASES
 
@@ -84,9 +84,11 @@ class MatchResult:
         return self.ruled_out[:3]
 
 
-def innermost_vllm(crash: LogTraceback):
-    frames = crash.vllm_frames
-    return frames[-1] if frames else None
+def innermost_vllm(crash: LogTraceback) -> LogFrame | None:
+    """The frame named as the crash site: the innermost vLLM frame that is not a generic one (`kinds`)."""
+    from kvdoctor.diagnose.kinds import crash_site
+
+    return crash_site(crash)
 
 
 def _tail(path: str) -> str:
@@ -401,7 +403,7 @@ def _why_none(units: list[Unit]) -> str:
     if not units:
         return "no engine crash found in this log"
     first = units[0]
-    inner = first.innermost
+    inner = innermost_vllm(first.traceback) if first.traceback is not None else first.innermost
     if first.complete and inner is not None:
         return f"no known bug matches {first.exception} in {inner.function}"
     if first.traceback is not None and first.traceback.cut_short:

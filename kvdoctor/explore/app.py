@@ -173,7 +173,7 @@ def explore(config: Any, out_dir: Path, command: str = "",
 
     def found(finding: Any) -> None:
         write_findings([finding], out_dir)
-        written.add(finding.signature)
+        written.add(finding.key)  # one per signature and path
         if config.triage and api is not None and time.time() < config.stop_at:
             if not facts:
                 facts.append(api.engine_core_facts())
@@ -273,6 +273,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "examples": stats.examples,
         "shrink_examples": stats.shrink_examples,
         "invalid_examples": stats.invalid,
+        "excluded_runs": stats.excluded,  # failing runs through an --exclude-trigger bug's trigger, run past
         "scheduler_steps": stats.scheduler_steps,
         "elapsed_s": round(stats.elapsed, 3),
         "steps_per_second": round(stats.steps_per_second, 1),

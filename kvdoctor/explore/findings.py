@@ -19,8 +19,10 @@ failure's signature filled in:
 A finding whose signature is a built-in recipe's is labelled with that bug
 (`known_bug`: "K1", ...), so a rediscovery does not read as new.
 
-Files are named after the signature, one per signature (a rerun into the same
-folder replaces that signature's file).
+Findings are kept apart by signature and by path: a run through a known bug's
+trigger (`path_of`: K1's, K6's) is that bug's route and never hides another route
+to the same crash site. Files are named after the signature and path, one per
+pair (a rerun into the same folder replaces that pair's file).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,13 @@ class Finding:
     # the smallest failing run seen, and replaying it may not fail every time.
     flaky: bool = False
     triage: Any = None  # triage.Triage, once the finding was triaged
+    # the known bug whose trigger the run went through ("K1"), "" for another path: findings of one signature
+    # are kept apart by it (a route through K1's trigger is K1, and must not hide another route to that assert)
+    path: str = ""
+
+    @property
+    def key(self) -> str:
+        return finding_key(self.signature, self.path)
 
 
     @property
@@ -88,6 +98,7 @@ class Finding:
             "seed": self.seed, "example_seed": self.example_seed, "worker": self.worker, "round": self.round,
             "logic": self.logic, "detail": self.detail, "examples_before": self.examples_before,
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
+            "path": self.path or None,  # the known bug whose trigger the run went through
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
             "impact": self.impact.as_dict(),
@@ -180,6 +191,48 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     return bug, tuple(r.name for r in matches if r.bug == bug)
 
 
+def finding_key(signature: str, path: str) -> str:
+    """One finding per signature and path: `AssertionError in _build_store_jobs` (another path) and
+    `AssertionError in _build_store_jobs via K1` are two."""
+    return f"{signature} via {path}" if path else signature
+
+
+def observed_signature(obs: Observation) -> Signature:
+    """A run's failure as a recipe signature (what `finding_recipe` writes)."""
+    if obs.kind == "invariant":
+        return Signature(invariant=obs.invariant)
+    return Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
+
+
+def path_of(obs: Observation, recipe: Recipe) -> str:
+    """The known bug whose trigger this run went through ("" when none): its signature and its mechanism."""
+    if obs.kind not in ("exception", "invariant"):
+        return ""
+    if (obs.function if obs.kind == "exception" else f"invariant {obs.invariant}") not in _known_sites():
+        return ""  # the common case while searching: no known bug fails there (skips the catalogue)
+    known = known_bug(observed_signature(obs), " ".join(filter(None, (obs.code, obs.message))),
+                      step_actions(recipe.steps), recipe.setup, obs.detail)
+    return known[0] if known else ""
+
+
+@lru_cache(maxsize=1)
+def _known_sites() -> frozenset[str]:
+    """The functions (and `invariant NAME`s) a built-in recipe's signature names."""
+    from kvdoctor.errors import KvdoctorError
+    from kvdoctor.recipes.builtins import all_builtins
+
+    try:
+        recipes = all_builtins()
+    except KvdoctorError:
+        return frozenset()
+    sites: set[str] = set()
+    for recipe in recipes:
+        sites.update(recipe.signature.functions())
+        if recipe.signature.invariant:
+            sites.add(f"invariant {recipe.signature.invariant}")
+    return frozenset(sites)
+
+
 def slug(signature: str) -> str:
     text = re.sub(r"[^A-Za-z0-9]+", "-", signature.replace(" in ", "-")).strip("-").lower()
     return text[:80] or "finding"
@@ -218,7 +271,7 @@ def finding_recipe(recipe: Recipe, obs: Observation, summary: str) -> Recipe:
                                        "description": f"{rid}'s connector state was released once every "
                                                       f"transfer drained"}, 0) for rid in obs.leaked)
     else:
-        signature = Signature(exception=obs.exception, function=obs.function, contains=contains_text(obs))
+        signature = observed_signature(obs)
 
     failing = steps[-1].action if obs.kind in ("exception", "harness") and steps else None
     summary = f"{summary}\nImpact: {impact_of(obs.kind, obs.invariant, failing).line}"
@@ -267,7 +320,7 @@ def header_text(finding: Finding) -> str:
 
 
 def write_findings(findings: list[Finding], out_dir: Path) -> None:
-    """Write one recipe per finding (sets `finding.file`), replacing this signature's earlier file."""
+    """Write one recipe per finding (sets `finding.file`), replacing this signature's (and path's) earlier file."""
     if not findings:
         return  # nothing to write: no folder either
     try:
@@ -275,7 +328,7 @@ def write_findings(findings: list[Finding], out_dir: Path) -> None:
     except OSError as exc:
         raise UsageError(f"--out {out_dir}: {exc.strerror}") from None
     for finding in findings:
-        path = out_dir / f"{slug(finding.signature)}.toml"
+        path = out_dir / f"{slug(finding.key)}.toml"
         text = recipe_to_toml(finding.recipe, header=header_text(finding))
         try:
             path.write_text(text, encoding="utf-8")
@@ -285,10 +338,10 @@ def write_findings(findings: list[Finding], out_dir: Path) -> None:
 
 
 def merge(findings: list[Finding]) -> list[Finding]:
-    """One finding per signature: the one with fewest steps (then the earliest worker)."""
+    """One finding per signature and path: the one with fewest steps (then the earliest worker)."""
     best: dict[str, Finding] = {}
     for finding in findings:
-        current = best.get(finding.signature)
+        current = best.get(finding.key)
         if current is None or (finding.steps, finding.worker) < (current.steps, current.worker):
-            best[finding.signature] = finding
+            best[finding.key] = finding
     return sorted(best.values(), key=lambda f: (f.elapsed_s, f.signature))

@@ -34,7 +34,9 @@ from kvdoctor.engine.harness import BuildCache, Harness
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
-from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
+from kvdoctor.explore.findings import (
+    Finding, finding_key, finding_recipe, merge, path_of, step_actions, summary_text,
+)
 from kvdoctor.explore.generate import (
     EXTENSION_GATE,
     LOAD_CAPS,
@@ -83,6 +85,26 @@ class ExploreConfig:
     # `--ray ADDRESS`: the workers run as Ray tasks (`ray_pool.RayPool`: "local", "auto" or an address);
     # None: local processes. Under Ray, workers = 0 means one per slot of the cluster.
     ray: str | None = None
+    # The hunt's aim (`--target EXC:FUNCTION`): only failures of that exception in that function count; others
+    # are run past. None: every failure counts.
+    target: tuple[str, str] | None = None
+    # Draws forced on whatever the release's probes say (`--force`, names of FORCEABLE).
+    force: frozenset[str] = frozenset()
+    # Known bugs whose trigger a finding must not go through (`--exclude-trigger K1,K6`): such a run is that
+    # bug's route to the site, not a new one, and is run past.
+    exclude_triggers: frozenset[str] = frozenset()
+
+
+# `--force NAME` -> the draw it turns on (generate's feature names); explore.aim.FORCE_NAMES lists the same names.
+FORCEABLE = {"speculative": SPECULATIVE_DRAW, "fs-tier": TIER_DRAW, "workers": WORKERS_DRAW}
+
+
+def wanted(config: ExploreConfig, obs: Observation) -> bool:
+    """Whether a run's failure is one the search aims at (`target`)."""
+    if config.target is None:
+        return True
+    exception, function = config.target
+    return obs.exception == exception and (not function or obs.function == function)
 
 
 @dataclass
@@ -99,6 +121,7 @@ class Stats:
     shrink_seconds: float = 0.0  # wall time spent shrinking
     elapsed: float = 0.0
     failures: int = 0
+    excluded: int = 0  # failing runs through an excluded bug's trigger (`--exclude-trigger`), run past
     phase: str = "starting"
     done: bool = False
 
@@ -179,6 +202,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     features = available_features(api)
     if config.speculative is not None:
         features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
+    features = features | {FORCEABLE[name] for name in config.force}
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
                         speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
                         tier=TIER_DRAW in features)
@@ -209,7 +233,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         budget_left = limit - stats.examples
         # An invariant already found is not checked again: a run goes on past it, to what else breaks.
         invariants = tuple(name for name in (INVARIANTS if config.invariants is None else config.invariants)
-                           if f"invariant {name}" not in found)
+                           if not any(f.signature == f"invariant {name}" for f in found.values()))
 
         # this round's lock and invariants, bound now (hypothesis calls it only within the round)
         def condition(raw: Any, lock: dict[str, Any] = lock, invariants: tuple[str, ...] = invariants) -> bool:
@@ -244,20 +268,27 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             else:
                 stats.examples += 1
             report()
-            wanted = lock["signature"]
+            locked = lock["signature"]
             for recipe, obs in runs:  # the drawn scheduling mode first
-                if obs.signature is None or obs.signature in found or (wanted and obs.signature != wanted):
+                if obs.signature is None or not wanted(config, obs):
                     continue
-                if wanted is None:
-                    lock["signature"] = obs.signature
+                path = path_of(obs, recipe)
+                if path and path in config.exclude_triggers:
+                    stats.excluded += 1
+                    continue
+                key = finding_key(obs.signature, path)
+                if key in found or (locked and key != locked):
+                    continue
+                if locked is None:
+                    lock["signature"] = key
                     lock["since"] = time.monotonic()
-                    stats.phase = f"shrinking {obs.signature}"
+                    stats.phase = f"shrinking {key}"
                     report(force=True)
-                lock["best"] = (recipe, obs)  # each success while shrinking is hypothesis' new smallest
+                lock["best"] = (recipe, obs, path)  # each success while shrinking is hypothesis' new smallest
                 return True
             return False
 
-        outcome: tuple[Any, Observation] | None = None
+        outcome: tuple[Any, Observation, str] | None = None
         exhausted = False
         flaky = False
         try:
@@ -279,7 +310,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
         if lock.get("since") is not None:
             stats.shrink_seconds += time.monotonic() - lock["since"]
         if outcome is not None:
-            recipe, obs = outcome
+            recipe, obs, path = outcome
             assert obs.signature is not None
             summary = summary_text(obs, config.seed, seed_here, worker, round_, config.logic, api.version_text,
                                    step_actions(recipe.steps), recipe.setup)
@@ -287,8 +318,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                               recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
                               example_seed=seed_here, worker=worker, round=round_, logic=config.logic,
                               vllm_version=api.version_text, examples_before=stats.examples,
-                              elapsed_s=time.monotonic() - start, flaky=flaky)
-            found[obs.signature] = finding
+                              elapsed_s=time.monotonic() - start, flaky=flaky, path=path)
+            found[finding.key] = finding
             stats.failures = len(found)
             if on_finding is not None:
                 on_finding(finding)
@@ -489,6 +520,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
             total.shrink_examples += s.shrink_examples
             total.runs += s.runs
             total.invalid += s.invalid
+            total.excluded += s.excluded
             total.scheduler_steps += s.scheduler_steps
             total.shrink_steps += s.shrink_steps
             total.run_seconds += s.run_seconds
@@ -526,8 +558,8 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
                 per_worker[worker] = Stats(**payload)
             elif kind == "finding":
                 findings.append(payload)
-                if payload.signature not in seen:
-                    seen.add(payload.signature)
+                if payload.key not in seen:
+                    seen.add(payload.key)
                     if on_finding is not None:
                         on_finding(payload)
             elif kind == "done":

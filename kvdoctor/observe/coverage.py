@@ -261,9 +261,47 @@ def _compare_of(node: ast.stmt, filename: str) -> Any:
     return _OPS[type(test.ops[0])], compile_(left), compile_(right)
 
 
-def find_site(function: str, statement: str, roots: Iterable[Any], when: str | None = None) -> Site:
+def _whole_statement(text: str) -> ast.stmt | None:
+    """`text` as one whole assert or raise statement (a recipe written from a log quotes one), else None (a
+    fragment: `len(a) == len(b)`, `not found`)."""
+    try:
+        body = ast.parse(text.strip()).body
+    except (SyntaxError, ValueError):
+        return None
+    return body[0] if len(body) == 1 and isinstance(body[0], (ast.Assert, ast.Raise)) else None
+
+
+def _is_the_statement(found: tuple[int, int, str, ast.stmt], wanted: str, whole: ast.stmt | None,
+                      asserts_only: bool) -> bool:
+    """A whole statement is that statement (its test compared as a tree, its message aside); a fragment is any
+    statement holding it, only an assert where the crash is an AssertionError."""
+    node = found[3]
+    if asserts_only and not isinstance(node, ast.Assert):
+        return False
+    if whole is not None:
+        def key(n: ast.stmt) -> str:
+            return ast.dump(n.test) if isinstance(n, ast.Assert) else ast.dump(n)
+
+        return type(node) is type(whole) and key(node) == key(whole)
+    return wanted in found[2]
+
+
+def _like(found: tuple[int, int, str, ast.stmt], wanted: str, whole: ast.stmt | None) -> bool:
+    """Another statement a reader could take for the crash statement: it holds the fragment, or is of the
+    whole statement's kind and names one of its names."""
+    if whole is None:
+        return wanted in found[2]
+    names = {n.id for n in ast.walk(whole) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(whole) if isinstance(n, ast.Attribute)}
+    return isinstance(found[3], type(whole)) and any(re.search(rf"\b{re.escape(n)}\b", found[2]) for n in names)
+
+
+def find_site(function: str, statement: str, roots: Iterable[Any], when: str | None = None,
+              asserts_only: bool = False) -> Site:
     """The site in the installed vLLM: `function` on the engine's classes (else in vLLM's connector
-    and core modules), and its statements whose text contains `statement`."""
+    and core modules), and its statements whose text contains `statement` (or are it, when `statement` is
+    a whole statement; asserts only when `asserts_only`: the crash is an AssertionError). Where only other
+    statements hold that text, the crash statement is absent in this release (`gone` says so)."""
     site = Site(function, statement)
     if when:
         site.when_text = when.strip()
@@ -274,8 +312,12 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
         site.gone = f"no function {function} in the installed vLLM's connector or scheduler classes"
         return site
     wanted = _normalize(statement)
+    whole = _whole_statement(statement)
+    others: list[str] = []
     for owner, code in functions:
-        matched = [s for s in _statements(code) if wanted in s[2]]
+        statements = _statements(code)
+        matched = [s for s in statements if _is_the_statement(s, wanted, whole, asserts_only)]
+        others += [s[2] for s in statements if s not in matched and _like(s, wanted, whole)]
         if not matched:
             continue
         site.codes += (code,)
@@ -293,6 +335,11 @@ def find_site(function: str, statement: str, roots: Iterable[Any], when: str | N
         owner = functions[0][0]
         site.gone = (f"{owner}.{function} has no statement containing `{wanted}` in the installed vLLM "
                      f"(the code changed)")
+        if others:  # what is there instead is another statement: never "reached: held" on it
+            what = f"`{wanted}`" if whole is not None else f"(an assert holding `{wanted}`)"
+            site.gone = (f"the crash statement {what} is absent in this release: {owner}.{function} has "
+                         f"{len(others)} other statement{'s' if len(others) > 1 else ''} like it "
+                         f"(`{others[0][:120]}`)")
     return site
 
 
@@ -478,7 +525,7 @@ class SiteTracer:
         self._tool = None
 
 
-_SITES: dict[tuple[str, str, tuple[type, ...]], Site] = {}
+_SITES: dict[tuple[Any, ...], Site] = {}
 
 
 def site_tracer(signature: Any, harness: Any) -> Any:
@@ -498,10 +545,11 @@ def site_tracer(signature: Any, harness: Any) -> Any:
     recipe_aliases = () if getattr(signature, "site_function", None) else getattr(signature, "function_aliases", ())
     spellings = tuple(dict.fromkeys((*function_spellings(crash_site[0]), *recipe_aliases)))
     aliases = spellings[1:]
-    key = (*crash_site, *aliases, when or "", tuple(type(r) for r in roots))
+    asserts_only = getattr(signature, "exception", None) == "AssertionError"  # the crash statement is an assert
+    key = (*crash_site, *aliases, when or "", tuple(type(r) for r in roots), asserts_only)
     site = _SITES.get(key)
     if site is None:
-        sites = [find_site(name, crash_site[1], roots, when) for name in spellings]
+        sites = [find_site(name, crash_site[1], roots, when, asserts_only) for name in spellings]
         site = _SITES[key] = next((found for found in sites if not found.gone), sites[0])
         if site.gone and aliases:
             site.gone = "; ".join(found.gone or "" for found in sites)

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
+from kvdoctor.diagnose.kinds import ENGINE, describe_native
 from kvdoctor.diagnose.match import innermost_vllm
 from kvdoctor.diagnose.redact import format_value, redact_serve_args
 from kvdoctor.diagnose.traceback import display_path
@@ -30,7 +31,9 @@ def _ref_link(ref: str) -> str:
 
 def log_lines(report: Any) -> list[str]:
     s = report.summary
-    out = [f"log: {s.source} ({s.lines:,} lines read)"]
+    out = [f"log: {s.source} ({s.lines:,} line{'' if s.lines == 1 else 's'} read)"]
+    if s.read_note:
+        out.append(f"note: {s.read_note}")
     if s.version:
         out.append(f"vLLM version in the log: {s.version} (from the {s.version_source})")
     else:
@@ -43,6 +46,10 @@ def log_lines(report: Any) -> list[str]:
         out.append("serve arguments: not in the log")
     for note in report.geometry.notes:
         out.append(f"  note: {note}")
+    if s.features:
+        out.append("features the log names:")
+        out += [f"  {n.feature}" + (f" ({n.detail})" if n.detail else "") + f": line {n.line}: `{n.evidence}`"
+                for n in s.features.values()]
     return out
 
 
@@ -73,17 +80,34 @@ def crash_lines(report: Any) -> list[str]:
                     "encountered a fatal error`)"]
         return ["no engine crash found in this log"]
     out = []
+    kind = report.kind
     who = f"in {crash.process}" if crash.process else "(no process prefix)"
+    if crash.native:
+        out.append(f"{kind.label} {who}: {describe_native(crash)}")
+        if crash.header:
+            out.append(f"  the log says: {crash.header}")
+        if crash.frames:
+            out.append("native frames (outermost first):")
+            out += [f"  {f.function}" + (f" ({display_path(f.file)}:{f.line})" if f.file != "<unknown>" else "")
+                    for f in crash.frames[-10:]]
+        return out
     if crash.cut_short:
-        out.append(f"engine traceback {who}, cut short before its exception line")
+        out.append(f"{kind.label} {who}, cut short before its exception line")
     else:
-        out.append(f"exception: {crash.exception}" + (f": {crash.message}" if crash.message else ""))
+        out.append(f"{kind.label} {who}")
+        out.append(f"exception: {crash.exception}" + (f": {crash.message}" if crash.message else "")
+                   + {"above": " (the exception line was pasted above its frames)",
+                      "header": " (from the line that announced the traceback)"}.get(crash.exception_from, ""))
+    if crash.header and not crash.native:
+        out.append(f"the log says: {crash.header}")
     inner = innermost_vllm(crash)
     if inner is not None and not crash.cut_short:
         out.append(f"where: {display_path(inner.file)}:{inner.line} in {inner.function}()")
         if inner.code:
             out.append(f"code: {inner.code}")
-    frames = crash.vllm_frames[:-1] if not crash.cut_short else crash.vllm_frames
+    frames = crash.vllm_frames
+    if inner is not None and not crash.cut_short and inner in frames:
+        frames = frames[:frames.index(inner)]
     if frames:
         out.append("vLLM frames (outermost first):")
         out += [f"  {display_path(f.file)}:{f.line} {f.function}" + (f": {f.code}" if f.code else "")
@@ -114,6 +138,8 @@ def _per_bug(candidates: list[Any]) -> list[tuple[str, list[Any]]]:
 def _what_was_seen(report: Any) -> str:
     s = report.summary
     crash = s.crash
+    if crash is not None and crash.native:
+        return f"a native crash: {describe_native(crash)}"
     if crash is not None and not crash.cut_short:
         inner = innermost_vllm(crash) or (crash.frames[-1] if crash.frames else None)
         where = f" in {inner.function} ({display_path(inner.file)})" if inner is not None else ""
@@ -145,8 +171,8 @@ def match_lines(report: Any) -> list[str]:
         if not report.summary.holds_crash:
             crash = report.summary.crash
             if crash is not None:
-                return [f"no engine crash found in this log: the traceback above was logged as a {crash.level} "
-                        f"(the process went on), and no known bug matches it"]
+                return [(f"no engine crash found in this log: the {report.kind.label} above was logged as a "
+                         f"{crash.level} (the process went on), and no known bug matches it")]
             return ["no engine crash found in this log"]
         out = [f"a crash no known bug matches: {_what_was_seen(report)}"]
         if m.why_none.startswith("the engine's fatal error"):
@@ -223,21 +249,45 @@ def _why(result: Any) -> str:
     return why(result).replace("\n", "; ")
 
 
-def next_lines(report: Any) -> list[str]:
+def _kind_lines(report: Any) -> list[str]:
+    """What kvdoctor can and cannot check for a crash outside the scheduler (a worker's, start-up, native)."""
+    kind = report.kind
+    if kind is None or kind is ENGINE:
+        return []
+    out = [f"this is a {kind.label}, not the scheduler's:"]
+    from kvdoctor.diagnose.kinds import from_loose, startup_cause
+
+    body = report.summary.crash or from_loose(report.summary.loose)
+    cause = startup_cause(body) if body is not None and kind.name == "start-up" else ""
+    if cause:
+        out.append(f"  what vLLM's message means: {cause}")
+    if kind.can:
+        out.append(f"  kvdoctor can: {kind.can}")
+    if kind.cannot:
+        out.append(f"  kvdoctor cannot: {kind.cannot}")
+    return out
+
+
+def next_lines(report: Any, in_report: bool = False) -> list[str]:
+    """`in_report`: for the --report attachment itself (it does not tell its reader to make one)."""
+    attach = "attach this report" if in_report else "`kvdoctor diagnose LOG --report FILE`"
     if not report.match.candidates:
         if not report.summary.holds_crash:
-            return []
+            return _kind_lines(report)
         out = []
         crash = report.summary.crash
         if crash is None and report.summary.fatal_line is not None:
             out.append("find the engine's traceback under its fatal-error line in the full log and run kvdoctor "
                        "diagnose on that")
         elif crash is not None and crash.cut_short:
-            out.append("find the rest of the engine's traceback in the full log (from its `Traceback` line to the "
+            out.append("find the rest of the traceback in the full log (from its `Traceback` line to the "
                        "exception line under it) and run kvdoctor diagnose on that")
-        if report.starting_recipe:
+        out += _kind_lines(report)
+        if report.starting_recipe and not in_report:
             out.append("write a starting recipe: kvdoctor diagnose LOG --write-recipe FILE")
-        out.append("file an upstream issue with the traceback (and `kvdoctor diagnose LOG --report FILE`)")
+        if report.hunt_command:
+            out.append(f"hunt for a route to it: {report.hunt_command}")
+        out.append(f"file an upstream issue with the traceback (and {attach})")
         return out
     recipe = report.runs[0].recipe if report.runs else report.match.best[0].recipe
     issues, fixes = _refs(recipe)
@@ -253,7 +303,8 @@ def next_lines(report: Any) -> list[str]:
         fixed = next((r for r in run.results if r.logic == "fixed"), None)
         if fixed is not None and fixed.outcome.value == "not_reproduced":
             out.append("the fixed logic (PR #49146 cap) prevents it on this vLLM")
-    out.append(f"reproduce: kvdoctor repro {recipe.name}   ·   attach: kvdoctor diagnose LOG --report FILE")
+    out.append(f"reproduce: kvdoctor repro {recipe.name}"
+               + ("" if in_report else "   ·   attach: kvdoctor diagnose LOG --report FILE"))
     return out
 
 
@@ -286,7 +337,7 @@ def render_diagnose_markdown(report: Any) -> str:
              f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}_", ""]
     lines += _env_section()
     for title, fn in SECTIONS:
-        body = fn(report)
+        body = next_lines(report, in_report=True) if fn is next_lines else fn(report)
         if not body:
             continue
         lines += [f"## {title}", "", "```", *body, "```", ""]
@@ -315,10 +366,15 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         "kvdoctor_version": __version__,
         "command": "diagnose",
         "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
-                "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source},
+                "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source,
+                "read_note": s.read_note or None,
+                "features": [{"feature": n.feature, "detail": n.detail or None, "line": n.line, "evidence": n.evidence}
+                             for n in s.features.values()]},
         "crash": None if crash is None else {
             "process": crash.process, "exception": crash.exception, "message": crash.message,
-            "cut_short": crash.cut_short, "elided": crash.elided,
+            "cut_short": crash.cut_short, "elided": crash.elided, "kind": report.kind.name,
+            "native": crash.native, "header": crash.header or None, "exception_from": crash.exception_from or None,
+            "kvdoctor_can": report.kind.can or None, "kvdoctor_cannot": report.kind.cannot or None,
             "file": display_path(inner.file) if inner else None, "line": inner.line if inner else None,
             "function": inner.function if inner else None, "code": inner.code if inner else None,
             "vllm_frames": [{"file": display_path(f.file), "line": f.line, "function": f.function, "code": f.code}
@@ -344,5 +400,6 @@ def diagnose_document(report: Any) -> dict[str, Any]:
                  for r in report.runs],
         "vllm_error": report.vllm_error or None,
         "next": next_lines(report),
+        "hunt_command": report.hunt_command or None,
         "exit_code": int(report.exit_status),
     }
