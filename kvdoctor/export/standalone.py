@@ -34,7 +34,7 @@ from kvdoctor.engine.compat.portable import (
     runner_output_takes_req_id_to_index,
     worker_reports_failed_jobs,
 )
-from kvdoctor.engine.step_loop import StepLoop, sample
+from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: F401 - EOS_TOKEN: the add lines
 from kvdoctor.engine.worker import Job, SimulatedWorker
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
@@ -83,9 +83,11 @@ def build_scheduler(setup: dict[str, Any]) -> Any:
 def main() -> int:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.sampling_params import SamplingParams  # noqa: F401 - the add lines (PLAYS, below)
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus  # noqa: F401 - the add and abort lines (PLAYS)
 
     # Feature probes, not version checks: the fields and signatures moved between releases.
     takes_req_id_to_index = runner_output_takes_req_id_to_index(ModelRunnerOutput)
