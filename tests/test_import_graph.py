@@ -39,6 +39,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                      "kvdoctor.check.*", "kvdoctor.export.*", "kvdoctor.version_report")),
     ("levels", ("kvdoctor.levels.*",)),
     ("scenario", ("kvdoctor.scenario",)),
+    # a recipe's setup resolved on this machine (its memory, a model's config.json, the fallbacks)
+    ("resolution", ("kvdoctor.resolution",)),
     # what the application functions return, with the exit-code mapping and the release measurements
     # (kvdoctor/data) that a result carries as a hint
     ("results", ("kvdoctor.results", "kvdoctor.outcome_codes", "kvdoctor.matrix", "kvdoctor.matrix.known",
@@ -52,7 +54,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # plain data and facts every layer reads: the recipe's data model, errors, releases, what is installed,
     # and the adapter's table of vLLM's private names (a recipe's signature spells functions by it)
     ("base", ("kvdoctor", "kvdoctor.errors", "kvdoctor.releases", "kvdoctor.installed", "kvdoctor.models.*",
-              "kvdoctor.recipes.model", "kvdoctor.engine.compat.names")),
+              "kvdoctor.recipes.model", "kvdoctor.engine.compat.names",
+              # process hygiene every layer (and the exported scripts) shares: kvdoctor's cache directory,
+              # nothing left behind on exit
+              "kvdoctor.user_cache", "kvdoctor.clean_exit")),
 )
 
 

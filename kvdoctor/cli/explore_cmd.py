@@ -17,7 +17,6 @@ import typer
 
 from kvdoctor.cli import options as opt
 from kvdoctor.cli.common import command_line, run
-from kvdoctor.errors import UsageError
 from kvdoctor.explore import (
     DEFAULT_MAX_EVENTS,
     DEFAULT_MAX_EXAMPLES,
@@ -48,15 +47,8 @@ def explore(
                           "a CPU and a ~1.5 GiB of available memory (more is refused). Default 1; with --ray, "
                           "Ray tasks: one per slot of the cluster.",
         rich_help_panel=SEARCH)] = None,
-    ray: Annotated[bool, typer.Option(
-        "--ray", help="Run the workers as Ray tasks across a cluster (pip install 'kvdoctor[ray]'): a local "
-                      "Ray instance started and stopped for this run, or the cluster --ray-address names.",
-        rich_help_panel=SEARCH)] = False,
-    ray_address: Annotated[str | None, typer.Option(
-        "--ray-address", metavar="ADDRESS",
-        help="With --ray: auto (the cluster this machine joined: ray start, KubeRay), HOST:PORT or "
-             "ray://HOST:PORT. Default: a local instance.",
-        rich_help_panel=SEARCH)] = None,
+    ray: opt.Ray = False,
+    ray_address: opt.RayAddress = None,
     max_events: Annotated[int, typer.Option(
         "--max-events", help="Events per generated sequence at most.", rich_help_panel=SEARCH)] = DEFAULT_MAX_EVENTS,
     worker: Annotated[str, typer.Option(
@@ -96,9 +88,7 @@ def explore(
         from kvdoctor.explore.search import ExploreConfig
 
         fmt = opt.output_format(output_format, json_out)
-        if ray_address is not None and not ray:
-            raise UsageError("--ray-address needs --ray")
-        address = (ray_address or "local") if ray else None
+        address = opt.ray_address(ray, ray_address)
         asked = workers if workers is not None else (0 if ray else 1)  # 0: one per slot of the Ray cluster
         explore_app.validate(logic, max_examples, time_budget, asked, max_events, worker, ray=address)
         opt.check_output_dir("--out", out)

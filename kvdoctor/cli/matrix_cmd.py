@@ -38,14 +38,8 @@ def matrix(
         help="Use the virtual environments found directly under DIR (e.g. a checkout's .venv-vllm-*) for "
              "the releases they hold, as they are; others are built in $KVDOCTOR_CACHE_DIR/envs "
              "(default ~/.cache/kvdoctor/envs).", rich_help_panel=RELEASES)] = None,
-    ray: Annotated[bool, typer.Option(
-        "--ray", help="Run each release's kvdoctor as a Ray task, the releases side by side (pip install "
-                      "'kvdoctor[ray]'): a local Ray instance for this run, or the cluster --ray-address names "
-                      "(give --env-dir a volume every node mounts).",
-        rich_help_panel=RELEASES)] = False,
-    ray_address: Annotated[str | None, typer.Option(
-        "--ray-address", metavar="ADDRESS", help="With --ray: auto, HOST:PORT or ray://HOST:PORT.",
-        rich_help_panel=RELEASES, show_default=False)] = None,
+    ray: opt.Ray = False,
+    ray_address: opt.RayAddress = None,
     engine: opt.Engine = None,
     json_out: opt.Json = False,
     output_format: opt.Format = None,
@@ -65,12 +59,7 @@ def matrix(
         from kvdoctor.errors import UsageError
 
         fmt = opt.output_format(output_format, json_out)
-        if ray_address is not None and not ray:
-            raise UsageError("--ray-address needs --ray")
-        if ray:
-            from kvdoctor.explore.ray_pool import import_ray
-
-            import_ray()  # without the extra: one line, exit 2
+        address = opt.ray_address(ray, ray_address)
         level = opt.engine_override(engine).engine or "scheduler"
         if write_data is not None and (not audit or bisect):
             raise UsageError("--write-data records a whole --audit run: use it with --audit, without --bisect")
@@ -86,7 +75,7 @@ def matrix(
             result = matrix_app.matrix(recipes or [], audit, vllm, bisect, env_dir=env_dir,
                                        command=command_line(), progress=display.callbacks(),
                                        audit_async=write_data is not None, engine=level,
-                                       ray=(ray_address or "local") if ray else None)
+                                       ray=address)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report.formats import Shown

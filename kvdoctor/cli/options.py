@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -22,34 +22,43 @@ def serve_option(name: str) -> Any:
 
 
 # The value types are written here for the type checker; `cli/serve_flags.py` checks them against the table.
-BlockSize = Annotated[Optional[int], serve_option("block_size")]
-BlocksPerChunk = Annotated[Optional[int], serve_option("blocks_per_chunk")]
-GpuBlocks = Annotated[Optional[int], serve_option("gpu_blocks")]
-AsyncScheduling = Annotated[Optional[bool], serve_option("async_scheduling")]
-MaxBatchedTokens = Annotated[Optional[int], serve_option("max_num_batched_tokens")]
-MaxModelLen = Annotated[Optional[int], serve_option("max_model_len")]
-MaxNumSeqs = Annotated[Optional[int], serve_option("max_num_seqs")]
-ChunkedPrefill = Annotated[Optional[bool], serve_option("enable_chunked_prefill")]
-PrefixCaching = Annotated[Optional[bool], serve_option("enable_prefix_caching")]
-KvOffloadingSize = Annotated[Optional[float], serve_option("kv_offloading_size")]
-KvOffloadingBackend = Annotated[Optional[str], serve_option("kv_offloading_backend")]
-KvTransferConfig = Annotated[Optional[str], serve_option("kv_transfer_config")]
-Model = Annotated[Optional[Path], serve_option("model")]
-Worker = Annotated[Optional[str], serve_option("worker")]
-ModelRunner = Annotated[Optional[str], serve_option("model_runner")]
-Device = Annotated[Optional[str], serve_option("device")]
-Engine = Annotated[Optional[str], serve_option("engine")]
+BlockSize = Annotated[int | None, serve_option("block_size")]
+BlocksPerChunk = Annotated[int | None, serve_option("blocks_per_chunk")]
+GpuBlocks = Annotated[int | None, serve_option("gpu_blocks")]
+AsyncScheduling = Annotated[bool | None, serve_option("async_scheduling")]
+MaxBatchedTokens = Annotated[int | None, serve_option("max_num_batched_tokens")]
+MaxModelLen = Annotated[int | None, serve_option("max_model_len")]
+MaxNumSeqs = Annotated[int | None, serve_option("max_num_seqs")]
+ChunkedPrefill = Annotated[bool | None, serve_option("enable_chunked_prefill")]
+PrefixCaching = Annotated[bool | None, serve_option("enable_prefix_caching")]
+KvOffloadingSize = Annotated[float | None, serve_option("kv_offloading_size")]
+KvOffloadingBackend = Annotated[str | None, serve_option("kv_offloading_backend")]
+KvTransferConfig = Annotated[str | None, serve_option("kv_transfer_config")]
+Model = Annotated[Path | None, serve_option("model")]
+Worker = Annotated[str | None, serve_option("worker")]
+ModelRunner = Annotated[str | None, serve_option("model_runner")]
+Device = Annotated[str | None, serve_option("device")]
+Engine = Annotated[str | None, serve_option("engine")]
+RAY = "Ray"
+Ray = Annotated[bool, typer.Option(
+    "--ray", help="Run the work as Ray tasks across a cluster (pip install 'kvdoctor[ray]'): a local Ray "
+                  "instance started and stopped for this run, or the cluster --ray-address names.",
+    rich_help_panel=RAY)]
+RayAddress = Annotated[str | None, typer.Option(
+    "--ray-address", metavar="ADDRESS", show_default=False,
+    help="With --ray: auto (the cluster this machine joined: ray start, KubeRay), HOST:PORT or ray://HOST:PORT. "
+         "Default: a local instance.", rich_help_panel=RAY)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (--format json).",
                                     rich_help_panel=OUTPUT)]
-Format = Annotated[Optional[str], typer.Option(
+Format = Annotated[str | None, typer.Option(
     "--format", metavar="FORMAT", help="text (default) | json | markdown | svg: how the result is printed on "
                                        "stdout (markdown: the --report attachment; svg: the tables as an image).",
     rich_help_panel=OUTPUT, show_default=False)]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show each row's detail (refs, signature, "
                                                                 "what to do next).", rich_help_panel=OUTPUT)]
-ReportFile = Annotated[Optional[Path], typer.Option(
+ReportFile = Annotated[Path | None, typer.Option(
     "--report", help="Write a Markdown bug-report attachment to FILE.", rich_help_panel=OUTPUT)]
-SvgFile = Annotated[Optional[Path], typer.Option(
+SvgFile = Annotated[Path | None, typer.Option(
     "--svg", help="Save the rendered tables as SVG to FILE.", rich_help_panel=OUTPUT)]
 
 
@@ -213,6 +222,21 @@ def worker_overrides(worker: str | None, model_runner: str | None, device: str |
     if device is not None and (worker or DEFAULT_WORKER) != "vllm":
         raise UsageError("--device places the KV tensors of --worker vllm; drop --worker simulated")
     return Overrides(worker=worker, model_runner=model_runner, device=device)
+
+
+def ray_address(ray: bool, address: str | None) -> str | None:
+    """Where `--ray` runs ("local": an instance of its own; None: no Ray), refused in one line (exit 2) before
+    anything starts where the flags disagree or Ray is not installed."""
+    if address is not None and not ray:
+        raise UsageError("--ray-address needs --ray")
+    if not ray:
+        return None
+    if address is not None and not address.strip():
+        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
+    from kvdoctor.explore.ray_pool import import_ray
+
+    import_ray()  # without the extra: one line naming it
+    return address or "local"
 
 
 def engine_override(engine: str | None) -> Overrides:

@@ -20,6 +20,8 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.memory import available_memory_bytes
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
 from kvdoctor.explore.findings import write_findings
+from kvdoctor.explore.pools import ProcessPool
+from kvdoctor.explore.search import WorkerPool
 from kvdoctor.explore.triage import triage
 from kvdoctor.logic.variants import LOGIC_VARIANTS
 
@@ -58,8 +60,6 @@ def validate(logic: str, max_examples: int | None, time_budget: float, workers: 
         refusal = workers_refusal(workers)
         if refusal:
             raise UsageError(refusal)
-    if ray is not None and not ray.strip():
-        raise UsageError("--ray-address needs an address: auto, HOST:PORT or ray://HOST:PORT")
     if max_events < 1:
         raise UsageError(f"--max-events must be >= 1, got {max_events}")
     if worker not in ("simulated", "vllm"):
@@ -152,12 +152,13 @@ def explore(config: Any, out_dir: Path, command: str = "",
         if api is None:
             api = compat.load()  # here, not in the search: each finding is triaged as it comes
         warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
-    pool = None
+    pool: WorkerPool | None = ProcessPool() if parallel and config.ray is None else None
     if config.ray is not None:  # joined (or started) here; the search stops it, whatever happens
         from kvdoctor.explore.ray_pool import RayPool
 
-        pool = RayPool(config.ray)
-        config = dataclasses.replace(config, workers=pool.size(config.workers))
+        ray_pool = RayPool(config.ray)
+        config = dataclasses.replace(config, workers=ray_pool.size(config.workers))
+        pool = ray_pool
     # The budget starts once vLLM is imported (and warmed up): here for one worker; for several (local
     # processes or Ray tasks), in each worker once it has imported vLLM (its search's own clock, with no
     # shared end), the parent's triage after them.

@@ -32,6 +32,7 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
 from kvdoctor.engine.harness import BuildCache, Harness
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import InternalError
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import Finding, finding_recipe, merge, step_actions, summary_text
 from kvdoctor.explore.generate import (
@@ -451,9 +452,8 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
         result.findings = merge(findings)
         return result
     if pool is None:
-        from kvdoctor.explore.pools import ProcessPool
-
-        pool = ProcessPool()
+        raise InternalError(f"a search with {config.workers} workers needs a pool to run them in "
+                            f"(kvdoctor.explore.pools.ProcessPool or ray_pool.RayPool)")
     return _explore_in_pool(config, pool, on_progress, on_finding)
 
 
