@@ -56,11 +56,11 @@ def ratio(repeat: int) -> int:
 def inproc(repeat: int) -> int:
     """The run alone, after one vLLM import: queued-abort under the three logic variants, alternated."""
     from kvdoctor.app import load_vllm
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.cli.options import worker_overrides
     from kvdoctor.levels.core import run_core_scenario
-    from kvdoctor.recipes.builtins import resolve
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     api = load_vllm()
     recipe = resolve("queued-abort")
@@ -130,12 +130,12 @@ def export() -> int:
 
 def compare(names: list[str]) -> int:
     from kvdoctor.app import load_vllm
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.cli.options import worker_overrides
-    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.errors import KvdoctorError
-    from kvdoctor.recipes.builtins import all_builtins
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import all_builtins
+    from kvdoctor.resolution import resolve_setup
 
     api = load_vllm()
     print(f"vLLM {api.version_text}, {time.strftime('%Y-%m-%d')}")

@@ -44,10 +44,10 @@ def overrides_of(cell, worker: str) -> dict:
 
 def run_cell(api, cell, worker: str = "simulated") -> dict:
     """One cell as `kvdoctor repro <recipe> --logic installed <flags>` runs it, in this process."""
-    from kvdoctor.resolution import resolve_setup
+    from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.outcome_codes import exit_code_for
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve(cell[0])
     setup = resolve_setup(recipe, Overrides(**overrides_of(cell, worker)))

@@ -28,8 +28,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     from kvdoctor import app
-    from kvdoctor.engine.overrides import Overrides
     from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.overrides import Overrides
 
     overrides = Overrides(worker="simulated")
     kept = [app.repro(args.recipe, overrides, "all", record_timeline=True) for _ in range(3)]  # warm, and a heap

@@ -74,7 +74,10 @@ def check_on_this_machine(setup: Setup) -> Setup:
     return setup
 
 
-def resolve_setup(recipe: Recipe, overrides: Overrides = Overrides(), worker_fallback: bool = False,
+NOTHING_GIVEN = Overrides()
+
+
+def resolve_setup(recipe: Recipe, overrides: Overrides = NOTHING_GIVEN, worker_fallback: bool = False,
                   default_worker: str | None = None) -> Setup:
     """The one resolution of a run's setup, validated before vLLM is imported, in this order:
 

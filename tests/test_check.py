@@ -29,11 +29,11 @@ def _offloading(cpu_bytes: int, **extra: object) -> dict[str, object]:
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes, **extra}}
 
 
-def _check(api, **flags: object):  # noqa: ANN001 - the session's vLLM adapter, loaded once
+def _check(api, **flags: object):
     return check(CheckFlags(**flags), lambda: Overrides(), command="kvdoctor check (test)", audit=False)
 
 
-def _source_has(api, needle: str) -> bool:  # noqa: ANN001
+def _source_has(api, needle: str) -> bool:
     from kvdoctor.engine.compat.startup import build_offloading_config_source
 
     return needle in (build_offloading_config_source() or "")
@@ -66,7 +66,8 @@ def test_an_offloaded_block_not_a_multiple_of_the_gpu_block_is_refused_and_the_f
     refusal = result.refusal
     assert refusal is not None and refusal.stage == "offloading" and not refusal.predicted
     assert refusal.exception in ("AssertionError", "ValueError")
-    assert refusal.site and refusal.site.startswith("vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py:")
+    assert refusal.site
+    assert refusal.site.startswith("vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py:")
     assert "tokens_per_chunk" in refusal.message or "multiple of the GPU KV cache block size" in refusal.message
     assert refusal.fix is not None and "block_size 32" in refusal.fix and refusal.fix_checked
     assert exit_status(result) == ExitStatus.STARTUP_REFUSED

@@ -6,6 +6,7 @@ import io
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
 from kvdoctor.diagnose.match import match_crash
 from kvdoctor.diagnose.pyrepr import parse_repr
 from kvdoctor.diagnose.reader import read_stream

@@ -82,8 +82,8 @@ def test_unknown_engine_level_is_a_usage_error_before_vllm() -> None:
 
 def test_a_step_the_engine_cannot_play_makes_the_recipe_not_applicable_naming_it() -> None:
     from kvdoctor.levels.core import run_core_scenario
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve("offload-keys-lag-blocks")
     setup = resolve_setup(recipe, Overrides(worker="simulated", engine="core"))

@@ -15,9 +15,8 @@ import sys
 
 import pytest
 
-from tests.conftest import run_cli
-
 from kvdoctor.engine.overrides import Overrides
+from tests.conftest import run_cli
 
 ALLOWED = set(sys.stdlib_module_names) | {"vllm", "__future__"}
 
@@ -73,8 +72,8 @@ def test_the_stand_ins_are_vllms_extension_points(script: str) -> None:
 def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     """The same flags (less host/port/executor, which the script picks) and traffic as `--engine serve`."""
     from kvdoctor.levels import serve
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     recipe = resolve("queued-abort")
     assignment = next(node for node in ast.parse(script).body

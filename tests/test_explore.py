@@ -290,8 +290,8 @@ def test_build_cache_changes_no_outcome(api, raw):
     from kvdoctor.engine.harness import BuildCache
     from kvdoctor.errors import UsageError
     from kvdoctor.explore.runner import InvalidExample, setup_of
-    from kvdoctor.observe.invariants import INVARIANTS
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.observe.invariants import INVARIANTS
 
     recipe = to_recipe(Example.decode(raw))
     try:

@@ -148,9 +148,9 @@ UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents
 
 @pytest.mark.vllm
 def test_issue_geometry(api):
-    from kvdoctor.resolution import resolve_setup
-    from kvdoctor.recipes.builtins import resolve
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     expected = {name: "untested" if name in UNTESTED_BY else measured(api, name, async_scheduling=True).value
                 for name in ISSUE_RECIPES}
@@ -185,9 +185,9 @@ RESTATED = [
 @pytest.mark.vllm
 @pytest.mark.parametrize("geometry", RESTATED, ids=["chunks-of-4", "block-size-1", "100k-blocks"])
 def test_preemption_holds_at_restated_geometries(api, geometry):
-    from kvdoctor.resolution import resolve_setup
-    from kvdoctor.recipes.builtins import resolve
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     expected = measured(api, "preemption", async_scheduling=geometry["async_scheduling"]).value
     recipe = resolve("preemption")
@@ -202,8 +202,8 @@ def test_preemption_holds_at_restated_geometries(api, geometry):
 # -- recipes planned at the user's geometry (issue 23): sizes the user did not give are derived ---------------
 
 def _planned(name, **overrides):
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     return resolve_setup(resolve(name), Overrides(worker="simulated", **overrides))
 

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from kvdoctor.resolution import resolve_setup
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.recipes.builtins import all_builtins
+from kvdoctor.resolution import resolve_setup
 from tests.recipe_runs import bug_present
 
 pytestmark = pytest.mark.vllm

@@ -56,8 +56,8 @@ def test_vllm_cpu_offloading_worker_runs_on_gpu_tensors(api):
 @pytest.mark.parametrize("name", ["queued-abort", "final-token-slot-stored"])
 def test_builtin_recipes_on_the_gpu_match_the_cpu_copy_engine(api, name):
     from kvdoctor import app
-    from kvdoctor.recipes.builtins import resolve
     from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.builtins import resolve
 
     recipe = resolve(name)
     gpu = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(**CUDA)), "installed")

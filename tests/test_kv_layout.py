@@ -213,8 +213,8 @@ def test_a_mamba_model_runs_in_the_cache_mode_vllm_picks_with_prefix_caching() -
     """Qwen3-Next (linear attention) with no Mamba cache mode given: vLLM's MambaModelConfig picks `align` with
     prefix caching (state a block); left unset, the planner's Mamba block (max_model_len) did not divide the
     hash block and the run was other_failure (exit 4). vLLM's worker gives way to the simulated one, saying why."""
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     model = str(CONFIGS / "qwen3-next-80b-a3b")
     setup = resolve_setup(resolve("queued-abort"), Overrides(model=model, block_size=16, gpu_blocks=500),

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
+from kvdoctor.engine.overrides import Overrides
+
 from .cli_runner import invoke
 from .conftest import run_cli
-
-from kvdoctor.engine.overrides import Overrides
 
 WIDTH = 80
 
@@ -215,8 +215,8 @@ def test_markdown_report_embeds_recipe_and_reproduce_section(reports):
 
 
 def test_audit_table_fits_80_columns_with_long_recipe_names(reports):
-    from kvdoctor.results import AuditReport, AuditRow
     from kvdoctor.report.tables import audit_renderables
+    from kvdoctor.results import AuditReport, AuditRow
 
     audit = AuditReport(vllm_version=reports["queued-abort"].vllm_version)
     for report in reports.values():

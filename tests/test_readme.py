@@ -17,9 +17,9 @@ import re
 
 import pytest
 
-from .conftest import ROOT, run_cli
-
 from kvdoctor.engine.overrides import Overrides
+
+from .conftest import ROOT, run_cli
 
 README = ROOT / "README.md"
 COMMANDS_DOC = ROOT / "docs" / "commands.md"

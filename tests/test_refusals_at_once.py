@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
-
 from kvdoctor.engine.overrides import Overrides
+from tests.conftest import ROOT, run_cli
 
 LLAMA = str(Path(__file__).parent / "data" / "configs" / "llama-3.1-8b")
 NO_VLLM_S = 15  # a refusal before vLLM is imported: the CLI's own start-up, on a loaded machine
@@ -118,8 +117,8 @@ def test_the_default_worker_is_vllms_at_a_real_models_geometry():
     """Issue 23's Llama-3.1-8B run (20,000 blocks of 2 MiB, a 64 GiB tier): vLLM's worker holds fingerprints, not
     the model's pages, so the CLI's default worker runs it (it fell back to the simulated one before).
     tests/test_memory_bound.py runs it and measures peak RSS."""
-    from kvdoctor.resolution import resolve_setup
     from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
 
     setup = resolve_setup(resolve("queued-abort"), Overrides(model=LLAMA, block_size=16, gpu_blocks=20_000,
                                                     cpu_bytes_to_use=64 << 30), default_worker="vllm")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvdoctor.engine.overrides import Overrides
-from kvdoctor.resolution import resolve_setup
 from kvdoctor.engine.serve_args import parse_kv_transfer_config
 from kvdoctor.engine.setup import Setup, resolve_blocks_per_chunk
 from kvdoctor.errors import UsageError
 from kvdoctor.recipes.builtins import load_builtin
+from kvdoctor.resolution import resolve_setup
 
 
 def test_offloaded_block_size_maps_to_blocks_per_chunk():

@@ -13,10 +13,10 @@ import pytest
 from kvdoctor import app
 from kvdoctor.engine.harness import Harness
 from kvdoctor.engine.overrides import Overrides
+from kvdoctor.levels.scheduler import run_scenario
 from kvdoctor.observe.invariants import CONTENT_INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.builtins import all_builtins, resolve
-from kvdoctor.levels.scheduler import run_scenario
 from tests.conftest import ROOT
 from tests.recipe_runs import bug_present, measured, measured_if_any
 
@@ -195,7 +195,8 @@ def test_async_recipes_end_as_with_the_simulated_worker(api, name):
     more step than the simulated worker takes. These recipes wait for it (before, their expect
     step or final check saw the store still in flight: setup_error / other_failure)."""
     recipe = resolve(name)
-    real = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(**VLLM_CPU, async_scheduling=True)), "installed")
+    real_setup = app.resolve_setup(recipe, Overrides(**VLLM_CPU, async_scheduling=True))
+    real = run_scenario(api, recipe, real_setup, "installed")
     simulated = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(async_scheduling=True)), "installed")
     assert real.outcome is simulated.outcome, (real.detail, simulated.detail)
     assert real.outcome in (REPRODUCED, NOT), real.detail

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvdoctor.check.fixes import find_fix
 from kvdoctor.check.flags import DEFAULT_GPU_BLOCKS, DEFAULT_MAX_MODEL_LEN, CheckFlags

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvdoctor.check.flags import CheckFlags
 from kvdoctor.check.result import Refusal

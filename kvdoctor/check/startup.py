@@ -14,10 +14,12 @@ kvdoctor's tiny model config stands in for the weights; the KV layout is read fr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvdoctor.check.flags import DEFAULT_GPU_BLOCKS, CheckFlags
 from kvdoctor.check.result import Refusal, Stage
@@ -74,7 +76,7 @@ def _stage(stages: list[Stage], name: str, run: Callable[[], Any], detail: Calla
         if name == "planning" and str(exc).startswith("vLLM's KV cache planner rejected"):
             raise _Refused(Refusal(name, "ValueError", str(exc), None)) from None
         raise
-    except Exception as exc:  # noqa: BLE001 - vLLM refusing at start-up: the answer, not a failure
+    except Exception as exc:
         stages.append(Stage(name, False, type(exc).__name__))
         raise _Refused(refusal_of(name, exc)) from None
     stages.append(Stage(name, True, detail(value)))
@@ -220,7 +222,5 @@ def _plan(api: Any, vllm_config: Any, setup: Setup) -> Any:
 
 
 def _shutdown(scheduler: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):  # best effort: the check's answer is already known
         scheduler.shutdown()
-    except Exception:  # noqa: BLE001 - best effort: the check's answer is already known
-        pass

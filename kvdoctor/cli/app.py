@@ -15,8 +15,8 @@ import typer
 
 from kvdoctor import __version__
 from kvdoctor.cli.audit_cmd import audit
-from kvdoctor.cli.check_cmd import check
 from kvdoctor.cli.cache_cmd import cache
+from kvdoctor.cli.check_cmd import check
 from kvdoctor.cli.diagnose_cmd import diagnose
 from kvdoctor.cli.explore_cmd import explore
 from kvdoctor.cli.inspect_cmd import inspect

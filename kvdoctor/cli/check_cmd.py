@@ -6,7 +6,7 @@ the formatting in `kvdoctor.report.check`.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -21,10 +21,10 @@ TensorParallel = Annotated[int, typer.Option(
 DataParallel = Annotated[int, typer.Option(
     "--data-parallel-size", "-dp", help="Engines on the host, each with its own CPU tier.",
     rich_help_panel=GEOMETRY)]
-SpeculativeConfig = Annotated[Optional[str], typer.Option(
+SpeculativeConfig = Annotated[str | None, typer.Option(
     "--speculative-config", help="JSON as vllm serve takes it (ngram or eagle: a tiny drafter stands in).",
     rich_help_panel=GEOMETRY)]
-HostMemory = Annotated[Optional[str], typer.Option(
+HostMemory = Annotated[str | None, typer.Option(
     "--host-memory", metavar="SIZE", help="The serving host's memory (e.g. 512GiB); default: this host's MemTotal.",
     rich_help_panel=GEOMETRY)]
 NoAudit = Annotated[bool, typer.Option("--no-audit", help="Skip the known bugs at these flags (start-up only).",

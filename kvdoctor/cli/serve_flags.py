@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, get_type_hints
+from typing import Any, Callable, get_type_hints
 
 from kvdoctor.cli import options as opt
 from kvdoctor.engine.overrides import Overrides
@@ -48,15 +48,9 @@ class ServeFlags:
 
 
 # Each flag, by name, -> the check in `options` that turns it into `Setup` overrides (the geometry and
-# connector flags, the worker side, the engine level). Flags are passed by keyword, so adding one cannot
-# shift the others; a flag missing from this table is refused when the module is imported.
-FLAG_CHECKS: dict[str, str] = {
-    **dict.fromkeys(("block_size", "blocks_per_chunk", "gpu_blocks", "async_scheduling", "max_num_batched_tokens",
-                     "max_num_seqs", "max_model_len", "enable_chunked_prefill", "enable_prefix_caching",
-                     "kv_transfer_config", "kv_offloading_size", "kv_offloading_backend", "model"), "geometry"),
-    **dict.fromkeys(("worker", "model_runner", "device"), "worker"),
-    "engine": "engine",
-}
+# connector flags, the worker side, the engine level): the table's `check` column. Flags are passed by
+# keyword, so adding one cannot shift the others.
+FLAG_CHECKS: dict[str, str] = {row.name: row.check for row in CLI_FLAGS}
 _CHECKS: dict[str, Callable[..., Overrides]] = {
     "geometry": opt.geometry_overrides, "worker": opt.worker_overrides, "engine": opt.engine_override}
 
@@ -68,7 +62,7 @@ def _check_against_the_table() -> None:
         raise TypeError(f"ServeFlags {names} against the serve-flag table {[row.name for row in CLI_FLAGS]}")
     hints = get_type_hints(ServeFlags)
     for row in CLI_FLAGS:
-        if hints[row.name] != Optional[row.type]:  # pragma: no cover - guards the annotations
+        if hints[row.name] != (row.type | None):  # pragma: no cover - guards the annotations
             raise TypeError(f"ServeFlags.{row.name} is {hints[row.name]}; the serve-flag table says {row.type}")
 
 

@@ -56,10 +56,12 @@ class Overrides:
     def any_given(self) -> bool:
         return bool(self.given()) or self.offloaded_block_size is not None
 
-    def merged(self, other: "Overrides") -> "Overrides":
+    def merged(self, other: Overrides) -> Overrides:
         """`other`'s given values over these."""
-        given = {f.name: getattr(other, f.name) for f in dataclasses.fields(other) if getattr(other, f.name) is not None}
+        given: dict[str, Any] = other.given()
+        if other.offloaded_block_size is not None:
+            given["offloaded_block_size"] = other.offloaded_block_size
         return dataclasses.replace(self, **given)
 
-    def replaced(self, **values: Any) -> "Overrides":
+    def replaced(self, **values: Any) -> Overrides:
         return dataclasses.replace(self, **values)

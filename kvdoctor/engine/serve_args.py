@@ -42,6 +42,7 @@ class ServeFlag:
     in_command: bool = False  # written into the `vllm serve` command the serve level starts
     exported: bool = False  # written into the exported script's setup
     from_log: str = ""  # "mapped": a log's value becomes the Setup field; "reported": shown only
+    check: str = "geometry"  # which check in `cli/options.py` turns the CLI flag into overrides
 
     def option_names(self) -> tuple[str, ...]:
         """The Typer declaration: `--x/--no-x` for a switch, else the flag and its aliases."""
@@ -92,20 +93,21 @@ _ROWS = (
               "vllm (default): vLLM's worker-role connector on real KV tensors with KV content checks | "
               "simulated: bookkeeping only, fastest. A recipe vLLM's worker cannot drive (MultiConnector, a "
               "Mamba layout) runs simulated unless --worker vllm is given, and says so.", panel=WORKER,
-              show_default=False),
+              show_default=False, check="worker"),
     ServeFlag("model_runner", "model_runner", "--model-runner", None, str,
               "v1 | v2: the model runner whose connector calls --worker vllm follows and whose "
               "output the scheduler shapes (default: what a GPU deployment of this vLLM runs).", panel=WORKER,
-              show_default=False),
+              show_default=False, check="worker"),
     ServeFlag("device", "device", "--device", None, str,
               "cpu | cuda: where --worker vllm keeps the KV tensors (cuda: vLLM's own CPUOffloadingSpec "
-              "worker does the copies; default cuda when torch sees a GPU).", panel=WORKER, show_default=False),
+              "worker does the copies; default cuda when torch sees a GPU).", panel=WORKER, show_default=False,
+              check="worker"),
     ServeFlag("engine", "engine", "--engine", None, str,
               "scheduler (default): kvdoctor calls vLLM's scheduler itself, fastest | core: vLLM's "
               "EngineCore in-process calls it (requests, aborts and steps through the engine) | serve: a "
               "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (queued-abort-shaped "
               "recipes). A step a level cannot play makes the recipe not_applicable there, naming it.",
-              panel=WORKER, show_default=False),
+              panel=WORKER, show_default=False, check="engine"),
     # Not kvdoctor options: spelled in messages, the serve command and logs only. The CPU tier's size is
     # set through --kv-offloading-size or --kv-transfer-config, as with vllm serve.
     ServeFlag("cpu_bytes_to_use", "cpu_bytes_to_use", "kv_connector_extra_config.cpu_bytes_to_use", None, int,

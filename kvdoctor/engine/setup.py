@@ -245,7 +245,8 @@ class Setup:
             raise UsageError(
                 f"--num-gpu-blocks-override {self.gpu_blocks}: kvdoctor simulates pools up to {MAX_GPU_BLOCKS:,} "
                 f"blocks (vLLM's scheduler builds one Python object per block; this pool would take "
-                f"~{self.gpu_blocks * 22e-6 / 60:.0f} min and ~{self.gpu_blocks * BYTES_PER_GPU_BLOCK / 2**30:.0f} GiB)")
+                f"~{self.gpu_blocks * 22e-6 / 60:.0f} min and "
+                f"~{self.gpu_blocks * BYTES_PER_GPU_BLOCK / 2**30:.0f} GiB)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise UsageError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "

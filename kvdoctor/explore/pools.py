@@ -22,6 +22,7 @@ class ProcessPool:
     def __init__(self) -> None:
         self._processes: list[Any] = []
         self._queue: Any = None
+        self._finished: set[int] = set()  # workers whose last message ("done" / "error") has been read
 
     def start(self, config: ExploreConfig) -> None:
         import multiprocessing
@@ -38,6 +39,8 @@ class ProcessPool:
             message: tuple[str, int, Any] = self._queue.get(timeout=timeout)
         except queue_mod.Empty:
             return None
+        if message[0] in ("done", "error"):
+            self._finished.add(message[1])
         return message
 
     def gone(self, workers: set[int]) -> dict[int, str]:
@@ -48,7 +51,11 @@ class ProcessPool:
         self._processes[worker].terminate()
 
     def close(self) -> None:
-        for process in self._processes:
-            process.join(timeout=5)
+        """A worker that said its last word gets 5 s to exit (vLLM's teardown); one still searching (Ctrl-C,
+        SIGTERM, a stopped run) is terminated at once."""
+        for index, process in enumerate(self._processes):
+            if index in self._finished:
+                process.join(timeout=5)
             if process.is_alive():
                 process.terminate()
+                process.join(timeout=5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi

@@ -6,7 +6,7 @@ without importing this module)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.overrides import Overrides

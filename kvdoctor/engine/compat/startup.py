@@ -31,7 +31,7 @@ def build_offloading_spec(vllm_config: Any, kv_cache_config: Any) -> Any | None:
     path, probed). vLLM's own refusals (asserts, ValueErrors) propagate unchanged."""
     try:
         config_mod = _import(OFFLOADING_CONFIG_MODULE)
-    except Exception:  # noqa: BLE001 - a release without the module: not probed
+    except Exception:
         return None
     build = getattr(config_mod, BUILD_OFFLOADING_CONFIG, None)
     factory = getattr(_import(SPEC_FACTORY_MODULE), SPEC_FACTORY, None)
@@ -62,7 +62,10 @@ def _source_site(module: str, needle: str) -> tuple[str, int] | None:
     try:
         found = importlib.util.find_spec(module)
         path = found.origin if found is not None else None
-        lines = open(path).read().splitlines() if path else []
+        if not path:
+            return None
+        with open(path) as handle:
+            lines = handle.read().splitlines()
     except (ImportError, OSError, ValueError):
         return None
     hits = [i for i, text in enumerate(lines, 1) if needle in text]
@@ -92,5 +95,5 @@ def build_offloading_config_source() -> str | None:
     try:
         build = getattr(_import(OFFLOADING_CONFIG_MODULE), BUILD_OFFLOADING_CONFIG, None)
         return inspect.getsource(build) if build is not None else None
-    except (Exception, OSError):  # noqa: BLE001 - no module or no source: nothing to probe
+    except (Exception, OSError):
         return None
