@@ -87,7 +87,7 @@ def test_the_geometry_changes_the_repeats():
 
 def test_geometry_free_expansion_refuses_until():
     recipe = load_recipe_text(FILL, "fill.toml")
-    with pytest.raises(InternalError, match="until = 'filled'.*needs a geometry"):
+    with pytest.raises(InternalError, match=r"until = 'filled'.*needs a geometry"):
         expand_counts(recipe.steps)
     steps = (Step("add", {"request": "A", "prompt_tokens": 4}, 1), Step("schedule", {"count": 3}, 2),
              Step("abort", {"request": "A"}, 3))

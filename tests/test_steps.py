@@ -5,9 +5,11 @@ and `docs/steps.md` is the registry's own table."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -66,7 +68,7 @@ class _Recorder:
     """Stands where kvdoctor's own Harness / Observer / worker stand (not vLLM) and notes, per call, the
     need the call belongs to."""
 
-    NEEDS = {
+    NEEDS: ClassVar[dict[str, Need]] = {
         "add": Need.ENGINE_INPUT, "abort": Need.ENGINE_INPUT,
         "step": Need.ENGINE_STEP, "drain": Need.IN_FLIGHT_OUTPUT,
         "finish_by_eos": Need.MODEL_OUTPUT,
@@ -102,16 +104,14 @@ def _sample_step(kind: str) -> ConcreteStep:
 def test_a_handler_uses_exactly_what_its_kind_needs(kind):
     used: list[Need] = []
     recorder = _Recorder(used)
-    try:
+    with contextlib.suppress(_Stop):
         play(_sample_step(kind), StepTarget(recorder, recorder))
-    except _Stop:
-        pass
     assert used, f"{kind}'s handler did nothing"
     assert set(used) == set(REGISTRY[kind].needs), f"{kind} declares {REGISTRY[kind].needs}, uses {set(used)}"
 
 
 def test_an_unregistered_kind_is_kvdoctors_error_not_a_silent_step():
-    with pytest.raises(InternalError, match="'teleport' .*line 3.* has no handler"):
+    with pytest.raises(InternalError, match=r"'teleport' .*line 3.* has no handler"):
         play(ConcreteStep(1, 0, Step("teleport", {}, 3)), StepTarget(None))
 
 
@@ -143,7 +143,7 @@ def test_a_kind_without_its_handler_fails_the_run_loudly(api, monkeypatch):
 
     recipe = load_builtin("queued-abort")
     monkeypatch.setattr("kvdoctor.steps.REGISTRY", {k: v for k, v in REGISTRY.items() if k != "abort"})
-    with pytest.raises(InternalError, match="'abort'.*has no handler"):
+    with pytest.raises(InternalError, match=r"'abort'.*has no handler"):
         run_scenario(api, recipe, resolve_setup(recipe), "installed")
 
 
@@ -192,12 +192,38 @@ def _calls(kind: str) -> set[str]:
                     raise _Stop
             return call
 
-    step = _sample_step(kind)
-    try:
-        play(step, StepTarget(Record(), Record()))
-    except _Stop:
-        pass
+    with contextlib.suppress(_Stop):
+        play(_sample_step(kind), StepTarget(Record(), Record()))
     return set(names) - {"snapshot"}
+
+
+def _unbound_names(tree, function: str) -> set[str]:
+    """The names `function` (nested in the script's `main`) reads that neither it, `main`, the module nor the
+    builtins bind: a step kind's lines using something the script does not have."""
+    import ast
+    import builtins
+
+    def bound(body) -> set[str]:
+        names: set[str] = set()
+        for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+                names.update(a.arg for a in node.args.args)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        return names
+
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    play_fn = next(n for n in ast.walk(main) if isinstance(n, ast.FunctionDef) and n.name == function)
+    module = [n for n in tree.body if not isinstance(n, ast.FunctionDef)]
+    known = bound(module) | {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    known |= bound(main.body) | set(dir(builtins))
+    read = {n.id for n in ast.walk(play_fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return read - known
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -247,15 +273,17 @@ def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, leve
                 export_script(recipe, setup)
             return
         script = export_script(recipe, setup)
-        ast.parse(script)
-        assert f"    def play_{kind}(args):" in script and f'"{kind}": play_{kind}' in script
+        assert not _unbound_names(ast.parse(script), f"play_{kind}"), _unbound_names(ast.parse(script), f"play_{kind}")
+        assert f"    def play_{kind}(args: dict[str, Any]) -> None:" in script
+        assert f'"{kind}": play_{kind}' in script
     else:
         if declared.serve is None:
             with pytest.raises(UsageError, match=re.escape(f"cannot export {recipe.name}: {named} cannot be played")):
                 serve_recipe_data(recipe, setup)
             return
         data = serve_recipe_data(recipe, setup)
-        assert [e["kind"] for e in data["events"]] == [e.kind for e in serve.plan_traffic(recipe, serve.serve_setup(setup))]
+        planned = serve.plan_traffic(recipe, serve.serve_setup(setup))
+        assert [e["kind"] for e in data["events"]] == [e.kind for e in planned]
 
 
 def test_a_kind_the_serve_level_meets_but_sends_nothing_for_is_kvdoctors_bug(monkeypatch) -> None:
@@ -267,7 +295,7 @@ def test_a_kind_the_serve_level_meets_but_sends_nothing_for_is_kvdoctors_bug(mon
     from kvdoctor.levels import serve
 
     monkeypatch.setitem(REGISTRY, "abort", dataclasses.replace(REGISTRY["abort"], serve=None))
-    with pytest.raises(InternalError, match="'abort' .*no serve events"):
+    with pytest.raises(InternalError, match=r"'abort' .*no serve events"):
         serve.plan_traffic(_one_of_each("schedule"), Setup(worker="simulated"))
 
 

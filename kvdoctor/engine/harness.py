@@ -9,6 +9,7 @@ local model directory or a shipped config), so nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -342,10 +343,8 @@ class Harness:
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
         self.worker.shutdown()
-        try:
+        with contextlib.suppress(Exception):  # a crashed scheduler may not shut down cleanly
             self.scheduler.shutdown()
-        except Exception:  # noqa: BLE001 - a crashed scheduler may not shut down cleanly
-            pass
         if self.setup.worker != "simulated":  # the simulated worker holds no KV bytes: nothing to free early
             import gc
 

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from hypothesis import strategies as st
@@ -261,8 +261,8 @@ SPECULATIVE_METHODS = (None, "eagle", "ngram", "eagle")
 DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
 
 
-def decode_speculative(geometry: "Geometry", byte: int, worker: str = "simulated",
-                       features: frozenset[str] = frozenset()) -> "Geometry":
+def decode_speculative(geometry: Geometry, byte: int, worker: str = "simulated",
+                       features: frozenset[str] = frozenset()) -> Geometry:
     """The speculative byte (bits: 0-1 the method, 2-3 num_speculative_tokens - 1, 4-6 the draft
     acceptance, 7 eagle without lookahead block hashes where the release has them: its trailing-block
     drop instead); 0 is no speculative decoding. The stand-in drafter runs beside the simulated worker
@@ -287,7 +287,7 @@ LATENESS = (0, 0, 1, 2, 3, 0, 1, 5)  # steps the last worker reports behind the 
 FAIL_WORKERS = (None, "last", "first", None)  # whose alone a fail event is (None: every worker's)
 
 
-def decode_workers(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
+def decode_workers(geometry: Geometry, byte: int, worker: str = "simulated") -> Geometry:
     """The workers byte (bits: 0-1 the number of workers, 2-4 the last one's lateness, 5-6 which worker
     alone fails a failed job); 0 is one worker. kvdoctor stands in for several workers with the
     simulated worker only, so vLLM's worker draws none."""
@@ -318,7 +318,7 @@ TIER_DRAW = "secondary_tier"
 TIER_CPU_CHUNKS = (1, 2, 4, None)
 
 
-def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "Geometry":
+def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geometry:
     """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
     `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
     share the first's tier directory), nor with vLLM's worker on a CPU (`Setup.vllm_worker_unsupported`)."""
@@ -334,15 +334,15 @@ def decode_tier(geometry: "Geometry", byte: int, worker: str = "simulated") -> "
     return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
 
 
-def kv_bytes_per_token(geometry: "Geometry") -> int:
+def kv_bytes_per_token(geometry: Geometry) -> int:
     """KV bytes one token takes in the geometry's layout (the sync-load budget is counted in them, as
     the offloading scheduler counts its loads: tokens x kv_bytes_per_token)."""
     layout = resolve_layout(None, geometry.layout, geometry.sliding_window)
     return max(1, layout.page_bytes(geometry.block_size) // geometry.block_size)
 
 
-def decode_extension(geometry: "Geometry", byte: int, features: frozenset[str], worker: str = "simulated"
-                     ) -> "Geometry":
+def decode_extension(geometry: Geometry, byte: int, features: frozenset[str], worker: str = "simulated"
+                     ) -> Geometry:
     """The extension byte (bits: 0-1 the sync-load budget, 2 the recompute policy, 3-4 the
     prefix_match_unit divisor, 5-6 the connector's deployment); 0 is the plain geometry, and a
     feature the release lacks (or the geometry cannot take) is drawn as its default."""
@@ -368,7 +368,7 @@ def decode_extension(geometry: "Geometry", byte: int, features: frozenset[str], 
     return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
-def decode_second_extension(geometry: "Geometry", byte: int, features: frozenset[str]) -> "Geometry":
+def decode_second_extension(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
     """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy); 0 is
     the geometry as it was, and a feature the release lacks (or the layout cannot take) its default."""
     changes: dict[str, Any] = {}
@@ -380,7 +380,7 @@ def decode_second_extension(geometry: "Geometry", byte: int, features: frozenset
     return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
-def cap_tokens(geometry: "Geometry", choice: str | int | None) -> int | None:
+def cap_tokens(geometry: Geometry, choice: str | int | None) -> int | None:
     """A CAPS entry in tokens at this geometry."""
     if choice is None or isinstance(choice, int):
         return choice
@@ -471,7 +471,7 @@ def scaled(byte: int, n: int) -> int:
 
 
 def geometry_fields(raw: bytes) -> tuple[int, ...]:
-    return tuple(scaled(byte, n) for byte, n in zip(raw, GEOMETRY_RANGES))
+    return tuple(scaled(byte, n) for byte, n in zip(raw, GEOMETRY_RANGES, strict=False))
 
 
 def event_fields(raw: bytes) -> tuple[int, ...]:
@@ -479,7 +479,7 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
     return (scaled(raw[0], len(EVENT_TABLE)), *raw[1:])
 
 
-@lru_cache(maxsize=None)
+@cache
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
                  speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
@@ -502,7 +502,7 @@ class Example:
 
     @classmethod
     def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated",
-               features: frozenset[str] = frozenset()) -> "Example":
+               features: frozenset[str] = frozenset()) -> Example:
         """The example hypothesis drew (`raw_examples`; an extension byte after the geometry's where
         `features` holds the gate)."""
         geometry, events = raw
@@ -519,7 +519,7 @@ class Example:
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0, workers: int = 0, tier: int = 0) -> "Example":
+                    speculative: int = 0, workers: int = 0, tier: int = 0) -> Example:
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -678,5 +678,6 @@ def settle_tail(steps: list[Step], late_steps: int = 0) -> list[Step]:
 
 
 def to_recipe(example: Example, name: str = "explore", summary: str = "generated by kvdoctor explore") -> Recipe:
-    return Recipe(name=name, summary=summary, signature=PLACEHOLDER_SIGNATURE,
-                  steps=tuple(settle_tail(event_steps(example), example.geometry.late_worker_steps)), setup=example.geometry.setup_dict())
+    steps = settle_tail(event_steps(example), example.geometry.late_worker_steps)
+    return Recipe(name=name, summary=summary, signature=PLACEHOLDER_SIGNATURE, steps=tuple(steps),
+                  setup=example.geometry.setup_dict())

@@ -15,6 +15,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -25,11 +27,15 @@ from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_
 
 # The adapter's vLLM-only reads and feature probes, the simulated worker and the engine's step loop; an
 # export copies their one definition in here.
-from kvdoctor.engine.compat.portable import (allocated_block_count, kv_cache_tensor,  # noqa: E402
-                                             request_states, runner_output_takes_req_id_to_index,
-                                             worker_reports_failed_jobs)
-from kvdoctor.engine.worker import Job, SimulatedWorker  # noqa: E402
-from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: E402
+from kvdoctor.engine.compat.portable import (
+    allocated_block_count,
+    kv_cache_tensor,
+    request_states,
+    runner_output_takes_req_id_to_index,
+    worker_reports_failed_jobs,
+)
+from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: F401 - EOS_TOKEN: the add lines
+from kvdoctor.engine.worker import Job, SimulatedWorker
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
 
@@ -37,10 +43,9 @@ LAYER = "model.layers.0.self_attn.attn"
 CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
-def build_scheduler(setup):
+def build_scheduler(setup: dict[str, Any]) -> Any:
     import torch
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -75,15 +80,14 @@ def build_scheduler(setup):
                structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size)
 
 
-def main():
+def main() -> int:
+    import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams  # noqa: F401 - the add lines (PLAYS, below)
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request, RequestStatus
-
-    import vllm
+    from vllm.v1.request import Request, RequestStatus  # noqa: F401 - the add and abort lines (PLAYS)
 
     # Feature probes, not version checks: the fields and signatures moved between releases.
     takes_req_id_to_index = runner_output_takes_req_id_to_index(ModelRunnerOutput)
@@ -94,12 +98,13 @@ def main():
     scheduler = build_scheduler(setup)
     connector = scheduler.connector.connector_scheduler
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(setup["block_size"], sha256)
-    requests, worker, finish_next = {}, SimulatedWorker(), set()
-    loop = StepLoop(scheduler, setup["async_scheduling"])
+    hasher = get_request_block_hasher(setup["block_size"], sha256)  # noqa: F841 - read by the PLAYS below
+    requests: dict[str, Any] = {}
+    worker, finish_next = SimulatedWorker(), set[str]()
+    loop = StepLoop(scheduler, setup["async_scheduling"])  # noqa: F841 - read by the PLAYS below
     steps_taken = 0
 
-    def worker_side(out):
+    def worker_side(out: Any) -> Any:
         """The simulated worker on one scheduler output: its jobs, what it reports, the sampled tokens."""
         nonlocal steps_taken
         steps_taken += 1
@@ -131,7 +136,7 @@ def main():
             runner_kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
         return ModelRunnerOutput(**runner_kwargs)
 
-    def expect(args):
+    def expect(args: dict[str, Any]) -> None:
         req = requests[args["request"]]
         state = request_states(connector).get(args["request"])
         blocks = sum(allocated_block_count(g) for g in state.group_states) if state else 0
@@ -152,7 +157,8 @@ def main():
             print(f"precondition failed for {args['request']}: " + "; ".join(problems))
             sys.exit(2)
 
-    PLAYS = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on export
+    # each step kind the recipe uses, played as its declaration says: replaced on export
+    PLAYS: dict[str, Callable[[dict[str, Any]], None]] = {}
 
     for number, (action, args) in enumerate(((s["action"], s["args"]) for s in RECIPE["steps"]), start=1):
         print(f"step {number}: {action} {json.dumps(args) if args else ''}")

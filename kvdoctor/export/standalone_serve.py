@@ -29,7 +29,7 @@ from kvdoctor.clean_exit import exit_now, raise_on_sigterm, run_main, throwaway_
 
 # kvdoctor's serve client (start/stop `vllm serve`, the traffic, the step log); an export copies its one
 # definition in here.
-from kvdoctor.levels.serve_client import Server, free_port, play, wait_ready, aborted_while_queued
+from kvdoctor.levels.serve_client import Server, aborted_while_queued, free_port, play, wait_ready
 
 RECIPE = json.loads(r"""{"name": "example", "serve_args": [], "events": [], "signature": {}}""")  # replaced on export
 PLATFORM_SOURCE = r'''"""replaced on export"""'''
@@ -40,7 +40,7 @@ STARTUP_LIMIT_S = float(os.environ.get("KVREPRO_STARTUP_S", "420"))
 CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
 
 
-def write_standins(folder):
+def write_standins(folder: str) -> None:
     """The stand-in package and its .dist-info (the platform plugin's entry point) in `folder`."""
     package = os.path.join(folder, STANDIN)
     info = os.path.join(folder, STANDIN + "-0.1.dist-info")
@@ -59,7 +59,7 @@ def write_standins(folder):
             f.write(text)
 
 
-def engine_traceback(lines):
+def engine_traceback(lines: list[str]) -> list[str]:
     """The engine core's fatal error and its traceback, as the server logged them (empty if none)."""
     for index, line in enumerate(lines):
         if "EngineCore encountered a fatal error" in line or line.startswith("Process EngineCore"):
@@ -73,7 +73,7 @@ def engine_traceback(lines):
     return []
 
 
-def main():
+def main() -> int:
     folder = os.path.abspath(__file__) + ".standin"
     write_standins(folder)
     model_dir = tempfile.mkdtemp(prefix="kvrepro-model-")

@@ -18,7 +18,12 @@ from typing import Any
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
 from kvdoctor.recipes.geometry import (
-    PREEMPT_NEXT, PreemptPlan, plan_fill, preempt_plan, prompt_length, shared_prefix_length,
+    PREEMPT_NEXT,
+    PreemptPlan,
+    plan_fill,
+    preempt_plan,
+    prompt_length,
+    shared_prefix_length,
 )
 from kvdoctor.recipes.model import Step
 from kvdoctor.steps import kind_of
@@ -65,6 +70,8 @@ def tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, tup
     """Token ids distinct per request (`order`: how many came before), unless a prefix is shared."""
     ids = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
     if "shared_prefix_with" in args:
+        if setup is None:
+            raise InternalError("a shared prefix is sized at a geometry: tokens() needs the setup")
         prefix = prompts[args["shared_prefix_with"]][: shared_prefix_length(args, setup)]
         ids[: len(prefix)] = prefix
     return tuple(ids)
@@ -90,6 +97,8 @@ def _added(args: dict[str, Any], setup: Setup, prompts: dict[str, tuple[int, ...
     not a fill). A fill's named request is its first filler; the others are named after it."""
     max_tokens = args.get("max_tokens", 8)
     if args.get("fill_pool") == PREEMPT_NEXT:
+        if preempt is None:
+            raise InternalError(f"fill_pool = {PREEMPT_NEXT!r} ({args['request']}) compiled without its preempt plan")
         planned = preempt_fill_requests(preempt, args["request"])
         fill_steps: int | None = preempt.steps
     elif args.get("fill_pool"):

@@ -36,8 +36,8 @@ MAX_NAME = 100  # a recipe's name: one line a report can head (a 2 MB name print
 _RECIPE_KEYS = {"name": (str,), "summary": (str,), "bug": (str,), "title": (str,), "refs": (list,),
                 "requires": (list,), "invariants": (list,), "workaround": (str,)}
 _SIGNATURE_KEYS = {"exception": (str,), "function": (str,), "contains": (str,), "invariant": (str,),
-                   "request": (str,), "callers": (list,), "function_aliases": (list,), "site_function": (str,), "site": (str,),
-                   "site_when": (str,)}
+                   "request": (str,), "callers": (list,), "function_aliases": (list,), "site_function": (str,),
+                   "site": (str,), "site_when": (str,)}
 _SETUP_KEYS = {f.name: f for f in dataclasses.fields(Setup) if f.metadata.get(RECIPE_KEY, True)}
 _SETUP_TABLES = ("kv_transfer_fields",)  # [setup] keys that are tables, checked apart
 
@@ -204,7 +204,7 @@ class _LineIndex:
         table_path = next((header for line, header, _ in self.headers if line == table_line), None)
         if table_path is not None:
             for line, header, _ in self.headers:
-                if line > table_line and header[: len(table_path) + 1] == table_path + (key,):
+                if line > table_line and header[: len(table_path) + 1] == (*table_path, key):
                     return line
         return table_line
 
@@ -413,10 +413,9 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
                                    f"{MAX_GPU_BLOCKS:,} blocks (vLLM's scheduler builds one Python object per block)")
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
-        if key == "layout":
-            if value not in shipped_layouts():
-                raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
-                                       f"(expected one of {', '.join(shipped_layouts())})")
+        if key == "layout" and value not in shipped_layouts():
+            raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
+                                   f"(expected one of {', '.join(shipped_layouts())})")
         setup[key] = value
     return setup
 
@@ -455,7 +454,8 @@ def _signature(r: _Reader, data: dict[str, Any]) -> Signature:
         try:
             parse_when(raw["site_when"])
         except ValueError as exc:
-            raise r.fail(r.index.key(line, "site_when"), f"[signature] site_when {_show(raw['site_when'])}: {exc}")
+            raise r.fail(r.index.key(line, "site_when"),
+                         f"[signature] site_when {_show(raw['site_when'])}: {exc}") from None
     if "site" in raw and not raw["site"].strip():
         raise r.fail(r.index.key(line, "site"), "[signature] site must name a statement's text, got an empty string")
     for key in ("callers", "function_aliases"):  # lists of function names, beside exception + function
