@@ -50,7 +50,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # level) is observing it
     ("engine", ("kvdoctor.engine.*", "kvdoctor.logic.*", "kvdoctor.observe.*", "kvdoctor.diagnose",
                 "kvdoctor.diagnose.reader", "kvdoctor.diagnose.traceback", "kvdoctor.diagnose.logline",
-                "kvdoctor.diagnose.evidence", "kvdoctor.diagnose.serveline", "kvdoctor.diagnose.pyrepr")),
+                "kvdoctor.diagnose.evidence", "kvdoctor.diagnose.serveline", "kvdoctor.diagnose.pyrepr",
+                "kvdoctor.diagnose.features")),
     # plain data and facts every layer reads: the recipe's data model, errors, releases, what is installed,
     # and the adapter's table of vLLM's private names (a recipe's signature spells functions by it)
     ("base", ("kvdoctor", "kvdoctor.errors", "kvdoctor.releases", "kvdoctor.installed", "kvdoctor.models.*",

@@ -53,8 +53,8 @@ FINDING_ACTIONS = frozenset({"add", "delay_block_hashes", "schedule", "reset_pre
 @pytest.mark.parametrize("function", ["_lookup", "_lookup_complete_chunks"])
 def test_explore_labels_the_lookup_assert_k6_by_this_recipe(function):
     found = Signature(exception="AssertionError", function=function, contains=ASSERT)
-    detail = ("vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:582: "
-              f"AssertionError: assert {ASSERT}")
+    detail = (f"vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:582: AssertionError: "
+              f"assert {ASSERT}")
     assert known_bug(found, actions=FINDING_ACTIONS, setup=FINDING_SETUP, detail=detail) == ("K6", (NAME,))
 
 

@@ -192,10 +192,38 @@ def _calls(kind: str) -> set[str]:
                     raise _Stop
             return call
 
-    step = _sample_step(kind)
     with contextlib.suppress(_Stop):
-        play(step, StepTarget(Record(), Record()))
+        play(_sample_step(kind), StepTarget(Record(), Record()))
     return set(names) - {"snapshot"}
+
+
+def _unbound_names(tree, function: str) -> set[str]:
+    """The names `function` (nested in the script's `main`) reads that neither it, `main`, the module nor the
+    builtins bind: a step kind's lines using something the script does not have."""
+    import ast
+    import builtins
+
+    def bound(body) -> set[str]:
+        names: set[str] = set()
+        for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.FunctionDef):
+                names.add(node.name)
+                names.update(a.arg for a in node.args.args)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        return names
+
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    play_fn = next(n for n in ast.walk(main) if isinstance(n, ast.FunctionDef) and n.name == function)
+    module = [n for n in tree.body if not isinstance(n, ast.FunctionDef)]
+    known = bound(module) | {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    known |= bound(main.body) | set(dir(builtins))
+    read = {n.id for n in ast.walk(play_fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return read - known
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -245,8 +273,9 @@ def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, leve
                 export_script(recipe, setup)
             return
         script = export_script(recipe, setup)
-        ast.parse(script)
-        assert f"    def play_{kind}(args):" in script and f'"{kind}": play_{kind}' in script
+        assert not _unbound_names(ast.parse(script), f"play_{kind}"), _unbound_names(ast.parse(script), f"play_{kind}")
+        assert f"    def play_{kind}(args: dict[str, Any]) -> None:" in script
+        assert f'"{kind}": play_{kind}' in script
     else:
         if declared.serve is None:
             with pytest.raises(UsageError, match=re.escape(f"cannot export {recipe.name}: {named} cannot be played")):

@@ -130,11 +130,13 @@ class SimulatedWorker:
         self._to_complete.update(jid for jid in jobs_to_flush if jid in self.in_flight)
         report = WorkerReport()
         for jid in sorted(self._to_fail):
-            if jid in self.in_flight:
-                report.failed.append(self.in_flight.pop(jid))
+            failed = self.in_flight.pop(jid, None)
+            if failed is not None:
+                report.failed.append(failed)
         for jid in sorted(self._to_complete - self._to_fail):
-            if jid in self.in_flight:
-                report.completed.append(self.in_flight.pop(jid))
+            completed = self.in_flight.pop(jid, None)
+            if completed is not None:
+                report.completed.append(completed)
         for job in report.completed + report.failed:
             self._due.pop(job.job_id, None)
         self._to_complete.clear()

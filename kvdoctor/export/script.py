@@ -29,8 +29,8 @@ from kvdoctor.steps import REGISTRY, Unsupported, kind_of
 
 _TEMPLATE = Path(__file__).with_name("standalone.py")
 _RECIPE_LINE = 'RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export'
-_PLAYS_LINE = ("    PLAYS: dict[str, Any] = {}  # each step kind the recipe uses, as its declaration says to play it: "
-               "replaced on export\n")
+_PLAYS_LINE = ("    # each step kind the recipe uses, played as its declaration says: replaced on export\n"
+               "    PLAYS: dict[str, Callable[[dict[str, Any]], None]] = {}\n")
 _CONFIG_LINE = "CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export"
 
 
@@ -52,9 +52,9 @@ def _plays(kinds: set[str]) -> str:
             if isinstance(kind.script, Unsupported):  # pragma: no cover - export_script refused it first
                 raise RuntimeError(f"step kind {name!r} has no exported form")
             body = textwrap.indent(kind.script.strip("\n") + "\n", " " * 8)
-            lines.append(f"    def play_{name}(args):\n{body}\n")
+            lines.append(f"    def play_{name}(args: dict[str, Any]) -> None:\n{body}\n")
     table = ", ".join(f'"{name}": play_{name}' for name in REGISTRY if name in kinds)
-    return "".join(lines) + f"    PLAYS = {{{table}}}\n"
+    return "".join(lines) + f"    PLAYS: dict[str, Callable[[dict[str, Any]], None]] = {{{table}}}\n"
 
 
 def _with_tiny_config(template: str) -> str:

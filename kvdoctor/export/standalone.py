@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +34,7 @@ from kvdoctor.engine.compat.portable import (
     runner_output_takes_req_id_to_index,
     worker_reports_failed_jobs,
 )
-from kvdoctor.engine.step_loop import StepLoop, sample
+from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: F401 - EOS_TOKEN: the add lines
 from kvdoctor.engine.worker import Job, SimulatedWorker
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
@@ -82,9 +83,11 @@ def build_scheduler(setup: dict[str, Any]) -> Any:
 def main() -> int:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+    from vllm.sampling_params import SamplingParams  # noqa: F401 - the add lines (PLAYS, below)
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus  # noqa: F401 - the add and abort lines (PLAYS)
 
     # Feature probes, not version checks: the fields and signatures moved between releases.
     takes_req_id_to_index = runner_output_takes_req_id_to_index(ModelRunnerOutput)
@@ -95,10 +98,10 @@ def main() -> int:
     scheduler = build_scheduler(setup)
     connector = scheduler.connector.connector_scheduler
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(setup["block_size"], sha256)  # noqa: F841 - read by the plays put in on export
+    hasher = get_request_block_hasher(setup["block_size"], sha256)  # noqa: F841 - read by the PLAYS below
     requests: dict[str, Any] = {}
     worker, finish_next = SimulatedWorker(), set[str]()
-    loop = StepLoop(scheduler, setup["async_scheduling"])  # noqa: F841 - read by the plays put in on export
+    loop = StepLoop(scheduler, setup["async_scheduling"])  # noqa: F841 - read by the PLAYS below
     steps_taken = 0
 
     def worker_side(out: Any) -> Any:
@@ -154,7 +157,8 @@ def main() -> int:
             print(f"precondition failed for {args['request']}: " + "; ".join(problems))
             sys.exit(2)
 
-    PLAYS: dict[str, Any] = {}  # each step kind the recipe uses, as its declaration says to play it: replaced on export
+    # each step kind the recipe uses, played as its declaration says: replaced on export
+    PLAYS: dict[str, Callable[[dict[str, Any]], None]] = {}
 
     for number, (action, args) in enumerate(((s["action"], s["args"]) for s in RECIPE["steps"]), start=1):
         print(f"step {number}: {action} {json.dumps(args) if args else ''}")

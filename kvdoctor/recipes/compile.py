@@ -71,7 +71,7 @@ def tokens(order: int, length: int, args: dict[str, Any], prompts: dict[str, tup
     ids = [10 + (order * 131 + i * 7) % 1000 for i in range(length)]
     if "shared_prefix_with" in args:
         if setup is None:
-            raise InternalError("a shared prefix is sized by the setup's geometry, and none was given")
+            raise InternalError("a shared prefix is sized at a geometry: tokens() needs the setup")
         prefix = prompts[args["shared_prefix_with"]][: shared_prefix_length(args, setup)]
         ids[: len(prefix)] = prefix
     return tuple(ids)
@@ -98,8 +98,7 @@ def _added(args: dict[str, Any], setup: Setup, prompts: dict[str, tuple[int, ...
     max_tokens = args.get("max_tokens", 8)
     if args.get("fill_pool") == PREEMPT_NEXT:
         if preempt is None:
-            raise InternalError(f"fill_pool = {PREEMPT_NEXT!r} (request {args['request']}) with no preempting fill "
-                                "planned at this geometry")
+            raise InternalError(f"fill_pool = {PREEMPT_NEXT!r} ({args['request']}) compiled without its preempt plan")
         planned = preempt_fill_requests(preempt, args["request"])
         fill_steps: int | None = preempt.steps
     elif args.get("fill_pool"):

@@ -414,8 +414,8 @@ def _setup(r: _Reader, raw: Any) -> dict[str, Any]:
         if key == "worker" and value not in WORKERS:
             raise r.fail(key_line, f"[setup] worker must be {_WORKER_CHOICES}, got {_show(value)}")
         if key == "layout" and value not in shipped_layouts():
-                raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
-                                       f"(expected one of {', '.join(shipped_layouts())})")
+            raise r.fail(key_line, f"[setup] layout {_quoted(value)} is not a layout kvdoctor ships "
+                                   f"(expected one of {', '.join(shipped_layouts())})")
         setup[key] = value
     return setup
 

@@ -28,7 +28,7 @@ from kvdoctor.errors import UsageError
 class CoreHarness(Harness):
     """One EngineCore per run; `Harness`'s step bookkeeping, the engine's control flow."""
 
-    def __init__(self, api: VllmApi, setup: Setup, build_cache: Any = None) -> None:  # no cache
+    def __init__(self, api: VllmApi, setup: Setup, build_cache: Any = None) -> None:
         from kvdoctor.engine.core.executor import HANDOFFS, QUALNAME, Handoff
 
         self.api = api
@@ -117,7 +117,7 @@ class CoreHarness(Harness):
         try:
             with self.api.lean_engine_core_lifecycle():
                 self.core.shutdown()
-        except Exception:  # a crashed engine may not shut down cleanly
+        except Exception:
             pass
 
     # -- one engine step ---------------------------------------------------------------------------
