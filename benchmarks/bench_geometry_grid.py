@@ -4,7 +4,8 @@ Block sizes 4, 16, 32, 64 x blocks per chunk 1, 2, 4 x async scheduling on/off x
 user-fixed pool (`--num-gpu-blocks-override` 8, the recipes' own, and 512, a deployment's). On a vLLM with
 the bugs every cell must be `reproduced`, or `untested` naming a flag the user fixed; never
 `not_applicable` or any other outcome that exits 0. One process, one vLLM import: cells are in-process
-calls of `kvdoctor.resolution.resolve_setup` and `kvdoctor.levels.scheduler.run_scenario`, as `kvdoctor repro` makes them.
+calls of `kvdoctor.resolution.resolve_setup` and `kvdoctor.levels.scheduler.run_scenario`, as `kvdoctor repro`
+makes them.
 
     PYTHONPATH=. python benchmarks/bench_geometry_grid.py [--worker simulated|vllm] [--json FILE]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import pytest
@@ -54,8 +56,10 @@ SYNTHETIC = (
     "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     self._build_store_jobs(scheduler_output)\r\n"
     '(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]   File "/usr/local/lib/python3.12/dist-packages/'
     'vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py", line 975, in _build_store_jobs\r\n'
-    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     assert len(offload_keys) == len(offload_block_ids)\r\n"
-    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\r\n"
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]     "
+    "assert len(offload_keys) == len(offload_block_ids)\r\n"
+    "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332]            "
+    "^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\r\n"
     "(EngineCore_DP0 pid=7) ERROR 08-04 09:48:15 [core.py:1332] AssertionError\r\n"
     "(APIServer pid=1) ERROR 08-04 09:48:15 [async_llm.py:704] Traceback (most recent call last):\r\n"
     '(APIServer pid=1) ERROR 08-04 09:48:15 [async_llm.py:704]   File "/usr/local/lib/python3.12/dist-packages/'
@@ -79,7 +83,7 @@ class Real(NamedTuple):
     function: str | None  # innermost vLLM frame
     process: str | None  # process prefix of the crash
     version: str | None = None
-    overrides: dict = {}  # geometry flags mapped from its serve arguments
+    overrides: Mapping[str, object] = MappingProxyType({})  # geometry flags mapped from its serve arguments
 
 
 REAL = {

@@ -25,7 +25,7 @@ def api():
 
     try:
         return compat.load()
-    except Exception as exc:  # noqa: BLE001 - no usable vLLM here: nothing to measure
+    except Exception as exc:  # no usable vLLM here: nothing to measure
         pytest.skip(f"vLLM not usable: {exc}")
 
 

@@ -18,7 +18,6 @@ from kvdoctor.diagnose.sites import load as load_sites
 from kvdoctor.recipes.builtins import all_builtins
 
 from .cli_runner import invoke
-from .conftest import ROOT
 from .test_diagnose import LOGS, SYNTHETIC
 
 RECIPES = all_builtins()
@@ -182,7 +181,8 @@ def test_the_data_covers_every_crash_bug_on_every_measured_release():
 def test_each_releases_wording_names_its_bug(wording):
     bug, exception, function, file, statement, reached = wording
     indented = "".join("    " + line + "\n" for line in statement.splitlines())
-    traceback = f'Traceback (most recent call last):\n  File "/x/{file}", line 1, in {function}\n{indented}{exception}\n'
+    traceback = (f'Traceback (most recent call last):\n  File "/x/{file}", line 1, in {function}\n'
+                 f"{indented}{exception}\n")
     _, result = _match(traceback)
     assert bug in result.best_bugs, [c.why for c in result.candidates]
     (mine,) = {c.strength for c in result.candidates if c.recipe.bug == bug}

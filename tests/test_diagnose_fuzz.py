@@ -55,7 +55,8 @@ def test_args_text(text):
     setup_overrides_from_serve_args(value if isinstance(value, dict) else {})
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=2000))
 def test_cli_on_random_bytes(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("fuzz") / "log"

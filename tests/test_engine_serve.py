@@ -18,9 +18,7 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -90,7 +88,7 @@ def test_queued_abort_serve_verdict_from_the_servers_log(serve_env: dict[str, st
     if rows[0].outcome == "reproduced":
         assert proc.returncode == 1
         assert result["failure"]["function"] == "_build_store_jobs"
-        assert any("run_busy_loop" == f["function"] for f in result["failure"]["vllm_frames"])
+        assert any(f["function"] == "run_busy_loop" for f in result["failure"]["vllm_frames"])
     else:
         assert proc.returncode == 0
         assert "aborted while queued" in result["detail"] and "fresh request served" in result["detail"]

@@ -26,7 +26,6 @@ import pytest
 
 from tests.cli_runner import invoke
 from tests.conftest import KVDOCTOR, ROOT
-from tests.test_engine_serve import serve_env  # noqa: F401 - the fixture: kvdoctor's platform plugin for the child
 
 UNSET = ("KVDOCTOR_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
          "VLLM_RPC_BASE_PATH", "KVDOCTOR_SCRATCH_DIR")
@@ -138,7 +137,7 @@ def test_sigterm_mid_run_stops_cleans_up_and_exits_143_with_one_line(place, firs
 
 
 @pytest.mark.vllm
-def test_serve_level_leaves_no_socket_and_reuses_the_model_info(place, first_repro, serve_env):  # noqa: F811
+def test_serve_level_leaves_no_socket_and_reuses_the_model_info(place, first_repro, serve_env):
     infos = place.model_infos()
     before = place.listing()
     env = {**place.env, "PYTHONPATH": serve_env.get("PYTHONPATH", place.env.get("PYTHONPATH", ""))}

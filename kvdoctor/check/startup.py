@@ -102,20 +102,19 @@ def layout_setup(flags: CheckFlags, mamba: bool) -> Setup:
 def _vllm_config(api: Any, flags: CheckFlags, setup: Setup) -> Any:
     from kvdoctor.engine.tiny_model import tiny_draft_dir, tiny_model_dir
 
-    config = api.mods["config"]
-    model_config = config.ModelConfig(model=tiny_model_dir(), skip_tokenizer_init=True,
-                                      max_model_len=setup.max_model_len, dtype="float16", seed=0)
+    model_config = api.config_class("ModelConfig")(model=tiny_model_dir(), skip_tokenizer_init=True,
+                                                   max_model_len=setup.max_model_len, dtype="float16", seed=0)
     cache_kwargs: dict[str, Any] = {"block_size": setup.block_size,
                                     "enable_prefix_caching": setup.enable_prefix_caching}
     if setup.mamba_cache_mode is not None:
         cache_kwargs["mamba_cache_mode"] = setup.mamba_cache_mode
-    scheduler = config.SchedulerConfig(
+    scheduler = api.config_class("SchedulerConfig")(
         max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len, is_encoder_decoder=False,
         enable_chunked_prefill=setup.enable_chunked_prefill, async_scheduling=setup.async_scheduling)
     transfer = None
     if flags.kv_transfer_config is not None:
-        transfer = config.KVTransferConfig(**flags.kv_transfer_config)
+        transfer = api.config_class("KVTransferConfig")(**flags.kv_transfer_config)
     extra: dict[str, Any] = {}
     spec = flags.speculative_config
     if spec:
@@ -128,9 +127,10 @@ def _vllm_config(api: Any, flags: CheckFlags, setup: Setup) -> Any:
             tiny_draft_dir() if method == "eagle" else None, None)
     if flags.tensor_parallel_size > 1:
         extra["parallel_config"] = api.parallel_config(flags.tensor_parallel_size)
-    return config.VllmConfig(model_config=model_config, cache_config=config.CacheConfig(**cache_kwargs),
-                             scheduler_config=scheduler, kv_transfer_config=transfer,
-                             device_config=config.DeviceConfig("cpu"), **extra)
+    cache = api.config_class("CacheConfig")(**cache_kwargs)
+    return api.config_class("VllmConfig")(model_config=model_config, cache_config=cache, scheduler_config=scheduler,
+                                          kv_transfer_config=transfer,
+                                          device_config=api.config_class("DeviceConfig")("cpu"), **extra)
 
 
 def _scheduler(api: Any, vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int,

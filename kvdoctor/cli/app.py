@@ -9,7 +9,8 @@ and has `main()`. No command module imports this one. Importing it must stay che
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Callable, Optional
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -98,7 +99,7 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
+    version: Annotated[bool | None, typer.Option("--version", callback=_version_callback, is_eager=True,
                                                     help="Show kvdoctor's version and exit.")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="On kvdoctor's own failure, print the traceback "
                                                         "(also KVDOCTOR_DEBUG=1).")] = False,

@@ -8,7 +8,7 @@ cheap (Typer only); the work is in `kvdoctor.diagnose.app`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -26,7 +26,7 @@ def diagnose(
     json_out: opt.Json = False,
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
-    write_recipe: Annotated[Optional[Path], typer.Option(
+    write_recipe: Annotated[Path | None, typer.Option(
         "--write-recipe", help="When no known bug matches, write the starting recipe to FILE.",
         rich_help_panel=opt.OUTPUT)] = None,
 ) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -60,13 +60,13 @@ def explore(
                                      "EngineCore, and check its steps against what an engine core can produce "
                                      "(on by default).",
         rich_help_panel=SEARCH)] = True,
-    target: Annotated[Optional[str], typer.Option(
+    target: Annotated[str | None, typer.Option(
         "--target", help="EXC:FUNCTION: only failures of that exception in that vLLM function count (e.g. "
                          "AssertionError:_build_store_jobs); others are run past.", rich_help_panel=SEARCH)] = None,
-    force: Annotated[Optional[list[str]], typer.Option(
+    force: Annotated[list[str] | None, typer.Option(
         "--force", help="Draw a feature whatever this vLLM's probes say: speculative | fs-tier | workers "
                         "(repeatable).", rich_help_panel=SEARCH)] = None,
-    exclude_trigger: Annotated[Optional[str], typer.Option(
+    exclude_trigger: Annotated[str | None, typer.Option(
         "--exclude-trigger", help="Known bugs (K1,K6) whose trigger a finding must not go through: a run "
                                   "through one is that bug, not a new route.", rich_help_panel=SEARCH)] = None,
     out: Annotated[Path, typer.Option(

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable, get_type_hints
+from typing import Any, get_type_hints
 
 from kvdoctor.cli import options as opt
 from kvdoctor.engine.overrides import Overrides
@@ -105,7 +106,7 @@ def with_serve_flags(command: Callable[..., Any]) -> Callable[..., Any]:
         flags = ServeFlags(**{name: kwargs.pop(name, None) for name in names})
         return command(*args, **{PARAMETER: flags}, **kwargs)
 
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]  # inspect reads it; Callable has none
     wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
     del wrapper.__wrapped__  # Typer and inspect read the new signature, not the command's
     return wrapper

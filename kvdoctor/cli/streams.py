@@ -191,10 +191,11 @@ class QuietWhenClosed:
 def guard_process_streams() -> None:
     """The real `kvdoctor` process: stderr quiet once closed, and a stream closed at start (`>&-`,
     `2>&-`: Python's None) replaced by /dev/null, so no write raises where it was not expected."""
+    # the process's own streams, open for its lifetime: no context manager closes them
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the process's stdout, for its lifetime
     if sys.stderr is None:
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the process's stderr, for its lifetime
     if not isinstance(sys.stderr, QuietWhenClosed):
         sys.stderr = QuietWhenClosed(sys.stderr)
 

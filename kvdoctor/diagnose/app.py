@@ -7,8 +7,9 @@ recipe is run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from kvdoctor.diagnose.kinds import ENGINE, GENERIC_FRAMES, CrashKind, classify
 from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.diagnose.logline import LogLine
 from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, _exception_line, balanced
+
+if TYPE_CHECKING:  # the reader imports this module
+    from kvdoctor.diagnose.reader import LogSummary
 
 MAX_ITEMS = 64
 MAX_STATEMENT_LINES = 12
@@ -101,7 +105,7 @@ class LooseCollector:
     def open(self) -> bool:
         return bool(self._statement)
 
-    def _add(self, items: list, item) -> None:  # type: ignore[type-arg]
+    def _add(self, items: list[Any], item: Any) -> None:
         if len(items) < MAX_ITEMS:
             items.append(item)
 
@@ -121,8 +125,8 @@ class LooseCollector:
                 return
             self._close_message()
         if self._statement:
-            ends = not body.strip() or body[:1] not in " \t)]}" and (
-                _exception_line(body.strip()) is not None or body.startswith("Traceback"))
+            ends = not body.strip() or (body[:1] not in " \t)]}" and (
+                _exception_line(body.strip()) is not None or body.startswith("Traceback")))
             if ends:  # the paste left the statement unclosed: what follows is not part of it
                 self._close_statement()
             else:
@@ -209,7 +213,7 @@ def traceback_unit(tb: LogTraceback) -> Unit:
     return Unit(label, list(tb.frames), tb.exception, tb.message, not tb.cut_short, traceback=tb)
 
 
-def units(summary) -> list[Unit]:  # noqa: ANN001 - LogSummary (reader imports this module)
+def units(summary: LogSummary) -> list[Unit]:
     """The crash first, then the other tracebacks (worker WARNINGs), then the loose lines; no re-raises."""
     out: list[Unit] = []
     tracebacks = [tb for tb in summary.tracebacks if not tb.is_reraise and (tb.frames or tb.exception)]

@@ -107,7 +107,7 @@ def classify(tb: LogTraceback) -> CrashKind:
     functions = {f.function for f in tb.frames}
     message = tb.message or ""
     if (functions & _STARTUP_FUNCTIONS or "Timed out waiting for mmap" in message
-            or any("/kv_offload/" in p and f.function == "__init__" for p, f in zip(paths, tb.frames))
+            or any("/kv_offload/" in p and f.function == "__init__" for p, f in zip(paths, tb.frames, strict=True))
             or any(p.endswith("offloading/config.py") for p in paths)):
         return STARTUP
     if tb.header.startswith("Exception in") or any("/kv_offload/worker/" in p or p.endswith("gpu_worker.py")

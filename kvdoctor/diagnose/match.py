@@ -100,15 +100,13 @@ def _releases_text(releases: list[str]) -> str:
     """Contiguous runs of KNOWN_RELEASES: `0.26.0–0.29.0, 0.34.0`."""
     index = sorted({KNOWN_RELEASES.index(r) for r in releases if r in KNOWN_RELEASES})
     others = sorted(r for r in releases if r not in KNOWN_RELEASES)
-    runs: list[str] = []
-    start = prev = None
-    for i in index + [None]:  # type: ignore[list-item]
-        if start is not None and (i is None or i != prev + 1):
-            runs.append(KNOWN_RELEASES[start] if start == prev else f"{KNOWN_RELEASES[start]}–{KNOWN_RELEASES[prev]}")
-            start = None
-        if i is not None and start is None:
-            start = i
-        prev = i
+    spans: list[list[int]] = []  # [first, last] of each run of consecutive releases
+    for i in index:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    runs = [KNOWN_RELEASES[a] if a == b else f"{KNOWN_RELEASES[a]}–{KNOWN_RELEASES[b]}" for a, b in spans]
     return ", ".join(runs + others)
 
 
@@ -158,8 +156,8 @@ def known_bugs(recipes: list[Recipe], sites: list[Any] | None = None) -> list[Kn
                 and s.absent is None and s.statement]
         wordings: dict[str, Wording] = {}
         for site in mine:
-            key = tokenize(site.statement).text
-            wording = wordings.setdefault(key, Wording(site.statement, [], False, site.message))
+            statement: str = site.statement or ""  # never empty: `mine` keeps the sites with a statement
+            wording = wordings.setdefault(tokenize(statement).text, Wording(statement, [], False, site.message))
             wording.releases.append(site.release)
             wording.reached = wording.reached or site.reached
         callers = max((r.signature.callers for r in members), key=len)
@@ -257,19 +255,19 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     found: _Found | None = None
     for original, at_site in shown:
         lines = original.split("\n")
-        gaps = ELIDED in lines  # the traceback left lines of it out: its lines are pieces, never a whole
+        elided = ELIDED in lines  # the traceback left lines of it out: its lines are pieces, never a whole
         text = "\n".join(line for line in lines if line != ELIDED)
-        candidate = None if gaps else _best_statement(text, known)
-        if candidate is None:
-            for piece in text.split("\n") if "\n" in text and (gaps or not balanced(text)) else ():
-                candidate = _best_statement(piece, known)
-                if candidate is not None:
+        match = None if elided else _best_statement(text, known)
+        if match is None:
+            for piece in text.split("\n") if "\n" in text and (elided or not balanced(text)) else ():
+                match = _best_statement(piece, known)
+                if match is not None:
                     break
-        if candidate is not None and (found is None or _KIND_ORDER[candidate.likeness.kind]
-                                      < _KIND_ORDER[found.likeness.kind]):
-            found = candidate
-        if candidate is None and at_site:
-            whole = not gaps and (not is_fragment(text) and text.lstrip().startswith("assert") or (
+        if match is not None and (found is None or _KIND_ORDER[match.likeness.kind]
+                                  < _KIND_ORDER[found.likeness.kind]):
+            found = match
+        if match is None and at_site:
+            whole = not elided and ((not is_fragment(text) and text.lstrip().startswith("assert")) or (
                 known.exception != "AssertionError" and not is_fragment(text)))
             if whole or _names_foreign(text, known):
                 closeness = 3 if same_exception else 2
@@ -303,9 +301,10 @@ def _weigh(unit: Unit, known: Known) -> tuple[Candidate | None, RuledOut | None]
     lower = []
     if found is not None and found.wording is not None and kind in ("renamed", "partial-renamed"):
         lower.append("renamed")
-    if found is not None and found.wording is not None and not found.wording.reached and not message_found:
-        if not any(w.reached for w in known.wordings if tokenize(w.statement).text == tokenize(found.shown).text):
-            lower.append("unreached")
+    if (found is not None and found.wording is not None and not found.wording.reached and not message_found
+            and not any(w.reached for w in known.wordings
+                        if tokenize(w.statement).text == tokenize(found.shown).text)):
+        lower.append("unreached")
     if has_function and all(f.file == MENTIONED for f in at_function) and not whole_statement:
         lower.append("function named, no frame")
     if lower and level < 3:

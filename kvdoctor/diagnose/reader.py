@@ -12,9 +12,10 @@ from __future__ import annotations
 import io
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 from kvdoctor.diagnose import serveline
 from kvdoctor.diagnose.evidence import LooseCollector, LooseEvidence
@@ -66,7 +67,7 @@ class LogSummary:
         loose_crash = loose is not None and (
             loose.dump_line is not None or loose.statements or loose.exceptions
             or any("/" in f.file or f.in_vllm for f in loose.frames))
-        return bool(self.crash is not None and not self.crash.survived or self.fatal_line is not None
+        return bool((self.crash is not None and not self.crash.survived) or self.fatal_line is not None
                     or self.reraise_seen or loose_crash)
 
     @property
@@ -224,21 +225,21 @@ def _decompressed(stream: IO[bytes], kind: str, name: str) -> IO[bytes]:
     if kind == "gzip":
         import gzip
 
-        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]  # a binary IO in all but name
     if kind == "xz":
         import lzma
 
-        return lzma.LZMAFile(stream)  # type: ignore[return-value]
+        return lzma.LZMAFile(stream)
     if kind == "bzip2":
         import bz2
 
-        return bz2.BZ2File(stream)  # type: ignore[return-value]
+        return bz2.BZ2File(stream)
     try:
         import zstandard  # type: ignore[import-not-found]
     except ImportError:
-        raise UsageError(f"{name}: a zstd-compressed log, and the `zstandard` module is not installed: "
-                         f"decompress it first (zstd -d) or pipe it in (zstd -dc {name} | kvdoctor diagnose -)") from None
-    return zstandard.ZstdDecompressor().stream_reader(stream)  # type: ignore[no-any-return]
+        raise UsageError(f"{name}: a zstd-compressed log, and the `zstandard` module is not installed: decompress "
+                         f"it first (zstd -d) or pipe it in (zstd -dc {name} | kvdoctor diagnose -)") from None
+    return zstandard.ZstdDecompressor().stream_reader(stream)
 
 
 def _is_binary(head: bytes) -> bool:
@@ -253,16 +254,16 @@ def _is_binary(head: bytes) -> bool:
 
 def open_log_stream(stream: IO[bytes], name: str) -> IO[bytes]:
     """The log's text bytes: decompressed when compressed; a file that is not text is a usage error (one line)."""
-    buffered = stream if isinstance(stream, io.BufferedReader) else io.BufferedReader(stream)  # type: ignore[arg-type,type-var]
+    buffered = stream if isinstance(stream, io.BufferedReader) else io.BufferedReader(stream)  # type: ignore[type-var]  # reads any binary stream
     head = buffered.peek(SNIFF)[:SNIFF]
     kind = next((k for magic, k in _MAGIC if head.startswith(magic)), None)
     text_stream: IO[bytes] = buffered
     if kind is not None:  # (marked, so that `_read_checked` reads it up to a break)
         text_stream = _decompressed(buffered, kind, name)
         if not hasattr(text_stream, "peek"):
-            text_stream = io.BufferedReader(text_stream)  # type: ignore[arg-type,type-var]
+            text_stream = io.BufferedReader(text_stream)  # type: ignore[type-var]  # reads any binary stream
         try:
-            head = text_stream.peek(SNIFF)[:SNIFF]  # type: ignore[attr-defined]
+            head = text_stream.peek(SNIFF)[:SNIFF]
         except (OSError, EOFError, ValueError) as exc:
             raise UsageError(f"{name}: a {kind}-compressed file that cannot be decompressed: {exc}") from None
     if kind is not None:

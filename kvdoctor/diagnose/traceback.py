@@ -147,7 +147,7 @@ def _exception_line(body: str) -> re.Match[str] | None:
     name = match.group("name").rsplit(".", 1)[-1]
     # an exception class: ends like one, or is a bare known-looking name followed by ':'
     if not (name.endswith(("Error", "Exception", "Exit", "Interrupt", "Warning", "Dead", "Failure"))
-            or match.group("msg") is not None and name[:1].isupper()):
+            or (match.group("msg") is not None and name[:1].isupper())):
         return None
     return match
 

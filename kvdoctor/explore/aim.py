@@ -20,7 +20,7 @@ def parse_aim(target: str | None, force: list[str], exclude: str | None) -> dict
     aim: dict[str, Any] = {}
     if target is not None:
         exception, sep, function = target.partition(":")
-        if not sep or not _NAME.match(exception) or function and not _NAME.match(function):
+        if not sep or not _NAME.match(exception) or (function and not _NAME.match(function)):
             raise UsageError(f"--target must be EXCEPTION:FUNCTION (e.g. AssertionError:_build_store_jobs), got "
                              f"{target[:80]!r}")
         aim["target"] = (exception.rsplit(".", 1)[-1], function)

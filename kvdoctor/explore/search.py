@@ -35,7 +35,13 @@ from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
 from kvdoctor.explore.findings import (
-    Finding, finding_key, finding_recipe, merge, path_of, step_actions, summary_text,
+    Finding,
+    finding_key,
+    finding_recipe,
+    merge,
+    path_of,
+    step_actions,
+    summary_text,
 )
 from kvdoctor.explore.generate import (
     EXTENSION_GATE,

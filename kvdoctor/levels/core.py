@@ -23,7 +23,7 @@ NAME = "core"
 class CoreScenarioRun(ScenarioRun):
     harness_class = CoreHarness
 
-    def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]
+    def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]  # each level runs its own harness
         self.result.worker = (f"{self.result.worker}; hosted by kvdoctor's executor under vLLM's EngineCore "
                               f"(EngineCore.{harness.step_fn_name} calls the scheduler)")
         return super()._run_on(harness)

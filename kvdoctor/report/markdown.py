@@ -32,13 +32,13 @@ def _env_section() -> list[str]:
         import torch
 
         gpu = "yes" if torch.cuda.is_available() else "no"
-    except Exception:  # noqa: BLE001 - a report must not fail on a broken torch
+    except Exception:  # a report must not fail on a broken torch
         gpu = "unknown"
     lines = ["## Environment", "", "| | |", "|---|---|"]
     for key in ("kvdoctor", "vllm", "torch", "python", "os"):
         lines.append(f"| {key} | {env.get(key) or 'not installed'} |")
     lines.append(f"| GPU present | {gpu} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _state_table(requests: list[Any]) -> list[str]:
@@ -56,7 +56,7 @@ def _state_table(requests: list[Any]) -> list[str]:
                 f"| {g.offload_keys} | {g.allocated_blocks} | {g.allocated_chunks} | {g.next_stored_chunk} "
                 f"| {g.storable_installed} | {g.storable_fixed} | {', '.join(snap.in_flight_jobs) or '-'} "
                 f"| {'**will trip**' if g.would_trip else ''} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _result_rows(report: Any) -> list[str]:
@@ -77,7 +77,7 @@ def _cell(text: str) -> str:
 def _setup_section(setup: Any) -> list[str]:
     lines = ["## Setup", "", "Every setting that shaped the run:", "", "| setting | value |", "|---|---|"]
     lines += [f"| `{key}` | `{value}` |" for key, value in setup_fields(setup)]
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _next_steps_section(steps: list[tuple[str, str]]) -> list[str]:
@@ -86,7 +86,7 @@ def _next_steps_section(steps: list[tuple[str, str]]) -> list[str]:
     lines = ["## What to do next", ""]
     lines += [f"- **{label}**: {github_refs(text)}" for label, text in steps
               if label != "report it"]  # this file is the report
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _reproduce_section(report: Any, command_line: str) -> list[str]:
@@ -128,13 +128,13 @@ def _timeline(result: Any) -> list[str]:
             lines.append(f"> will trip the store assertion next: {', '.join(entry.predicted_trip)}")
         lines.append("")
         lines += _state_table(entry.requests)
-    return lines + ["</details>", ""]
+    return [*lines, "</details>", ""]
 
 
 def _header(title: str, command_line: str) -> list[str]:
     lines = [f"# {title}", "", f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}_", ""]
     lines += _env_section()
-    return lines + ["## Command", "", "```", _scrub(command_line), "```", ""]
+    return [*lines, "## Command", "", "```", _scrub(command_line), "```", ""]
 
 
 def render_markdown(command: str, report: Any) -> str:
@@ -151,7 +151,7 @@ def render_markdown(command: str, report: Any) -> str:
     lines += [f"Reproduced means: {recipe.signature.describe()}", ""]
     lines += _setup_section(report.setup)
     lines += [f"- {line.strip()}" for line in kv_cache_lines(report.kv_plan)] + ([""] if report.kv_plan else [])
-    lines += ["## Outcome", ""] + _result_rows(report)
+    lines += ["## Outcome", "", *_result_rows(report)]
     checks_seen: dict[tuple, list[str]] = {}
     for result in report.results:
         if result.failure is not None:
@@ -203,7 +203,7 @@ def render_audit_markdown(report: Any) -> str:
     for row in report.rows:
         result = row.installed
         if result.failure is not None:
-            lines += [f"## {row.bug} `{row.recipe.name}`", ""] + _setup_section(row.setup)[2:]
+            lines += [f"## {row.bug} `{row.recipe.name}`", "", *_setup_section(row.setup)[2:]]
             plan_lines = kv_cache_lines(row.installed.kv_plan)
             lines += [f"- {line.strip()}" for line in plan_lines] + ([""] if plan_lines else [])
             lines += _failure(result)
