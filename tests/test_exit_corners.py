@@ -207,7 +207,7 @@ def test_workers_fit_cpus_and_memory():
 
     assert workers_refusal(1) is None
     assert workers_refusal(usable_cpus() + 1) is not None
-    from kvdoctor.engine.setup import available_memory_bytes
+    from kvdoctor.engine.memory import available_memory_bytes
 
     available = available_memory_bytes()
     if available is not None:
