@@ -420,7 +420,7 @@ def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
     written: list[str] = []
     finding = SimpleNamespace(signature="AssertionError in f", label="AssertionError in f", steps=3, elapsed_s=1.0)
 
-    def interrupted_search(config, on_progress=None, on_finding=None, api=None):
+    def interrupted_search(config, on_progress=None, on_finding=None, api=None, pool=None):
         on_finding(finding)  # written at once, as the real search does
         raise KeyboardInterrupt
 
