@@ -341,14 +341,19 @@ def audit(command: str = "", overrides: dict[str, Any] | None = None,
 
 
 def _scenario_runner(engine: str) -> Callable[..., Any]:
-    """The scenario run of an engine level (serve has none in-process: `_serve_row`)."""
+    """The scenario run of an engine level (serve has none in-process: `_serve_row`); a run played past a
+    measured reason the user's flags break is judged with kvdoctor's measurement (matrix/reasons.py)."""
+    from kvdoctor.matrix.reasons import judge_waived
+
     if engine == "core":
-        from kvdoctor.engine.core.runner import run_core_scenario
+        from kvdoctor.engine.core.runner import run_core_scenario as run
+    else:
+        from kvdoctor.scenario import run_scenario as run
 
-        return run_core_scenario
-    from kvdoctor.scenario import run_scenario
+    def judged(api: Any, recipe: Recipe, setup: Setup, logic: str, **kwargs: Any) -> Any:
+        return judge_waived(run(api, recipe, setup, logic, **kwargs), setup, recipe.name, api.version_text)
 
-    return run_scenario
+    return judged
 
 
 def _serve_row(recipe: Recipe, setup: Setup) -> AuditRow:

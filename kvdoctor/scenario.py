@@ -73,6 +73,9 @@ class RunResult:
     worker: str = ""  # which worker ran, in words (Worker.describe)
     model_runner: str = ""  # the model runner the scheduler shaped its output for
     coverage: Any = None  # observe.coverage.Coverage: did the run execute the recipe's crash site
+    # Where the run was played past a measured reason the user's flags break (Setup.waived): the run's own
+    # outcome, before kvdoctor/matrix/reasons.py let a measurement explain it (None: no reason waived).
+    played_outcome: Outcome | None = None
 
 
 def involved_request(exc: BaseException, failing_calls: list[StorableCall], requests: set[str]) -> str | None:

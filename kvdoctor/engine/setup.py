@@ -126,6 +126,10 @@ class Setup:
     # the trigger impossible, why and the smallest change that allows it (the run is then `untested`).
     derived: tuple[str, ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
     untested: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
+    # Set by plan_setup: the recipe's measured reasons (`recipes.geometry.MEASURED_REASONS`) the user's own
+    # values break, as (requirement, why): the run is played at those values and judged by what happens;
+    # the reason is shown only where kvdoctor's measurement on this release supports it (matrix/reasons.py).
+    waived: tuple[tuple[str, str], ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
     # Speculative decoding through vLLM's own SpeculativeConfig (None: none). kvdoctor stands in for the
     # drafter and the rejection sampler (scheduler level only): each decode step proposes
     # `num_speculative_tokens` drafts, and the verification accepts the next number of

@@ -76,6 +76,7 @@ class Problem:
 
     message: str
     needs: tuple[Need, ...] = ()
+    requirement: str | None = None  # the recipe's `setup:<name>` requirement it comes from (None: the steps)
 
 
 @dataclass(frozen=True)
@@ -272,12 +273,13 @@ def problems(recipe, setup: Setup) -> list[Problem]:
             found.append(Problem(f"{where}: {length} prompt + {max_tokens} output tokens exceed max_model_len "
                                  f"{setup.max_model_len} (vLLM rejects such a request)",
                                  (Need("max_model_len", total),)))
+    waived = {name for name, _ in setup.waived}
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
-        if kind == "setup":
+        if kind == "setup" and value not in waived:
             problem = _SETUP_REQUIREMENTS[value](setup, recipe)
             if problem:
-                found.append(problem)
+                found.append(dataclasses.replace(problem, requirement=value))
     return found
 
 
@@ -345,17 +347,21 @@ def _one_step_prefills(setup: Setup, recipe) -> Problem | None:
     budget (a recipe whose other requests' few output tokens must outlast that prefill)."""
     prefilled = {s.args.get("request") for s in recipe.steps
                  if s.action == "schedule" and s.args.get("until") == "prefilled"}
+    # the others decoding beside it: the recipe's other requests, as many as may run at once (measured on
+    # 0.26.0: finished-after-finalize reproduces at a budget of its prompt + 15, max_num_seqs 16, which the
+    # earlier bound of prompt + max_num_seqs called impossible)
+    others = min(setup.max_num_seqs, sum(1 for s in recipe.steps if s.action == "add")) - 1
     for step in recipe.steps:
         if step.action == "add" and step.args.get("request") in prefilled:
             try:
                 length = prompt_length(step.args, setup)
             except NotApplicable:
                 return None  # reported by `problems` itself
-            if length + setup.max_num_seqs > setup.max_num_batched_tokens:
+            if length + others > setup.max_num_batched_tokens:
                 return Problem(f"the trigger needs {step.args['request']}'s {length}-token prompt prefilled in "
                                f"one step beside the others' decodes (their few output tokens must outlast it); "
                                f"the step budget is {setup.max_num_batched_tokens} tokens",
-                               (Need("max_num_batched_tokens", length + setup.max_num_seqs),))
+                               (Need("max_num_batched_tokens", length + others),))
     return None
 
 
@@ -378,6 +384,49 @@ def _two_fit(setup: Setup, recipe) -> Problem | None:
 
 def is_known_setup_requirement(name: str) -> bool:
     return name in _SETUP_REQUIREMENTS
+
+
+# -- measured reasons ----------------------------------------------------------------------------------------
+
+# A requirement whose sentence is a claim about vLLM ("the trigger needs X") and the Setup field the claim is
+# about: where the user's own value of that field breaks it, the recipe is not declared untested on the
+# sentence's word. The run is played at the user's value and judged by what happens; the sentence is shown
+# as the explanation only where `kvdoctor matrix --audit --write-data` measured the recipe at that field's
+# other value on this release and the measurement supports it (kvdoctor/matrix/reasons.py). `own_geometry`
+# is not one: it says kvdoctor has not restated the recipe's script for another geometry (kvdoctor's limit,
+# not vLLM's), and a pool or a prompt vLLM would refuse is vLLM's own rule.
+MEASURED_REASONS: dict[str, str] = {
+    "sync_scheduling": "async_scheduling",
+    "last_token_in_prompt_block": "block_size",
+    "two_running_requests": "max_num_seqs",
+    "one_chunk_cpu_tier": "cpu_bytes_to_use",
+    "prefill_in_one_step": "max_num_batched_tokens",
+}
+
+
+def measured_reasons(recipe) -> list[str]:
+    """The recipe's requirements that are measured reasons, in the recipe's order."""
+    return [value for kind, _, value in (r.partition(":") for r in recipe.requires)
+            if kind == "setup" and value in MEASURED_REASONS]
+
+
+def reason_alternative(recipe, requirement: str, planned: Setup) -> dict[str, Any]:
+    """The Setup value that breaks `requirement` nearest the recipe's own plan (`planned`: the recipe at
+    default flags): what a measurement of the reason runs the recipe at."""
+    if requirement == "sync_scheduling":
+        return {"async_scheduling": True}
+    if requirement == "last_token_in_prompt_block":
+        return {"block_size": 1}
+    if requirement == "two_running_requests":
+        return {"max_num_seqs": 1}
+    if requirement == "one_chunk_cpu_tier":
+        return {"cpu_bytes_to_use": 2 * one_chunk_cpu_bytes(planned)}
+    if requirement == "prefill_in_one_step":
+        problem = _one_step_prefills(dataclasses.replace(planned, max_num_batched_tokens=1), recipe)
+        if problem is None:
+            raise ValueError(f"{recipe.name}: no request is prefilled in one step")
+        return {"max_num_batched_tokens": problem.needs[0].value - 1}
+    raise ValueError(f"{requirement!r} is not a measured reason")
 
 
 # -- preempt the next request mid-prefill (`fill_pool = "preempt_next"`, then `prompt_rest_of_pool`) --------
@@ -677,9 +726,15 @@ def plan_setup(recipe, setup: Setup) -> Setup:
                             if getattr(start, name) != getattr(setup, name))
             return dataclasses.replace(setup, derived=mamba + derived, untested=None)
         changes: dict[str, Any] = {}
+        waive: list[tuple[str, str]] = []
         for problem in found:
             open_needs = [need for need in problem.needs if not need.holds(setup)]
             free = [need for need in open_needs if need.field not in fixed]
+            if not free and problem.requirement in MEASURED_REASONS and \
+                    MEASURED_REASONS[problem.requirement] in {need.field for need in open_needs}:
+                # a claim about vLLM, not a planning fact: played at the user's value (see MEASURED_REASONS)
+                waive.append((problem.requirement, _untested(recipe, problem, open_needs, start)))
+                continue
             if not free:
                 return dataclasses.replace(setup, untested=_untested(recipe, problem, open_needs, start))
             need = free[0]
@@ -688,6 +743,8 @@ def plan_setup(recipe, setup: Setup) -> Setup:
                 changes[need.field] = need.value
             else:
                 changes[need.field] = max(have, need.value) if need.op == ">=" else min(have, need.value)
+        if waive:
+            setup = dataclasses.replace(setup, waived=setup.waived + tuple(waive))
         try:
             setup = dataclasses.replace(setup, **changes, fixed=tuple(sorted(fixed))).with_rules_kept().validate()
         except UsageError as exc:
