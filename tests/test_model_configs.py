@@ -44,6 +44,8 @@ def test_every_recipe_plans_and_runs_at_a_real_model(api, config):
     outcomes = {}
     for name in builtin_names():
         recipe = resolve(name)
+        if recipe.setup.get("layout"):  # its trigger is its own layout: `--model` is refused there (and audit
+            continue                    # runs it at its layout)
         try:
             setup = resolve_setup(recipe, {"model": str(ROOT / "tests" / "data" / "configs" / config),
                                            "worker": "simulated"})
