@@ -41,7 +41,7 @@ def test_every_recipe_plans_and_runs_at_a_real_model(api, config):
     from kvdoctor.recipes.builtins import resolve
 
     run = _scenario_runner("scheduler")
-    outcomes = {}
+    outcomes, results = {}, {}
     for name in builtin_names():
         recipe = resolve(name)
         if recipe.setup.get("layout"):  # its trigger is its own layout: `--model` is refused there (and audit
@@ -52,11 +52,14 @@ def test_every_recipe_plans_and_runs_at_a_real_model(api, config):
             result = run(api, recipe, setup, "installed")
         except UsageError as exc:
             pytest.fail(f"{name} --model {config}: refused: {exc}")
-        outcomes[name] = result.outcome.value
+        outcomes[name], results[name] = result.outcome.value, result
         assert result.outcome.value in VERDICTS, f"{name} --model {config}: {result.outcome.value}: {result.detail}"
         if result.outcome.value == "untested":
             assert result.detail, f"{name} --model {config}: untested without a reason"
-    assert outcomes["queued-abort"] in ("reproduced", "not_reproduced"), outcomes
+    # the founding bug answers at every model but a Mamba hybrid's, whose queueing fill kvdoctor has not restated
+    mamba = "Mamba" in (results["queued-abort"].detail or "")
+    assert outcomes["queued-abort"] == "untested" if mamba else outcomes["queued-abort"] in (
+        "reproduced", "not_reproduced"), outcomes
 
 
 def _config_with(directory: Path, **values) -> Path:

@@ -57,6 +57,8 @@ class Need:
         """The smallest change of the user's flags that meets it, in flag terms."""
         if isinstance(self.value, bool):
             return flag_name(self.field, self.value)
+        if self.value is None:
+            return f"no {flag_name(self.field)}"
         bound = {">=": " or more", "<=": " or less", "==": ""}[self.op]
         return f"{flag_name(self.field)} {self.value}{bound}"
 
@@ -273,6 +275,9 @@ def problems(recipe, setup: Setup) -> list[Problem]:
             found.append(Problem(f"{where}: {length} prompt + {max_tokens} output tokens exceed max_model_len "
                                  f"{setup.max_model_len} (vLLM rejects such a request)",
                                  (Need("max_model_len", total),)))
+    preempting = _model_preemption(recipe, setup)
+    if preempting:
+        found.append(preempting)
     waived = {name for name, _ in setup.waived}
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
@@ -308,6 +313,18 @@ _GEOMETRY_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_bat
 
 def _own_geometry(setup: Setup, recipe) -> Problem | None:
     differ = [name for name in _GEOMETRY_FIELDS if name in recipe.setup and recipe.setup[name] != getattr(setup, name)]
+    if setup.model is not None and "cpu_bytes_to_use" in differ and \
+            _recipe_tier_chunks(recipe, setup) == cpu_tier_chunks(setup):
+        differ.remove("cpu_bytes_to_use")  # the same chunks in the model's bytes (`plan_setup`)
+    if setup.model is not None and not setup.enable_prefix_caching and not recipe.setup.get("enable_prefix_caching",
+                                                                                            True):
+        from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+
+        if any(layer.kind == MAMBA for layer in resolve_layout(setup.model, None, setup.sliding_window).layers):
+            return Problem(f"this recipe's trigger is scripted without prefix caching, and vLLM's connector needs "
+                           f"prefix caching for a Mamba hybrid's hash blocks (--model {setup.model}; measured on "
+                           f"0.26.0: build_offloading_config asserts tokens_per_block divisible by tokens_per_hash)",
+                           (Need("model", None, "=="),))
     if not differ:
         return None
     own = ", ".join(f"{name}={recipe.setup[name]}" for name in _GEOMETRY_FIELDS if name in recipe.setup)
@@ -317,14 +334,56 @@ def _own_geometry(setup: Setup, recipe) -> Problem | None:
 
 
 def one_chunk_cpu_bytes(setup: Setup) -> int:
-    """cpu_bytes_to_use of a CPU tier of exactly one chunk (see `cpu_tier_chunks`). A `--model`'s chunk is
-    estimated from its layers before vLLM groups them, and a hybrid's groups may pad their layer counts
-    (vLLM's chunk is then larger): one and a half estimated chunks hold exactly one of vLLM's where it is
-    within 0.75x-1.5x of the estimate (measured: Gemma 3's and the five other shipped configs)."""
+    """cpu_bytes_to_use of a CPU tier of exactly one chunk (see `cpu_tier_chunks`)."""
+    return tier_bytes(setup, 1)
+
+
+def tier_bytes(setup: Setup, chunks: int) -> int:
+    """cpu_bytes_to_use of a CPU tier of `chunks` chunks. A `--model`'s chunk is estimated from its layers
+    before vLLM groups them, and a hybrid's groups may pad their layer counts (vLLM's chunk is then larger):
+    half an estimated chunk more keeps the count where vLLM's chunk is near the estimate (for one chunk:
+    0.75x-1.5x; measured on the six shipped configs, Gemma 3's seven groups included)."""
     if setup.model is None:
-        return _chunk_bytes(setup)
-    tier = _chunk_bytes(setup) * 3 // 2
+        return chunks * _chunk_bytes(setup)
+    tier = (2 * chunks + 1) * _chunk_bytes(setup) // 2
     return _ceil(tier, 4096) * 4096 if setup.spec_name == "TieringOffloadingSpec" else tier
+
+
+def _model_preemption(recipe, setup: Setup) -> Problem | None:
+    """A recipe that preempts a request by running the GPU pool out counts a block of every KV cache group for
+    each block of tokens (the pool of a `--model` is sized so: kv_layout's `_pool_for_groups`). A model whose
+    Mamba groups or sliding-window groups (a window shorter than max_model_len) hold fewer blocks for a long
+    request leaves the pool unspent: measured on 0.26.0, preemption at Qwen3-Next and
+    readmitted-stale-store-cursor at gpt-oss-20b (128-token window) never preempted and ended setup_error; a
+    fill that queues the next request (`fill_pool`) left it running at Qwen3-Next (Mamba) too."""
+    if setup.model is None:
+        return None
+    preempts = any(step.action == "expect" and "PREEMPTED" in str(step.args.get("status", "")) for step in recipe.steps)
+    fills = any(step.action == "add" and step.args.get("fill_pool") for step in recipe.steps)
+    if not preempts and not fills:
+        return None
+    from kvdoctor.engine.kv_layout import MAMBA, SLIDING, resolve_layout
+
+    layers = resolve_layout(setup.model, None, setup.sliding_window).layers
+    short = sorted({layer.sliding_window for layer in layers if layer.kind == SLIDING
+                    and (layer.sliding_window or 0) < setup.max_model_len})
+    mamba = any(layer.kind == MAMBA for layer in layers)
+    if not preempts:
+        short = []  # a fill that only queues the next request: measured to hold at every window shipped
+    if not short and not mamba:
+        return None
+    kinds = " and ".join((["Mamba"] if mamba else []) + ([f"{short[0]}-token sliding-window"] if short else []))
+    return Problem(f"this recipe {'preempts' if preempts else 'queues'} a request by running the GPU pool out, a block of every KV cache group "
+                   f"for each block of tokens; the {kinds} groups of --model {setup.model} hold fewer blocks for a "
+                   f"long request, and kvdoctor has not restated the fill for them",
+                   (Need("model", None, "=="),))
+
+
+def _recipe_tier_chunks(recipe, setup: Setup) -> int | None:
+    """The chunks of the CPU tier a recipe's [setup] sizes in bytes of kvdoctor's tiny KV spec (None: none)."""
+    if "cpu_bytes_to_use" not in recipe.setup:
+        return None
+    return recipe.setup["cpu_bytes_to_use"] // _chunk_bytes(dataclasses.replace(setup, model=None))
 
 
 def _problem(ok: bool, message: str, *needs: Need) -> Problem | None:
@@ -725,7 +784,12 @@ def plan_setup(recipe, setup: Setup) -> Setup:
     from kvdoctor.engine.setup import PLANNED_FIELDS
 
     fixed = set(setup.fixed) | (set() if recipe.builtin else set(recipe.setup) & set(PLANNED_FIELDS))
+    if setup.model is not None:
+        fixed.add("model")  # the user's model: never planned away
     setup, mamba = _server_mamba_cache_mode(setup)
+    chunks = _recipe_tier_chunks(recipe, setup) if setup.model is not None else None
+    if chunks and "cpu_bytes_to_use" not in fixed:  # the recipe's CPU tier, in the model's chunks
+        setup = dataclasses.replace(setup, cpu_bytes_to_use=tier_bytes(setup, chunks))
     start = setup
     preferred: dict[str, Any] = {}
     for need in _preferences(recipe, setup):
