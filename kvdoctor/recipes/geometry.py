@@ -405,8 +405,8 @@ _SETUP_REQUIREMENTS = {
     "last_token_in_prompt_block": lambda s, r: _problem(
         s.block_size > 1,
         "at block_size 1 the last sampled token's slot opens a block that was never allocated, so "
-        "the final store cannot cover it silently: vLLM pairs the chunk's offload keys with too few "
-        "blocks and _build_store_jobs asserts instead (an engine crash, the assertion of K1/K6)",
+        "the final store cannot cover it silently (measured: 0.26.0 pairs the chunk's offload keys with too "
+        "few blocks and _build_store_jobs asserts, K1's assertion; 0.27.0 on builds no such store)",
         Need("block_size", 2)),
     "two_running_requests": lambda s, r: _problem(
         s.max_num_seqs >= 2, "the trigger needs two requests running at once; --max-num-seqs is 1",
