@@ -814,7 +814,8 @@ def plan_setup(recipe, setup: Setup) -> Setup:
                 waive.append((problem.requirement, _untested(recipe, problem, open_needs, start)))
                 continue
             if not free:
-                return dataclasses.replace(setup, untested=_untested(recipe, problem, open_needs, start))
+                return dataclasses.replace(setup, derived=mamba,
+                                           untested=_untested(recipe, problem, open_needs, start))
             need = free[0]
             have = changes.get(need.field)
             if have is None or need.op == "==":
