@@ -82,7 +82,7 @@ def test_a_config_size_below_one_is_refused_naming_file_and_field(tmp_path, fiel
                                                    "raise ImportError('vllm imported')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tripwire), str(ROOT)])}
     proc = subprocess.run([sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--model", str(model)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+                          check=False, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"kvdoctor: error: {model / 'config.json'}: {field} must be a positive integer, got {value}"]
