@@ -4,7 +4,7 @@ Block sizes 4, 16, 32, 64 x blocks per chunk 1, 2, 4 x async scheduling on/off x
 user-fixed pool (`--num-gpu-blocks-override` 8, the recipes' own, and 512, a deployment's). On a vLLM with
 the bugs every cell must be `reproduced`, or `untested` naming a flag the user fixed; never
 `not_applicable` or any other outcome that exits 0. One process, one vLLM import: cells are in-process
-calls of `kvdoctor.app.resolve_setup` and `kvdoctor.scenario.run_scenario`, as `kvdoctor repro` makes them.
+calls of `kvdoctor.app.resolve_setup` and `kvdoctor.app._scenario_runner`, as `kvdoctor repro` makes them.
 
     PYTHONPATH=. python benchmarks/bench_geometry_grid.py [--worker simulated|vllm] [--json FILE]
 
@@ -45,8 +45,9 @@ def run_cell(api, cell, worker: str = "simulated") -> dict:
     from kvdoctor.app import resolve_setup
     from kvdoctor.outcome_codes import exit_code_for
     from kvdoctor.recipes.builtins import resolve
-    from kvdoctor.scenario import run_scenario
+    from kvdoctor.app import _scenario_runner
 
+    run_scenario = _scenario_runner("scheduler")  # as repro runs it: a broken measured reason judged
     recipe = resolve(cell[0])
     setup = resolve_setup(recipe, overrides_of(cell, worker))
     result = run_scenario(api, recipe, setup, "installed")
