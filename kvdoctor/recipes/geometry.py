@@ -275,9 +275,9 @@ def problems(recipe, setup: Setup) -> list[Problem]:
             found.append(Problem(f"{where}: {length} prompt + {max_tokens} output tokens exceed max_model_len "
                                  f"{setup.max_model_len} (vLLM rejects such a request)",
                                  (Need("max_model_len", total),)))
-    preempting = _model_preemption(recipe, setup)
-    if preempting:
-        found.append(preempting)
+    for model_problem in (_model_preemption(recipe, setup), _hybrid_one_chunk_tier(recipe, setup)):
+        if model_problem:
+            found.append(model_problem)
     waived = {name for name, _ in setup.waived}
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
@@ -377,6 +377,24 @@ def _model_preemption(recipe, setup: Setup) -> Problem | None:
                    f"for each block of tokens; the {kinds} groups of --model {setup.model} hold fewer blocks for a "
                    f"long request, and kvdoctor has not restated the fill for them",
                    (Need("model", None, "=="),))
+
+
+def _hybrid_one_chunk_tier(recipe, setup: Setup) -> Problem | None:
+    """A CPU tier of exactly one chunk (`setup:one_chunk_cpu_tier`) at a `--model` with more than one kind of
+    layer: vLLM's chunk bytes depend on how it groups and aliases the layers' pages, which kvdoctor does not
+    know before vLLM is imported (measured: finished-after-finalize held two chunks at Gemma 3, gpt-oss and
+    Qwen3-Next on 0.34.0, one on 0.26.0, and ended setup_error)."""
+    if setup.model is None or "setup:one_chunk_cpu_tier" not in recipe.requires:
+        return None
+    from kvdoctor.engine.kv_layout import resolve_layout
+
+    kinds = {(layer.kind, layer.sliding_window) for layer in resolve_layout(setup.model, None,
+                                                                            setup.sliding_window).layers}
+    if len(kinds) < 2:
+        return None
+    return Problem(f"the trigger needs a CPU tier of exactly one chunk; the chunk of --model {setup.model} "
+                   f"({len(kinds)} kinds of layer) is sized by how vLLM groups them, which kvdoctor does not "
+                   f"estimate before vLLM is imported", (Need("model", None, "=="),))
 
 
 def _recipe_tier_chunks(recipe, setup: Setup) -> int | None:
