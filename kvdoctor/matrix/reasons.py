@@ -7,7 +7,8 @@ sentence is shown, and the outcome is `untested`, only where `matrix --audit --w
 this release reproducing the bug at the recipe's own flags and not reproducing it at the value that
 breaks the reason (`OutcomeRow.reason_outcomes`), and the run here agrees (it did not reproduce).
 Everywhere else the run's own outcome stands (reproduced / not_reproduced: reached and held /
-not_reached), with a note of what the measurement said.
+not_reached), with a note of what the measurement said; a run whose recipe precondition did not hold
+(setup_error) showed the trigger did not come about at those flags: `untested`, saying so.
 
 `alternatives` gives the matrix the runs that measure each reason: the recipe at the value nearest
 its own plan that breaks the reason (`recipes.geometry.reason_alternative`).
@@ -75,6 +76,10 @@ def judge_waived(result: Any, setup: Any, recipe_name: str, version_text: str, p
     if result.outcome is not Outcome.REPRODUCED and all(supports(row, r) for r, _ in setup.waived):
         result.outcome = Outcome.UNTESTED
         result.detail = "; ".join(notes) + f"; {played}"
+    elif result.outcome is Outcome.SETUP_ERROR:
+        # the run itself showed the trigger did not come about at these flags (the recipe's precondition)
+        result.outcome = Outcome.UNTESTED
+        result.detail = f"{played}: the trigger did not come about at the given flags; " + "; ".join(notes)
     else:
         result.detail = f"{result.detail + '; ' if result.detail else ''}" + "; ".join(notes) + \
             "; so the run at the given flags decides"
