@@ -105,6 +105,9 @@ class RunResult:
     # not_applicable because this engine level cannot play a step (or the setup), not because a probe found
     # this vLLM without the feature: the run did not test the bug (exit 6, `outcome_codes`)
     unplayable: bool = False
+    # Where the run was played past a measured reason the user's flags break (Setup.waived): the run's own
+    # outcome, before kvdoctor/matrix/reasons.py let a measurement explain it (None: no reason waived).
+    played_outcome: Outcome | None = None
 
 
 @dataclass

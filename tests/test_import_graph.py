@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("levels", ("kvdoctor.levels.*",)),
     ("scenario", ("kvdoctor.scenario",)),
     # a recipe's setup resolved on this machine (its memory, a model's config.json, the fallbacks)
-    ("resolution", ("kvdoctor.resolution",)),
+    ("resolution", ("kvdoctor.resolution", "kvdoctor.matrix.reasons")),
     # what the application functions return, with the exit-code mapping and the release measurements
     # (kvdoctor/data) that a result carries as a hint
     ("results", ("kvdoctor.results", "kvdoctor.outcome_codes", "kvdoctor.matrix", "kvdoctor.matrix.known",

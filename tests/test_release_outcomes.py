@@ -18,7 +18,8 @@ import pytest
 from kvdoctor.matrix import data
 from kvdoctor.matrix.data import coverage_class
 from kvdoctor.matrix.runner import failure_site
-from kvdoctor.recipes.builtins import builtin_names
+from kvdoctor.recipes.builtins import all_builtins, builtin_names
+from kvdoctor.recipes.geometry import measured_reasons
 
 pytestmark = pytest.mark.vllm
 
@@ -124,3 +125,29 @@ def test_fixed_in_only_where_earned():
         if fix is not None:
             row = next(r for r in rows if r.recipe == name and r.release == fix.release)
             assert row.earns_fixed, (name, row)
+
+
+_REASONS = [(recipe.name, requirement) for recipe in all_builtins() for requirement in measured_reasons(recipe)]
+
+
+@pytest.mark.parametrize("recipe_name, requirement", _REASONS, ids=[f"{n}-{r}" for n, r in _REASONS])
+def test_measured_reason_matches_a_run_at_the_value_that_breaks_it(recipe_name, requirement, measured, api):
+    """`reason_outcomes` is a measurement: the recipe played at the value that breaks the reason (what
+    `matrix --write-data` runs) shows the recorded outcome on the installed release."""
+    from kvdoctor.engine.overrides import Overrides
+    from kvdoctor.levels.runners import runner
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.recipes.geometry import reason_alternative
+    from kvdoctor.resolution import resolve_setup
+
+    row = measured.get(recipe_name)
+    if row is None or not row.reason_outcomes or requirement not in row.reason_outcomes:
+        pytest.skip(f"{recipe_name}: {requirement} not measured on this release")
+    recipe = resolve(recipe_name)
+    values = reason_alternative(recipe, requirement, resolve_setup(recipe, Overrides(worker="simulated")))
+    setup = resolve_setup(recipe, Overrides(**values), default_worker="vllm")
+    result = runner("scheduler").judged_run(api, recipe, setup, "installed")
+    played = (result.played_outcome or result.outcome).value
+    assert played == row.reason_outcomes[requirement], (
+        f"{recipe_name} at {values} on vLLM {row.release}: measured {row.reason_outcomes[requirement]} on "
+        f"{row.measured_on}, now {played} ({result.detail})")

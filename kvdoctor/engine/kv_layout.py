@@ -117,6 +117,7 @@ def _read_layout(model_dir: str, source: str | None, sliding_window: int | None)
     """The KV layout a `config.json` describes (and, beside it, an EAGLE drafter's `draft/config.json`)."""
     directory = Path(model_dir)
     config = _read_json(directory / "config.json")
+    _check_sizes(config, directory / "config.json")
     if "model_type" in config and not _is_kvdoctor_layout(config):
         return _read_with_transformers(directory, config, source, sliding_window)
     layers = list(_layers_of(config, directory, sliding_window))
@@ -166,8 +167,9 @@ def _read_with_transformers(directory: Path, config: dict[str, Any], source: str
                          f"({type(exc).__name__}: {_first_line(exc)}); kvdoctor cannot map its KV layout") from None
     text = cfg.get_text_config()
     count = getattr(text, "num_hidden_layers", None)
-    if not isinstance(count, int) or count < 1:
-        raise UsageError(f"{where}: {type(text).__name__} has no num_hidden_layers; kvdoctor cannot map its KV layout")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise UsageError(f"{where}: num_hidden_layers must be a positive integer, got {count!r} "
+                         f"({type(text).__name__}); kvdoctor cannot map its KV layout")
     heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None) or 1
     head_size = getattr(text, "head_dim", None)
     if not head_size:
@@ -205,6 +207,23 @@ def _read_with_transformers(directory: Path, config: dict[str, Any], source: str
     layers = _with_global_geometry(layers, text.to_dict(), directory)
     return KvLayout(source or f"{directory} (read by transformers' {how})", tuple(layers), int(heads), int(head_size),
                     notes=_draft_layers_left_out(text))
+
+
+# Sizes a model config gives that vLLM divides or multiplies by: 0 or a negative one is refused here, naming the
+# file and field (vLLM would take num_key_value_heads = 0 for "no KV" and -8 for a negative KV size).
+_POSITIVE_SIZES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                   "sliding_window", "kv_lora_rank", "num_global_key_value_heads", "global_head_dim")
+
+
+def _check_sizes(config: dict[str, Any], where: Path) -> None:
+    """Every size `config` (and its `text_config`) gives is a positive integer (null: left to the default)."""
+    for part, prefix in ((config, ""), (config.get("text_config"), "text_config.")):
+        if not isinstance(part, dict):
+            continue
+        for key in _POSITIVE_SIZES:
+            value = part.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{where}: {prefix}{key} must be a positive integer, got {json.dumps(value)}")
 
 
 def _draft_layers_left_out(text: Any) -> tuple[str, ...]:
@@ -403,14 +422,19 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
     names = layout.layer_names()
     drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
+    pool = setup.gpu_blocks
     try:
+        if setup.model and "gpu_blocks" not in setup.fixed:
+            pool, note = _pool_for_groups(api, vllm_config, specs, setup.gpu_blocks, drafts)
+            if note:
+                notes.append(note)
         _, scheduler_config, block_size, hash_block_size, planner, checked_len = api.plan_kv_cache(
-            vllm_config, specs, setup.gpu_blocks, drafts)
+            vllm_config, specs, pool, drafts)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         raise UsageError(f"vLLM's KV cache planner rejected the layout ({layout.source}): "
                          f"{type(exc).__name__}: {_first_line(exc)}") from None
     if checked_len < setup.max_model_len:
-        notes.append(f"the pool of {setup.gpu_blocks} blocks is below what vLLM's start-up check asks for "
+        notes.append(f"the pool of {pool} blocks is below what vLLM's start-up check asks for "
                      f"max_model_len={setup.max_model_len} (a server would refuse to start); planned with "
                      f"the check at max_model_len={checked_len}")
     groups = [KvCacheGroup(**api.describe_group(i, g)) for i, g in enumerate(scheduler_config.kv_cache_groups)]
@@ -428,6 +452,21 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes,
                    admission_len),
             scheduler_config, block_size, hash_block_size)
+
+
+def _pool_for_groups(api: Any, vllm_config: Any, specs: dict[str, Any], blocks: int,
+                     drafts: set[str]) -> tuple[int, str | None]:
+    """The pool of a `--model` whose layers vLLM splits into several KV cache groups, sized as the recipe
+    planned it: every group takes a block of the one shared pool for each block of a request's tokens, so a
+    recipe planned for `blocks` (block 0: the null block) gets `(blocks - 1) x groups + 1`. The groups are
+    vLLM's own: its planner groups the layers first, in a pool large enough for its start-up check."""
+    _, grouped, _, _, _, _ = api.plan_kv_cache(vllm_config, specs, max(blocks, 2) * 64, drafts)
+    groups = len(grouped.kv_cache_groups)
+    if groups <= 1:
+        return blocks, None
+    pool = (blocks - 1) * groups + 1
+    return pool, (f"the pool holds the recipe's {blocks - 1} usable blocks for each of vLLM's {groups} KV cache "
+                  f"groups: {pool} blocks (with --num-gpu-blocks-override, the pool is as given)")
 
 
 def _first_line(exc: BaseException) -> str:

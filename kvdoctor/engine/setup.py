@@ -105,6 +105,10 @@ class Setup:
     # the trigger impossible, why and the smallest change that allows it (the run is then `untested`).
     derived: tuple[str, ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
     untested: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
+    # Set by plan_setup: the recipe's measured reasons (`recipes.geometry.MEASURED_REASONS`) the user's own
+    # values break, as (requirement, why): the run is played at those values and judged by what happens;
+    # the reason is shown only where kvdoctor's measurement on this release supports it (matrix/reasons.py).
+    waived: tuple[tuple[str, str], ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
     # Speculative decoding through vLLM's own SpeculativeConfig (None: none). kvdoctor stands in for the
     # drafter and the rejection sampler (scheduler level only): each decode step proposes
     # `num_speculative_tokens` drafts, and the verification accepts the next number of
@@ -183,7 +187,7 @@ class Setup:
             return f"{self.worker} ({self.worker_fallback})"
         return self.worker
 
-    def validate(self) -> "Setup":
+    def validate(self) -> Setup:
         for name in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "cpu_bytes_to_use", "second_cpu_bytes_to_use"):
             value = getattr(self, name)
@@ -286,7 +290,7 @@ class Setup:
                              f"got {self.draft_acceptance!r}")
         return pattern
 
-    def with_overrides(self, **overrides: Any) -> "Setup":
+    def with_overrides(self, **overrides: Any) -> Setup:
         """Apply CLI overrides (None means 'not given') and re-validate; the given geometry fields are
         recorded in `fixed` (planning keeps them)."""
         given = {k: v for k, v in overrides.items() if v is not None}
@@ -296,7 +300,7 @@ class Setup:
         fixed = tuple(sorted(set(self.fixed) | (set(given) & set(PLANNED_FIELDS))))
         return dataclasses.replace(self, **given, fixed=fixed).with_rules_kept().validate()
 
-    def with_rules_kept(self) -> "Setup":
+    def with_rules_kept(self) -> Setup:
         """A step budget the user did not give, raised to what vLLM requires of it (it covers max_num_seqs,
         and max_model_len without chunked prefill)."""
         if "max_num_batched_tokens" in self.fixed:

@@ -13,6 +13,7 @@ from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 from kvdoctor.matrix.known import FixedIn
+from kvdoctor.matrix.reasons import judge_waived
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import AuditRow, ReproReport, RunResult
 
@@ -26,6 +27,15 @@ class InProcessLevel:
 
     def run(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False) -> RunResult:
         raise NotImplementedError
+
+    def judged_run(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
+                   record_timeline: bool = False) -> RunResult:
+        """`run`, then judged where the user's flags break one of the recipe's measured reasons
+        (`Setup.waived`): the run's own outcome stands unless kvdoctor's measurement on this release
+        supports the reason (`matrix.reasons.judge_waived`). What repro and audit report."""
+        result = self.run(api, recipe, setup, logic, record_timeline=record_timeline)
+        judged: RunResult = judge_waived(result, setup, recipe.name, api.version_text)
+        return judged
 
     def check_logic(self, logic: str) -> None:
         """Every logic variant is played in-process (kvdoctor patches `storable_chunks` in a scope)."""
@@ -43,13 +53,13 @@ class InProcessLevel:
                              fixed_in=fixed_in)
         for done, variant in enumerate(variants):
             progress(done, len(variants), f"{recipe.name} under the {variant} logic")
-            report.results.append(self.run(api, recipe, setup, variant, record_timeline=record_timeline))
+            report.results.append(self.judged_run(api, recipe, setup, variant, record_timeline=record_timeline))
         report.setup = with_model_runner(setup, report.results)
         return report
 
     def audit_row(self, api: VllmApi, recipe: Recipe, setup: Setup, fixed_in: FixedIn | None) -> AuditRow:
-        installed = self.run(api, recipe, setup, "installed", record_timeline=True)
-        fixed = self.run(api, recipe, setup, "fixed")
+        installed = self.judged_run(api, recipe, setup, "installed", record_timeline=True)
+        fixed = self.judged_run(api, recipe, setup, "fixed")
         return AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]), installed, fixed, fixed_in)
 
 

@@ -144,6 +144,7 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
                     elif audit_async:
                         progress.running(release, "audit --async-scheduling")
                         _add_async(report, release, runner.audit(env, async_scheduling=True))
+                        _add_reasons(report, release, lambda name, flags: runner.recipe(env, name, flags), progress)
                 else:
                     progress.running(release, name)
                     cell = runner.recipe(env, ref)
@@ -156,8 +157,10 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
             env_for(release)
         if bisect:
             for name, ref in recipes:
-                report.bisections.append(
-                    bisect_releases(name, releases, lambda release: run(release, name, ref).outcome))
+                def outcome_on(release: str, name: str = name, ref: str = ref) -> str:
+                    return run(release, name, ref).outcome
+
+                report.bisections.append(bisect_releases(name, releases, outcome_on))
         else:
             runner.prefetch([call for release in releases for call in _calls(env_for(release), recipes, audit,
                                                                               audit_async)])
@@ -172,7 +175,7 @@ def _calls(env: ReleaseEnv, recipes: list[tuple[str, str]], audit: bool,
     """What `run` will ask of one release's environment, in the runner's call form."""
     if audit:
         return [("audit", env, False)] + ([("audit", env, True)] if audit_async else [])
-    return [("recipe", env, ref) for _, ref in recipes]
+    return [("recipe", env, (ref, ())) for _, ref in recipes]
 
 
 def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> None:
@@ -183,6 +186,31 @@ def _add_async(report: MatrixReport, release: str, async_cells: list[Cell]) -> N
             continue
         cell.async_outcome = async_cell.outcome
         cell.async_fixed_logic_outcome = async_cell.fixed_logic_outcome
+
+
+def _add_reasons(report: MatrixReport, release: str, run: Callable[[str, tuple[str, ...]], Cell],
+                 progress: Progress) -> None:
+    """Each built-in recipe's measured reasons, each run at the value that breaks it (matrix/reasons.py);
+    sync_scheduling's is the async audit's run. A run that broke measures nothing."""
+    from kvdoctor.matrix.reasons import alternatives
+    from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE
+    from kvdoctor.recipes.builtins import all_builtins
+
+    for recipe in all_builtins():
+        cell = report.cells.get((release, recipe.name))
+        if cell is None:
+            continue
+        measured: dict[str, str] = {}
+        for requirement, flags in alternatives(recipe).items():
+            if requirement == "sync_scheduling":
+                if cell.async_outcome is not None:
+                    measured[requirement] = cell.async_outcome
+                continue
+            progress.running(release, f"{recipe.name} {' '.join(flags)}")
+            outcome = run(recipe.name, tuple(flags)).outcome
+            if outcome not in (ENV_FAILURE, KVDOCTOR_FAILURE):
+                measured[requirement] = outcome
+        cell.reason_outcomes = measured or None
 
 
 def unmeasured_releases(report: MatrixReport) -> dict[str, str]:
@@ -197,6 +225,7 @@ def data_rows(report: MatrixReport) -> list:
     return [OutcomeRow(release=c.release, recipe=c.recipe, bug=c.bug or "-", outcome=c.outcome,
                        failure_site=c.failure_site if c.outcome == "reproduced" else None, coverage=c.coverage,
                        fixed_logic_outcome=c.fixed_logic_outcome, async_outcome=c.async_outcome,
-                       async_fixed_logic_outcome=c.async_fixed_logic_outcome, measured_on=report.measured_on,
+                       async_fixed_logic_outcome=c.async_fixed_logic_outcome, reason_outcomes=c.reason_outcomes,
+                       measured_on=report.measured_on,
                        kvdoctor_version=report.kvdoctor_version)
             for c in report.cells.values() if c.release not in broken]

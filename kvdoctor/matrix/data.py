@@ -9,9 +9,9 @@ the test suite reads every per-release expectation from it (tests/recipe_runs.me
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from kvdoctor.errors import UsageError
 from kvdoctor.recipes.writer import toml_string
@@ -27,7 +27,9 @@ HEADER = """\
 # whether the run reached the recipe's crash site: `coverage`). A release counts as fixed only where
 # the site was reached and held, or is gone from that release's source. Optional keys, from the same
 # measurement (absent = not measured): `fixed_logic_outcome` (kvdoctor's fixed logic, run beside the
-# installed one), `async_outcome` and `async_fixed_logic_outcome` (`kvdoctor audit --async-scheduling`).
+# installed one), `async_outcome` and `async_fixed_logic_outcome` (`kvdoctor audit --async-scheduling`),
+# `reason_outcomes` (each measured reason the recipe gives, `recipes.geometry.MEASURED_REASONS`: the outcome
+# of the run at the value that breaks it, as the run showed it; sync_scheduling's is the async audit's run).
 """
 
 
@@ -50,6 +52,8 @@ class OutcomeRow:
     fixed_logic_outcome: str | None = None
     async_outcome: str | None = None
     async_fixed_logic_outcome: str | None = None
+    # requirement -> the outcome measured at the value that breaks it (matrix/reasons.py); None: not measured
+    reason_outcomes: dict[str, str] | None = None
 
     def outcome_for(self, logic: str = "installed", async_scheduling: bool = False) -> str | None:
         """The measured outcome under `logic` ("installed" | "fixed") and scheduling mode; None: not
@@ -98,10 +102,19 @@ def load(path: Path = DATA_FILE) -> list[OutcomeRow]:
         return [OutcomeRow(release=r["release"], recipe=r["recipe"], bug=r.get("bug", "-"), outcome=r["outcome"],
                            failure_site=r.get("failure_site"), measured_on=r["measured_on"],
                            kvdoctor_version=r["kvdoctor_version"], coverage=r.get("coverage"),
-                           **{key: r.get(key) for key in OPTIONAL_OUTCOMES})
+                           **{key: r.get(key) for key in OPTIONAL_OUTCOMES},
+                           reason_outcomes=_reason_outcomes(r.get("reason_outcomes")))
                 for r in data.get("outcome", [])]
     except (tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
         raise UsageError(f"{path}: not a release-outcomes file ({type(exc).__name__}: {exc})") from None
+
+
+def _reason_outcomes(value: object) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise TypeError(f"reason_outcomes must be a table of strings, got {value!r}")
+    return dict(value)
 
 
 def _order(row: OutcomeRow) -> tuple[int, str]:
@@ -118,6 +131,9 @@ def render(rows: Iterable[OutcomeRow]) -> str:
             value = getattr(row, key)
             if value is not None:
                 lines.append(f"{key} = {toml_string(value)}")
+        if row.reason_outcomes:
+            table = ", ".join(f"{name} = {toml_string(value)}" for name, value in sorted(row.reason_outcomes.items()))
+            lines.append(f"reason_outcomes = {{ {table} }}")
         lines.append("")
     return "\n".join(lines)
 

@@ -16,7 +16,8 @@ from kvdoctor.explore.ray_pool import TASK_MEMORY_BYTES, RayPool
 from kvdoctor.matrix.envs import ReleaseEnv
 from kvdoctor.matrix.runner import KVDOCTOR_FAILURE, Cell, Runner
 
-Call = tuple[str, ReleaseEnv, Any]  # ("recipe", env, recipe ref) | ("audit", env, async_scheduling)
+# ("recipe", env, (recipe ref, its flags)) | ("audit", env, async_scheduling)
+Call = tuple[str, ReleaseEnv, Any]
 
 
 def _run_call(engine: str, timeout_s: float, call: Call) -> list[Cell]:
@@ -24,7 +25,8 @@ def _run_call(engine: str, timeout_s: float, call: Call) -> list[Cell]:
     kind, env, argument = call
     with Runner(timeout_s=timeout_s, engine=engine) as runner:
         if kind == "recipe":
-            return [runner.recipe(env, argument)]
+            ref, flags = argument
+            return [runner.recipe(env, ref, flags)]
         return runner.audit(env, async_scheduling=argument)
 
 
@@ -56,8 +58,8 @@ class RayRunner:
             if key not in self._pending:
                 self._pending[key] = self._task.remote(self.engine, self.timeout_s, call)
 
-    def recipe(self, env: ReleaseEnv, recipe_ref: str) -> Cell:
-        return self._collect(("recipe", env, recipe_ref))[0]
+    def recipe(self, env: ReleaseEnv, recipe_ref: str, flags: tuple[str, ...] = ()) -> Cell:
+        return self._collect(("recipe", env, (recipe_ref, tuple(flags))))[0]
 
     def audit(self, env: ReleaseEnv, async_scheduling: bool = False) -> list[Cell]:
         return self._collect(("audit", env, async_scheduling))
@@ -69,7 +71,7 @@ class RayRunner:
             cells: list[Cell] = self._pool.ray.get(ref)
         except Exception as exc:  # the task died (a lost node, a killed worker): this cell is unmeasured
             kind, env, argument = call
-            name = "(audit)" if kind == "audit" else str(argument)
+            name = "(audit)" if kind == "audit" else str(argument[0])
             return [Cell(env.release, name, KVDOCTOR_FAILURE,
                          detail=f"the Ray task running it failed: {type(exc).__name__}")]
         return cells

@@ -43,6 +43,8 @@ class Cell:
     # The same recipe under --async-scheduling (a second audit, for --write-data); None: not measured.
     async_outcome: str | None = None
     async_fixed_logic_outcome: str | None = None
+    # Each measured reason of the recipe -> the outcome at the value that breaks it (matrix/reasons.py).
+    reason_outcomes: dict[str, str] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -70,7 +72,7 @@ class Runner:
     engine: str = "scheduler"  # --engine of every child command (the default level is not passed)
     _pythonpath: tempfile.TemporaryDirectory | None = field(default=None, init=False)
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         self._pythonpath = tempfile.TemporaryDirectory(prefix="kvdoctor-matrix-")
         os.symlink(Path(kvdoctor.__file__).resolve().parent, Path(self._pythonpath.name) / "kvdoctor")
         return self
@@ -82,16 +84,19 @@ class Runner:
     def prefetch(self, calls: list[tuple[str, ReleaseEnv, Any]]) -> None:
         """Local runs go one at a time, when asked: nothing to start ahead (`matrix.ray_runner` starts them)."""
 
-    def recipe(self, env: ReleaseEnv, recipe_ref: str) -> Cell:
-        """`kvdoctor repro RECIPE --logic installed --json` on the release."""
+    def recipe(self, env: ReleaseEnv, recipe_ref: str, flags: tuple[str, ...] = ()) -> Cell:
+        """`kvdoctor repro RECIPE --logic installed --json [FLAGS]` on the release; a run judged by a measured
+        reason (matrix/reasons.py) counts as it played (`played_outcome`): the matrix measures, never reads
+        its own data back."""
         started = time.monotonic()
         code, doc, err = self._kvdoctor(env, ["repro", recipe_ref, "--logic", "installed", "--json",
-                                              *self._engine_args()])
+                                              *self._engine_args(), *flags])
         name = Path(recipe_ref).stem if recipe_ref.endswith(".toml") else recipe_ref
         if doc is None or "results" not in doc:
             return self._failed(env, name, code, doc, err, started)
         result = doc["results"][0]
-        return Cell(env.release, doc["recipe"]["name"], result["outcome"], bug=doc["recipe"].get("bug"),
+        return Cell(env.release, doc["recipe"]["name"], result.get("played_outcome") or result["outcome"],
+                    bug=doc["recipe"].get("bug"),
                     failure_site=failure_site(result.get("failure"), result.get("violations")),
                     detail=result.get("detail"), vllm_version=doc.get("vllm_version"),
                     seconds=round(time.monotonic() - started, 1), coverage=coverage_line(result.get("coverage")))
@@ -105,10 +110,11 @@ class Runner:
         if doc is None or "rows" not in doc:
             return [self._failed(env, "(audit)", code, doc, err, started)]
         seconds = round((time.monotonic() - started) / max(1, len(doc["rows"])), 1)
-        return [Cell(env.release, row["recipe"], row["outcome"], bug=row.get("bug"),
+        return [Cell(env.release, row["recipe"], row.get("played_outcome") or row["outcome"], bug=row.get("bug"),
                      failure_site=failure_site(row.get("failure"), row.get("violations")),
                      detail=None if row["outcome"] == "reproduced" else row.get("hint"),
-                     fixed_logic_outcome=row.get("fixed_logic_outcome"), vllm_version=doc.get("vllm_version"),
+                     fixed_logic_outcome=row.get("fixed_logic_played_outcome") or row.get("fixed_logic_outcome"),
+                     vllm_version=doc.get("vllm_version"),
                      seconds=seconds, coverage=coverage_line(row.get("coverage")))
                 for row in doc["rows"]]
 

@@ -34,12 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
 from kvdoctor.engine.serve_args import flag_name
 from kvdoctor.engine.setup import PLANNED_FIELDS, Setup
 from kvdoctor.errors import UsageError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvdoctor.recipes.model import Recipe, Step
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class Need:
         """The smallest change of the user's flags that meets it, in flag terms."""
         if isinstance(self.value, bool):
             return flag_name(self.field, self.value)
+        if self.value is None:
+            return f"no {flag_name(self.field)}"
         bound = {">=": " or more", "<=": " or less", "==": ""}[self.op]
         return f"{flag_name(self.field)} {self.value}{bound}"
 
@@ -78,6 +85,7 @@ class Problem:
 
     message: str
     needs: tuple[Need, ...] = ()
+    requirement: str | None = None  # the recipe's `setup:<name>` requirement it comes from (None: the steps)
 
 
 @dataclass(frozen=True)
@@ -218,7 +226,7 @@ def _no_plan() -> PreemptPlan:
     raise NotApplicable("no preempting fill was planned for this recipe")
 
 
-def preempt_plan(steps, setup: Setup) -> PreemptPlan | None:
+def preempt_plan(steps: Sequence[Step], setup: Setup) -> PreemptPlan | None:
     """The plan of a recipe's `fill_pool = "preempt_next"` and the `prompt_rest_of_pool` add after it
     (None where the recipe has none; NotApplicable where the geometry has none)."""
     fill = next((s for s in steps if s.action == "add" and s.args.get("fill_pool") == PREEMPT_NEXT), None)
@@ -228,12 +236,12 @@ def preempt_plan(steps, setup: Setup) -> PreemptPlan | None:
     return plan_preempt(setup, fill.args.get("max_tokens", 8), victim.args.get("max_tokens", 8) if victim else 8)
 
 
-def check(recipe, setup: Setup) -> list[str]:
+def check(recipe: Recipe, setup: Setup) -> list[str]:
     """Refuse what vLLM would refuse; return why the trigger cannot exist here (empty: it can)."""
     return [problem.message for problem in problems(recipe, setup)]
 
 
-def problems(recipe, setup: Setup) -> list[Problem]:
+def problems(recipe: Recipe, setup: Setup) -> list[Problem]:
     """Why the trigger cannot exist at this geometry, each with the changes that would let it.
 
     A user's recipe file with a prompt longer than a max_model_len it or the user fixed is a usage error
@@ -274,22 +282,35 @@ def problems(recipe, setup: Setup) -> list[Problem]:
             found.append(Problem(f"{where}: {length} prompt + {max_tokens} output tokens exceed max_model_len "
                                  f"{setup.max_model_len} (vLLM rejects such a request)",
                                  (Need("max_model_len", total),)))
+    for model_problem in (_model_preemption(recipe, setup), _hybrid_one_chunk_tier(recipe, setup)):
+        if model_problem:
+            found.append(model_problem)
+    waived = {name for name, _ in setup.waived}
     for requirement in recipe.requires:
         kind, _, value = requirement.partition(":")
-        if kind == "setup":
+        if kind == "setup" and value not in waived:
             problem = _SETUP_REQUIREMENTS[value](setup, recipe)
             if problem:
-                found.append(problem)
+                found.append(dataclasses.replace(problem, requirement=value))
     return found
 
 
+def _chunk_bytes(setup: Setup) -> int:
+    """One offloaded chunk's KV bytes: kvdoctor's tiny KV spec (64 bytes a token), or a `--model`'s own
+    pages (every layer's K and V; `KvLayout.page_bytes`); the tiering spec pads a chunk to whole 4 KiB pages."""
+    if setup.model is not None:
+        from kvdoctor.engine.kv_layout import resolve_layout
+
+        chunk = resolve_layout(setup.model, None, setup.sliding_window).page_bytes(setup.block_size) \
+            * setup.blocks_per_chunk
+    else:
+        chunk = setup.offloaded_block_size * 64
+    return _ceil(chunk, 4096) * 4096 if setup.spec_name == "TieringOffloadingSpec" else chunk
+
+
 def cpu_tier_chunks(setup: Setup) -> int:
-    """Chunks the CPU tier holds for kvdoctor's tiny KV spec (64 bytes a token; the tiering
-    spec pads each chunk to whole 4 KiB pages)."""
-    chunk = setup.offloaded_block_size * 64
-    if setup.spec_name == "TieringOffloadingSpec":
-        chunk = _ceil(chunk, 4096) * 4096
-    return setup.cpu_bytes_to_use // chunk
+    """Chunks the CPU tier holds (`_chunk_bytes` each)."""
+    return setup.cpu_bytes_to_use // _chunk_bytes(setup)
 
 
 # cpu_bytes_to_use: a recipe that sets its CPU tier's size scripts evictions by it (K3, K9, K11).
@@ -297,8 +318,20 @@ _GEOMETRY_FIELDS = ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_bat
                     "enable_chunked_prefill", "cpu_bytes_to_use")
 
 
-def _own_geometry(setup: Setup, recipe) -> Problem | None:
+def _own_geometry(setup: Setup, recipe: Recipe) -> Problem | None:
     differ = [name for name in _GEOMETRY_FIELDS if name in recipe.setup and recipe.setup[name] != getattr(setup, name)]
+    if setup.model is not None and "cpu_bytes_to_use" in differ and \
+            _recipe_tier_chunks(recipe, setup) == cpu_tier_chunks(setup):
+        differ.remove("cpu_bytes_to_use")  # the same chunks in the model's bytes (`plan_setup`)
+    if setup.model is not None and not setup.enable_prefix_caching and not recipe.setup.get("enable_prefix_caching",
+                                                                                            True):
+        from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+
+        if any(layer.kind == MAMBA for layer in resolve_layout(setup.model, None, setup.sliding_window).layers):
+            return Problem(f"this recipe's trigger is scripted without prefix caching, and vLLM's connector needs "
+                           f"prefix caching for a Mamba hybrid's hash blocks (--model {setup.model}; measured on "
+                           f"0.26.0: build_offloading_config asserts tokens_per_block divisible by tokens_per_hash)",
+                           (Need("model", None, "=="),))
     if not differ:
         return None
     own = ", ".join(f"{name}={recipe.setup[name]}" for name in _GEOMETRY_FIELDS if name in recipe.setup)
@@ -309,8 +342,74 @@ def _own_geometry(setup: Setup, recipe) -> Problem | None:
 
 def one_chunk_cpu_bytes(setup: Setup) -> int:
     """cpu_bytes_to_use of a CPU tier of exactly one chunk (see `cpu_tier_chunks`)."""
-    chunk = setup.offloaded_block_size * 64
-    return _ceil(chunk, 4096) * 4096 if setup.spec_name == "TieringOffloadingSpec" else chunk
+    return tier_bytes(setup, 1)
+
+
+def tier_bytes(setup: Setup, chunks: int) -> int:
+    """cpu_bytes_to_use of a CPU tier of `chunks` chunks. A `--model`'s chunk is estimated from its layers
+    before vLLM groups them, and a hybrid's groups may pad their layer counts (vLLM's chunk is then larger):
+    half an estimated chunk more keeps the count where vLLM's chunk is near the estimate (for one chunk:
+    0.75x-1.5x; measured on the six shipped configs, Gemma 3's seven groups included)."""
+    if setup.model is None:
+        return chunks * _chunk_bytes(setup)
+    tier = (2 * chunks + 1) * _chunk_bytes(setup) // 2
+    return _ceil(tier, 4096) * 4096 if setup.spec_name == "TieringOffloadingSpec" else tier
+
+
+def _model_preemption(recipe: Recipe, setup: Setup) -> Problem | None:
+    """A recipe that preempts a request by running the GPU pool out counts a block of every KV cache group for
+    each block of tokens (the pool of a `--model` is sized so: kv_layout's `_pool_for_groups`). A model whose
+    Mamba groups or sliding-window groups (a window shorter than max_model_len) hold fewer blocks for a long
+    request leaves the pool unspent: measured on 0.26.0, preemption at Qwen3-Next and
+    readmitted-stale-store-cursor at gpt-oss-20b (128-token window) never preempted and ended setup_error; a
+    fill that queues the next request (`fill_pool`) left it running at Qwen3-Next (Mamba) too."""
+    if setup.model is None:
+        return None
+    preempts = any(step.action == "expect" and "PREEMPTED" in str(step.args.get("status", "")) for step in recipe.steps)
+    fills = any(step.action == "add" and step.args.get("fill_pool") for step in recipe.steps)
+    if not preempts and not fills:
+        return None
+    from kvdoctor.engine.kv_layout import MAMBA, SLIDING, resolve_layout
+
+    layers = resolve_layout(setup.model, None, setup.sliding_window).layers
+    short = sorted({layer.sliding_window for layer in layers if layer.kind == SLIDING
+                    and layer.sliding_window is not None and layer.sliding_window < setup.max_model_len})
+    mamba = any(layer.kind == MAMBA for layer in layers)
+    if not preempts:
+        short = []  # a fill that only queues the next request: measured to hold at every window shipped
+    if not short and not mamba:
+        return None
+    kinds = " and ".join((["Mamba"] if mamba else []) + ([f"{short[0]}-token sliding-window"] if short else []))
+    return Problem(f"this recipe {'preempts' if preempts else 'queues'} a request by running the GPU pool out, "
+                   f"a block of every KV cache group for each block of tokens; the {kinds} groups of --model "
+                   f"{setup.model} hold fewer blocks for a long request, and kvdoctor has not restated the fill "
+                   f"for them",
+                   (Need("model", None, "=="),))
+
+
+def _hybrid_one_chunk_tier(recipe: Recipe, setup: Setup) -> Problem | None:
+    """A CPU tier of exactly one chunk (`setup:one_chunk_cpu_tier`) at a `--model` with more than one kind of
+    layer: vLLM's chunk bytes depend on how it groups and aliases the layers' pages, which kvdoctor does not
+    know before vLLM is imported (measured: finished-after-finalize held two chunks at Gemma 3, gpt-oss and
+    Qwen3-Next on 0.34.0, one on 0.26.0, and ended setup_error)."""
+    if setup.model is None or "setup:one_chunk_cpu_tier" not in recipe.requires:
+        return None
+    from kvdoctor.engine.kv_layout import resolve_layout
+
+    kinds = {(layer.kind, layer.sliding_window) for layer in resolve_layout(setup.model, None,
+                                                                            setup.sliding_window).layers}
+    if len(kinds) < 2:
+        return None
+    return Problem(f"the trigger needs a CPU tier of exactly one chunk; the chunk of --model {setup.model} "
+                   f"({len(kinds)} kinds of layer) is sized by how vLLM groups them, which kvdoctor does not "
+                   f"estimate before vLLM is imported", (Need("model", None, "=="),))
+
+
+def _recipe_tier_chunks(recipe: Recipe, setup: Setup) -> int | None:
+    """The chunks of the CPU tier a recipe's [setup] sizes in bytes of kvdoctor's tiny KV spec (None: none)."""
+    if "cpu_bytes_to_use" not in recipe.setup:
+        return None
+    return recipe.setup["cpu_bytes_to_use"] // _chunk_bytes(dataclasses.replace(setup, model=None))
 
 
 def _problem(ok: bool, message: str, *needs: Need) -> Problem | None:
@@ -332,8 +431,8 @@ _SETUP_REQUIREMENTS = {
     "last_token_in_prompt_block": lambda s, r: _problem(
         s.block_size > 1,
         "at block_size 1 the last sampled token's slot opens a block that was never allocated, so "
-        "the final store cannot cover it silently: vLLM pairs the chunk's offload keys with too few "
-        "blocks and _build_store_jobs asserts instead (an engine crash, the assertion of K1/K6)",
+        "the final store cannot cover it silently (measured: 0.26.0 pairs the chunk's offload keys with too "
+        "few blocks and _build_store_jobs asserts, K1's assertion; 0.27.0 on builds no such store)",
         Need("block_size", 2)),
     "two_running_requests": lambda s, r: _problem(
         s.max_num_seqs >= 2, "the trigger needs two requests running at once; --max-num-seqs is 1",
@@ -342,26 +441,30 @@ _SETUP_REQUIREMENTS = {
 }
 
 
-def _one_step_prefills(setup: Setup, recipe) -> Problem | None:
+def _one_step_prefills(setup: Setup, recipe: Recipe) -> Problem | None:
     """Each `schedule until = "prefilled"` request's prompt, beside the others' decodes, within one step's
     budget (a recipe whose other requests' few output tokens must outlast that prefill)."""
     prefilled = {s.args.get("request") for s in recipe.steps
                  if s.action == "schedule" and s.args.get("until") == "prefilled"}
+    # the others decoding beside it: the recipe's other requests, as many as may run at once (measured on
+    # 0.26.0: finished-after-finalize reproduces at a budget of its prompt + 15, max_num_seqs 16, which the
+    # earlier bound of prompt + max_num_seqs called impossible)
+    others = min(setup.max_num_seqs, sum(1 for s in recipe.steps if s.action == "add")) - 1
     for step in recipe.steps:
         if step.action == "add" and step.args.get("request") in prefilled:
             try:
                 length = prompt_length(step.args, setup)
             except NotApplicable:
                 return None  # reported by `problems` itself
-            if length + setup.max_num_seqs > setup.max_num_batched_tokens:
+            if length + others > setup.max_num_batched_tokens:
                 return Problem(f"the trigger needs {step.args['request']}'s {length}-token prompt prefilled in "
                                f"one step beside the others' decodes (their few output tokens must outlast it); "
                                f"the step budget is {setup.max_num_batched_tokens} tokens",
-                               (Need("max_num_batched_tokens", length + setup.max_num_seqs),))
+                               (Need("max_num_batched_tokens", length + others),))
     return None
 
 
-def _two_fit(setup: Setup, recipe) -> Problem | None:
+def _two_fit(setup: Setup, recipe: Recipe) -> Problem | None:
     """The pool holds the recipe's two largest requests at once (prompt and outputs, whole blocks)."""
     sizes = []
     for step in recipe.steps:
@@ -380,6 +483,49 @@ def _two_fit(setup: Setup, recipe) -> Problem | None:
 
 def is_known_setup_requirement(name: str) -> bool:
     return name in _SETUP_REQUIREMENTS
+
+
+# -- measured reasons ----------------------------------------------------------------------------------------
+
+# A requirement whose sentence is a claim about vLLM ("the trigger needs X") and the Setup field the claim is
+# about: where the user's own value of that field breaks it, the recipe is not declared untested on the
+# sentence's word. The run is played at the user's value and judged by what happens; the sentence is shown
+# as the explanation only where `kvdoctor matrix --audit --write-data` measured the recipe at that field's
+# other value on this release and the measurement supports it (kvdoctor/matrix/reasons.py). `own_geometry`
+# is not one: it says kvdoctor has not restated the recipe's script for another geometry (kvdoctor's limit,
+# not vLLM's), and a pool or a prompt vLLM would refuse is vLLM's own rule.
+MEASURED_REASONS: dict[str, str] = {
+    "sync_scheduling": "async_scheduling",
+    "last_token_in_prompt_block": "block_size",
+    "two_running_requests": "max_num_seqs",
+    "one_chunk_cpu_tier": "cpu_bytes_to_use",
+    "prefill_in_one_step": "max_num_batched_tokens",
+}
+
+
+def measured_reasons(recipe: Recipe) -> list[str]:
+    """The recipe's requirements that are measured reasons, in the recipe's order."""
+    return [value for kind, _, value in (r.partition(":") for r in recipe.requires)
+            if kind == "setup" and value in MEASURED_REASONS]
+
+
+def reason_alternative(recipe: Recipe, requirement: str, planned: Setup) -> dict[str, Any]:
+    """The Setup value that breaks `requirement` nearest the recipe's own plan (`planned`: the recipe at
+    default flags): what a measurement of the reason runs the recipe at."""
+    if requirement == "sync_scheduling":
+        return {"async_scheduling": True}
+    if requirement == "last_token_in_prompt_block":
+        return {"block_size": 1}
+    if requirement == "two_running_requests":
+        return {"max_num_seqs": 1}
+    if requirement == "one_chunk_cpu_tier":
+        return {"cpu_bytes_to_use": 2 * one_chunk_cpu_bytes(planned)}
+    if requirement == "prefill_in_one_step":
+        problem = _one_step_prefills(dataclasses.replace(planned, max_num_batched_tokens=1), recipe)
+        if problem is None:
+            raise ValueError(f"{recipe.name}: no request is prefilled in one step")
+        return {"max_num_batched_tokens": problem.needs[0].value - 1}
+    raise ValueError(f"{requirement!r} is not a measured reason")
 
 
 # -- preempt the next request mid-prefill (`fill_pool = "preempt_next"`, then `prompt_rest_of_pool`) --------
@@ -588,7 +734,7 @@ def plan_preempt(setup: Setup, max_tokens: int, victim_max_tokens: int) -> Preem
                             [Need("max_model_len", _ceil(usable - 1, max(1, setup.max_num_seqs - 1)) * bs
                                   + filler_max_tokens),
                              Need("max_num_seqs", m_min + 1)])
-    sizes = ([4] if 4 <= max_chunks else []) + [k for k in range(max_chunks, 0, -1) if k != 4]
+    sizes = ([4] if max_chunks >= 4 else []) + [k for k in range(max_chunks, 0, -1) if k != 4]
     counts = sorted({m for m in (m_min, m_min + 1, 2 * m_min) if m < setup.max_num_seqs})
     for k in sizes[:8]:
         for m in counts:
@@ -652,7 +798,7 @@ def _fit_preempt(setup: Setup, k: int, m: int, cap_blocks: int, filler_max_token
 _PLAN_ROUNDS = 32
 
 
-def plan_setup(recipe, setup: Setup) -> Setup:
+def plan_setup(recipe: Recipe, setup: Setup) -> Setup:
     """The setup the recipe runs at: the user's values kept, every other size derived to meet the trigger.
 
     Each round asks `problems` what the trigger lacks here; each problem names the changes that would let
@@ -662,7 +808,12 @@ def plan_setup(recipe, setup: Setup) -> Setup:
     smallest change that allows it. A user's recipe file fixes its own [setup] values as well.
     """
     fixed = set(setup.fixed) | (set() if recipe.builtin else set(recipe.setup) & set(PLANNED_FIELDS))
+    if setup.model is not None:
+        fixed.add("model")  # the user's model: never planned away
     setup, mamba = _server_mamba_cache_mode(setup)
+    chunks = _recipe_tier_chunks(recipe, setup) if setup.model is not None else None
+    if chunks and "cpu_bytes_to_use" not in fixed:  # the recipe's CPU tier, in the model's chunks
+        setup = dataclasses.replace(setup, cpu_bytes_to_use=tier_bytes(setup, chunks))
     start = setup
     preferred: dict[str, Any] = {}
     for need in _preferences(recipe, setup):
@@ -677,17 +828,26 @@ def plan_setup(recipe, setup: Setup) -> Setup:
                             if getattr(start, name) != getattr(setup, name))
             return dataclasses.replace(setup, derived=mamba + derived, untested=None)
         changes: dict[str, Any] = {}
+        waive: list[tuple[str, str]] = []
         for problem in found:
             open_needs = [need for need in problem.needs if not need.holds(setup)]
             free = [need for need in open_needs if need.field not in fixed]
+            if not free and problem.requirement in MEASURED_REASONS and \
+                    MEASURED_REASONS[problem.requirement] in {need.field for need in open_needs}:
+                # a claim about vLLM, not a planning fact: played at the user's value (see MEASURED_REASONS)
+                waive.append((problem.requirement, _untested(recipe, problem, open_needs, start)))
+                continue
             if not free:
-                return dataclasses.replace(setup, untested=_untested(recipe, problem, open_needs, start))
+                return dataclasses.replace(setup, derived=mamba,
+                                           untested=_untested(recipe, problem, open_needs, start))
             need = free[0]
             have = changes.get(need.field)
             if have is None or need.op == "==":
                 changes[need.field] = need.value
             else:
                 changes[need.field] = max(have, need.value) if need.op == ">=" else min(have, need.value)
+        if waive:
+            setup = dataclasses.replace(setup, waived=setup.waived + tuple(waive))
         try:
             setup = dataclasses.replace(setup, **changes, fixed=tuple(sorted(fixed))).with_rules_kept().validate()
         except UsageError as exc:
@@ -717,7 +877,7 @@ def _server_mamba_cache_mode(setup: Setup) -> tuple[Setup, tuple[str, ...]]:
 _PREFERRED_FILL_STEPS = 32
 
 
-def _preferences(recipe, setup: Setup) -> list[Need]:
+def _preferences(recipe: Recipe, setup: Setup) -> list[Need]:
     """Sizes the trigger does not need but runs better at (fewer steps), taken only where the user gave none."""
     needs = []
     if any(s.action == "add" and s.args.get("fill_pool") == PREEMPT_NEXT for s in recipe.steps):
@@ -740,7 +900,7 @@ def _preferences(recipe, setup: Setup) -> list[Need]:
     return needs
 
 
-def _untested(recipe, problem: Problem, needs: list[Need], start: Setup) -> str:
+def _untested(recipe: Recipe, problem: Problem, needs: list[Need], start: Setup) -> str:
     """Why the user's values make the trigger impossible, the flag that prevents it and the smallest change
     that allows it: the value a plan with that one flag left free derives (else the problem's own bound)."""
     if not needs:

@@ -25,6 +25,8 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
     data = {
         "logic": result.logic,
         "outcome": result.outcome.value,
+        # the run's own outcome where a measured reason the flags break was judged (None: none was)
+        "played_outcome": _played(result),
         "detail": result.detail or None,
         "failure": result.failure.as_dict() if result.failure else None,
         "failure_step": result.failure_step,
@@ -39,6 +41,11 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
     return data
+
+
+def _played(result: Any) -> str | None:
+    played = getattr(result, "played_outcome", None)
+    return played.value if played is not None else None
 
 
 def repro_document(report: Any, with_timeline: bool = False) -> dict[str, Any]:
@@ -87,6 +94,7 @@ def audit_document(report: Any) -> dict[str, Any]:
                 "title": row.recipe.title, "outcome": row.installed.outcome.value,
                 "setup": setup_dict(row.setup, row.installed.kv_plan),
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row_hint(row),
+                "played_outcome": _played(row.installed), "fixed_logic_played_outcome": _played(row.fixed),
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
