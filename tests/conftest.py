@@ -112,3 +112,21 @@ def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subproce
     `tests/cli_runner.invoke`, the same call in-process."""
     return subprocess.run([*KVDOCTOR, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment a `vllm serve` child needs to find kvdoctor's platform plugin (test_engine_serve,
+    test_leftovers): the installed entry point, or a throw-away dist-info naming it."""
+    from kvdoctor.levels.serve import plugin_registered
+
+    env = dict(os.environ)
+    if not plugin_registered():
+        folder = tmp_path_factory.mktemp("plugin")
+        info = folder / "kvdoctor_engine_plugin-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvdoctor-engine-plugin\nVersion: 0\n")
+        (info / "entry_points.txt").write_text(
+            "[vllm.platform_plugins]\nkvdoctor_cpu = kvdoctor.engine.core.platform:register\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(folder), env.get("PYTHONPATH")]))
+    return env

@@ -29,22 +29,6 @@ pytestmark = pytest.mark.vllm
 PID_LINE = re.compile(r"child PID (\d+) on 127\.0\.0\.1:(\d+)")
 
 
-@pytest.fixture(scope="module")
-def serve_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from kvdoctor.levels.serve import plugin_registered
-
-    env = dict(os.environ)
-    if not plugin_registered():
-        folder = tmp_path_factory.mktemp("plugin")
-        info = folder / "kvdoctor_engine_plugin-0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvdoctor-engine-plugin\nVersion: 0\n")
-        (info / "entry_points.txt").write_text(
-            "[vllm.platform_plugins]\nkvdoctor_cpu = kvdoctor.engine.core.platform:register\n")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(folder), env.get("PYTHONPATH")]))
-    return env
-
-
 def _gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

@@ -411,20 +411,21 @@ def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
     exit 130 (a finding is written as soon as it is shrunk, before an interrupt can lose it)."""
     from types import SimpleNamespace
 
-    import kvdoctor.explore.findings as findings_module
+    import kvdoctor.explore.app as explore_app
     import kvdoctor.explore.search as search_module
     from kvdoctor.engine import compat
 
     from .cli_runner import invoke
 
     written: list[str] = []
-    finding = SimpleNamespace(signature="AssertionError in f", label="AssertionError in f", steps=3, elapsed_s=1.0)
+    finding = SimpleNamespace(signature="AssertionError in f", key="AssertionError in f", label="AssertionError in f",
+                              steps=3, elapsed_s=1.0)
 
     def interrupted_search(config, on_progress=None, on_finding=None, api=None, pool=None):
         on_finding(finding)  # written at once, as the real search does
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(findings_module, "write_findings",
+    monkeypatch.setattr(explore_app, "write_findings",  # the name explore's application writes through
                         lambda found, out: written.extend(f.signature for f in found))
     monkeypatch.setattr(search_module, "explore", interrupted_search)
     monkeypatch.setattr(search_module, "warm_up", lambda api: None)

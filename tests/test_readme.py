@@ -37,7 +37,7 @@ def _render(renderables) -> str:
     return "\n".join(line.rstrip() for line in console.export_text().splitlines())
 
 
-def _cli_defaults() -> dict:
+def _cli_defaults() -> Overrides:
     """The overrides a command line without flags gives (the default worker: vLLM's)."""
     from kvdoctor.cli.options import worker_overrides
 
@@ -48,7 +48,7 @@ def _repro(name: str, logic: str = "all"):
     from kvdoctor import app
     from kvdoctor.cli.options import DEFAULT_WORKER
 
-    return app.repro(name, Overrides(**_cli_defaults()), logic, record_timeline=True, command=f"kvdoctor repro {name}",
+    return app.repro(name, _cli_defaults(), logic, record_timeline=True, command=f"kvdoctor repro {name}",
                      default_worker=DEFAULT_WORKER)
 
 

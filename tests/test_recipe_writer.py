@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvdoctor.engine.setup import MAX_GPU_BLOCKS
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.builtins import all_builtins
 from kvdoctor.recipes.loader import load_recipe_file, load_recipe_text
@@ -69,6 +70,7 @@ def test_strings_escape():
 # -- generated recipes -----------------------------------------------------------------
 
 texts = st.text(max_size=30)
+names = st.text(max_size=30).filter(lambda name: "\n" not in name and "\r" not in name)  # a name is one line
 ids = st.text(min_size=1, max_size=8)
 scalars = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), texts,
                     st.floats(allow_nan=False))  # inf too: the writer spells it `inf`
@@ -81,8 +83,8 @@ def setups(draw):
     setup = {}
     for key in ("block_size", "blocks_per_chunk", "gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
                 "max_model_len", "cpu_bytes_to_use"):
-        if draw(st.booleans()):
-            setup[key] = draw(st.integers(1, 1 << 40))
+        if draw(st.booleans()):  # the loader refuses a pool past what kvdoctor simulates (MAX_GPU_BLOCKS)
+            setup[key] = draw(st.integers(1, MAX_GPU_BLOCKS if key == "gpu_blocks" else 1 << 40))
     for key in ("async_scheduling", "enable_chunked_prefill", "offload_prompt_only"):
         if draw(st.booleans()):
             setup[key] = draw(st.booleans())
@@ -152,7 +154,7 @@ signatures = st.one_of(
 def recipes(draw):
     steps, checks = draw(step_lists())
     return Recipe(
-        name=draw(texts), summary=draw(texts), signature=draw(signatures), steps=steps, checks=checks,
+        name=draw(names), summary=draw(texts), signature=draw(signatures), steps=steps, checks=checks,
         setup=draw(setups()), bug=draw(st.none() | texts), title=draw(st.none() | texts),
         refs=tuple(draw(st.lists(texts, max_size=3))),
         requires=tuple(draw(st.lists(st.sampled_from(["spec:", "kv_cache_group_field:"]).flatmap(
