@@ -64,10 +64,15 @@ def test_findings_of_one_site_are_kept_apart_by_path():
     assert kept[0].as_dict()["path"] in (None, "K1", "K6")
 
 
-def test_a_hunt_with_known_triggers_excluded_keeps_none_of_their_routes(tmp_path):
+def test_a_hunt_with_known_triggers_excluded_keeps_none_of_their_routes(api, tmp_path):
     """0.26.0: `_build_store_jobs`' assert is reached through K1's trigger within a second of exploring; with K1's
     and K6's triggers excluded, every finding is at the target and by another path, and the runs through
-    them are counted."""
+    them are counted. Where the release has neither bug (measured), no run fails through their triggers."""
+    from .recipe_runs import bug_present
+
+    if not (bug_present(api, "queued-abort") or bug_present(api, "offload-keys-lag-blocks")):
+        pytest.skip(f"vLLM {api.version_text} has neither K1 nor K6 (kvdoctor's measurement): no run fails "
+                    f"through their triggers, so there is nothing to exclude")
     proc = invoke("explore", "--target", "AssertionError:_build_store_jobs", "--exclude-trigger", "K1,K6",
                   "--time-budget", "120", "--max-examples", "300", "--no-triage", "--out", str(tmp_path), "--json")
     doc = json.loads(proc.stdout)
