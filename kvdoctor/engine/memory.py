@@ -4,41 +4,34 @@ refusals of setups and workers that would not fit are judged from it before vLLM
 from __future__ import annotations
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+def _meminfo(*fields: str) -> int | None:
+    """The sum of `fields` of /proc/meminfo, in bytes (None where it cannot be read or none is there)."""
+    found, total = False, 0
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                name = line.split(":", 1)[0]
+                if name in fields:
+                    total += int(line.split()[1]) * 1024
+                    found = True
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    return total if found else None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable: what a new process can take without swapping."""
+    return _meminfo("MemAvailable")
 
 
 def total_memory_bytes() -> int | None:
-    """MemTotal + SwapTotal from /proc/meminfo: the most one mapping may reserve (None where unreadable)."""
-    total = 0
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith(("MemTotal:", "SwapTotal:")):
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return total or None
+    """MemTotal + SwapTotal: the most one mapping may reserve."""
+    return _meminfo("MemTotal", "SwapTotal") or None
 
 
 def physical_memory_bytes() -> int | None:
-    """MemTotal from /proc/meminfo: the host's memory, without swap (None where unreadable)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """MemTotal: the host's memory, without swap."""
+    return _meminfo("MemTotal")
 
 
 def shm_bytes(path: str = "/dev/shm") -> tuple[int, int] | None:
