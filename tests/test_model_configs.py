@@ -26,7 +26,7 @@ CONFIGS = sorted(p.name for p in (ROOT / "tests" / "data" / "configs").iterdir()
 # A verdict about the bug, or a run that says why it could not test it: never a usage error (exit 2), a
 # setup_error (the recipe's own precondition) or kvdoctor's own failure.
 VERDICTS = ("reproduced", "not_reproduced", "not_reached", "not_applicable", "untested")
-# Known gaps, measured 2026-12-05 by this test (not yet restated by kvdoctor's planner): on 0.30.0 and 0.34.0 these hybrid
+# Known gaps, measured 2026-12-05 by this test (not yet restated by kvdoctor's planner): on 0.30.0 and 0.34.0 these
 # models' prefix hits and reloads do not happen where the recipe's script expects them, and the run stops at
 # its precondition (setup_error). Asserted as they are, so a fix (or a change in vLLM) shows here.
 KNOWN_SETUP_ERRORS = {(release, config, recipe) for release in ("0.30.0", "0.34.0")  # measured: the suites there
