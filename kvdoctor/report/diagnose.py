@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
+from kvdoctor.check.app import as_dict as check_as_dict
 from kvdoctor.diagnose.kinds import ENGINE, describe_native
 from kvdoctor.diagnose.match import innermost_vllm
 from kvdoctor.diagnose.redact import format_value, redact_serve_args
@@ -290,6 +291,9 @@ def next_lines(report: DiagnoseReport, in_report: bool = False) -> list[str]:
             out.append("find the rest of the traceback in the full log (from its `Traceback` line to the "
                        "exception line under it) and run kvdoctor diagnose on that")
         out += _kind_lines(report)
+        if report.startup is not None and not in_report:
+            out.append("check the deployment's other flags the same way: kvdoctor diagnose LOG -- --flag value ... "
+                       "(vllm serve's flags, over the log's), or kvdoctor check FLAGS before deploying")
         if report.starting_recipe and not in_report:
             out.append("write a starting recipe: kvdoctor diagnose LOG --write-recipe FILE")
         if report.hunt_command:
@@ -315,8 +319,28 @@ def next_lines(report: DiagnoseReport, in_report: bool = False) -> list[str]:
     return out
 
 
+def startup_lines(report: DiagnoseReport) -> list[str]:
+    """A start-up failure's check: vLLM's start-up run here at the log's flags (`kvdoctor check`)."""
+    from kvdoctor.diagnose.startup import CONFIRMED, STARTS
+    from kvdoctor.report.check import stage_lines, verdict_lines
+
+    startup = report.startup
+    if startup is None:
+        return []
+    crash = report.summary.crash
+    logged = f"{crash.exception}" if crash is not None and crash.exception else "the log's failure"
+    verdict = {CONFIRMED: f"confirmed: vLLM's start-up refuses these flags here as the log says ({logged})",
+               STARTS: ("not reproduced: vLLM starts here at these flags; the log's failure depends on its host "
+                        "(memory, /dev/shm, other nodes) or on a flag the log does not show: add it after `--`")}
+    lines = [f"kvdoctor check at {startup.flags_from}, on vLLM {startup.result.vllm_version}:",
+             verdict.get(startup.verdict, f"vLLM refuses these flags here, but not as the log says ({logged})")]
+    lines += verdict_lines(startup.result)[1:] if startup.result.refusal is not None else []
+    lines += stage_lines(startup.result)
+    return lines + [f"  note: {note}" for note in startup.notes]
+
+
 SECTIONS = (("What the log says", log_lines), ("The crash", crash_lines), ("Which known bug", match_lines),
-            ("The run", run_lines), ("What to do next", next_lines))
+            ("Start-up, checked here", startup_lines), ("The run", run_lines), ("What to do next", next_lines))
 
 
 def diagnose_renderables(report: DiagnoseReport) -> list[Any]:
@@ -372,6 +396,9 @@ def diagnose_document(report: DiagnoseReport) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": __version__,
         "command": "diagnose",
+        "startup_check": None if report.startup is None else {
+            "flags_from": report.startup.flags_from, "verdict": report.startup.verdict,
+            "notes": report.startup.notes, "check": check_as_dict(report.startup.result)},
         "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
                 "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source,
                 "read_note": s.read_note or None,
