@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvdoctor.explore.app import ExploreReport, exit_status
-from kvdoctor.explore.ray_pool import instance_processes
+from kvdoctor.explore.ray_pool import instance_processes, unused_instance_dirs
 from kvdoctor.explore.search import ExploreConfig, ExploreResult
 
 from .cli_runner import invoke
@@ -61,13 +61,6 @@ def _ray_processes() -> set[int]:
     return instance_processes(MARK)
 
 
-def _leaked_temp_dirs(before: set[Path]) -> list[Path]:
-    """kvdoctor's local-instance folders made since `before` that no live instance still uses (one beside
-    this module's, from another test module, is still in use and keeps its folder until it stops)."""
-    new = set(Path("/tmp").glob("kvd-ray-*")) - before
-    return [d for d in new if not instance_processes(f"RAY_AUTH_TOKEN_PATH={d / 'auth_token'}".encode())]
-
-
 @pytest.fixture(scope="module")
 def two_task_search(tmp_path_factory):
     from kvdoctor.explore.app import explore
@@ -75,7 +68,7 @@ def two_task_search(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray-findings")
     config = ExploreConfig(seed=SEED, max_examples=EXAMPLES, workers=2, ray="local", triage=False,
                            time_budget=BUDGET_S)
-    before = set(Path("/tmp").glob("kvd-ray-*")), TOKEN_FILE.exists()
+    before = set(unused_instance_dirs()), TOKEN_FILE.exists()
     report = explore(config, out)
     return report, out, before
 
@@ -104,7 +97,7 @@ def test_two_ray_tasks_find_k1_merged_to_one_recipe_per_signature(api, two_task_
 def test_the_local_ray_instance_is_stopped_after_the_search(two_task_search):
     _, _, (temp_dirs, token_file) = two_task_search
     assert not _ray_processes()
-    assert not _leaked_temp_dirs(temp_dirs)
+    assert not set(unused_instance_dirs()) - temp_dirs
     assert TOKEN_FILE.exists() == token_file  # the run's token lived in the environment, not in ~/.ray
 
 
@@ -163,7 +156,7 @@ def test_more_workers_than_the_cluster_has_slots_is_refused_before_any_starts(tm
 
 
 def test_ctrl_c_stops_every_task_and_the_ray_instance(tmp_path):
-    temp_dirs = set(Path("/tmp").glob("kvd-ray-*"))
+    temp_dirs = set(unused_instance_dirs())  # left by an earlier run, not this one's
     out = tmp_path / "o"
     proc = subprocess.Popen([*KVDOCTOR, "explore", "--ray", "--workers", "2", "--time-budget", "300",
                              "--no-triage", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -181,7 +174,7 @@ def test_ctrl_c_stops_every_task_and_the_ray_instance(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     # The driver waits for its instance's processes (killing what outlives ray_pool.REAP_GRACE_S) before it exits.
     assert not _ray_processes(), "Ray processes left after Ctrl-C"
-    assert not _leaked_temp_dirs(temp_dirs)
+    assert not set(unused_instance_dirs()) - temp_dirs
 
 
 def test_local_workers_share_the_driver_loop_and_merge_rule(api, tmp_path):

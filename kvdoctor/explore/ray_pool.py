@@ -204,6 +204,15 @@ def instance_processes(marker: bytes) -> set[int]:
     return found
 
 
+def unused_instance_dirs(root: str = "/tmp") -> list[str]:
+    """kvdoctor's local-instance folders (`kvd-ray-*` under `root`) that no live process of their instance uses:
+    left behind (a live one beside them, another run's, keeps its folder until it stops)."""
+    import glob
+
+    return [d for d in glob.glob(os.path.join(root, "kvd-ray-*"))
+            if not instance_processes(f"RAY_AUTH_TOKEN_PATH={os.path.join(d, 'auth_token')}".encode())]
+
+
 def reap(marker: bytes, grace: float = REAP_GRACE_S) -> None:
     """Wait (at most `grace` seconds) for the processes `ray.shutdown()` asked to stop, then kill what is
     left: a local instance leaves nothing behind, however slowly a loaded machine lets it exit."""
