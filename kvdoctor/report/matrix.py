@@ -20,7 +20,7 @@ def _cell_text(cell: Cell | None) -> str:
         return "-"  # not tested (bisect skipped it)
     if cell.outcome == "reproduced" and cell.failure_site:
         return f"reproduced: {cell.failure_site}"
-    if cell.outcome == "not_applicable" and getattr(cell, "unplayable", False):
+    if cell.outcome == "not_applicable" and cell.unplayable:
         return f"not_applicable at this engine level (not tested): {cell.detail}" if cell.detail else \
             "not_applicable at this engine level (not tested)"
     if cell.outcome in ("not_reproduced", "not_applicable", "reproduced"):
