@@ -28,7 +28,8 @@ def hunt_lines(report: Any) -> list[str]:
         stats = explored.result.stats
         out.append(f"  searched: {stats.examples} examples (+{stats.shrink_examples} while shrinking), "
                    f"{stats.scheduler_steps:,} scheduler steps in {stats.elapsed:.1f} s; {stats.excluded} failing "
-                   f"run(s) through an excluded trigger run past")
+                   f"run(s) through an excluded trigger run past"
+                   + (f"; {stats.invalid} example(s) refused by vLLM" if stats.invalid else ""))
         for error in explored.result.errors:
             out.append(f"  warning: {error}")
     if report.reach is not None:
@@ -77,6 +78,7 @@ def hunt_document(report: Any) -> dict[str, Any]:
         "examples": stats.examples if stats else 0,
         "shrink_examples": stats.shrink_examples if stats else 0,
         "excluded_runs": stats.excluded if stats else 0,
+        "invalid_examples": stats.invalid if stats else 0,  # examples vLLM refused at start-up (not searched)
         "elapsed_s": round(stats.elapsed, 3) if stats else 0.0,
         "wall_s": round(report.wall_s, 3),
         "function_reach": report.reach.as_dict() if report.reach is not None else None,
