@@ -1,8 +1,8 @@
 """`--engine core`: the scenario's own run (observation, invariants, verdict) on vLLM's `EngineCore`,
 which calls the scheduler, instead of kvdoctor's scheduler harness; kvdoctor only hosts the executor.
 
-Steps the level cannot express make the recipe `not_applicable`, naming them, before vLLM builds
-anything (`table.unexpressible`)."""
+Steps (and setups) the level cannot express make the recipe `not_applicable` and `unplayable`, naming
+them, before vLLM builds anything (`table.unexpressible`), as at the scheduler level (`ScenarioRun`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from kvdoctor.engine.kv_layout import resolve_layout
 from kvdoctor.engine.setup import Setup
 from kvdoctor.levels.in_process import InProcessLevel
 from kvdoctor.levels.table import unexpressible
-from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import RunResult
 from kvdoctor.scenario import ScenarioRun
@@ -31,10 +30,10 @@ class CoreScenarioRun(ScenarioRun):
 
 def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
+    """As the scheduler level runs it (`ScenarioRun`): the steps and setup this level cannot play are its
+    `unplayable` reasons, judged there beside the release's probes (a probe's reason first)."""
     reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + _setup_unexpressible(setup)
-    if reasons:
-        return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons), unplayable=True)
-    return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
+    return CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons)).run()
 
 
 def _setup_unexpressible(setup: Setup) -> list[str]:

@@ -34,6 +34,8 @@ def result_dict(result: RunResult, with_timeline: bool = False) -> dict[str, Any
         "outcome": result.outcome.value,
         # the run's own outcome where a measured reason the flags break was judged (None: none was)
         "played_outcome": _played(result),
+        # not_applicable only because this engine level cannot play a step or the setup (exit 6)
+        "unplayable": bool(getattr(result, "unplayable", False)),
         "detail": result.detail or None,
         "failure": result.failure.as_dict() if result.failure else None,
         "failure_step": result.failure_step,
@@ -101,6 +103,7 @@ def audit_document(report: AuditReport) -> dict[str, Any]:
                 "setup": setup_dict(row.setup, row.installed.kv_plan),
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row_hint(row),
                 "played_outcome": _played(row.installed), "fixed_logic_played_outcome": _played(row.fixed),
+                "unplayable": bool(getattr(row.installed, "unplayable", False)),
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
