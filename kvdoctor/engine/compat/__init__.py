@@ -556,6 +556,31 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         kind = hints.get("policy", fields["policy"].type)
         return tuple(str(value) for value in typing.get_args(kind)) or ("fcfs",)
 
+    def eviction_policies(self) -> frozenset[str]:
+        """The CPU tier's eviction policies `kv_connector_extra_config.eviction_policy` selects ("lru", "arc"):
+        those vLLM's cache policy factory resolves (0.27+), else the values the CPU offloading manager's
+        `cache_policy` parameter is typed to take (0.26's Literal)."""
+        import importlib.util
+        import inspect
+        import typing
+
+        if importlib.util.find_spec("vllm.v1.kv_offload.cpu.policies.factory") is not None:
+            factory = _import("vllm.v1.kv_offload.cpu.policies.factory").CachePolicyFactory
+            found = set()
+            for name in ("lru", "arc"):
+                try:
+                    factory.get_cache_policy_cls(name)
+                except ValueError:
+                    continue
+                found.add(name)
+            return frozenset(found)
+        manager = getattr(_import("vllm.v1.kv_offload.cpu.manager"), "CPUOffloadingManager", None)
+        parameter = inspect.signature(manager).parameters.get("cache_policy") if manager is not None else None
+        if parameter is None:
+            return frozenset()
+        hints = typing.get_type_hints(vars(manager)["__init__"]) if isinstance(parameter.annotation, str) else {}
+        return frozenset(str(v) for v in typing.get_args(hints.get("cache_policy", parameter.annotation)))
+
     def cache_config_kwargs(self, setup_fields: dict[str, Any]) -> dict[str, Any]:
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
         A field this vLLM's CacheConfig lacks is refused in one line (recipes declare
