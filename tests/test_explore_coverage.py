@@ -225,3 +225,46 @@ def test_gauge_rules(value, idle, bad):
     from kvdoctor.observe.connector_metrics import _gauge_messages
 
     assert bool(_gauge_messages("vllm:kv_offload_cpu_cache_usage_perc", value, idle)) is bad
+
+
+def test_the_parent_merges_each_workers_lines():
+    """With several workers each measures its own process and sends its lines before its last word; the
+    driver reports their union (a pool that only replays those messages: no process, no vLLM)."""
+    from kvdoctor import __version__
+    from kvdoctor.engine.compat import installed_vllm_version
+    from kvdoctor.explore.search import Stats, WorkerIdentity, _explore_in_pool
+
+    class Replay:
+        name = "replayed messages"
+
+        def __init__(self, messages):
+            self.messages = list(messages)
+
+        def start(self, config):
+            pass
+
+        def get(self, timeout):
+            return self.messages.pop(0) if self.messages else None
+
+        def gone(self, workers):
+            return {}
+
+        def cancel(self, worker):
+            pass
+
+        def close(self):
+            pass
+
+    def identity(worker):
+        return WorkerIdentity(vllm=installed_vllm_version() or "?", kvdoctor=__version__, node="here",
+                              pid=worker).as_dict()
+
+    done = Stats(examples=1, done=True, connector_lines=5).as_dict()
+    pool = Replay([("ready", 0, identity(0)), ("ready", 1, identity(1)),
+                   ("coverage", 0, {"/v/a.py": [1, 2], "/v/b.py": [7]}), ("done", 0, done),
+                   ("coverage", 1, {"/v/a.py": [2, 3]}), ("done", 1, done)])
+    result = _explore_in_pool(ExploreConfig(workers=2, coverage=True), pool, None, None)
+    assert result.coverage == {"/v/a.py": [1, 2, 3], "/v/b.py": [7]}
+    assert result.stats.connector_lines == 10
+    assert _explore_in_pool(ExploreConfig(workers=1), Replay([("ready", 0, identity(0)), ("done", 0, done)]),
+                            None, None).coverage is None

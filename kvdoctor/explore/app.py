@@ -156,9 +156,14 @@ def explore(config: Any, out_dir: Path, command: str = "",
 
             lines = LineCoverage()
             lines.start()
-        if api is None:
-            api = compat.load()  # here, not in the search: each finding is triaged as it comes
-        warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+        try:
+            if api is None:
+                api = compat.load()  # here, not in the search: each finding is triaged as it comes
+            warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+        except BaseException:
+            if lines is not None:
+                lines.stop()
+            raise
     pool: WorkerPool | None = ProcessPool() if parallel and config.ray is None else None
     if config.ray is not None:  # joined (or started) here; the search stops it, whatever happens
         from kvdoctor.explore.ray_pool import RayPool
