@@ -6,16 +6,23 @@ anything (`table.unexpressible`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.core.harness import CoreHarness
 from kvdoctor.engine.kv_layout import resolve_layout
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.step_loop import EOS_TOKEN
+from kvdoctor.errors import KvdoctorError
 from kvdoctor.levels.in_process import InProcessLevel
 from kvdoctor.levels.table import unexpressible
-from kvdoctor.observe.verdict import Outcome
+from kvdoctor.logic.patch import storable_chunks_variant
+from kvdoctor.observe.snapshot import Observer
+from kvdoctor.observe.verdict import ClientAnswers, Outcome, compare_completions
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import RunResult
 from kvdoctor.scenario import ScenarioRun
+from kvdoctor.steps import StepTarget, play
 
 NAME = "core"
 
@@ -29,12 +36,84 @@ class CoreScenarioRun(ScenarioRun):
         return super()._run_on(harness)
 
 
+class ClientRun(CoreScenarioRun):
+    """The recipe as its clients play it: every step but `expect` (a client cannot read the scheduler), no
+    invariant (a client sees only its answers), played to the end; `completions` is what each request's
+    client received (vLLM's Request.output_token_ids, a recipe's EOS left out: it is the recipe's, not the
+    model's). A vLLM exception ends the run where it fired (a dead engine serves nothing more)."""
+
+    def __init__(self, api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> None:
+        super().__init__(api, recipe, setup, logic, record_timeline=False)
+        self.invariants = []
+        self.completions: dict[str, list[int]] = {}
+        self.played_through = False  # every step played (no vLLM exception ended the run)
+
+    def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]  # each level runs its own harness
+        assert self.compiled is not None
+        target = StepTarget(harness, Observer(harness, self.logic))
+        with storable_chunks_variant(self.api, self.logic, self.log):
+            for concrete in self.compiled.steps:
+                if concrete.step.action == "expect":
+                    continue
+                try:
+                    play(concrete, target)
+                except KvdoctorError:
+                    raise
+                except Exception as exc:  # vLLM's: the engine is dead; the clients have what they got
+                    self.result.outcome = Outcome.OTHER_FAILURE
+                    self.result.detail = f"{type(exc).__name__} at step {concrete.counter}"
+                    break
+                finally:
+                    self.log.take()
+            else:
+                self.played_through = True
+        self.completions = {rid: [int(t) for t in request.output_token_ids if t != EOS_TOKEN]
+                            for rid, request in harness.requests.items()}
+        return self.result
+
+
+# The reference's completions per (recipe, setup): offloading off does not depend on the logic variant.
+_REFERENCES: dict[tuple[str, str], dict[str, list[int]]] = {}
+REFERENCE = "offloading off"
+
+
+def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> ClientAnswers | None:
+    """Every request's completion with offloading on against the same steps with offloading off (the run's
+    own reference: the engine computes every token's KV itself). None where either run could not be played
+    to its end (the comparison would be of runs that stopped at different places)."""
+    played = ClientRun(api, recipe, setup, logic)
+    played.run()
+    if not played.played_through:
+        return None
+    key = (recipe.name, repr(setup))
+    if key not in _REFERENCES:
+        plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated",
+                                    device=None)
+        reference = ClientRun(api, recipe, plain, "installed")
+        reference.run()
+        if not reference.played_through:
+            return None
+        _REFERENCES[key] = reference.completions
+    return compare_completions(played.completions, _REFERENCES[key], REFERENCE)
+
+
+def answers_apply(recipe: Recipe, setup: Setup, result: RunResult) -> bool:
+    """A silent bug (its signature an invariant) on KV bytes (vLLM's worker), played to a verdict: what its
+    clients received is worth comparing. The simulated worker moves no bytes, so its answers are always
+    right KV's."""
+    return (bool(recipe.signature.invariant) and setup.worker == "vllm"
+            and result.outcome in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED))
+
+
 def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
     reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + _setup_unexpressible(setup)
     if reasons:
         return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons), unplayable=True)
-    return CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
+    result = CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
+    if answers_apply(recipe, setup, result):
+        result.answers = client_answers(api, recipe, setup, logic)
+    return result
 
 
 def _setup_unexpressible(setup: Setup) -> list[str]:

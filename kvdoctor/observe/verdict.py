@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -67,3 +68,69 @@ def apply_coverage(result: Any, signature: Signature) -> Any:
             result.outcome = Outcome.NOT_REACHED
             result.detail = coverage.line() + " on this release"
     return result
+
+
+# -- a silent bug as its clients see it ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AnswerDiff:
+    """One request's completion against the reference's: the first token where they differ (None: equal
+    over the tokens both runs produced; a recipe's finish or abort may cut one run's completion shorter)."""
+
+    request: str
+    position: int | None
+    got: int | None = None
+    expected: int | None = None
+    got_tokens: int = 0
+    expected_tokens: int = 0
+
+    @property
+    def differs(self) -> bool:
+        return self.position is not None
+
+
+@dataclass
+class ClientAnswers:
+    """Every request's completion with offloading on against the run's own reference (`reference` says
+    which); `missing`: requests one run served and the other did not (a crash, a stopped run)."""
+
+    reference: str
+    diffs: list[AnswerDiff] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def differing(self) -> list[AnswerDiff]:
+        return [d for d in self.diffs if d.differs]
+
+    @property
+    def reproduced(self) -> bool:
+        return bool(self.differing)
+
+    @property
+    def line(self) -> str:
+        """The impact in a client's words."""
+        wrong = self.differing
+        if wrong:
+            return "; ".join(f"request {d.request}'s completion differs from the reference ({self.reference}) at "
+                             f"token {d.position}: {d.got} where the reference has {d.expected}" for d in wrong)
+        served = ", ".join(d.request for d in self.diffs) or "none"
+        return f"every completion equals the reference ({self.reference}): requests {served}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "reproduced": self.reproduced, "line": self.line,
+                "requests": [d.__dict__ for d in self.diffs], "missing": list(self.missing)}
+
+
+def compare_completions(got: dict[str, list[int]], reference: dict[str, list[int]],
+                        reference_name: str) -> ClientAnswers:
+    """Each request's completion against the reference's, token by token over the tokens both have."""
+    answers = ClientAnswers(reference_name)
+    for request in sorted(set(got) | set(reference)):
+        if request not in got or request not in reference:
+            answers.missing.append(request)
+            continue
+        mine, theirs = got[request], reference[request]
+        first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
+        answers.diffs.append(AnswerDiff(request, first, mine[first] if first is not None else None,
+                                        theirs[first] if first is not None else None, len(mine), len(theirs)))
+    return answers

@@ -37,6 +37,8 @@ def result_dict(result: Any, with_timeline: bool = False) -> dict[str, Any]:
         "worker": getattr(result, "worker", "") or None,
         "model_runner": getattr(result, "model_runner", "") or None,
         "coverage": result.coverage.as_dict() if getattr(result, "coverage", None) is not None else None,
+        # a silent bug as its clients see it: each request's completion against the run's own reference
+        "answers": result.answers.as_dict() if getattr(result, "answers", None) is not None else None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
