@@ -77,14 +77,17 @@ _REFERENCES: dict[tuple[str, str], dict[str, list[int]]] = {}
 REFERENCE = "offloading off"
 
 
-def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> ClientAnswers | None:
+def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> ClientAnswers:
     """Every request's completion with offloading on against the same steps with offloading off (the run's
-    own reference: the engine computes every token's KV itself). None where either run could not be played
-    to its end (the comparison would be of runs that stopped at different places)."""
+    own reference: the engine computes every token's KV itself), where both runs play every step."""
+    if setup.worker != "vllm":
+        return ClientAnswers(REFERENCE, not_compared=f"this run's worker moves no KV bytes ({setup.worker} worker"
+                                                     f"{': ' + setup.worker_fallback if setup.worker_fallback else ''}"
+                                                     f"), so its clients always get the answers of right KV")
     played = ClientRun(api, recipe, setup, logic)
     played.run()
     if not played.played_through:
-        return None
+        return ClientAnswers(REFERENCE, not_compared=f"offloading on, the clients' run stopped: {played.result.detail}")
     key = (recipe.name, repr(setup))
     if key not in _REFERENCES:
         plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated",
@@ -92,17 +95,15 @@ def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> Cl
         reference = ClientRun(api, recipe, plain, "installed")
         reference.run()
         if not reference.played_through:
-            return None
+            return ClientAnswers(REFERENCE, not_compared=f"the reference run stopped: {reference.result.detail}")
         _REFERENCES[key] = reference.completions
     return compare_completions(played.completions, _REFERENCES[key], REFERENCE)
 
 
-def answers_apply(recipe: Recipe, setup: Setup, result: RunResult) -> bool:
-    """A silent bug (its signature an invariant) on KV bytes (vLLM's worker), played to a verdict: what its
-    clients received is worth comparing. The simulated worker moves no bytes, so its answers are always
-    right KV's."""
-    return (bool(recipe.signature.invariant) and setup.worker == "vllm"
-            and result.outcome in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED))
+def answers_apply(recipe: Recipe, result: RunResult) -> bool:
+    """A silent bug (its signature an invariant) played to a verdict: what its clients received is the
+    question an operator asks."""
+    return bool(recipe.signature.invariant) and result.outcome in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED)
 
 
 def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
@@ -111,7 +112,7 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
     if reasons:
         return RunResult(logic=logic, outcome=Outcome.NOT_APPLICABLE, detail="; ".join(reasons), unplayable=True)
     result = CoreScenarioRun(api, recipe, setup, logic, record_timeline).run()
-    if answers_apply(recipe, setup, result):
+    if answers_apply(recipe, result):
         result.answers = client_answers(api, recipe, setup, logic)
     return result
 

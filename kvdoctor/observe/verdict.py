@@ -97,6 +97,7 @@ class ClientAnswers:
     reference: str
     diffs: list[AnswerDiff] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    not_compared: str = ""  # why the completions were not compared (the run cannot tell right KV from wrong)
 
     @property
     def differing(self) -> list[AnswerDiff]:
@@ -109,6 +110,8 @@ class ClientAnswers:
     @property
     def line(self) -> str:
         """The impact in a client's words."""
+        if self.not_compared:
+            return f"clients' completions not compared: {self.not_compared}"
         wrong = self.differing
         if wrong:
             return "; ".join(f"request {d.request}'s completion differs from the reference ({self.reference}) at "
@@ -118,7 +121,8 @@ class ClientAnswers:
 
     def as_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "reproduced": self.reproduced, "line": self.line,
-                "requests": [d.__dict__ for d in self.diffs], "missing": list(self.missing)}
+                "requests": [d.__dict__ for d in self.diffs], "missing": list(self.missing),
+                "not_compared": self.not_compared or None}
 
 
 def compare_completions(got: dict[str, list[int]], reference: dict[str, list[int]],
