@@ -324,16 +324,14 @@ scheduler.add_request(req)
 """)
 def _add(target: StepTarget, step: ConcreteStep) -> None:
     extra = add_extras(step.args)
-    earlier = continued_tokens(target.harness.requests, step.args)
+    earlier = continued_tokens(target.harness.requests, step.args) if step.args.get("continues") else []
     for request in step.requests:
         target.harness.add(request.request, earlier + list(request.prompt), request.max_tokens, **extra)
 
 
 def continued_tokens(requests: dict[str, Any], args: dict[str, Any]) -> list[int]:
-    """An add's `continues`: that request's tokens now (prompt and completion); none without it."""
-    name = args.get("continues")
-    if not name:
-        return []
+    """An add's `continues`: that request's tokens now (its prompt and what its client received)."""
+    name = args["continues"]
     if name not in requests:
         raise UsageError(f"add {args['request']}: continues {name!r}, which no earlier step added")
     return list(requests[name].all_token_ids)
