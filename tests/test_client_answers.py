@@ -49,6 +49,7 @@ def test_completions_compare_token_by_token_over_what_both_have() -> None:
                                   {"A": [5, 6, 7], "B": [9, 9, 9], "C": [1, 2, 8, 4], "D": [3]}, "offloading off")
     assert [d.request for d in answers.differing] == ["C"]
     assert answers.reproduced and answers.missing == ["D"]
+    assert answers.differing[0].got_logprob is None  # no logprobs given
     assert answers.line == ("request C's completion differs from the reference (offloading off) at token 2: 3 where "
                             "the reference has 8")
     same = compare_completions({"A": [5]}, {"A": [5]}, "offloading off")
@@ -86,6 +87,7 @@ def test_k4_a_clients_next_turn_gets_another_answer_where_the_release_has_the_bu
     assert by_request["A"]["position"] is None
     if measured == "reproduced":  # C's prefix hit A's stored chunk and read its never-written slot
         assert answers["reproduced"] and by_request["C"]["position"] == 0, answers
+        assert by_request["C"]["got_logprob"] <= 0 and by_request["C"]["expected_logprob"] <= 0, answers
         assert answers["line"].startswith("request C's completion differs from the reference (offloading off) "
                                           "at token 0: ")
     else:  # nothing wrong stored: C's answer is the one the engine computes itself

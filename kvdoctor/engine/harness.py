@@ -248,7 +248,7 @@ class Harness:
         # The stand-in model's answers (tiny_model.answer_of): the keys right KV holds, and each request's
         # sampled (token, logprob), in order (EOS a recipe forces is not the model's and not listed).
         self.context_keys = ContextKeys()
-        self.completions: dict[str, list[tuple[int, float]]] = {}
+        self.answers: dict[str, list[tuple[int, float]]] = {}
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
@@ -429,7 +429,7 @@ class Harness:
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
         read = getattr(getattr(self.worker, "model", None), "logprobs", {})
         for req_id in answered:
-            self.completions.setdefault(req_id, []).append((sampled[req_id][-1], read.pop(req_id, answered[req_id])))
+            self.answers.setdefault(req_id, []).append((sampled[req_id][-1], read.pop(req_id, answered[req_id])))
         if self.companion is not None:
             other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
             done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,

@@ -46,6 +46,7 @@ class ClientRun(CoreScenarioRun):
         super().__init__(api, recipe, setup, logic, record_timeline=False)
         self.invariants = []
         self.completions: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[float]] = {}  # the stand-in's logprob of each token it chose, in order
         self.played_through = False  # every step played (no vLLM exception ended the run)
 
     def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]  # each level runs its own harness
@@ -69,11 +70,12 @@ class ClientRun(CoreScenarioRun):
                 self.played_through = True
         self.completions = {rid: [int(t) for t in request.output_token_ids if t != EOS_TOKEN]
                             for rid, request in harness.requests.items()}
+        self.logprobs = {rid: [lp for token, lp in harness.answers.get(rid, [])] for rid in harness.requests}
         return self.result
 
 
 # The reference's completions per (recipe, setup): offloading off does not depend on the logic variant.
-_REFERENCES: dict[tuple[str, str], dict[str, list[int]]] = {}
+_REFERENCES: dict[tuple[str, str], tuple[dict[str, list[int]], dict[str, list[float]]]] = {}
 REFERENCE = "offloading off"
 
 
@@ -96,8 +98,9 @@ def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> Cl
         reference.run()
         if not reference.played_through:
             return ClientAnswers(REFERENCE, not_compared=f"the reference run stopped: {reference.result.detail}")
-        _REFERENCES[key] = reference.completions
-    return compare_completions(played.completions, _REFERENCES[key], REFERENCE)
+        _REFERENCES[key] = reference.completions, reference.logprobs
+    completions, logprobs = _REFERENCES[key]
+    return compare_completions(played.completions, completions, REFERENCE, played.logprobs, logprobs)
 
 
 def answers_apply(recipe: Recipe, result: RunResult) -> bool:

@@ -83,6 +83,9 @@ class AnswerDiff:
     expected: int | None = None
     got_tokens: int = 0
     expected_tokens: int = 0
+    # the stand-in's logprob of the differing token in each run (None: not known)
+    got_logprob: float | None = None
+    expected_logprob: float | None = None
 
     @property
     def differs(self) -> bool:
@@ -125,9 +128,11 @@ class ClientAnswers:
                 "not_compared": self.not_compared or None}
 
 
-def compare_completions(got: dict[str, list[int]], reference: dict[str, list[int]],
-                        reference_name: str) -> ClientAnswers:
-    """Each request's completion against the reference's, token by token over the tokens both have."""
+def compare_completions(got: dict[str, list[int]], reference: dict[str, list[int]], reference_name: str,
+                        got_logprobs: dict[str, list[float]] | None = None,
+                        reference_logprobs: dict[str, list[float]] | None = None) -> ClientAnswers:
+    """Each request's completion against the reference's, token by token over the tokens both have; the
+    logprobs (where given) say how sure the stand-in was of each differing token."""
     answers = ClientAnswers(reference_name)
     for request in sorted(set(got) | set(reference)):
         if request not in got or request not in reference:
@@ -135,6 +140,12 @@ def compare_completions(got: dict[str, list[int]], reference: dict[str, list[int
             continue
         mine, theirs = got[request], reference[request]
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), None)
-        answers.diffs.append(AnswerDiff(request, first, mine[first] if first is not None else None,
-                                        theirs[first] if first is not None else None, len(mine), len(theirs)))
+        answers.diffs.append(AnswerDiff(
+            request, first, mine[first] if first is not None else None, theirs[first] if first is not None else None,
+            len(mine), len(theirs), _at((got_logprobs or {}).get(request), first),
+            _at((reference_logprobs or {}).get(request), first)))
     return answers
+
+
+def _at(values: list[float] | None, index: int | None) -> float | None:
+    return values[index] if values is not None and index is not None and index < len(values) else None
