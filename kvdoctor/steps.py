@@ -30,6 +30,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdoctor.errors import InternalError, UsageError
+from kvdoctor.expectation import unmet
 
 if TYPE_CHECKING:
     from kvdoctor.engine.harness import StepEvents
@@ -222,29 +223,18 @@ class ExpectationFailed(Exception):
 
 
 def check_expectation(step: Any, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
-    """Compare one `expect`/`check` with the observed state; returns (held, observed)."""
+    """Compare one `expect`/`check` with the observed state (`kvdoctor.expectation`, the exported scripts'
+    definition too); returns (held, observed)."""
     args = step.args
     snap = next(s for s in snapshots if s.request == args["request"])
-    allocated = sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0
-    observed = (f"{snap.request}: status={snap.status} allocated_blocks={allocated} "
-                f"connector_state={'present' if snap.connector_state else 'released'} "
-                f"in_flight_jobs={len(snap.in_flight_jobs)} store_jobs_built={snap.store_jobs_built}")
-    statuses = args.get("status")
-    if statuses is not None:
-        wanted = statuses if isinstance(statuses, list) else [statuses]
-        if snap.status not in wanted:
-            return False, observed
-    comparisons = [
-        ("allocated_blocks", allocated, "=="), ("min_allocated_blocks", allocated, ">="),
-        ("in_flight_jobs", len(snap.in_flight_jobs), "=="), ("min_in_flight_jobs", len(snap.in_flight_jobs), ">="),
-        ("store_jobs_built", snap.store_jobs_built, "=="), ("min_store_jobs_built", snap.store_jobs_built, ">="),
-    ]
-    for key, value, op in comparisons:
-        if key in args and not (value == args[key] if op == "==" else value >= args[key]):
-            return False, observed
-    if "connector_state" in args and (args["connector_state"] == "present") != snap.connector_state:
-        return False, observed
-    return True, observed
+    observed = {"status": snap.status,
+                "allocated_blocks": sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0,
+                "connector_state": "present" if snap.connector_state else "released",
+                "in_flight_jobs": len(snap.in_flight_jobs), "store_jobs_built": snap.store_jobs_built}
+    text = (f"{snap.request}: status={snap.status} allocated_blocks={observed['allocated_blocks']} "
+            f"connector_state={observed['connector_state']} in_flight_jobs={observed['in_flight_jobs']} "
+            f"store_jobs_built={snap.store_jobs_built}")
+    return not unmet(args, observed), text
 
 
 # -- the kinds ------------------------------------------------------------------------------------------

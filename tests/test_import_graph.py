@@ -58,7 +58,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "kvdoctor.recipes.model", "kvdoctor.engine.compat.names",
               # process hygiene every layer (and the exported scripts) shares: kvdoctor's cache directory,
               # nothing left behind on exit
-              "kvdoctor.user_cache", "kvdoctor.clean_exit")),
+              "kvdoctor.user_cache", "kvdoctor.clean_exit",
+              # what an `expect` step asks, compared with what was observed (exported scripts copy it in)
+              "kvdoctor.expectation")),
 )
 
 

@@ -29,13 +29,19 @@ def diagnose(
     write_recipe: Annotated[Path | None, typer.Option(
         "--write-recipe", help="When no known bug matches, write the starting recipe to FILE.",
         rich_help_panel=opt.OUTPUT)] = None,
+    serve_flags: Annotated[list[str] | None, typer.Argument(
+        help="After `--`: vllm serve flags (over the log's own) for a start-up failure's check, e.g. "
+             "`-- --kv-offloading-size 64 --block-size 16`.", metavar="[-- SERVE_FLAGS...]",
+        show_default=False)] = None,
 ) -> None:
     """Read a vLLM log: the version, the serve arguments that matter and the engine's crash; name the
     known bug it matches (and why) and run that recipe on the installed vLLM under the installed and
     fixed logic, with the log's geometry (scaled down when production-sized).
 
     A log with no engine crash is not an error (exit 0); a crash no known bug matches exits 7. The
-    installed logic's outcome on the best match sets the exit code. LOG may be one pasted line
+    installed logic's outcome on the best match sets the exit code. A start-up failure is checked here:
+    vLLM's start-up runs at the log's serve flags (and those after `--`), as `kvdoctor check` runs it;
+    exit 8 when it refuses them as the log says. LOG may be one pasted line
     (`kvdoctor diagnose "TimeoutError: ..."`) and a gzip, xz or bzip2 (zstd where the `zstandard`
     module is installed) compressed log; a file that is not text is refused (exit 2)."""
     def action() -> int:
@@ -53,7 +59,8 @@ def diagnose(
         with Progress("diagnose") as progress:
             result = diagnose_app.diagnose(log, run=not no_run, logic=logic, command=command_line(),
                                            stdin=_stdin_bytes() if log == "-" else None,
-                                           progress=progress.update if progress.enabled else None)
+                                           progress=progress.update if progress.enabled else None,
+                                           serve_flags=serve_flags)
         from kvdoctor.cli import output
         from kvdoctor.cli.failures import raise_unwritten
         from kvdoctor.report import diagnose as render

@@ -276,6 +276,7 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "excluded_runs": stats.excluded,  # failing runs through an --exclude-trigger bug's trigger, run past
         "scheduler_steps": stats.scheduler_steps,
         "elapsed_s": round(stats.elapsed, 3),
+        "wall_s": round(report.wall_s, 3),  # on the budget's clock: search, shrinking and triage
         "steps_per_second": round(stats.steps_per_second, 1),
         "findings": [finding.as_dict() for finding in report.findings],
         "errors": list(result.errors),

@@ -208,7 +208,7 @@ def repro_renderables(report: Any) -> list[Any]:
     if any(r.logic in ("fixed", "unpatched") for r in report.results):
         items.append(Items(FIXED_LOGIC.split(" "), sep=" ", indent=0, style="dim"))
     items += [Items(f"[{r.logic}] impact: {r.answers.line}".split(" "), sep=" ", indent=4)
-              for r in report.results if getattr(r, "answers", None) is not None]
+              for r in report.results if r.answers is not None]
     shown: dict[tuple, str] = {}
     checks_shown: dict[tuple, list[str]] = {}
     for result in report.results:
