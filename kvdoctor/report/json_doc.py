@@ -106,6 +106,8 @@ def audit_document(report: AuditReport) -> dict[str, Any]:
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
+                # a silent bug as its clients see it (the levels that compare completions; None elsewhere)
+                "answers": row.installed.answers.as_dict() if row.installed.answers is not None else None,
                 "fixed_in": fixed_in_dict(row.fixed_in),
             }
             for row in report.rows
