@@ -74,7 +74,8 @@ class ClientRun(CoreScenarioRun):
         return self.result
 
 
-# The reference's completions per (recipe, setup): offloading off does not depend on the logic variant.
+# The reference's completions per (recipe, its steps and setup): offloading off does not depend on the logic
+# variant, so `repro --logic all` plays it once.
 _REFERENCES: dict[tuple[str, str], tuple[dict[str, list[int]], dict[str, list[float]]]] = {}
 REFERENCE = "offloading off"
 
@@ -90,7 +91,7 @@ def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> Cl
     played.run()
     if not played.played_through:
         return ClientAnswers(REFERENCE, not_compared=f"offloading on, the clients' run stopped: {played.result.detail}")
-    key = (recipe.name, repr(setup))
+    key = (recipe.name, repr((recipe.steps, setup)))
     if key not in _REFERENCES:
         plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated",
                                     device=None)
