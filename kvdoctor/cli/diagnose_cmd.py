@@ -42,7 +42,7 @@ def diagnose(
     out: hunt_cmd.Out = Path(DEFAULT_OUT),
     serve_flags: Annotated[list[str] | None, typer.Argument(
         help="After `--`: vllm serve flags (over the log's own) for a start-up failure's check, e.g. "
-             "`-- --kv-offloading-size 64 --block-size 16`.", metavar="[-- SERVE_FLAGS...]",
+             "`-- --kv-offloading-size 64 --block-size 16`.", metavar="-- SERVE_FLAGS",
         show_default=False)] = None,
 ) -> None:
     """Read a vLLM log: the version, the serve arguments that matter and the engine's crash; name the
