@@ -207,3 +207,19 @@ def test_a_manager_that_ignores_backpressure_is_caught(backpressure):
 
     run = _drive(backpressure, mutant, backpressure_pattern="0,1")
     assert "tier-backpressure-accounted" in _names(run), run["violations"]
+
+
+def test_the_recipe_replays_with_kvdoctor_repro(api):
+    """Both tiers from a recipe file: the scripted one deferring its failed promotions, under backpressure,
+    every tier invariant checked (the recipe's `invariants`); not_applicable where the probe says no."""
+    from pathlib import Path
+
+    from .cli_runner import invoke
+
+    result = invoke("repro", str(Path(__file__).resolve().parent / "data" / "scripted-tier-promotion.toml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    if not (api.has_offloading_spec(TIERING) and api.has_scripted_tier() and api.has_secondary_tier("fs")):
+        assert "not_applicable" in result.stdout, result.stdout
+        return
+    assert "checks held: B ran to its max_tokens with two tiers" in result.stdout, result.stdout
+    assert "reproduced " not in result.stdout.replace("not_reproduced", ""), result.stdout

@@ -63,6 +63,7 @@ from kvdoctor.explore.generate import (
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
+from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
 from kvdoctor.observe.invariants import INVARIANTS
 
 SHRINK_GRACE_S = 30.0
@@ -367,6 +368,8 @@ def available_features(api: Any) -> frozenset[str]:
     # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
     # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
     probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
+    # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
+    probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
     return frozenset(name for name, present in probes.items() if present)
 
 
