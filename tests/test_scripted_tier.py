@@ -223,3 +223,35 @@ def test_the_recipe_replays_with_kvdoctor_repro(api):
         return
     assert "checks held: B ran to its max_tokens with two tiers" in result.stdout, result.stdout
     assert "reproduced " not in result.stdout.replace("not_reproduced", ""), result.stdout
+
+
+# -- explore's draw ---------------------------------------------------------------------------------------
+
+def test_the_tier_bytes_upper_bits_draw_the_scripted_tier_only_where_probed():
+    from kvdoctor.explore.generate import Example, Geometry, decode_tier, to_recipe
+    from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
+    from kvdoctor.recipes.loader import load_recipe_text
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    plain = Geometry(4, 1, 24, 16, 256, False)
+    on = frozenset({SCRIPTED_TIER_DRAW})
+    # without the feature (every release but those loading the scripted tier) the upper bits change nothing
+    assert all(decode_tier(plain, byte) == decode_tier(plain, byte & 7) for byte in range(256))
+    assert decode_tier(plain, 1, features=on) == decode_tier(plain, 1)  # zero upper bits: the fs tier, as before
+    drawn = decode_tier(plain, 1 | 1 << 3 | 2 << 5 | 1 << 7, features=on)
+    assert (drawn.secondary_tier, drawn.tier_script, drawn.backpressure_pattern) == (
+        "scripted", "ok,fail/partial,late", "1,0,1")
+    assert decode_tier(plain, 1 | 2 << 3, features=on).secondary_tier == "fs+scripted"
+    events = (("add", ("tokens", 8), 1, None), ("schedule", 4))
+    recipe = to_recipe(Example(drawn, events))
+    loaded = load_recipe_text(recipe_to_toml(recipe), "generated.toml")
+    assert loaded.setup == recipe.setup and recipe.setup["tier_script"] == "ok,fail/partial,late"
+    Setup(**{k: v for k, v in drawn.setup_dict().items() if k != "extra_connector_config"}).validate()
+
+
+def test_explore_probes_the_scripted_tier_by_feature(api):
+    from kvdoctor.explore.search import available_features
+    from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
+
+    expected = api.has_scripted_tier() and api.has_tier_backpressure() and api.has_secondary_tier("fs")
+    assert (SCRIPTED_TIER_DRAW in available_features(api)) == expected

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
+from kvdoctor.observe.tier_invariants import TIER_CHECKS
 
 
 @dataclass
@@ -213,6 +214,5 @@ def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
     return violations
 
 
-# The tiering manager's invariants, read through kvdoctor's scripted secondary tier: a module of their own,
-# registered here (imported last: it registers with `invariant` above).
-from kvdoctor.observe import tier_invariants as _tier_invariants  # noqa: E402,F401
+# The tiering manager's invariants, read through kvdoctor's scripted secondary tier (a module of their own)
+INVARIANTS.update(TIER_CHECKS)

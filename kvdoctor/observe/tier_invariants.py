@@ -20,16 +20,22 @@ state after every step. A run without a scripted tier has nothing to check (ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from kvdoctor.observe.invariants import StepContext, invariant
-
-TIER_INVARIANTS = ("tier-no-double-promotion", "tier-no-hit-after-failed-promotion",
-                   "tier-no-promotion-into-released-chunk", "tier-request-released-once",
-                   "tier-backpressure-accounted")
+# name -> (summary, check(StepContext) -> messages); observe/invariants.py registers them with the others
+TIER_CHECKS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {}
 
 
-def _scripted(ctx: StepContext) -> tuple[Any, list[Any]]:
+def invariant(name: str, summary: str) -> Callable[[Callable[[Any], list[str]]], Callable[[Any], list[str]]]:
+    def register(check: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
+        TIER_CHECKS[name] = (summary, check)
+        return check
+    return register
+
+
+
+def _scripted(ctx: Any) -> tuple[Any, list[Any]]:
     """(the tiering manager, its scripted tiers); (None, []) without them."""
     harness = ctx.harness
     if getattr(harness, "connector_scheduler", None) is None:
@@ -51,7 +57,7 @@ def _reported(tiers: list[Any], prefix: str) -> list[str]:
 @invariant("tier-no-double-promotion",
            "the tiering manager never promotes a key, or into a primary chunk, that another promotion still has "
            "in flight")
-def _no_double_promotion(ctx: StepContext) -> list[str]:
+def _no_double_promotion(ctx: Any) -> list[str]:
     _, tiers = _scripted(ctx)
     return _reported(tiers, "no-chunk-promoted-twice")
 
@@ -59,7 +65,7 @@ def _no_double_promotion(ctx: StepContext) -> list[str]:
 @invariant("tier-no-hit-after-failed-promotion",
            "a key whose promotion a secondary tier reported failed is not ready in the CPU tier afterwards "
            "(until stored again)")
-def _no_hit_after_failure(ctx: StepContext) -> list[str]:
+def _no_hit_after_failure(ctx: Any) -> list[str]:
     manager, tiers = _scripted(ctx)
     api = ctx.harness.api
     messages = []
@@ -79,7 +85,7 @@ def _no_hit_after_failure(ctx: StepContext) -> list[str]:
 @invariant("tier-no-promotion-into-released-chunk",
            "a primary chunk a failed promotion may still write (deferred release pending) is neither free nor "
            "given to another job")
-def _no_promotion_into_released(ctx: StepContext) -> list[str]:
+def _no_promotion_into_released(ctx: Any) -> list[str]:
     manager, tiers = _scripted(ctx)
     messages = _reported(tiers, "no-promotion-into-released-chunk")
     if not tiers:
@@ -96,7 +102,7 @@ def _no_promotion_into_released(ctx: StepContext) -> list[str]:
 @invariant("tier-request-released-once",
            "every request a secondary tier saw is released (on_request_finished) once, by the time the tiering "
            "manager drops its state")
-def _released_once(ctx: StepContext) -> list[str]:
+def _released_once(ctx: Any) -> list[str]:
     manager, tiers = _scripted(ctx)
     if not tiers:
         return []
@@ -122,7 +128,7 @@ def _released_once(ctx: StepContext) -> list[str]:
 @invariant("tier-backpressure-accounted",
            "under backpressure a dropped cascade submits and pins nothing, an allowed one submits its blocks, and "
            "the drop counters equal the skipped cascades")
-def _backpressure_accounted(ctx: StepContext) -> list[str]:
+def _backpressure_accounted(ctx: Any) -> list[str]:
     manager, tiers = _scripted(ctx)
     api = ctx.harness.api
     messages = []
@@ -149,3 +155,6 @@ def _backpressure_accounted(ctx: StepContext) -> list[str]:
             journal.store_sizes.clear()
             detector.policy.skipped_total = (0, 0)
     return messages
+
+
+TIER_INVARIANTS = tuple(TIER_CHECKS)
