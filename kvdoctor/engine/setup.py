@@ -109,6 +109,11 @@ class Setup:
     # values break, as (requirement, why): the run is played at those values and judged by what happens;
     # the reason is shown only where kvdoctor's measurement on this release supports it (matrix/reasons.py).
     waived: tuple[tuple[str, str], ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
+    # Set by plan_setup for a `--model` with Mamba layers and a recipe that queues a request by running the
+    # pool out (`fill_pool`): how many requests hold Mamba state when the pool must be full (its fillers).
+    # A Mamba group in `align` mode holds at most two blocks a request (the running state and the previous
+    # step's), not a block for each block of tokens: kv_layout sizes the pool by it (None: a block a token block).
+    mamba_fill_requests: int | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Speculative decoding through vLLM's own SpeculativeConfig (None: none). kvdoctor stands in for the
     # drafter and the rejection sampler (scheduler level only): each decode step proposes
     # `num_speculative_tokens` drafts, and the verification accepts the next number of

@@ -51,8 +51,9 @@ either side of a chunk: sent as a client sends them), `prefix_cache_retention_in
 (CacheConfig; one or two chunks, only with a sliding-window or Mamba group, where
 vLLM takes it) and the priority policy (SchedulerConfig.policy, with each add's
 priority: a more urgent arrival preempts running requests while their stores or
-loads are in flight). A release without the caps draws none of it, so its seeds
-stay as they were.
+loads are in flight), and the CPU tier's ARC eviction policy (`eviction_policy =
+"arc"` in kv_connector_extra_config, where vLLM's cache policy registry has it). A
+release without the caps draws none of it, so its seeds stay as they were.
 
 Where the release has 0.34's speculative machinery in the offloading path (lookahead block hashes, the
 EAGLE block drop; probed), one more byte draws speculative decoding through vLLM's own SpeculativeConfig
@@ -120,6 +121,7 @@ class Geometry:
     # The second extension byte (`decode_second_extension`), drawn only where the connector reads caps:
     prefix_cache_retention_interval: int | None = None  # CacheConfig (sliding-window / Mamba layouts)
     scheduling_policy: str | None = None  # SchedulerConfig.policy ("priority"; None: fcfs)
+    eviction_policy: str | None = None  # kv_connector_extra_config.eviction_policy ("arc"; None: vLLM's lru)
     # The speculative byte (`decode_speculative`), drawn only where `SPECULATIVE_DRAW` is a feature:
     speculative_method: str | None = None  # vLLM's SpeculativeConfig method (kvdoctor stands in for the drafter)
     num_speculative_tokens: int = 2
@@ -155,6 +157,11 @@ class Geometry:
         fields = {"kv_load_failure_policy": self.kv_load_failure_policy, "kv_role": self.kv_role}
         return {key: value for key, value in fields.items() if value is not None}
 
+    def extra_connector_config(self) -> dict[str, Any]:
+        fields = {"sync_load_budget_bytes": self.sync_load_budget_bytes or None,
+                  "eviction_policy": self.eviction_policy}
+        return {key: value for key, value in fields.items() if value is not None}
+
     def setup_dict(self) -> dict[str, Any]:
         optional = {"cpu_bytes_to_use": self.cpu_bytes_to_use, "spec_name": self.spec_name, "layout": self.layout,
                     "sliding_window": self.sliding_window, "mamba_cache_mode": self.mamba_cache_mode}
@@ -166,8 +173,7 @@ class Geometry:
             **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
             **({} if self.enable_prefix_caching else {"enable_prefix_caching": False}),
-            **({"extra_connector_config": {"sync_load_budget_bytes": self.sync_load_budget_bytes}}
-               if self.sync_load_budget_bytes else {}),
+            **({"extra_connector_config": extra} if (extra := self.extra_connector_config()) else {}),
             **({"kv_transfer_fields": fields} if (fields := self.kv_transfer_fields()) else {}),
             **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
             **({"prefix_cache_retention_interval": self.prefix_cache_retention_interval}
@@ -239,6 +245,7 @@ EXTENSION_GATE = SYNC_LOADS  # the extension byte is drawn only where the releas
 LOAD_CAPS = "max_load_tokens"  # the offloading connector reads it (and max_offload_tokens) per request
 RETENTION = "prefix_cache_retention_interval"  # a CacheConfig field
 PRIORITY = "priority"  # SchedulerConfig.policy takes "priority" (every supported release)
+ARC = "arc"  # the CPU tier's cache policy registry has vLLM's ARC (every supported release, probed)
 # The second extension byte and each event's fifth byte are drawn only where the release has this:
 SECOND_GATE = LOAD_CAPS
 # A per-request cap (max_load_tokens / max_offload_tokens) in tokens: none, 0, a block, a chunk and
@@ -379,14 +386,18 @@ def decode_extension(geometry: Geometry, byte: int, features: frozenset[str], wo
 
 
 def decode_second_extension(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
-    """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy); 0 is
-    the geometry as it was, and a feature the release lacks (or the layout cannot take) its default."""
+    """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy, 3 the
+    CPU tier's ARC eviction policy); 0 is the geometry as it was, and a feature the release lacks (or the
+    layout cannot take) its default. ARC is in this byte (drawn where the connector reads per-request caps)
+    although every supported release has it: a byte of its own would have changed every release's seeds."""
     changes: dict[str, Any] = {}
     chunks = RETENTION_CHUNKS[byte & 3]
     if chunks and RETENTION in features and geometry.layout in RETAINING_LAYOUTS:
         changes["prefix_cache_retention_interval"] = chunks * geometry.chunk_tokens
     if byte >> 2 & 1 and PRIORITY in features:
         changes["scheduling_policy"] = "priority"
+    if byte >> 3 & 1 and ARC in features:
+        changes["eviction_policy"] = ARC
     return dataclasses.replace(geometry, **changes) if changes else geometry
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
+from kvdoctor.observe import connector_metrics
 from kvdoctor.observe.tier_invariants import TIER_CHECKS
 
 
@@ -171,6 +172,23 @@ def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     owners = {jid for state in states.values() for jid in api.transfer_job_ids(state)}
     orphans = sorted(set(jobs) - owners)
     return [f"job #{jid} has no owning request state" for jid in orphans]
+
+
+# -- the connector's metrics (vLLM's reduce() and Prometheus observe, each step) -----------------
+
+
+@invariant("connector-metrics-in-range",
+           "the connector's stats pass through vLLM's reduce() and Prometheus observe each step, and every "
+           "gauge is in range (usage fractions in [0, 1], counts non-negative), no counter decreases")
+def _metrics_in_range(ctx: StepContext) -> list[str]:
+    return connector_metrics.check_step(ctx.harness)
+
+
+@invariant("idle-connector-gauges-zero",
+           "once the engine is idle (no request, no transfer in flight) the connector's in-flight gauges "
+           "(cache usage, active jobs, deferred releases) read zero: nothing is left pinned")
+def _idle_gauges_zero(ctx: StepContext) -> list[str]:
+    return connector_metrics.check_step(ctx.harness, idle_only=True)
 
 
 # -- KV content (the vLLM worker's toy model judges bytes; the simulated worker moves none) ------

@@ -34,6 +34,8 @@ def result_dict(result: RunResult, with_timeline: bool = False) -> dict[str, Any
         "outcome": result.outcome.value,
         # the run's own outcome where a measured reason the flags break was judged (None: none was)
         "played_outcome": _played(result),
+        # not_applicable only because this engine level cannot play a step or the setup (exit 6)
+        "unplayable": bool(getattr(result, "unplayable", False)),
         "detail": result.detail or None,
         "failure": result.failure.as_dict() if result.failure else None,
         "failure_step": result.failure_step,
@@ -44,6 +46,8 @@ def result_dict(result: RunResult, with_timeline: bool = False) -> dict[str, Any
         "worker": result.worker or None,
         "model_runner": result.model_runner or None,
         "coverage": result.coverage.as_dict() if result.coverage is not None else None,
+        # a silent bug as its clients see it: each request's completion against the run's own reference
+        "answers": result.answers.as_dict() if result.answers is not None else None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
@@ -101,9 +105,12 @@ def audit_document(report: AuditReport) -> dict[str, Any]:
                 "setup": setup_dict(row.setup, row.installed.kv_plan),
                 "fixed_logic_outcome": row.fixed.outcome.value, "hint": row_hint(row),
                 "played_outcome": _played(row.installed), "fixed_logic_played_outcome": _played(row.fixed),
+                "unplayable": bool(getattr(row.installed, "unplayable", False)),
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
+                # a silent bug as its clients see it (the levels that compare completions; None elsewhere)
+                "answers": row.installed.answers.as_dict() if row.installed.answers is not None else None,
                 "fixed_in": fixed_in_dict(row.fixed_in),
             }
             for row in report.rows

@@ -20,6 +20,9 @@ def _cell_text(cell: Cell | None) -> str:
         return "-"  # not tested (bisect skipped it)
     if cell.outcome == "reproduced" and cell.failure_site:
         return f"reproduced: {cell.failure_site}"
+    if cell.outcome == "not_applicable" and cell.unplayable:
+        return f"not_applicable at this engine level (not tested): {cell.detail}" if cell.detail else \
+            "not_applicable at this engine level (not tested)"
     if cell.outcome in ("not_reproduced", "not_applicable", "reproduced"):
         return cell.outcome
     return f"{cell.outcome}: {cell.detail}" if cell.detail else cell.outcome

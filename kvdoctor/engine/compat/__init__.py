@@ -573,6 +573,10 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         # 0.34: JobMetadata wraps a TransferJob; earlier releases' JobMetadata is the job itself
         return sum(1 for job in jobs.values() if getattr(job, "transfer_job", job).is_promotion)
 
+    def tier_jobs(self, manager: Any) -> int:
+        """Secondary-tier jobs (promotions and cascades) the tiering manager holds in flight now."""
+        return len(names.get(manager, names.TIER_TRANSFER_JOBS, None) or {})
+
     def kv_cache_group_has_field(self, name: str) -> bool:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
         return name in {f.name for f in dataclasses.fields(cls)}
@@ -613,6 +617,57 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         hints = typing.get_type_hints(cls) if isinstance(fields["policy"].type, str) else {}
         kind = hints.get("policy", fields["policy"].type)
         return tuple(str(value) for value in typing.get_args(kind)) or ("fcfs",)
+
+    def offloading_stats(self, connector_scheduler: Any) -> Any:
+        """The offloading connector's stats now (`get_stats`, what the scheduler collects each step; its
+        gauges are snapshots of the state, its counters what accumulated since the last read)."""
+        return connector_scheduler.get_stats()
+
+    def offloading_stats_sections(self, stats: Any) -> tuple[dict[str, str], dict[str, Any]]:
+        """(metric name -> "gauge" | "counter" | "histogram", metric name -> {label values: value}) of an
+        OffloadingConnectorStats payload (`metric_sections()` where it has it, else its data's two keys)."""
+        if hasattr(stats, "metric_sections"):
+            types, values = stats.metric_sections()
+            return types, values
+        return stats.data.get("types", {}), stats.data.get("data", {})
+
+    def offloading_prom_metrics(self, scheduler: Any, gauge: Any, counter: Any, histogram: Any) -> Any:
+        """vLLM's Prometheus side of the OffloadingConnector (`build_prom_metrics`) with these metric classes
+        standing in for prometheus_client's Gauge, Counter and Histogram; None under a MultiConnector (its
+        metrics are the MultiConnector's, over every sub-connector)."""
+        from prometheus_client import Counter, Gauge, Histogram
+
+        connector = _require(scheduler, "connector", "Scheduler")
+        if connector is None or self.sub_connectors(connector) is not None:
+            return None
+        return type(connector).build_prom_metrics(self.vllm_config_of(scheduler),
+                                                  {Gauge: gauge, Counter: counter, Histogram: histogram},
+                                                  ["model_name", "engine"], {0: ["kvdoctor", "0"]})
+
+    def eviction_policies(self) -> frozenset[str]:
+        """The CPU tier's eviction policies `kv_connector_extra_config.eviction_policy` selects ("lru", "arc"):
+        those vLLM's cache policy factory resolves (0.27+), else the values the CPU offloading manager's
+        `cache_policy` parameter is typed to take (0.26's Literal)."""
+        import importlib.util
+        import inspect
+        import typing
+
+        if importlib.util.find_spec("vllm.v1.kv_offload.cpu.policies.factory") is not None:
+            factory = _import("vllm.v1.kv_offload.cpu.policies.factory").CachePolicyFactory
+            found = set()
+            for name in ("lru", "arc"):
+                try:
+                    factory.get_cache_policy_cls(name)
+                except ValueError:
+                    continue
+                found.add(name)
+            return frozenset(found)
+        manager = getattr(_import("vllm.v1.kv_offload.cpu.manager"), "CPUOffloadingManager", None)
+        parameter = inspect.signature(manager).parameters.get("cache_policy") if manager is not None else None
+        if parameter is None:
+            return frozenset()
+        hints = typing.get_type_hints(vars(manager)["__init__"]) if isinstance(parameter.annotation, str) else {}
+        return frozenset(str(v) for v in typing.get_args(hints.get("cache_policy", parameter.annotation)))
 
     def cache_config_kwargs(self, setup_fields: dict[str, Any]) -> dict[str, Any]:
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).
