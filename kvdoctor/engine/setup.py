@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_configs
 from kvdoctor.engine.serve_args import flag_name
 from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
 from kvdoctor.errors import UsageError
@@ -127,8 +127,14 @@ class Setup:
     disable_lookahead_block_hashes: bool = False
     # The tiering spec's secondary tier (vLLM TieringOffloadingSpec's `secondary_tiers`): "fs", a local
     # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
-    # None: the CPU tier only. Needs spec_name = "TieringOffloadingSpec".
+    # None: the CPU tier only. "scripted": kvdoctor's scripted tier (engine/compat/scripted_tier.py) whose job
+    # outcomes follow `tier_script` ("ok,late/defer,partial": store outcomes / promotion outcomes, cycled);
+    # "fs+scripted": both. Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
+    tier_script: str | None = None
+    # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
+    # (0: drop the cascade). None: no backpressure.
+    backpressure_pattern: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -143,7 +149,7 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
+            cfg["secondary_tiers"] = tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
@@ -246,6 +252,7 @@ class Setup:
             if self.spec_name != "TieringOffloadingSpec":
                 raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
+        self._validate_scripted_tier()
         refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
@@ -267,6 +274,21 @@ class Setup:
                 f"must be >= max model length ({self.max_model_len}), as vLLM requires"
             )
         return self
+
+    def _validate_scripted_tier(self) -> None:
+        from kvdoctor.engine.tier_script import check_pattern, check_script
+
+        scripted = "scripted" in (self.secondary_tier or "").split("+")
+        for name in ("tier_script", "backpressure_pattern"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not scripted:
+                raise UsageError(f"{name} needs secondary_tier = \"scripted\" or \"fs+scripted\", "
+                                 f"got secondary_tier {self.secondary_tier!r}")
+            problem = (check_script if name == "tier_script" else check_pattern)(value)
+            if problem:
+                raise UsageError(f"{name}: {problem}")
 
     def _validate_speculative(self) -> None:
         if self.speculative_method is None:

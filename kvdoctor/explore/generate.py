@@ -131,8 +131,11 @@ class Geometry:
     num_workers: int = 1  # ParallelConfig.tensor_parallel_size: the scheduler waits for every worker
     late_worker_steps: int = 0  # the last worker reports this many steps after the others
     fail_worker: int | None = None  # a fail event is this worker's alone (the others complete the jobs)
-    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier
+    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier;
+    # where `SCRIPTED_TIER_DRAW` is one too, kvdoctor's scripted tier, its script and backpressure (tier_draw.py)
     secondary_tier: str | None = None
+    tier_script: str | None = None
+    backpressure_pattern: str | None = None
 
     @property
     def groups(self) -> int:
@@ -188,6 +191,8 @@ class Geometry:
             **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
+            **({"tier_script": self.tier_script} if self.tier_script else {}),
+            **({"backpressure_pattern": self.backpressure_pattern} if self.backpressure_pattern else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -325,7 +330,8 @@ TIER_DRAW = "secondary_tier"
 TIER_CPU_CHUNKS = (1, 2, 4, None)
 
 
-def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geometry:
+def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
+                features: frozenset[str] = frozenset()) -> Geometry:
     """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
     `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
     share the first's tier directory), nor with vLLM's worker on a CPU (`Setup.vllm_worker_unsupported`)."""
@@ -338,7 +344,11 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geo
     else:
         own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
         cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
-    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
+    from kvdoctor.explore.tier_draw import scripted_tier_fields  # bits 3-7, where SCRIPTED_TIER_DRAW is a feature
+
+    tiers, script, pattern = scripted_tier_fields(byte, features)
+    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier=tiers,
+                               tier_script=script, backpressure_pattern=pattern)
 
 
 def kv_bytes_per_token(geometry: Geometry) -> int:
@@ -545,7 +555,7 @@ class Example:
         # the tier before the workers: decode_workers scales the CPU tier the tier byte sized (vLLM's
         # cpu_bytes_to_use holds a copy per worker; unscaled, a one-chunk tier held none with 2 workers)
         if tier:
-            decoded_geometry = decode_tier(decoded_geometry, tier, worker)
+            decoded_geometry = decode_tier(decoded_geometry, tier, worker, features)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))

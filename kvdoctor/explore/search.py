@@ -64,6 +64,7 @@ from kvdoctor.explore.generate import (
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
+from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.line_coverage import Executed, LineCoverage, merge_executed
 
@@ -390,6 +391,8 @@ def available_features(api: Any) -> frozenset[str]:
     # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
     # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
     probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
+    # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
+    probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
     # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)
     probes[ARC] = ARC in api.eviction_policies()
     return frozenset(name for name, present in probes.items() if present)

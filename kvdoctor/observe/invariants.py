@@ -14,6 +14,7 @@ from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe import connector_metrics
+from kvdoctor.observe.tier_invariants import TIER_CHECKS
 
 
 @dataclass
@@ -229,3 +230,7 @@ def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
         if messages:
             violations.extend(Violation(name, message) for message in messages)
     return violations
+
+
+# The tiering manager's invariants, read through kvdoctor's scripted secondary tier (a module of their own)
+INVARIANTS.update(TIER_CHECKS)

@@ -494,6 +494,8 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
 
         deadline = time.monotonic() + timeout_s
         for tier in manager.secondary_tiers:
+            if getattr(tier, "kvdoctor_scripted", False):  # kvdoctor's scripted tier: its script times its jobs
+                continue
             tier.drain_jobs()
             lookups = names.get(tier, names.TIER_LOOKUP_MANAGER, None)
             states = names.get(lookups, names.LOOKUP_STATE, None)
@@ -508,6 +510,62 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the {tier.tier_type} tier's lookups did not answer within {timeout_s} s")
                 time.sleep(0.0005)
+
+    def has_scripted_tier(self) -> bool:
+        """Whether vLLM's tiering spec loads an out-of-tree secondary tier from a tier spec's `module_path`
+        and takes a failed promotion's `deferred_release` (what kvdoctor's scripted tier reports): the
+        factory's `get_tier_class` reads `module_path`, and `JobResult` has the field."""
+        import dataclasses
+        import importlib.util
+        import inspect
+
+        if (importlib.util.find_spec(names.TIERING_PACKAGE) is None
+                or importlib.util.find_spec(names.TIER_FACTORY_MODULE) is None):
+            return False
+        factory = getattr(_import(names.TIER_FACTORY_MODULE), "SecondaryTierFactory", None)
+        get_class = getattr(factory, "get_tier_class", None)
+        if get_class is None or "module_path" not in inspect.getsource(get_class):
+            return False
+        result = getattr(_import(names.TIER_BASE_MODULE), "JobResult", None)
+        return result is not None and "deferred_release" in {f.name for f in dataclasses.fields(result)}
+
+    def has_tier_backpressure(self) -> bool:
+        """Whether a tier's `backpressure` dict builds a detector by `backpressure_cls` (the factory reads
+        it) with vLLM's drop-accounting policy (what kvdoctor's scripted policy extends)."""
+        import importlib.util
+        import inspect
+
+        if not self.has_scripted_tier() or importlib.util.find_spec(names.TIER_BACKPRESSURE_MODULE) is None:
+            return False
+        factory = getattr(_import(names.TIER_FACTORY_MODULE), "SecondaryTierFactory", None)
+        create = getattr(factory, "create_secondary_tier", None)
+        return (create is not None and "backpressure_cls" in inspect.getsource(create)
+                and hasattr(_import(names.TIER_BACKPRESSURE_MODULE), "DropAccountingPolicy"))
+
+    def scripted_tiers(self, manager: Any) -> list[Any]:
+        """kvdoctor's scripted tiers among the tiering manager's secondary tiers (none without a manager)."""
+        tiers = getattr(manager, "secondary_tiers", None) or []
+        return [tier for tier in tiers if getattr(tier, "kvdoctor_scripted", False)]
+
+    def primary_chunk(self, manager: Any, key: Any) -> tuple[int, bool] | None:
+        """The tiering manager's CPU (primary) tier's chunk for `key`: (chunk id, ready), None if absent."""
+        policy = names.get(manager.primary_tier, names.PRIMARY_POLICY, None)
+        chunk = None if policy is None else policy.get(key)
+        return None if chunk is None else (chunk.chunk_id, bool(chunk.is_ready))
+
+    def primary_free_chunks(self, manager: Any) -> set[int]:
+        """The CPU (primary) tier's free pool: chunk ids it may hand to the next store or promotion."""
+        return set(names.get(manager.primary_tier, names.PRIMARY_FREE_LIST, None) or ())
+
+    def tier_tracked_requests(self, manager: Any) -> set[str]:
+        """The request ids the tiering manager still holds state for (finalized ones are gone)."""
+        return set(names.get(manager, names.TIER_REQUEST_STATE, None) or ())
+
+    def tier_jobs_of(self, manager: Any, tier: Any) -> int:
+        """Transfer jobs the tiering manager tracks for `tier` (each pins its primary chunks)."""
+        index = list(manager.secondary_tiers).index(tier)
+        jobs = names.get(manager, names.TIER_TRANSFER_JOBS, None) or {}
+        return sum(1 for job in jobs.values() if getattr(job, "tier_idx", None) == index)
 
     def promotion_jobs(self, manager: Any) -> int:
         """Secondary-tier -> CPU promotion jobs the tiering manager holds in flight now."""
