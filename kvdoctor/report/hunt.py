@@ -32,6 +32,8 @@ def hunt_lines(report: Any) -> list[str]:
                    + (f"; {stats.invalid} example(s) refused by vLLM" if stats.invalid else ""))
         for error in explored.result.errors:
             out.append(f"  warning: {error}")
+        for note in explored.notes:  # e.g. a finding left untriaged when the budget was spent
+            out.append(f"  note: {note}")
     if report.reach is not None:
         out.append(f"  {aim.function}: {report.reach.line()}")
     if report.at_site:
@@ -86,5 +88,6 @@ def hunt_document(report: Any) -> dict[str, Any]:
         "other_findings": [f.as_dict() for f in report.elsewhere],
         "inconclusive_reason": report.inconclusive_reason or None,
         "errors": list(explored.result.errors) if explored is not None else [],
+        "notes": list(explored.notes) if explored is not None else [],
         "exit_status": int(report.exit_status),
     }
