@@ -131,6 +131,10 @@ class Geometry:
     fail_worker: int | None = None  # a fail event is this worker's alone (the others complete the jobs)
     # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier
     secondary_tier: str | None = None
+    # The tier byte's bits 3-4 (`decode_kv_events`), read only where `EVENTS_DRAW` is a feature too: vLLM's KV
+    # events on (checked by observe/kv_events.py), and the connector's self-describing payloads
+    kv_events: bool = False
+    self_describing_kv_events: bool = False
 
     @property
     def groups(self) -> int:
@@ -182,6 +186,8 @@ class Geometry:
             **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
+            **({"kv_events": True} if self.kv_events else {}),
+            **({"self_describing_kv_events": True} if self.self_describing_kv_events else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -332,6 +338,22 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geo
         own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
         cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
     return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
+
+
+# KV events (`decode_kv_events`): the tier byte's bits 3-4, read where the connector's event stream has 0.33's
+# residency tracking (a failed store's metadata-only removal; probed by `search.available_features`) and the
+# tier byte is drawn; elsewhere nothing is read, so a release's examples (and its measured seeds) stay as they were.
+EVENTS_DRAW = "kv_events"
+SELF_DESCRIBING_DRAW = "self_describing_kv_events"  # the connector's events config takes it (probed)
+
+
+def decode_kv_events(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
+    """The tier byte's bit 3: vLLM's KV events on (`KVEventsConfig`); bit 4: with self-describing payloads where
+    the release has them. Not under MultiConnector (two connectors' CPU events share one stream)."""
+    if not byte >> 3 & 1 or EVENTS_DRAW not in features or geometry.multi_connector:
+        return geometry
+    return dataclasses.replace(geometry, kv_events=True,
+                               self_describing_kv_events=bool(byte >> 4 & 1) and SELF_DESCRIBING_DRAW in features)
 
 
 def kv_bytes_per_token(geometry: Geometry) -> int:
@@ -534,7 +556,7 @@ class Example:
         # the tier before the workers: decode_workers scales the CPU tier the tier byte sized (vLLM's
         # cpu_bytes_to_use holds a copy per worker; unscaled, a one-chunk tier held none with 2 workers)
         if tier:
-            decoded_geometry = decode_tier(decoded_geometry, tier, worker)
+            decoded_geometry = decode_kv_events(decode_tier(decoded_geometry, tier, worker), tier, features)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))

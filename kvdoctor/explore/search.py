@@ -44,6 +44,7 @@ from kvdoctor.explore.findings import (
     summary_text,
 )
 from kvdoctor.explore.generate import (
+    EVENTS_DRAW,
     EXTENSION_GATE,
     LOAD_CAPS,
     NO_LOOKAHEAD_HASHES,
@@ -52,6 +53,7 @@ from kvdoctor.explore.generate import (
     RECOMPUTE,
     RETENTION,
     SECOND_GATE,
+    SELF_DESCRIBING_DRAW,
     SPECS,
     SPECULATIVE_DRAW,
     SYNC_LOADS,
@@ -367,6 +369,11 @@ def available_features(api: Any) -> frozenset[str]:
     # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
     # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
     probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
+    # KV events (read from the tier byte) where the connector's event stream tracks residency (metadata-only
+    # removals of failed stores): where the event bugs would be new; self-describing payloads where configurable.
+    events = api.kv_events_features()
+    probes[EVENTS_DRAW] = {EVENTS_DRAW, "metadata_only_removals"} <= events
+    probes[SELF_DESCRIBING_DRAW] = SELF_DESCRIBING_DRAW in events
     return frozenset(name for name, present in probes.items() if present)
 
 
