@@ -17,9 +17,7 @@ from typing import Any
 import kvdoctor.engine.compat.names as names
 from kvdoctor.engine.compat.imports import AdapterBase, _import
 
-KV_EVENTS_MODULE = "vllm.distributed.kv_events"
 OFFLOAD_BASE_MODULE = "vllm.v1.kv_offload.base"
-GPU_MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the KV cache manager's own events (the connector's are CPU, STORAGE)
 
 # Feature names (`kv_events_features`): events the connector publishes at all; its self-describing payloads
 # (`kv_connector_extra_config["self_describing_kv_events"]`); removals that carry only metadata (a failed
