@@ -142,13 +142,13 @@ class KvEventsGlue(AdapterBase):
         policy = names.get(manager, names.CPU_CACHE_POLICY, None) if manager is not None else None
         if policy is None:
             return None
-        entries: dict[Any, Any] = {}
-        for attr in ("chunks", "blocks", "t1", "t2"):  # LRU (0.30+ / before), ARC's two lists
-            table = getattr(policy, attr, None)
-            if isinstance(table, dict):
-                entries.update(table)
-        if not entries and not any(isinstance(getattr(policy, a, None), dict) for a in ("chunks", "blocks", "t1")):
+        # the policy's key -> status tables: LRU's `chunks` (`blocks` before 0.30), ARC's `t1` and `t2` (its
+        # ghost lists `b1`/`b2` hold no chunk)
+        tables = [table for attr in ("chunks", "blocks", "t1", "t2")
+                  if isinstance(table := getattr(policy, attr, None), dict)]
+        if not tables:
             return None
+        entries = {key: status for table in tables for key, status in table.items()}
         medium = _medium(getattr(manager, "medium", None))
         keys = {self._tier_key(medium, key) for key, status in entries.items() if getattr(status, "is_ready", False)}
         pending = []
