@@ -47,7 +47,8 @@ _MEANINGS = {
                              "or the flags given make its trigger impossible: untested at this geometry)",
     ExitStatus.UNNAMED_CRASH: "diagnose: the log holds a crash that matches no known bug",
     ExitStatus.STARTUP_REFUSED: "check: vLLM's start-up would refuse these flags (predicted here: its message, "
-                                "file:line and the flag change that avoids it)",
+                                "file:line and the flag change that avoids it); diagnose: the log's start-up "
+                                "failure, refused here the same way at the log's flags",
     ExitStatus.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

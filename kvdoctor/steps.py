@@ -30,6 +30,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvdoctor.errors import InternalError, UsageError
+from kvdoctor.expectation import unmet
 
 if TYPE_CHECKING:
     from kvdoctor.engine.harness import StepEvents
@@ -222,29 +223,18 @@ class ExpectationFailed(Exception):
 
 
 def check_expectation(step: Any, snapshots: list[RequestSnapshot]) -> tuple[bool, str]:
-    """Compare one `expect`/`check` with the observed state; returns (held, observed)."""
+    """Compare one `expect`/`check` with the observed state (`kvdoctor.expectation`, the exported scripts'
+    definition too); returns (held, observed)."""
     args = step.args
     snap = next(s for s in snapshots if s.request == args["request"])
-    allocated = sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0
-    observed = (f"{snap.request}: status={snap.status} allocated_blocks={allocated} "
-                f"connector_state={'present' if snap.connector_state else 'released'} "
-                f"in_flight_jobs={len(snap.in_flight_jobs)} store_jobs_built={snap.store_jobs_built}")
-    statuses = args.get("status")
-    if statuses is not None:
-        wanted = statuses if isinstance(statuses, list) else [statuses]
-        if snap.status not in wanted:
-            return False, observed
-    comparisons = [
-        ("allocated_blocks", allocated, "=="), ("min_allocated_blocks", allocated, ">="),
-        ("in_flight_jobs", len(snap.in_flight_jobs), "=="), ("min_in_flight_jobs", len(snap.in_flight_jobs), ">="),
-        ("store_jobs_built", snap.store_jobs_built, "=="), ("min_store_jobs_built", snap.store_jobs_built, ">="),
-    ]
-    for key, value, op in comparisons:
-        if key in args and not (value == args[key] if op == "==" else value >= args[key]):
-            return False, observed
-    if "connector_state" in args and (args["connector_state"] == "present") != snap.connector_state:
-        return False, observed
-    return True, observed
+    observed = {"status": snap.status,
+                "allocated_blocks": sum(g.allocated_blocks for g in snap.groups) if snap.groups else 0,
+                "connector_state": "present" if snap.connector_state else "released",
+                "in_flight_jobs": len(snap.in_flight_jobs), "store_jobs_built": snap.store_jobs_built}
+    text = (f"{snap.request}: status={snap.status} allocated_blocks={observed['allocated_blocks']} "
+            f"connector_state={observed['connector_state']} in_flight_jobs={observed['in_flight_jobs']} "
+            f"store_jobs_built={snap.store_jobs_built}")
+    return not unmet(args, observed), text
 
 
 # -- the kinds ------------------------------------------------------------------------------------------
@@ -307,11 +297,15 @@ def _serve_add(play: ConcreteStep) -> list[dict[str, Any]]:
     # [setup] scheduling_policy = "priority")
     "kv_transfer_params": f(dict),
     "priority": f(int),
+    # the next turn of a conversation: the prompt starts with that request's tokens as its client has them
+    # when this step plays (its prompt and completion), then this add's own tokens
+    "continues": f(str),
 }, validate=_validate_add, serve=_serve_add, explore="add", script="""
 # a client's kv_transfer_params travel in the sampling params' extra_args, where vLLM reads them
 extra = ({"extra_args": {"kv_transfer_params": args["kv_transfer_params"]}}
          if args.get("kv_transfer_params") else {})
-req = Request(request_id=args["request"], prompt_token_ids=args["prompt"],
+prompt = (list(requests[args["continues"]].all_token_ids) if args.get("continues") else []) + args["prompt"]
+req = Request(request_id=args["request"], prompt_token_ids=prompt,
               sampling_params=SamplingParams(max_tokens=args.get("max_tokens", 8),
                                              stop_token_ids=[EOS_TOKEN], **extra),
               pooling_params=None, block_hasher=hasher, priority=args.get("priority", 0))
@@ -320,8 +314,17 @@ scheduler.add_request(req)
 """)
 def _add(target: StepTarget, step: ConcreteStep) -> None:
     extra = add_extras(step.args)
+    earlier = continued_tokens(target.harness.requests, step.args) if step.args.get("continues") else []
     for request in step.requests:
-        target.harness.add(request.request, list(request.prompt), request.max_tokens, **extra)
+        target.harness.add(request.request, earlier + list(request.prompt), request.max_tokens, **extra)
+
+
+def continued_tokens(requests: dict[str, Any], args: dict[str, Any]) -> list[int]:
+    """An add's `continues`: that request's tokens now (its prompt and what its client received)."""
+    name = args["continues"]
+    if name not in requests:
+        raise UsageError(f"add {args['request']}: continues {name!r}, which no earlier step added")
+    return list(requests[name].all_token_ids)
 
 
 def _validate_schedule(args: dict[str, Any], fail: Fail) -> None:

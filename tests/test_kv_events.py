@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from kvdoctor import app
-from kvdoctor.engine.compat.kv_events import KV_EVENTS, METADATA_ONLY_REMOVALS, SELF_DESCRIBING, KvEvent
+from kvdoctor.engine.compat.kv_events import KV_EVENTS, REQUEST_DESCRIBED_STORES, SELF_DESCRIBING, KvEvent
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.explore.generate import EVENTS_DRAW, SELF_DESCRIBING_DRAW, Example, decode_kv_events
 from kvdoctor.observe.kv_events import Subscriber
@@ -147,11 +147,11 @@ def test_explore_draws_kv_events_only_where_probed(api):
 
     probed = api.kv_events_features()
     features = available_features(api)
-    assert (EVENTS_DRAW in features) == ({KV_EVENTS, METADATA_ONLY_REMOVALS} <= probed)
+    assert (EVENTS_DRAW in features) == ({KV_EVENTS, REQUEST_DESCRIBED_STORES} <= probed)
     assert (SELF_DESCRIBING_DRAW in features) == (SELF_DESCRIBING in probed)
     base = Example.from_fields((0,) * 11, []).geometry
-    drawn = decode_kv_events(base, 0b11000, features)
+    drawn = decode_kv_events(base, 0b11, features)
     assert drawn.kv_events == (EVENTS_DRAW in features)
     assert drawn.self_describing_kv_events == (EVENTS_DRAW in features and SELF_DESCRIBING_DRAW in features)
-    assert decode_kv_events(base, 0b11000, frozenset()) == base  # a release without the probe: as before
-    assert decode_kv_events(dataclasses.replace(base, multi_connector=True), 0b11000, features).kv_events is False
+    assert decode_kv_events(base, 0b11, frozenset()) == base  # a release without the probe: as before
+    assert decode_kv_events(dataclasses.replace(base, multi_connector=True), 0b11, features).kv_events is False

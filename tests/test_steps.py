@@ -328,3 +328,16 @@ def test_the_exported_script_embeds_the_one_simulated_worker_and_step_loop() -> 
         body = inspect.getsource(module).split('"""\n', 2)[2].strip()  # after the module docstring
         assert body in script, module.__name__
     assert "class Worker:" not in script  # the old hand-written copy
+
+
+def test_one_expectation_rule_for_kvdoctor_and_the_exported_scripts() -> None:
+    """`kvdoctor.expectation.unmet`: what `check_expectation` and an exported script's `expect` both call."""
+    from kvdoctor.expectation import unmet
+
+    seen = {"status": "WAITING", "allocated_blocks": 3, "in_flight_jobs": 1, "connector_state": "present"}
+    assert unmet({"request": "A", "status": ["WAITING", "RUNNING"], "min_allocated_blocks": 3}, seen) == []
+    assert unmet({"request": "A", "status": "RUNNING", "allocated_blocks": 4, "min_in_flight_jobs": 2,
+                  "connector_state": "released"}, seen) == [
+        "status WAITING, expected ['RUNNING']", "allocated_blocks 3, expected 4",
+        "in_flight_jobs 1, expected at least 2", "connector state present, expected released"]
+    assert unmet({"request": "A", "store_jobs_built": 2}, seen) == []  # not observed by this caller: not compared

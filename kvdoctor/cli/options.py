@@ -64,49 +64,16 @@ SvgFile = Annotated[Path | None, typer.Option(
 
 def kv_offloading_transfer_config(size_gib: float | None, backend: str | None,
                                   kv_transfer_config: str | None) -> str | None:
-    """`--kv-offloading-size/--kv-offloading-backend` as the `--kv-transfer-config` JSON vLLM builds.
+    """`--kv-offloading-size/--kv-offloading-backend` as the `--kv-transfer-config` JSON vLLM builds
+    (`engine.serve_args.offloading_transfer_config`), with the environment this command runs in."""
+    from kvdoctor.cli.streams import current, note
+    from kvdoctor.engine.serve_args import offloading_transfer_config
 
-    vLLM (`VllmConfig._post_init_kv_transfer_config`): nothing unless the size is
-    set; backend `native` sets kv_connector = OffloadingConnector (or
-    SimpleCPUOffloadConnector under VLLM_USE_SIMPLE_KV_OFFLOAD=1) and updates
-    kv_connector_extra_config with cpu_bytes_to_use = size * 2**30; `lmcache`
-    selects LMCacheMPConnector; kv_role becomes kv_both. An explicit
-    `--kv-transfer-config` is the starting point, as in vLLM.
-    """
-    import json
-
-    if size_gib is None:
-        if backend is not None:
-            from kvdoctor.cli.streams import note
-
-            note("kvdoctor: note: --kv-offloading-backend does nothing without --kv-offloading-size "
-                 "(as in vLLM); ignored")
-        return kv_transfer_config
-    backend = backend or "native"
-    if backend == "lmcache":
-        raise UsageError("--kv-offloading-backend lmcache makes vLLM use LMCacheMPConnector; kvdoctor drives "
-                         "OffloadingConnector (--kv-offloading-backend native)")
-    if backend != "native":
-        raise UsageError(f"--kv-offloading-backend must be native or lmcache (as vLLM takes it), got {backend!r}")
-    from kvdoctor.cli.streams import current
-
-    if (current().getenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") or "0") not in ("", "0"):
-        raise UsageError("VLLM_USE_SIMPLE_KV_OFFLOAD is set: vLLM would build SimpleCPUOffloadConnector from "
-                         "--kv-offloading-size; kvdoctor drives OffloadingConnector")
-    if not size_gib > 0:
-        raise UsageError(f"--kv-offloading-size must be a positive number of GiB, got {size_gib}")
-    base: dict[str, Any] = {}
-    if kv_transfer_config is not None:
-        try:
-            base = json.loads(kv_transfer_config)
-        except json.JSONDecodeError:
-            return kv_transfer_config  # parse_kv_transfer_config names the JSON error
-        if not isinstance(base, dict):
-            return kv_transfer_config
-    extra = dict(base.get("kv_connector_extra_config") or {})
-    extra["cpu_bytes_to_use"] = int(size_gib * (1 << 30))
-    base.update(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
-    return json.dumps(base)
+    config, notes = offloading_transfer_config(size_gib, backend, kv_transfer_config,
+                                               current().getenv("VLLM_USE_SIMPLE_KV_OFFLOAD", "0") or "0")
+    for line in notes:
+        note(f"kvdoctor: note: {line}")
+    return config
 
 
 def geometry_overrides(block_size: int | None, blocks_per_chunk: int | None, gpu_blocks: int | None,

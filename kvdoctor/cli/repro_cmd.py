@@ -8,7 +8,7 @@ cheap (Typer only); the work is in `kvdoctor.app`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -90,32 +90,8 @@ def repro(
 def list_builtins(fmt: str, verbose: bool, name: str | None) -> int:
     """One line per built-in recipe; `name` (a built-in or a .toml): that recipe in full."""
     from kvdoctor.recipes.builtins import all_builtins, resolve
-    from kvdoctor.report.formats import Shown
+    from kvdoctor.report.recipes import recipes_shown
 
     recipes = [resolve(name)] if name is not None else all_builtins()
-
-    def document() -> dict:
-        from kvdoctor import __version__
-        from kvdoctor.report.json_doc import SCHEMA_VERSION, recipe_dict
-
-        return {"schema_version": SCHEMA_VERSION, "kvdoctor_version": __version__,
-                "recipes": [recipe_dict(r) for r in recipes]}
-
-    def renderables() -> list[Any]:
-        from kvdoctor.report.tables import recipe_detail_renderables, recipe_list_renderables
-
-        if name is not None:
-            return recipe_detail_renderables(recipes[0])
-        return recipe_list_renderables(recipes, verbose)
-
-    def markdown() -> str:
-        def cell(text: str) -> str:
-            return text.replace("|", "\\|").replace("\n", "<br>")
-
-        lines = ["| name | bug | what it reproduces | signature | upstream refs |", "|---|---|---|---|---|"]
-        lines += [f"| {r.name} | {r.bug or ''} | {cell(r.title or r.summary.splitlines()[0])} | "
-                  f"{cell(r.signature.describe())} | {cell(chr(10).join(r.refs))} |" for r in recipes]
-        return "\n".join(lines) + "\n"
-
-    output.show(Shown(renderables=renderables, document=document, markdown=markdown), fmt)
+    output.show(recipes_shown(recipes, verbose, detail=name is not None), fmt)
     return 0

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from kvdoctor.diagnose.kinds import ENGINE, GENERIC_FRAMES, CrashKind, classify
+from kvdoctor.diagnose.kinds import ENGINE, GENERIC_FRAMES, STARTUP, CrashKind, classify
 from kvdoctor.diagnose.match import Candidate, MatchResult, innermost_vllm, match_log
 from kvdoctor.diagnose.reader import LogSummary, read_log
+from kvdoctor.diagnose.startup import CONFIRMED, StartupCheck, startup_check
 from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import MappedGeometry, setup_overrides_from_serve_args
@@ -64,6 +65,7 @@ class DiagnoseReport:
     starting_recipe: str = ""  # TOML, when no known bug matches a complete crash
     script: str = ""  # the exported standalone script of the best match
     command: str = ""
+    startup: StartupCheck | None = None  # a start-up failure: `kvdoctor check` at the log's (and the user's) flags
 
     @property
     def versions_differ(self) -> bool:
@@ -101,24 +103,18 @@ class DiagnoseReport:
 
     @property
     def hunt_command(self) -> str:
-        """For an unknown crash in the scheduler with its exception and function: the explore command that aims
-        at its site, forces the features the log names and excludes the triggers of known bugs that reach
-        the same function ("" otherwise)."""
-        crash = self.summary.crash
-        if self.match.candidates or crash is None or crash.cut_short or self.kind is not ENGINE:
+        """For an unknown crash in the engine: the `kvdoctor hunt` command that aims explore at its site (the log's
+        exception, function and statement; the features it names forced; known bugs' triggers excluded), with
+        `--target` to fill in where the log names no site ("" for a known bug or no engine crash)."""
+        if self.match.candidates or not self.summary.holds_crash or self.kind not in (ENGINE, None):
             return ""
-        site = innermost_vllm(crash)
-        if site is None or not crash.exception:
-            return ""
-        from kvdoctor.recipes.builtins import all_builtins
+        from kvdoctor.hunt.aim import aim_from_log
 
-        same_site = sorted({r.bug for r in all_builtins() if r.bug and site.function in r.signature.functions()})
-        force = [flag for feature, flag in (("speculative decoding", "speculative"),
-                                            ("KV tiers (TieringOffloadingSpec)", "fs-tier"))
-                 if feature in self.summary.features]
-        return (f"kvdoctor explore --target {crash.exception}:{site.function}"
-                + (f" --exclude-trigger {','.join(same_site)}" if same_site else "")
-                + "".join(f" --force {flag}" for flag in force) + " --time-budget 120")
+        try:
+            aim_from_log(self.summary, self.match)
+        except UsageError:
+            return "kvdoctor hunt LOG --target EXCEPTION:FUNCTION"
+        return "kvdoctor hunt LOG  (or: kvdoctor diagnose LOG --hunt)"
 
     @property
     def unnamed_crash(self) -> bool:
@@ -127,6 +123,8 @@ class DiagnoseReport:
 
     @property
     def exit_status(self) -> ExitStatus:
+        if self.startup is not None and self.startup.verdict == CONFIRMED:
+            return ExitStatus.STARTUP_REFUSED  # vLLM's start-up refuses these flags here, as the log says
         if self.unnamed_crash:
             return ExitStatus.UNNAMED_CRASH
         if self.vllm_error:
@@ -248,9 +246,16 @@ def _recipe_toml(exception: str, function: str, file: str, line: int, contains: 
 
 
 def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
-             stdin: IO[bytes] | None = None, progress: Callable[[str], None] | None = None) -> DiagnoseReport:
+             stdin: IO[bytes] | None = None, progress: Callable[[str], None] | None = None,
+             serve_flags: list[str] | None = None) -> DiagnoseReport:
+    """`serve_flags`: `vllm serve` flags given after `--`, over the log's own, for a start-up failure's check."""
     if logic not in ("installed", "fixed", "both"):
         raise UsageError(f"--logic must be installed, fixed or both, got {logic!r}")
+    from kvdoctor.diagnose.serveline import argv_args
+
+    user_args = argv_args(serve_flags or [])
+    if serve_flags and not user_args:
+        raise UsageError(f"after --: vllm serve flags (--name value), got {' '.join(serve_flags)!r}")
     summary = read_log(log, stdin=stdin)
     from kvdoctor.recipes.builtins import all_builtins
 
@@ -272,6 +277,17 @@ def diagnose(log: str, run: bool = True, logic: str = "both", command: str = "",
     report = DiagnoseReport(summary=summary, match=match, geometry=geometry, scaled=scaled, command=command,
                             installed_vllm=vllm_version())
     report.fixed_in = fixing_releases([c.recipe for c in match.candidates])
+    startup = report.kind is STARTUP
+    if user_args and not startup:
+        raise UsageError("the flags after -- are for a start-up failure's check (kvdoctor check); this log's crash "
+                         "is " + (f"a {report.kind.label}" if report.kind is not None else "not in it"))
+    if startup and run and not match.candidates:
+        if progress is not None:
+            progress("running vLLM's start-up at the log's flags (kvdoctor check)")
+        try:
+            report.startup = startup_check(summary.serve_args, user_args, summary.crash, command=command)
+        except VllmUnavailableError as exc:
+            report.vllm_error = str(exc)
     if not match.candidates:
         engine = summary.crash is None or classify(summary.crash) is ENGINE
         if not engine:

@@ -73,8 +73,15 @@ def command_line_args(body: str) -> dict[str, Any] | None:
         words = shlex.split(rest[:100_000], posix=True)
     except ValueError:
         words = rest[:100_000].split()
+    return _keep(argv_args(words, first_is_model=match.group(1) is not None))
+
+
+def argv_args(words: list[str], first_is_model: bool = False) -> dict[str, Any]:
+    """`--flag value`, `--flag=value`, `--switch` and `--no-switch` words as serve arguments (underscore
+    names, values as written; `first_is_model`: `vllm serve MODEL ...`'s positional model), every flag kept."""
     args: dict[str, Any] = {}
-    if match.group(1) is not None and words and not words[0].startswith("-"):
+    words = list(words)
+    if first_is_model and words and not words[0].startswith("-"):
         args["model"] = words.pop(0)
     i = 0
     while i < len(words):
@@ -95,4 +102,4 @@ def command_line_args(body: str) -> dict[str, Any] | None:
             i += 1
         else:
             args[name] = True
-    return _keep(args)
+    return args

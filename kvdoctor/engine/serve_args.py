@@ -348,3 +348,46 @@ def _config_int(key: str, value: Any) -> int:
     except ValueError:
         raise UsageError(f"--kv-transfer-config: {key} must be an integer, got {value!r}") from None
     return number
+
+
+def offloading_transfer_config(size_gib: float | None, backend: str | None, kv_transfer_config: str | None,
+                               simple_offload: str = "0") -> tuple[str | None, list[str]]:
+    """`--kv-offloading-size/--kv-offloading-backend` as the `--kv-transfer-config` JSON vLLM builds, and
+    the notes to show (`simple_offload`: the VLLM_USE_SIMPLE_KV_OFFLOAD the command runs under).
+
+    vLLM (`VllmConfig._post_init_kv_transfer_config`): nothing unless the size is
+    set; backend `native` sets kv_connector = OffloadingConnector (or
+    SimpleCPUOffloadConnector under VLLM_USE_SIMPLE_KV_OFFLOAD=1) and updates
+    kv_connector_extra_config with cpu_bytes_to_use = size * 2**30; `lmcache`
+    selects LMCacheMPConnector; kv_role becomes kv_both. An explicit
+    `--kv-transfer-config` is the starting point, as in vLLM.
+    """
+    from kvdoctor.errors import UsageError
+
+    if size_gib is None:
+        notes = (["--kv-offloading-backend does nothing without --kv-offloading-size (as in vLLM); ignored"]
+                 if backend is not None else [])
+        return kv_transfer_config, notes
+    backend = backend or "native"
+    if backend == "lmcache":
+        raise UsageError("--kv-offloading-backend lmcache makes vLLM use LMCacheMPConnector; kvdoctor drives "
+                         "OffloadingConnector (--kv-offloading-backend native)")
+    if backend != "native":
+        raise UsageError(f"--kv-offloading-backend must be native or lmcache (as vLLM takes it), got {backend!r}")
+    if simple_offload not in ("", "0"):
+        raise UsageError("VLLM_USE_SIMPLE_KV_OFFLOAD is set: vLLM would build SimpleCPUOffloadConnector from "
+                         "--kv-offloading-size; kvdoctor drives OffloadingConnector")
+    if not size_gib > 0:
+        raise UsageError(f"--kv-offloading-size must be a positive number of GiB, got {size_gib}")
+    base: dict[str, Any] = {}
+    if kv_transfer_config is not None:
+        try:
+            base = json.loads(kv_transfer_config)
+        except json.JSONDecodeError:
+            return kv_transfer_config, []  # parse_kv_transfer_config names the JSON error
+        if not isinstance(base, dict):
+            return kv_transfer_config, []
+    extra = dict(base.get("kv_connector_extra_config") or {})
+    extra["cpu_bytes_to_use"] = int(size_gib * (1 << 30))
+    base.update(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    return json.dumps(base), []

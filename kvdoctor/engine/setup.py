@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_configs
 from kvdoctor.engine.serve_args import flag_name
 from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
 from kvdoctor.errors import UsageError
@@ -109,6 +109,11 @@ class Setup:
     # values break, as (requirement, why): the run is played at those values and judged by what happens;
     # the reason is shown only where kvdoctor's measurement on this release supports it (matrix/reasons.py).
     waived: tuple[tuple[str, str], ...] = field(default=(), metadata=_NOT_A_RECIPE_KEY)
+    # Set by plan_setup for a `--model` with Mamba layers and a recipe that queues a request by running the
+    # pool out (`fill_pool`): how many requests hold Mamba state when the pool must be full (its fillers).
+    # A Mamba group in `align` mode holds at most two blocks a request (the running state and the previous
+    # step's), not a block for each block of tokens: kv_layout sizes the pool by it (None: a block a token block).
+    mamba_fill_requests: int | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     # Speculative decoding through vLLM's own SpeculativeConfig (None: none). kvdoctor stands in for the
     # drafter and the rejection sampler (scheduler level only): each decode step proposes
     # `num_speculative_tokens` drafts, and the verification accepts the next number of
@@ -122,7 +127,9 @@ class Setup:
     disable_lookahead_block_hashes: bool = False
     # The tiering spec's secondary tier (vLLM TieringOffloadingSpec's `secondary_tiers`): "fs", a local
     # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
-    # None: the CPU tier only. Needs spec_name = "TieringOffloadingSpec".
+    # None: the CPU tier only. "scripted": kvdoctor's scripted tier (engine/compat/scripted_tier.py) whose job
+    # outcomes follow `tier_script` ("ok,late/defer,partial": store outcomes / promotion outcomes, cycled);
+    # "fs+scripted": both. Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
     # vLLM's KV cache events (`--kv-events-config '{"enable_kv_cache_events": true}'`): the Scheduler publishes
     # its KV cache manager's and its connector's BlockStored / BlockRemoved / AllBlocksCleared each step; kvdoctor
@@ -131,6 +138,10 @@ class Setup:
     # The connector's self-describing payloads (`kv_connector_extra_config.self_describing_kv_events`): a CPU
     # BlockStored carries the chunk's block hashes, tokens and parent. Needs kv_events.
     self_describing_kv_events: bool = False
+    tier_script: str | None = None
+    # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
+    # (0: drop the cascade). None: no backpressure.
+    backpressure_pattern: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -145,7 +156,7 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
+            cfg["secondary_tiers"] = tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
         if self.self_describing_kv_events:
             cfg["self_describing_kv_events"] = True
         if self.worker == "vllm" and self.device != "cuda":
@@ -255,6 +266,7 @@ class Setup:
             if self.spec_name != "TieringOffloadingSpec":
                 raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
+        self._validate_scripted_tier()
         refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
@@ -276,6 +288,21 @@ class Setup:
                 f"must be >= max model length ({self.max_model_len}), as vLLM requires"
             )
         return self
+
+    def _validate_scripted_tier(self) -> None:
+        from kvdoctor.engine.tier_script import check_pattern, check_script
+
+        scripted = "scripted" in (self.secondary_tier or "").split("+")
+        for name in ("tier_script", "backpressure_pattern"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not scripted:
+                raise UsageError(f"{name} needs secondary_tier = \"scripted\" or \"fs+scripted\", "
+                                 f"got secondary_tier {self.secondary_tier!r}")
+            problem = (check_script if name == "tier_script" else check_pattern)(value)
+            if problem:
+                raise UsageError(f"{name}: {problem}")
 
     def _validate_speculative(self) -> None:
         if self.speculative_method is None:

@@ -29,6 +29,7 @@ NO_START = "server does not start"
 WRONG_KV = "engine serves wrong KV"
 LOST_HITS = "lost prefix hits"
 LEAK = "leak"
+WRONG_METRICS = "wrong metrics"
 HARNESS = "kvdoctor's own bug"
 
 # Utility calls EngineCore runs for a client through _invoke_utility_method (failures returned).
@@ -66,6 +67,12 @@ _INVARIANTS: dict[str, tuple[str, str]] = {
                                                           "keeps block hashes of a removed chunk"),
     "no-orphan-transfer-jobs": (LEAK, "no error; a transfer job no request owns keeps its blocks or CPU slots "
                                       "until restart"),
+    # the metrics invariants: what /metrics and the stats log say, not what is served
+    "connector-metrics-in-range": (WRONG_METRICS, "no error and no wrong output; the server's KV offload metrics "
+                                                  "(/metrics, the stats log) report impossible values, or "
+                                                  "recording them raises"),
+    "idle-connector-gauges-zero": (LEAK, "no error; with nothing running the CPU tier still counts chunks in "
+                                         "use (pinned, never evictable again) until restart"),
 }
 
 

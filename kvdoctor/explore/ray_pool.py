@@ -14,7 +14,9 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import tempfile
+import time
 from typing import Any
 
 from kvdoctor.errors import UsageError
@@ -31,6 +33,9 @@ _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 # One token for every local instance this process starts: Ray's driver keeps the first token it read
 # for the life of the process, so a second instance with another token would refuse this driver.
 _RUN_TOKEN = secrets.token_hex(32)
+# How long a stopped local instance's processes get to exit on their own after `ray.shutdown()` before
+# they are killed (measured: under a loaded 2-core CI machine one of them was still alive 2 s after).
+REAP_GRACE_S = 15.0
 
 
 def import_ray() -> Any:
@@ -165,6 +170,8 @@ class RayPool:
                 with contextlib.suppress(Exception):  # already finished or gone: nothing to stop
                     ray.cancel(task, force=True)
             ray.shutdown()  # a local instance: stops it; a cluster: disconnects the driver only
+            if self._temp_dir is not None:
+                reap(f"RAY_AUTH_TOKEN_PATH={os.path.join(self._temp_dir, 'auth_token')}".encode())
         self._connected = False
         self._tasks = []
         for name, value in self._saved_env.items():
@@ -178,6 +185,45 @@ class RayPool:
         if self._temp_dir is not None:
             shutil.rmtree(self._temp_dir, ignore_errors=True)
             self._temp_dir = None
+
+
+def instance_processes(marker: bytes) -> set[int]:
+    """This machine's processes whose environment holds `marker` (a local instance's own variable: every
+    process Ray starts for it inherits the driver's environment, and no other instance has the same
+    value), the caller excluded."""
+    found: set[int] = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if marker in handle.read().split(b"\0"):
+                    found.add(int(entry))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def unused_instance_dirs(root: str = "/tmp") -> list[str]:
+    """kvdoctor's local-instance folders (`kvd-ray-*` under `root`) that no live process of their instance uses:
+    left behind (a live one beside them, another run's, keeps its folder until it stops)."""
+    import glob
+
+    return [d for d in glob.glob(os.path.join(root, "kvd-ray-*"))
+            if not instance_processes(f"RAY_AUTH_TOKEN_PATH={os.path.join(d, 'auth_token')}".encode())]
+
+
+def reap(marker: bytes, grace: float = REAP_GRACE_S) -> None:
+    """Wait (at most `grace` seconds) for the processes `ray.shutdown()` asked to stop, then kill what is
+    left: a local instance leaves nothing behind, however slowly a loaded machine lets it exit."""
+    deadline = time.monotonic() + grace
+    left = instance_processes(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = instance_processes(marker)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _reread_ray_config() -> None:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvdoctor import clean_exit
+from kvdoctor import clean_exit, expectation
 from kvdoctor.engine import step_loop, worker
 from kvdoctor.engine.compat import inline_portable
 from kvdoctor.engine.serve_args import exported_setup
@@ -126,7 +126,7 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
                          f"workers' reports combined): attach `kvdoctor repro --report` instead")
 
     template = inline_portable(_TEMPLATE.read_text())  # the adapter's vLLM-only reads, copied in
-    for module in (worker, step_loop):  # the simulated worker and the step loop, copied in
+    for module in (worker, step_loop, expectation):  # the simulated worker, the step loop, `expect`: copied in
         template = inline_portable(template, module)
     template = inline_portable(template, clean_exit)  # nothing left behind, the prompt back at once
     template = _with_tiny_config(template)

@@ -36,6 +36,7 @@ from kvdoctor.engine.compat.portable import (
 )
 from kvdoctor.engine.step_loop import EOS_TOKEN, StepLoop, sample  # noqa: F401 - EOS_TOKEN: the add lines
 from kvdoctor.engine.worker import Job, SimulatedWorker
+from kvdoctor.expectation import unmet
 
 RECIPE = json.loads(r"""{"name": "example", "setup": {}, "steps": []}""")  # replaced on export
 
@@ -139,20 +140,10 @@ def main() -> int:
     def expect(args: dict[str, Any]) -> None:
         req = requests[args["request"]]
         state = request_states(connector).get(args["request"])
-        blocks = sum(allocated_block_count(g) for g in state.group_states) if state else 0
-        in_flight = len(state.transfer_jobs) if state else 0
-        statuses = args.get("status")
-        statuses = [statuses] if isinstance(statuses, str) else statuses
-        problems = []
-        if statuses and req.status.name not in statuses:
-            problems.append(f"status {req.status.name}, expected {statuses}")
-        for key, value, exact in (("allocated_blocks", blocks, True), ("min_allocated_blocks", blocks, False),
-                                  ("in_flight_jobs", in_flight, True), ("min_in_flight_jobs", in_flight, False)):
-            if key in args and not (value == args[key] if exact else value >= args[key]):
-                problems.append(f"{key.removeprefix('min_')} {value}, expected {args[key]}")
-        if "connector_state" in args and (args["connector_state"] == "present") != (state is not None):
-            problems.append(f"connector state {'present' if state else 'released'}, expected "
-                            f"{args['connector_state']}")
+        observed = {"status": req.status.name, "connector_state": "present" if state else "released",
+                    "allocated_blocks": sum(allocated_block_count(g) for g in state.group_states) if state else 0,
+                    "in_flight_jobs": len(state.transfer_jobs) if state else 0}
+        problems = unmet(args, observed)
         if problems:
             print(f"precondition failed for {args['request']}: " + "; ".join(problems))
             sys.exit(2)

@@ -19,7 +19,7 @@ from kvdoctor.matrix.bisect import Bisection, bisect_releases
 from kvdoctor.matrix.data import OutcomeRow
 from kvdoctor.matrix.envs import EnvStore, ReleaseEnv
 from kvdoctor.matrix.releases import parse_spec
-from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE, Cell, Runner
+from kvdoctor.matrix.runner import ENV_FAILURE, KVDOCTOR_FAILURE, UNPLAYABLE, Cell, Runner
 from kvdoctor.outcome_codes import exit_code_for_many
 
 if TYPE_CHECKING:
@@ -53,8 +53,9 @@ class MatrixReport:
     @property
     def exit_status(self) -> ExitStatus:
         """Audit's rule over every cell (`outcome_codes.exit_code_for_many`): a cell whose environment
-        or kvdoctor child broke counts as a failure (4)."""
-        return exit_code_for_many(c.outcome for c in self.cells.values())
+        or kvdoctor child broke counts as a failure (4), one its engine level could not play (`unplayable`)
+        as untested (6)."""
+        return exit_code_for_many(self.cells.values())  # a cell the level could not play: 6, as in audit
 
 
 @dataclass
@@ -158,7 +159,8 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
         if bisect:
             for name, ref in recipes:
                 def outcome_on(release: str, name: str = name, ref: str = ref) -> str:
-                    return run(release, name, ref).outcome
+                    cell = run(release, name, ref)
+                    return UNPLAYABLE if cell.unplayable else cell.outcome  # no answer: the level did not test it
 
                 report.bisections.append(bisect_releases(name, releases, outcome_on))
         else:

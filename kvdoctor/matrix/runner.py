@@ -24,6 +24,8 @@ from kvdoctor.matrix.envs import ReleaseEnv
 # Outcomes a cell can have besides the recipe outcomes (reproduced, not_reproduced, ...).
 ENV_FAILURE = "vllm_unavailable"  # the environment's vLLM would not import or is refused
 KVDOCTOR_FAILURE = "internal_error"  # kvdoctor failed in the child (a kvdoctor bug)
+# What a bisection reads from a not_applicable cell whose engine level could not play the recipe (`Cell.unplayable`)
+UNPLAYABLE = "unplayable"
 
 
 @dataclass
@@ -45,6 +47,9 @@ class Cell:
     async_fixed_logic_outcome: str | None = None
     # Each measured reason of the recipe -> the outcome at the value that breaks it (matrix/reasons.py).
     reason_outcomes: dict[str, str] | None = None
+    # not_applicable only because the run's engine level (--engine) cannot play a step or the setup: the run
+    # did not test the bug (exit 6, `outcome_codes.exit_code_for`), as a repro or audit at that level says
+    unplayable: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -99,7 +104,8 @@ class Runner:
                     bug=doc["recipe"].get("bug"),
                     failure_site=failure_site(result.get("failure"), result.get("violations")),
                     detail=result.get("detail"), vllm_version=doc.get("vllm_version"),
-                    seconds=round(time.monotonic() - started, 1), coverage=coverage_line(result.get("coverage")))
+                    seconds=round(time.monotonic() - started, 1), coverage=coverage_line(result.get("coverage")),
+                    unplayable=bool(result.get("unplayable")))
 
     def audit(self, env: ReleaseEnv, async_scheduling: bool = False) -> list[Cell]:
         """`kvdoctor audit --json` on the release (with `--async-scheduling` when asked): one cell per
@@ -115,7 +121,8 @@ class Runner:
                      detail=None if row["outcome"] == "reproduced" else row.get("hint"),
                      fixed_logic_outcome=row.get("fixed_logic_played_outcome") or row.get("fixed_logic_outcome"),
                      vllm_version=doc.get("vllm_version"),
-                     seconds=seconds, coverage=coverage_line(row.get("coverage")))
+                     seconds=seconds, coverage=coverage_line(row.get("coverage")),
+                     unplayable=bool(row.get("unplayable")))
                 for row in doc["rows"]]
 
     def _engine_args(self) -> list[str]:

@@ -23,6 +23,7 @@ from kvdoctor.recipes.geometry import (
     plan_fill,
     preempt_plan,
     prompt_length,
+    reloaded_prompts,
     shared_prefix_length,
 )
 from kvdoctor.recipes.model import Step
@@ -92,7 +93,7 @@ def prefill_steps(prompt_length_: int, setup: Setup) -> int:
 
 
 def _added(args: dict[str, Any], setup: Setup, prompts: dict[str, tuple[int, ...]],
-           preempt: PreemptPlan | None) -> tuple[tuple[NewRequest, ...], int | None]:
+           preempt: PreemptPlan | None, reloaded: frozenset[str]) -> tuple[tuple[NewRequest, ...], int | None]:
     """The requests an add admits, and the steps a `schedule until = "filled"` after it takes (None:
     not a fill). A fill's named request is its first filler; the others are named after it."""
     max_tokens = args.get("max_tokens", 8)
@@ -108,7 +109,7 @@ def _added(args: dict[str, Any], setup: Setup, prompts: dict[str, tuple[int, ...
         fill_steps = plan.steps
     else:
         prompt = (tuple(args["prompt"]) if "prompt" in args else
-                  tokens(len(prompts), prompt_length(args, setup, preempt), args, prompts, setup))
+                  tokens(len(prompts), prompt_length(args, setup, preempt, reloaded), args, prompts, setup))
         prompts[args["request"]] = prompt
         return (NewRequest(args["request"], prompt, max_tokens),), None
     added = []
@@ -137,13 +138,14 @@ def compile_recipe(steps: tuple[Step, ...] | list[Step], setup: Setup) -> Compil
     """The recipe's steps at `setup`. Raises geometry's `NotApplicable` where a trigger cannot exist
     here (the scenario checks the geometry first; the exporter turns it into a usage error)."""
     preempt = preempt_plan(steps, setup)
+    reloaded = reloaded_prompts(steps, setup)  # a token more at a hybrid --model (geometry.reloaded_prompts)
     prompts: dict[str, tuple[int, ...]] = {}
     fill_steps = 1  # a `schedule until = "filled"` repeats as often as the fill before it needs
     plays: list[ConcreteStep] = []
     for index, step in enumerate(steps):
         requests: tuple[NewRequest, ...] = ()
         if kind_of(step.action).admits:
-            requests, planned_steps = _added(step.args, setup, prompts, preempt)
+            requests, planned_steps = _added(step.args, setup, prompts, preempt, reloaded)
             fill_steps = planned_steps if planned_steps is not None else fill_steps
         repeats = _repeats(step, fill_steps, prompts, setup)
         for repeat in range(1, repeats + 1):

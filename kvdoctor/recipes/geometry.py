@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvdoctor.engine.kv_layout import MAMBA, resolve_layout
+from kvdoctor.engine.kv_layout import MAMBA, SLIDING, resolve_layout
 from kvdoctor.engine.serve_args import flag_name
 from kvdoctor.engine.setup import PLANNED_FIELDS, Setup
 from kvdoctor.errors import UsageError
@@ -189,9 +189,42 @@ def plan_fill(setup: Setup, max_tokens: int) -> FillPlan:
                         [Need("gpu_blocks", setup.gpu_blocks + 1), Need("max_model_len", setup.max_model_len + bs)])
 
 
-def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None) -> int:
+def reloaded_prompts(steps: Sequence[Step], setup: Setup) -> frozenset[str]:
+    """Requests whose whole-chunk prompt (`prompt_chunks`, no `trim_tokens`) is reloaded from the offload tier
+    after a `reset_prefix_cache` (the prefix a later request shares, or the request itself where the reset
+    preempts running requests), at a `--model` with sliding-window or Mamba layers: they get one prompt token
+    more (`prompt_length`).
+
+    Why: since vLLM's `prefix_cache_retention_interval = 0` default, the connector stores a sliding-window or
+    Mamba group's chunk only at a semantic checkpoint, the request's replay boundary (its prompt less one
+    token) among them; a prompt of whole chunks puts that boundary a token short of its last chunk, so the
+    chunk is stored for the attention groups only and the reload misses (measured on 0.30.0 and 0.34.0:
+    prefetch at gpt-oss-20b, Gemma 3 and Qwen3-Next, preempt-reload-same-step at Gemma 3 ended setup_error,
+    no hit). One token more puts the boundary at the chunk's end; releases that store densely store it too."""
+    if setup.model is None or not any(layer.kind in (SLIDING, MAMBA) for layer in
+                                      resolve_layout(setup.model, None, setup.sliding_window).layers):
+        return frozenset()
+    whole = {s.args["request"] for s in steps if s.action == "add" and "prompt_chunks" in s.args
+             and "trim_tokens" not in s.args}
+    reloaded: set[str] = set()
+    added: list[str] = []
+    reset_seen = False
+    for step in steps:
+        if step.action == "reset_prefix_cache":
+            reset_seen = True
+            if step.args.get("reset_running_requests"):
+                reloaded.update(added)
+        elif step.action == "add":
+            if reset_seen and "shared_prefix_with" in step.args:
+                reloaded.add(step.args["shared_prefix_with"])
+            added.append(step.args["request"])
+    return frozenset(reloaded & whole)
+
+
+def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None,
+                  reloaded: frozenset[str] = frozenset()) -> int:
     """An `add` step's prompt length at this geometry (fill_pool: its first filler's; prompt_rest_of_pool:
-    the victim's of `preempt`, the recipe's preempting fill)."""
+    the victim's of `preempt`, the recipe's preempting fill; `reloaded`: `reloaded_prompts`, a token more)."""
     if "prompt" in args:
         return len(args["prompt"])
     if args.get("fill_pool") == PREEMPT_NEXT:
@@ -209,7 +242,7 @@ def prompt_length(args: dict, setup: Setup, preempt: PreemptPlan | None = None) 
                                 f"{trim} token(s) leave no prompt",
                                 [Need("block_size", _ceil(trim + 1, per_block)),
                                  Need("blocks_per_chunk", _ceil(trim + 1, args["prompt_chunks"] * setup.block_size))])
-        return length
+        return length + (1 if args.get("request") in reloaded else 0)
     return args["prompt_tokens"]
 
 
@@ -253,6 +286,7 @@ def problems(recipe: Recipe, setup: Setup) -> list[Problem]:
     except NotApplicable as exc:
         return [Problem(str(exc), exc.needs)]
     counter = 0
+    reloaded = reloaded_prompts(recipe.steps, setup)
     mml_fixed = "max_model_len" in setup.fixed or (not recipe.builtin and "max_model_len" in recipe.setup)
     for step in recipe.steps:
         counter += step.args.get("count", 1) if step.action == "schedule" else 1
@@ -260,7 +294,7 @@ def problems(recipe: Recipe, setup: Setup) -> list[Problem]:
             continue
         where = f"step {counter} (line {step.line}) add {step.args['request']}"
         try:
-            length = prompt_length(step.args, setup, preempt)
+            length = prompt_length(step.args, setup, preempt, reloaded)
         except NotApplicable as exc:
             found.append(Problem(f"{where}: {exc}", exc.needs))
             continue
@@ -361,13 +395,13 @@ def _model_preemption(recipe: Recipe, setup: Setup) -> Problem | None:
     each block of tokens (the pool of a `--model` is sized so: kv_layout's `_pool_for_groups`). A model whose
     Mamba groups or sliding-window groups (a window shorter than max_model_len) hold fewer blocks for a long
     request leaves the pool unspent: measured on 0.26.0, preemption at Qwen3-Next and
-    readmitted-stale-store-cursor at gpt-oss-20b (128-token window) never preempted and ended setup_error; a
-    fill that queues the next request (`fill_pool`) left it running at Qwen3-Next (Mamba) too."""
+    readmitted-stale-store-cursor at gpt-oss-20b (128-token window) never preempted and ended setup_error.
+    A fill that only queues the next request (`fill_pool = true`) is restated for Mamba groups
+    (`mamba_fill_requests`: the pool counts the blocks they hold) and holds at every window shipped."""
     if setup.model is None:
         return None
     preempts = any(step.action == "expect" and "PREEMPTED" in str(step.args.get("status", "")) for step in recipe.steps)
-    fills = any(step.action == "add" and step.args.get("fill_pool") for step in recipe.steps)
-    if not preempts and not fills:
+    if not preempts:
         return None
     from kvdoctor.engine.kv_layout import MAMBA, SLIDING, resolve_layout
 
@@ -375,12 +409,10 @@ def _model_preemption(recipe: Recipe, setup: Setup) -> Problem | None:
     short = sorted({layer.sliding_window for layer in layers if layer.kind == SLIDING
                     and layer.sliding_window is not None and layer.sliding_window < setup.max_model_len})
     mamba = any(layer.kind == MAMBA for layer in layers)
-    if not preempts:
-        short = []  # a fill that only queues the next request: measured to hold at every window shipped
     if not short and not mamba:
         return None
     kinds = " and ".join((["Mamba"] if mamba else []) + ([f"{short[0]}-token sliding-window"] if short else []))
-    return Problem(f"this recipe {'preempts' if preempts else 'queues'} a request by running the GPU pool out, "
+    return Problem(f"this recipe preempts a request by running the GPU pool out, "
                    f"a block of every KV cache group for each block of tokens; the {kinds} groups of --model "
                    f"{setup.model} hold fewer blocks for a long request, and kvdoctor has not restated the fill "
                    f"for them",
@@ -453,7 +485,7 @@ def _one_step_prefills(setup: Setup, recipe: Recipe) -> Problem | None:
     for step in recipe.steps:
         if step.action == "add" and step.args.get("request") in prefilled:
             try:
-                length = prompt_length(step.args, setup)
+                length = prompt_length(step.args, setup, reloaded=reloaded_prompts(recipe.steps, setup))
             except NotApplicable:
                 return None  # reported by `problems` itself
             if length + others > setup.max_num_batched_tokens:
@@ -470,7 +502,7 @@ def _two_fit(setup: Setup, recipe: Recipe) -> Problem | None:
     for step in recipe.steps:
         if step.action == "add" and not step.args.get("fill_pool") and not step.args.get("prompt_rest_of_pool"):
             try:
-                length = prompt_length(step.args, setup)
+                length = prompt_length(step.args, setup, reloaded=reloaded_prompts(recipe.steps, setup))
             except NotApplicable:
                 return None  # reported by `problems` itself
             sizes.append(_ceil(length + step.args.get("max_tokens", 8), setup.block_size))
@@ -826,7 +858,8 @@ def plan_setup(recipe: Recipe, setup: Setup) -> Setup:
         if not found:
             derived = tuple(f"{name}: {getattr(start, name)} -> {getattr(setup, name)}" for name in PLANNED_FIELDS
                             if getattr(start, name) != getattr(setup, name))
-            return dataclasses.replace(setup, derived=mamba + derived, untested=None)
+            return dataclasses.replace(setup, derived=mamba + derived, untested=None,
+                                       mamba_fill_requests=_mamba_fill_requests(recipe, setup))
         changes: dict[str, Any] = {}
         waive: list[tuple[str, str]] = []
         for problem in found:
@@ -872,6 +905,17 @@ def _server_mamba_cache_mode(setup: Setup) -> tuple[Setup, tuple[str, ...]]:
         "prefix-caching support)",)
 
 
+def _mamba_fill_requests(recipe: Recipe, setup: Setup) -> int | None:
+    """The requests that hold Mamba state when a `fill_pool = true` fill has run the pool out: its fillers
+    (None: no `--model` with Mamba layers, or no such fill; `Setup.mamba_fill_requests`)."""
+    fill = next((s for s in recipe.steps if s.action == "add" and s.args.get("fill_pool") is True), None)
+    if fill is None or setup.model is None:
+        return None
+    if not any(layer.kind == MAMBA for layer in resolve_layout(setup.model, None, setup.sliding_window).layers):
+        return None
+    return len(plan_fill(setup, fill.args.get("max_tokens", 8)).prompts)
+
+
 # A preempting fill takes every usable block in prompts at the step budget; a budget that takes it in
 # more steps than this is raised where the user did not give one (the recipe's own 8 tokens suit its 8 blocks).
 _PREFERRED_FILL_STEPS = 32
@@ -892,7 +936,7 @@ def _preferences(recipe: Recipe, setup: Setup) -> list[Need]:
     for step in recipe.steps:
         if step.action == "add" and step.args.get("request") in prefilled:
             try:
-                length = prompt_length(step.args, setup)
+                length = prompt_length(step.args, setup, reloaded=reloaded_prompts(recipe.steps, setup))
             except NotApplicable:
                 continue
             if length <= setup.max_num_batched_tokens < length + setup.max_num_seqs:

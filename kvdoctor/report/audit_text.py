@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvdoctor.report.guards import guard_lines
 
+if TYPE_CHECKING:  # the types only
+    from kvdoctor.results import AuditRow, MetricRow
 
-def row_hint(row: Any) -> str:
+
+def row_hint(row: AuditRow) -> str:
     """What an audit row says when it has no next steps: why the installed logic (and the fixed one) did
     what they did."""
     outcome = row.installed.outcome.value
@@ -28,11 +31,11 @@ def row_hint(row: Any) -> str:
     return row.installed.detail
 
 
-def metric_summary(metric: Any) -> str:
+def metric_summary(metric: MetricRow) -> str:
     """A measured performance bug in one sentence (or why it was not measured)."""
-    if metric.error:
-        return f"not measured: {metric.error}"
     m = metric.value
+    if metric.error or m is None:
+        return f"not measured: {metric.error or 'no value'}"
     where = "" if metric.level == "scheduler" else " (measured by kvdoctor's scheduler harness at every level)"
     return (f"{m.requests} requests sharing an offloaded prefix (loads take {m.load_latency_steps} steps): "
             f"{m.shared_steps} steps until all have a first token, vs {m.baseline_steps} with disjoint "

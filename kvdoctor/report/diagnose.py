@@ -8,16 +8,23 @@ serve arguments of interest: no request lines, hostnames, paths or secrets.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor import SCHEMA_VERSION, __version__
+from kvdoctor.check.app import as_dict as check_as_dict
 from kvdoctor.diagnose.kinds import ENGINE, describe_native
 from kvdoctor.diagnose.match import innermost_vllm
 from kvdoctor.diagnose.redact import format_value, redact_serve_args
 from kvdoctor.diagnose.traceback import display_path
 
+if TYPE_CHECKING:  # the types only: this module formats what the CLI hands it
+    from kvdoctor.diagnose.app import DiagnoseReport
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.recipes.model import Recipe
+    from kvdoctor.results import RunResult
 
-def _refs(recipe: Any) -> tuple[list[str], list[str]]:
+
+def _refs(recipe: Recipe) -> tuple[list[str], list[str]]:
     issues = [r for r in recipe.refs if "(issue" in r]
     fixes = [r for r in recipe.refs if "(fix" in r]
     return issues, fixes
@@ -29,7 +36,7 @@ def _ref_link(ref: str) -> str:
     return f"https://github.com/vllm-project/vllm/{kind}/{number}" if number.isdigit() else ""
 
 
-def log_lines(report: Any) -> list[str]:
+def log_lines(report: DiagnoseReport) -> list[str]:
     s = report.summary
     out = [f"log: {s.source} ({s.lines:,} line{'' if s.lines == 1 else 's'} read)"]
     if s.read_note:
@@ -53,7 +60,7 @@ def log_lines(report: Any) -> list[str]:
     return out
 
 
-def crash_lines(report: Any) -> list[str]:
+def crash_lines(report: DiagnoseReport) -> list[str]:
     s = report.summary
     crash = s.crash
     loose = s.loose
@@ -80,7 +87,7 @@ def crash_lines(report: Any) -> list[str]:
                     "encountered a fatal error`)"]
         return ["no engine crash found in this log"]
     out = []
-    kind = report.kind
+    kind = report.kind or ENGINE  # a crash always has one (DiagnoseReport.kind is None only without a crash)
     who = f"in {crash.process}" if crash.process else "(no process prefix)"
     if crash.native:
         out.append(f"{kind.label} {who}: {describe_native(crash)}")
@@ -135,7 +142,7 @@ def _per_bug(candidates: list[Any]) -> list[tuple[str, list[Any]]]:
     return list(out.items())
 
 
-def _what_was_seen(report: Any) -> str:
+def _what_was_seen(report: DiagnoseReport) -> str:
     s = report.summary
     crash = s.crash
     if crash is not None and crash.native:
@@ -165,13 +172,14 @@ def _what_was_seen(report: Any) -> str:
     return "only the API server's EngineDeadError (the engine died; its traceback is not in this log)"
 
 
-def match_lines(report: Any) -> list[str]:
+def match_lines(report: DiagnoseReport) -> list[str]:
     m = report.match
     if not m.candidates:
         if not report.summary.holds_crash:
             crash = report.summary.crash
             if crash is not None:
-                return [(f"no engine crash found in this log: the {report.kind.label} above was logged as a "
+                label = (report.kind or ENGINE).label
+                return [(f"no engine crash found in this log: the {label} above was logged as a "
                          f"{crash.level} (the process went on), and no known bug matches it")]
             return ["no engine crash found in this log"]
         out = [f"a crash no known bug matches: {_what_was_seen(report)}"]
@@ -206,7 +214,7 @@ def match_lines(report: Any) -> list[str]:
     return out
 
 
-def run_lines(report: Any) -> list[str]:
+def run_lines(report: DiagnoseReport) -> list[str]:
     out = []
     if report.vllm_error:
         return [f"not run: {report.vllm_error}"]
@@ -237,19 +245,19 @@ def run_lines(report: Any) -> list[str]:
     return out
 
 
-def _setup_text(setup: Any) -> str:
+def _setup_text(setup: Setup) -> str:
     from kvdoctor.report.tables import setup_line
 
     return setup_line(setup)
 
 
-def _why(result: Any) -> str:
+def _why(result: RunResult) -> str:
     from kvdoctor.report.tables import why
 
     return why(result).replace("\n", "; ")
 
 
-def _kind_lines(report: Any) -> list[str]:
+def _kind_lines(report: DiagnoseReport) -> list[str]:
     """What kvdoctor can and cannot check for a crash outside the scheduler (a worker's, start-up, native)."""
     kind = report.kind
     if kind is None or kind is ENGINE:
@@ -268,7 +276,7 @@ def _kind_lines(report: Any) -> list[str]:
     return out
 
 
-def next_lines(report: Any, in_report: bool = False) -> list[str]:
+def next_lines(report: DiagnoseReport, in_report: bool = False) -> list[str]:
     """`in_report`: for the --report attachment itself (it does not tell its reader to make one)."""
     attach = "attach this report" if in_report else "`kvdoctor diagnose LOG --report FILE`"
     if not report.match.candidates:
@@ -283,6 +291,9 @@ def next_lines(report: Any, in_report: bool = False) -> list[str]:
             out.append("find the rest of the traceback in the full log (from its `Traceback` line to the "
                        "exception line under it) and run kvdoctor diagnose on that")
         out += _kind_lines(report)
+        if report.startup is not None and not in_report:
+            out.append("check the deployment's other flags the same way: kvdoctor diagnose LOG -- --flag value ... "
+                       "(vllm serve's flags, over the log's), or kvdoctor check FLAGS before deploying")
         if report.starting_recipe and not in_report:
             out.append("write a starting recipe: kvdoctor diagnose LOG --write-recipe FILE")
         if report.hunt_command:
@@ -308,11 +319,31 @@ def next_lines(report: Any, in_report: bool = False) -> list[str]:
     return out
 
 
+def startup_lines(report: DiagnoseReport) -> list[str]:
+    """A start-up failure's check: vLLM's start-up run here at the log's flags (`kvdoctor check`)."""
+    from kvdoctor.diagnose.startup import CONFIRMED, STARTS
+    from kvdoctor.report.check import stage_lines, verdict_lines
+
+    startup = report.startup
+    if startup is None:
+        return []
+    crash = report.summary.crash
+    logged = f"{crash.exception}" if crash is not None and crash.exception else "the log's failure"
+    verdict = {CONFIRMED: f"confirmed: vLLM's start-up refuses these flags here as the log says ({logged})",
+               STARTS: ("not reproduced: vLLM starts here at these flags; the log's failure depends on its host "
+                        "(memory, /dev/shm, other nodes) or on a flag the log does not show: add it after `--`")}
+    lines = [f"kvdoctor check at {startup.flags_from}, on vLLM {startup.result.vllm_version}:",
+             verdict.get(startup.verdict, f"vLLM refuses these flags here, but not as the log says ({logged})")]
+    lines += verdict_lines(startup.result)[1:] if startup.result.refusal is not None else []
+    lines += stage_lines(startup.result)
+    return lines + [f"  note: {note}" for note in startup.notes]
+
+
 SECTIONS = (("What the log says", log_lines), ("The crash", crash_lines), ("Which known bug", match_lines),
-            ("The run", run_lines), ("What to do next", next_lines))
+            ("Start-up, checked here", startup_lines), ("The run", run_lines), ("What to do next", next_lines))
 
 
-def diagnose_renderables(report: Any) -> list[Any]:
+def diagnose_renderables(report: DiagnoseReport) -> list[Any]:
     from rich.text import Text
 
     from kvdoctor.report.layout import Hanging
@@ -330,7 +361,7 @@ def diagnose_renderables(report: Any) -> list[Any]:
     return out
 
 
-def render_diagnose_markdown(report: Any) -> str:
+def render_diagnose_markdown(report: DiagnoseReport) -> str:
     from kvdoctor.report.markdown import _env_section, _scrub
 
     lines = [f"# kvdoctor diagnose: {report.summary.source}", "",
@@ -357,7 +388,7 @@ def _fix_doc(known_fix: Any) -> dict[str, Any]:
     return {"fixed_in": known_fix.release, "last_reproducing": known_fix.last_reproducing}
 
 
-def diagnose_document(report: Any) -> dict[str, Any]:
+def diagnose_document(report: DiagnoseReport) -> dict[str, Any]:
     s = report.summary
     crash = s.crash
     inner = innermost_vllm(crash) if crash is not None else None
@@ -365,6 +396,9 @@ def diagnose_document(report: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": __version__,
         "command": "diagnose",
+        "startup_check": None if report.startup is None else {
+            "flags_from": report.startup.flags_from, "verdict": report.startup.verdict,
+            "notes": report.startup.notes, "check": check_as_dict(report.startup.result)},
         "log": {"source": s.source, "lines": s.lines, "vllm_version": s.version, "version_source": s.version_source,
                 "serve_args": redact_serve_args(s.serve_args), "args_source": s.args_source,
                 "read_note": s.read_note or None,
@@ -372,9 +406,10 @@ def diagnose_document(report: Any) -> dict[str, Any]:
                              for n in s.features.values()]},
         "crash": None if crash is None else {
             "process": crash.process, "exception": crash.exception, "message": crash.message,
-            "cut_short": crash.cut_short, "elided": crash.elided, "kind": report.kind.name,
+            "cut_short": crash.cut_short, "elided": crash.elided, "kind": (report.kind or ENGINE).name,
             "native": crash.native, "header": crash.header or None, "exception_from": crash.exception_from or None,
-            "kvdoctor_can": report.kind.can or None, "kvdoctor_cannot": report.kind.cannot or None,
+            "kvdoctor_can": (report.kind or ENGINE).can or None,
+            "kvdoctor_cannot": (report.kind or ENGINE).cannot or None,
             "file": display_path(inner.file) if inner else None, "line": inner.line if inner else None,
             "function": inner.function if inner else None, "code": inner.code if inner else None,
             "vllm_frames": [{"file": display_path(f.file), "line": f.line, "function": f.function, "code": f.code}

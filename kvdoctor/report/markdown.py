@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvdoctor.installed import environment
 from kvdoctor.recipes.writer import recipe_to_toml
@@ -17,6 +17,12 @@ from kvdoctor.report.audit_text import metric_summary, row_hint
 from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.next_steps import FIXED_LOGIC, github_refs, next_steps
 from kvdoctor.report.tables import events_line, kv_cache_lines, row_next_steps, setup_fields, why_lines
+
+if TYPE_CHECKING:  # the types only: this module formats what the CLI hands it
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.explore.triage import Triage
+    from kvdoctor.observe.snapshot import RequestSnapshot
+    from kvdoctor.results import AuditReport, ReproReport, RunResult
 
 
 def _scrub(text: str) -> str:
@@ -41,7 +47,7 @@ def _env_section() -> list[str]:
     return [*lines, ""]
 
 
-def _state_table(requests: list[Any]) -> list[str]:
+def _state_table(requests: list[RequestSnapshot]) -> list[str]:
     lines = ["| request | status | prompt | computed | group | keys | blocks | chunks | next stored | "
              "storable (installed) | storable (fixed) | in flight | |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|"]
@@ -59,7 +65,7 @@ def _state_table(requests: list[Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _result_rows(report: Any) -> list[str]:
+def _result_rows(report: ReproReport) -> list[str]:
     lines = ["| logic | outcome | where / why |", "|---|---|---|"]
     for result in report.results:
         lines.append(f"| {result.logic} | **{result.outcome.value}** | "
@@ -67,14 +73,16 @@ def _result_rows(report: Any) -> list[str]:
     lines.append("")
     if any(r.logic in ("fixed", "unpatched") for r in report.results):
         lines += [f"_{FIXED_LOGIC}._", ""]
-    return lines
+    impacts = [f"- Impact ({r.logic} logic): {_scrub(r.answers.line)}" for r in report.results
+               if r.answers is not None]
+    return lines + ([*impacts, ""] if impacts else [])
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _setup_section(setup: Any) -> list[str]:
+def _setup_section(setup: Setup) -> list[str]:
     lines = ["## Setup", "", "Every setting that shaped the run:", "", "| setting | value |", "|---|---|"]
     lines += [f"| `{key}` | `{value}` |" for key, value in setup_fields(setup)]
     return [*lines, ""]
@@ -89,7 +97,7 @@ def _next_steps_section(steps: list[tuple[str, str]]) -> list[str]:
     return [*lines, ""]
 
 
-def _reproduce_section(report: Any, command_line: str) -> list[str]:
+def _reproduce_section(report: ReproReport, command_line: str) -> list[str]:
     recipe = report.recipe
     lines = ["## Recipe (TOML)", "", "```toml", recipe_to_toml(recipe).rstrip(), "```", ""]
     file_name = f"{recipe.name}.toml"
@@ -105,8 +113,11 @@ def _reproduce_section(report: Any, command_line: str) -> list[str]:
     return lines
 
 
-def _failure(result: Any) -> list[str]:
+def _failure(result: RunResult) -> list[str]:
+    """The run's failure section (nothing for a run that did not fail)."""
     f = result.failure
+    if f is None:
+        return []
     lines = [f"### Failure under the `{result.logic}` logic (step {result.failure_step})", "",
              f"`{f.exception}{': ' + f.message if f.message else ''}` at `{f.file}:{f.line}` in `{f.function}()`", "",
              "vLLM frames (outermost first):", "", "```"]
@@ -115,7 +126,7 @@ def _failure(result: Any) -> list[str]:
     return lines + _state_table(result.requests)
 
 
-def _timeline(result: Any) -> list[str]:
+def _timeline(result: RunResult) -> list[str]:
     if not result.timeline:
         return []
     lines = ["<details>", f"<summary>Timeline under the {result.logic} logic ({len(result.timeline)} steps)</summary>",
@@ -137,9 +148,11 @@ def _header(title: str, command_line: str) -> list[str]:
     return [*lines, "## Command", "", "```", _scrub(command_line), "```", ""]
 
 
-def render_markdown(command: str, report: Any) -> str:
+def render_markdown(command: str, report: ReproReport | AuditReport) -> str:
     """A repro, inspect or audit report, ready to paste into a GitHub issue."""
-    if command == "audit":
+    from kvdoctor.results import AuditReport
+
+    if isinstance(report, AuditReport):
         return render_audit_markdown(report)
     recipe = report.recipe
     command_line = report.command or f"kvdoctor {command} {recipe.name}"
@@ -166,7 +179,7 @@ def render_markdown(command: str, report: Any) -> str:
     decisive = report.decisive
     fixed = next((r for r in report.results if r.logic == "fixed"), None)
     cap = None if fixed is None or decisive.logic == "fixed" else fixed.outcome.value != "reproduced"
-    lines += _next_steps_section(next_steps(recipe, decisive.outcome.value, getattr(report, "fixed_in", None),
+    lines += _next_steps_section(next_steps(recipe, decisive.outcome.value, report.fixed_in,
                                             cap, decisive.detail))
     lines += _reproduce_section(report, command_line)
     for result in report.results:
@@ -178,7 +191,7 @@ def render_markdown(command: str, report: Any) -> str:
     return _scrub("\n".join(lines)) + "\n"
 
 
-def render_audit_markdown(report: Any) -> str:
+def render_audit_markdown(report: AuditReport) -> str:
     lines = _header(f"kvdoctor audit: known KV-offload bugs on vLLM {report.vllm_version}"
                     f"{report_engine_phrase(report)}",
                     report.command or "kvdoctor audit")
@@ -216,7 +229,7 @@ def render_audit_markdown(report: Any) -> str:
     return _scrub("\n".join(lines)) + "\n"
 
 
-def triage_markdown(result: Any) -> str:
+def triage_markdown(result: Triage) -> str:
     """A finding's triage (`kvdoctor.explore.triage.Triage`) as the attachment's last section."""
     lines = ["## Triage (kvdoctor explore)", "", f"Verdict: **{result.verdict}**", "",
              f"- Without the offloading connector (`offloading = false`): {result.without_connector}"

@@ -4,23 +4,31 @@ Markdown attachment. Formatting only."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdoctor.report.engine_level import report_engine_phrase
 from kvdoctor.report.json_doc import SCHEMA_VERSION
 
+if TYPE_CHECKING:  # the types only
+    from kvdoctor.matrix.app import MatrixReport
+    from kvdoctor.matrix.bisect import Bisection
+    from kvdoctor.matrix.runner import Cell
 
-def _cell_text(cell: Any) -> str:
+
+def _cell_text(cell: Cell | None) -> str:
     if cell is None:
         return "-"  # not tested (bisect skipped it)
     if cell.outcome == "reproduced" and cell.failure_site:
         return f"reproduced: {cell.failure_site}"
+    if cell.outcome == "not_applicable" and cell.unplayable:
+        return f"not_applicable at this engine level (not tested): {cell.detail}" if cell.detail else \
+            "not_applicable at this engine level (not tested)"
     if cell.outcome in ("not_reproduced", "not_applicable", "reproduced"):
         return cell.outcome
     return f"{cell.outcome}: {cell.detail}" if cell.detail else cell.outcome
 
 
-def _bisect_line(b: Any) -> str:
+def _bisect_line(b: Bisection) -> str:
     tested = ", ".join(f"{r} {o}" for r, o in b.tested.items())
     if b.inconclusive:
         return f"{b.recipe}: no answer, vLLM {b.inconclusive} gave {b.tested.get(b.inconclusive)} (tested: {tested})"
@@ -35,7 +43,7 @@ def _bisect_line(b: Any) -> str:
     return f"{b.recipe}: nothing tested"
 
 
-def matrix_renderables(report: Any) -> list[Any]:
+def matrix_renderables(report: MatrixReport) -> list[Any]:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -61,18 +69,18 @@ def matrix_renderables(report: Any) -> list[Any]:
     return items
 
 
-def matrix_document(report: Any) -> dict[str, Any]:
+def matrix_document(report: MatrixReport) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
         "kvdoctor_version": report.kvdoctor_version,
         "command": report.command,
-        "engine": getattr(report, "engine", "scheduler"),  # the level every cell ran at
+        "engine": report.engine,  # the level every cell ran at
         "releases": report.releases,
         "recipes": report.recipes,
         "environments": report.environments,
         "exit_status": int(report.exit_status),
-        "cells": [report.cell(r, n).as_dict() for r in report.releases for n in report.recipes
-                  if report.cell(r, n) is not None],
+        "cells": [cell.as_dict() for cell in (report.cell(r, n) for r in report.releases for n in report.recipes)
+                  if cell is not None],
         "bisections": [
             {"recipe": b.recipe, "first_not_reproducing": b.first_not_reproducing,
              "last_reproducing": b.last_reproducing, "inconclusive": b.inconclusive,
@@ -82,7 +90,7 @@ def matrix_document(report: Any) -> dict[str, Any]:
     }
 
 
-def matrix_markdown(report: Any) -> str:
+def matrix_markdown(report: MatrixReport) -> str:
     lines = [f"# kvdoctor matrix: {', '.join(report.recipes) if not report.audit else 'audit'}", "",
              f"_Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by kvdoctor "
              f"{report.kvdoctor_version}_", "", "## Command", "", "```", report.command or "kvdoctor matrix", "```", "",

@@ -9,7 +9,10 @@ an outcome, and no value is made up when the data has none.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the types only
+    from kvdoctor.recipes.model import Recipe
 
 FIXED_LOGIC = ("kvdoctor's 'fixed logic' = the installed vLLM with the PR #49146 cap "
                "(storable chunks <= allocated chunks); 'unpatched' = that cap removed")
@@ -27,7 +30,7 @@ def _ref_number(ref: str) -> str:
     return f"vllm#{match.group(1)}" if match else ref.split()[0]
 
 
-def upstream_text(recipe: Any) -> str:
+def upstream_text(recipe: Recipe) -> str:
     """`issue vllm#1; fix vllm#2 (what it does); see also vllm#3 (...)` from the recipe's refs."""
     issues = [r for r in recipe.refs if "(issue" in r]
     fixes = [r for r in recipe.refs if "(fix" in r]
@@ -57,15 +60,15 @@ def fixed_in_line(value: Any) -> str:
     return str(value)
 
 
-def _recipe_ref(recipe: Any) -> str:
+def _recipe_ref(recipe: Recipe) -> str:
     return recipe.name if recipe.builtin else (recipe.source or recipe.name)
 
 
-def report_command(recipe: Any, command: str = "repro") -> str:
+def report_command(recipe: Recipe, command: str = "repro") -> str:
     return f"kvdoctor {command} {_recipe_ref(recipe)} --report issue.md"
 
 
-def next_steps(recipe: Any, outcome: str, fixed_in: Any = None, cap_prevents: bool | None = None,
+def next_steps(recipe: Recipe, outcome: str, fixed_in: Any = None, cap_prevents: bool | None = None,
                detail: str = "") -> list[tuple[str, str]]:
     """(label, text) lines for one verdict of one recipe; empty labels are never produced."""
     steps: list[tuple[str, str]] = []

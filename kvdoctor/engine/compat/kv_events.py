@@ -25,6 +25,8 @@ OFFLOAD_BASE_MODULE = "vllm.v1.kv_offload.base"
 KV_EVENTS = "kv_events"
 SELF_DESCRIBING = "self_describing_kv_events"
 METADATA_ONLY_REMOVALS = "metadata_only_removals"
+REQUEST_DESCRIBED_STORES = "request_described_stores"
+OFFLOADING_EVENTS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events"
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ class KvEventsGlue(AdapterBase):
         """What this vLLM's KV events can do, probed (never by version): `KV_EVENTS` where vllm.config has
         KVEventsConfig and the offloading connector's scheduler side has `take_events`; `SELF_DESCRIBING`
         where the connector's events config (`OffloadingKVEventsConfig`) has `self_describing_kv_events`;
-        `METADATA_ONLY_REMOVALS` where an `OffloadingEvent` has `metadata_only`."""
+        `METADATA_ONLY_REMOVALS` where an `OffloadingEvent` has `metadata_only`; `REQUEST_DESCRIBED_STORES` where
+        the connector's events tracker describes a store from its request's context (`on_new_request`)."""
         features = set()
         connector = getattr(self.mods["offload_scheduler"], "OffloadingConnectorScheduler", None)
         if hasattr(self.mods["config"], "KVEventsConfig") and hasattr(connector, "take_events"):
@@ -119,6 +122,9 @@ class KvEventsGlue(AdapterBase):
             features.add(SELF_DESCRIBING)
         if "metadata_only" in _field_names(getattr(base, "OffloadingEvent", None)):
             features.add(METADATA_ONLY_REMOVALS)
+        tracker = getattr(_optional_import(OFFLOADING_EVENTS_MODULE), "OffloadingEventsTracker", None)
+        if KV_EVENTS in features and hasattr(tracker, "on_new_request"):
+            features.add(REQUEST_DESCRIBED_STORES)
         return frozenset(features)
 
     def kv_events_config(self) -> Any:

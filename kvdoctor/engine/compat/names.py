@@ -31,6 +31,9 @@ TIER_FACTORY_MODULE = "vllm.v1.kv_offload.tiering.factory"
 TIERING_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.manager"
 ASYNC_LOOKUP_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 FS_TIER_MODULE = "vllm.v1.kv_offload.tiering.fs.manager"
+TIER_BASE_MODULE = "vllm.v1.kv_offload.tiering.base"
+TIER_BACKPRESSURE_MODULE = "vllm.v1.kv_offload.tiering.backpressure"
+CPU_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 KV_TRANSFER_STATE_MODULE = "vllm.distributed.kv_transfer.kv_transfer_state"
 RUNNER_MIXIN_MODULE = "vllm.v1.worker.kv_connector_model_runner_mixin"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
@@ -92,6 +95,13 @@ LOOKUP_STATE = VllmName(ASYNC_LOOKUP_MODULE, "AsyncLookupManager", ("_lookup_sta
                         absent="settle_secondary_tiers: a tier without asynchronous lookups waits on I/O only")
 LOOKUP_BATCH = VllmName(ASYNC_LOOKUP_MODULE, "AsyncLookupManager", ("_lookup_batch",),
                         absent="settle_secondary_tiers: every lookup counts as sent")
+# -- the tier invariants (observe/tier_invariants.py): the primary tier's pool, the manager's requests --------
+PRIMARY_POLICY = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_policy",),
+                          absent="primary_chunk: no cache policy to read, every key absent")
+PRIMARY_FREE_LIST = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_free_list",),
+                             absent="primary_free_chunks: no free list to read, none free")
+TIER_REQUEST_STATE = VllmName(TIERING_MANAGER_MODULE, "TieringOffloadingManager", ("_req_state",),
+                              absent="tier_tracked_requests: no per-request state to read, none tracked")
 
 # -- the worker side and the engine core ------------------------------------------------------------
 KV_CONNECTOR_AGENT = VllmName(KV_TRANSFER_STATE_MODULE, None, ("_KV_CONNECTOR_AGENT",))
@@ -116,6 +126,7 @@ CPU_CACHE_POLICY = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_polic
 TABLE: tuple[VllmName, ...] = (
     REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, RESET_CACHE, SUB_CONNECTORS,
     SPEC_REGISTRY, SECONDARY_TIER_REGISTRY, TIER_TRANSFER_JOBS, TIER_LOOKUP_MANAGER, LOOKUP_STATE, LOOKUP_BATCH,
+    PRIMARY_POLICY, PRIMARY_FREE_LIST, TIER_REQUEST_STATE,
     KV_CONNECTOR_AGENT, GET_KV_CONNECTOR_OUTPUT, PROCESS_INPUT_QUEUE, IS_DEFAULT_V2_RUNNER_MODEL,
     V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE, CPU_CACHE_POLICY,
 )
