@@ -131,6 +131,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             device_config=api.config_class("DeviceConfig")("cpu"),
             **speculative,
             **({"parallel_config": api.parallel_config(setup.num_workers)} if setup.num_workers > 1 else {}),
+            **({"kv_events_config": api.kv_events_config()} if setup.kv_events else {}),
         )
     except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
@@ -183,6 +184,8 @@ class StepEvents:
     # request -> draft tokens verified in this step (speculative decoding): their slots' KV is written by
     # the forward but holds a rejected draft's KV unless the draft is accepted
     spec_tokens: dict[str, int] = field(default_factory=dict)
+    # The KV cache events vLLM's Scheduler published in this step (Setup.kv_events), in order: KvEvent
+    kv_events: list[Any] = field(default_factory=list)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
@@ -227,6 +230,8 @@ class Harness:
         self._tiering = (api.tiering_manager_of(self.connector_scheduler)
                          if setup.secondary_tier and self.connector_scheduler is not None else None)
         self.model_runner = self._choose_model_runner()
+        # Setup.kv_events: what vLLM's Scheduler publishes, recorded where its publisher stands
+        self.kv_event_recorder = api.record_kv_events(self.scheduler) if setup.kv_events else None
         self.worker = self._make_worker()
         # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
         # (it stands for another asynchronous connector; holds and failures apply to the watched one).
@@ -369,7 +374,13 @@ class Harness:
         output = self.loop.step(worker_side)
         if not self.setup.async_scheduling:
             self._propose_drafts(output)
+        self.take_kv_events(events)
         return events
+
+    def take_kv_events(self, events: StepEvents) -> None:
+        """The KV events vLLM published during this step, into `events` (Setup.kv_events)."""
+        if self.kv_event_recorder is not None:
+            events.kv_events = self.kv_event_recorder.take()
 
     def _propose_drafts(self, output: Any) -> None:
         """The stand-in drafter, after the step's output is applied (sync scheduling), as vLLM's engine

@@ -131,6 +131,13 @@ class Setup:
     # outcomes follow `tier_script` ("ok,late/defer,partial": store outcomes / promotion outcomes, cycled);
     # "fs+scripted": both. Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
+    # vLLM's KV cache events (`--kv-events-config '{"enable_kv_cache_events": true}'`): the Scheduler publishes
+    # its KV cache manager's and its connector's BlockStored / BlockRemoved / AllBlocksCleared each step; kvdoctor
+    # records them where the publisher would send them and checks them against the tier (observe/kv_events.py).
+    kv_events: bool = False
+    # The connector's self-describing payloads (`kv_connector_extra_config.self_describing_kv_events`): a CPU
+    # BlockStored carries the chunk's block hashes, tokens and parent. Needs kv_events.
+    self_describing_kv_events: bool = False
     tier_script: str | None = None
     # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
     # (0: drop the cascade). None: no backpressure.
@@ -150,6 +157,8 @@ class Setup:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
             cfg["secondary_tiers"] = tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
+        if self.self_describing_kv_events:
+            cfg["self_describing_kv_events"] = True
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
@@ -245,6 +254,11 @@ class Setup:
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
+        if self.self_describing_kv_events and not self.kv_events:
+            raise UsageError("self_describing_kv_events needs kv_events = true (vLLM publishes no KV events otherwise)")
+        if self.kv_events and not self.offloading:
+            raise UsageError("kv_events and offloading = false: kvdoctor checks the connector's KV events, and "
+                             "there is no connector")
         if self.secondary_tier is not None:
             if self.secondary_tier not in SECONDARY_TIERS:
                 raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "

@@ -134,6 +134,10 @@ class Geometry:
     # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier;
     # where `SCRIPTED_TIER_DRAW` is one too, kvdoctor's scripted tier, its script and backpressure (tier_draw.py)
     secondary_tier: str | None = None
+    # The events byte (`decode_kv_events`), drawn only where `EVENTS_DRAW` is a feature: vLLM's KV events on
+    # (checked by observe/kv_events.py), and the connector's self-describing payloads
+    kv_events: bool = False
+    self_describing_kv_events: bool = False
     tier_script: str | None = None
     backpressure_pattern: str | None = None
 
@@ -191,6 +195,8 @@ class Geometry:
             **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
+            **({"kv_events": True} if self.kv_events else {}),
+            **({"self_describing_kv_events": True} if self.self_describing_kv_events else {}),
             **({"tier_script": self.tier_script} if self.tier_script else {}),
             **({"backpressure_pattern": self.backpressure_pattern} if self.backpressure_pattern else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
@@ -351,6 +357,22 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
                                tier_script=script, backpressure_pattern=pattern)
 
 
+# KV events (`decode_kv_events`): one more geometry byte, the last (after the tier byte), drawn where the connector
+# describes a store from its request's context (0.34's events tracker, `on_new_request`; probed by
+# `search.available_features`); elsewhere no byte is drawn, so a release's seeds stay as they were.
+EVENTS_DRAW = "kv_events"
+SELF_DESCRIBING_DRAW = "self_describing_kv_events"  # the connector's events config takes it (probed)
+
+
+def decode_kv_events(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
+    """The events byte's bit 0: vLLM's KV events on (`KVEventsConfig`); bit 1: with self-describing payloads where
+    the release has them; 0 is no events. Not under MultiConnector (two connectors' CPU events share one stream)."""
+    if not byte & 1 or EVENTS_DRAW not in features or geometry.multi_connector:
+        return geometry
+    return dataclasses.replace(geometry, kv_events=True,
+                               self_describing_kv_events=bool(byte >> 1 & 1) and SELF_DESCRIBING_DRAW in features)
+
+
 def kv_bytes_per_token(geometry: Geometry) -> int:
     """KV bytes one token takes in the geometry's layout (the sync-load budget is counted in them, as
     the offloading scheduler counts its loads: tokens x kv_bytes_per_token)."""
@@ -502,14 +524,15 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 @cache
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
-                 speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
+                 speculative: bool = False, workers: bool = False, tier: bool = False,
+                 events: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
     `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more
-    (`decode_workers`); `tier`: one more, last (`decode_tier`)."""
+    (`decode_workers`); `tier`: one more (`decode_tier`); `events`: one more, last (`decode_kv_events`)."""
     second = extended and second
-    size = len(GEOMETRY_RANGES) + sum(map(bool, (extended, second, speculative, workers, tier)))
+    size = len(GEOMETRY_RANGES) + sum(map(bool, (extended, second, speculative, workers, tier, events)))
     event_size = EVENT_BYTES + (1 if second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -528,19 +551,20 @@ class Example:
         `features` holds the gate)."""
         geometry, events = raw
         extra = list(geometry[len(GEOMETRY_RANGES):])
+        events_byte = extra.pop() if EVENTS_DRAW in features and extra else 0
         tier = extra.pop() if TIER_DRAW in features and extra else 0
         workers = extra.pop() if WORKERS_DRAW in features and extra else 0
         speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative, workers, tier)
+                               features, extension, second, speculative, workers, tier, events_byte)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0, workers: int = 0, tier: int = 0) -> Example:
+                    speculative: int = 0, workers: int = 0, tier: int = 0, events_byte: int = 0) -> Example:
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -556,6 +580,8 @@ class Example:
         # cpu_bytes_to_use holds a copy per worker; unscaled, a one-chunk tier held none with 2 workers)
         if tier:
             decoded_geometry = decode_tier(decoded_geometry, tier, worker, features)
+        if events_byte:
+            decoded_geometry = decode_kv_events(decoded_geometry, events_byte, features)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
@@ -565,10 +591,11 @@ class Example:
 
 
 def examples(max_events: int, extended: bool = False, second: bool = False,
-             speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
+             speculative: bool = False, workers: bool = False, tier: bool = False,
+             events: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second, speculative, workers, tier)
+    return raw_examples(max_events, extended, second, speculative, workers, tier, events)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

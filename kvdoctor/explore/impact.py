@@ -55,6 +55,16 @@ _INVARIANTS: dict[str, tuple[str, str]] = {
     "readmitted-chunks-offered-again": (LOST_HITS, "no error and no wrong output; the recomputed chunks never "
                                                    "reach the CPU tier, so later prefix hits stop at the hole "
                                                    "(more recomputation, higher latency)"),
+    "kv-events-match-tier": (LOST_HITS, "no error and no wrong output; a KV-events subscriber (a cache-aware "
+                                        "router) believes chunks are in the CPU tier that are not, and routes "
+                                        "requests to prefixes the engine recomputes"),
+    "kv-events-store-remove-alternate": (LOST_HITS, "no error and no wrong output; a KV-events subscriber gets a "
+                                                    "store it already had or a removal it never saw stored: its "
+                                                    "index of cached prefixes drifts from the engine's"),
+    "kv-events-self-describing": (LOST_HITS, "no error and no wrong output; a KV-events subscriber indexes a stored "
+                                             "chunk under hashes or tokens that are not its request's"),
+    "kv-events-removal-carries-store-hashes": (LOST_HITS, "no error and no wrong output; a KV-events subscriber "
+                                                          "keeps block hashes of a removed chunk"),
     "no-orphan-transfer-jobs": (LEAK, "no error; a transfer job no request owns keeps its blocks or CPU slots "
                                       "until restart"),
     # the metrics invariants: what /metrics and the stats log say, not what is served

@@ -45,6 +45,7 @@ from kvdoctor.explore.findings import (
 )
 from kvdoctor.explore.generate import (
     ARC,
+    EVENTS_DRAW,
     EXTENSION_GATE,
     LOAD_CAPS,
     NO_LOOKAHEAD_HASHES,
@@ -53,6 +54,7 @@ from kvdoctor.explore.generate import (
     RECOMPUTE,
     RETENTION,
     SECOND_GATE,
+    SELF_DESCRIBING_DRAW,
     SPECS,
     SPECULATIVE_DRAW,
     SYNC_LOADS,
@@ -222,7 +224,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     features = features | {FORCEABLE[name] for name in config.force}
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
                         speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
-                        tier=TIER_DRAW in features)
+                        tier=TIER_DRAW in features, events=EVENTS_DRAW in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
     meter = lines if config.coverage else None  # measuring this search's examples (steering it)
     steering = meter is not None
@@ -391,6 +393,11 @@ def available_features(api: Any) -> frozenset[str]:
     # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
     # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
     probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
+    # KV events (one more byte, the last) where the connector describes a store from its request's context
+    # (0.34's events tracker): where the event bugs would be new; self-describing payloads where configurable.
+    events = api.kv_events_features()
+    probes[EVENTS_DRAW] = {EVENTS_DRAW, "request_described_stores"} <= events
+    probes[SELF_DESCRIBING_DRAW] = SELF_DESCRIBING_DRAW in events
     # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
     probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
     # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
-from kvdoctor.observe import connector_metrics
+from kvdoctor.observe import connector_metrics, kv_events
 from kvdoctor.observe.tier_invariants import TIER_CHECKS
 
 
@@ -172,6 +172,12 @@ def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     owners = {jid for state in states.values() for jid in api.transfer_job_ids(state)}
     orphans = sorted(set(jobs) - owners)
     return [f"job #{jid} has no owning request state" for jid in orphans]
+
+
+# -- KV events (Setup.kv_events: what vLLM publishes to a subscriber; no-ops where events are off) ----------
+
+for _name, _summary, _events_check in kv_events.CHECKS:
+    invariant(_name, _summary)(_events_check)
 
 
 # -- the connector's metrics (vLLM's reduce() and Prometheus observe, each step) -----------------

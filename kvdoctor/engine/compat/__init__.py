@@ -30,6 +30,7 @@ from typing import Any
 from kvdoctor.engine.compat import names, portable, probes
 from kvdoctor.engine.compat.engine import EngineGlue
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
+from kvdoctor.engine.compat.kv_events import KvEventsGlue
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, UsageError, VllmUnavailableError
@@ -95,7 +96,7 @@ class RequestView:
 
 
 @dataclass
-class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
+class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
 
     version_text: str
