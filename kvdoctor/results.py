@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvdoctor.errors import ExitStatus
 from kvdoctor.matrix.known import FixedIn, UpgradeHint, upgrade_hint
 from kvdoctor.observe.failure import Failure
-from kvdoctor.observe.verdict import Outcome
+from kvdoctor.observe.verdict import ClientAnswers, Outcome
 from kvdoctor.outcome_codes import exit_code_for_many
 
 if TYPE_CHECKING:  # types only: their modules are the engine's and observe's, imported by the run
@@ -108,6 +108,9 @@ class RunResult:
     # Where the run was played past a measured reason the user's flags break (Setup.waived): the run's own
     # outcome, before kvdoctor/matrix/reasons.py let a measurement explain it (None: no reason waived).
     played_outcome: Outcome | None = None
+    # A silent bug as its clients see it: every request's completion against the run's own reference
+    # (offloading off), where the level compared them (None: not compared)
+    answers: ClientAnswers | None = None
 
 
 @dataclass

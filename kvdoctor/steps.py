@@ -297,11 +297,15 @@ def _serve_add(play: ConcreteStep) -> list[dict[str, Any]]:
     # [setup] scheduling_policy = "priority")
     "kv_transfer_params": f(dict),
     "priority": f(int),
+    # the next turn of a conversation: the prompt starts with that request's tokens as its client has them
+    # when this step plays (its prompt and completion), then this add's own tokens
+    "continues": f(str),
 }, validate=_validate_add, serve=_serve_add, explore="add", script="""
 # a client's kv_transfer_params travel in the sampling params' extra_args, where vLLM reads them
 extra = ({"extra_args": {"kv_transfer_params": args["kv_transfer_params"]}}
          if args.get("kv_transfer_params") else {})
-req = Request(request_id=args["request"], prompt_token_ids=args["prompt"],
+prompt = (list(requests[args["continues"]].all_token_ids) if args.get("continues") else []) + args["prompt"]
+req = Request(request_id=args["request"], prompt_token_ids=prompt,
               sampling_params=SamplingParams(max_tokens=args.get("max_tokens", 8),
                                              stop_token_ids=[EOS_TOKEN], **extra),
               pooling_params=None, block_hasher=hasher, priority=args.get("priority", 0))
@@ -310,8 +314,17 @@ scheduler.add_request(req)
 """)
 def _add(target: StepTarget, step: ConcreteStep) -> None:
     extra = add_extras(step.args)
+    earlier = continued_tokens(target.harness.requests, step.args) if step.args.get("continues") else []
     for request in step.requests:
-        target.harness.add(request.request, list(request.prompt), request.max_tokens, **extra)
+        target.harness.add(request.request, earlier + list(request.prompt), request.max_tokens, **extra)
+
+
+def continued_tokens(requests: dict[str, Any], args: dict[str, Any]) -> list[int]:
+    """An add's `continues`: that request's tokens now (its prompt and what its client received)."""
+    name = args["continues"]
+    if name not in requests:
+        raise UsageError(f"add {args['request']}: continues {name!r}, which no earlier step added")
+    return list(requests[name].all_token_ids)
 
 
 def _validate_schedule(args: dict[str, Any], fail: Fail) -> None:

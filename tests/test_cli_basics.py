@@ -84,7 +84,8 @@ def test_list_shows_builtin_recipes_with_refs_and_signature():
 
 @pytest.mark.parametrize("command, usage", [
     ("repro", "kvdoctor repro [OPTIONS] [RECIPE]"), ("inspect", "kvdoctor inspect [OPTIONS] RECIPE"),
-    ("diagnose", "kvdoctor diagnose [OPTIONS] LOG"), ("matrix", "kvdoctor matrix [OPTIONS] [RECIPE]..."),
+    ("diagnose", "kvdoctor diagnose [OPTIONS] LOG [-- SERVE_FLAGS]..."),
+    ("matrix", "kvdoctor matrix [OPTIONS] [RECIPE]..."),
 ])
 def test_usage_lines_name_arguments_plainly(command, usage):
     """Typer writes `{log}` and `RECIPE <list[str]>`; the help names an argument as a user types it."""

@@ -61,8 +61,9 @@ def test_commands_are_registered_in_order_one_module_each():
     from kvdoctor.cli.app import app
 
     assert list(get_command(app).commands) == ["repro", "inspect", "audit", "explore", "matrix", "diagnose",
-                                               "check", "version", "cache"]
-    for command in ("repro", "inspect", "audit", "diagnose", "check", "version", "explore", "matrix", "cache"):
+                                               "hunt", "check", "version", "cache"]
+    for command in ("repro", "inspect", "audit", "diagnose", "hunt", "check", "version", "explore", "matrix",
+                    "cache"):
         assert (CLI / f"{command}_cmd.py").is_file(), command
     defined = [node.name for node in ast.parse((CLI / "app.py").read_text()).body
                if isinstance(node, ast.FunctionDef)]

@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the formatters: the CLI hands them what an application function returned (some result types live
     # in their application package: diagnose's, matrix's, explore's); nothing under them imports them
     ("report", ("kvdoctor.report.*",)),
-    ("application", ("kvdoctor.app", "kvdoctor.diagnose.*", "kvdoctor.explore.*", "kvdoctor.matrix.*",
+    ("application", ("kvdoctor.app", "kvdoctor.diagnose.*", "kvdoctor.explore.*", "kvdoctor.hunt.*",
+                     "kvdoctor.matrix.*",
                      "kvdoctor.check.*", "kvdoctor.export.*", "kvdoctor.version_report")),
     ("levels", ("kvdoctor.levels.*",)),
     ("scenario", ("kvdoctor.scenario",)),

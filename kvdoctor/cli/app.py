@@ -20,6 +20,7 @@ from kvdoctor.cli.cache_cmd import cache
 from kvdoctor.cli.check_cmd import check
 from kvdoctor.cli.diagnose_cmd import diagnose
 from kvdoctor.cli.explore_cmd import explore
+from kvdoctor.cli.hunt_cmd import hunt
 from kvdoctor.cli.inspect_cmd import inspect
 from kvdoctor.cli.matrix_cmd import matrix
 from kvdoctor.cli.repro_cmd import repro
@@ -75,6 +76,12 @@ COMMANDS: list[tuple[Callable[..., Any], list[str], dict[ExitStatus, str]]] = [
                 "kubectl logs my-vllm-pod | kvdoctor diagnose - --report issue.md"], {
         ExitStatus.NOT_REPRODUCED: "not reproduced, nothing to run (--no-run) or no crash in the log",
         ExitStatus.REPRODUCED: "the best match reproduces under the installed logic"}),
+    (hunt, ["kvdoctor hunt vllm-serve.log --time-budget 600",
+            "kvdoctor hunt crash.txt --target AssertionError:_build_store_jobs --force speculative --force fs-tier"], {
+        ExitStatus.NOT_REPRODUCED: "not found, and the search's examples reached the crash's function",
+        ExitStatus.REPRODUCED: "a route to the log's crash site found (shrunk, triaged, written under --out)",
+        ExitStatus.USAGE: "usage error: bad flag, unreadable log, or no crash site to aim at without --target",
+        ExitStatus.INCONCLUSIVE: "not found, and no example reached the crash's function (or none ran)"}),
     (check, ["kvdoctor check --model ./Llama-3.1-8B --kv-offloading-size 64 --block-size 16",
              "kvdoctor check --kv-transfer-config '{\"kv_connector\":\"OffloadingConnector\",\"kv_role\":\"kv_both\","
              "\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":8589934592,\"block_size\":48}}' --no-audit"], {

@@ -12,8 +12,10 @@ from typing import Annotated, Any
 
 import typer
 
+from kvdoctor.cli import hunt_cmd
 from kvdoctor.cli import options as opt
 from kvdoctor.cli.common import command_line, run
+from kvdoctor.hunt import DEFAULT_OUT, DEFAULT_TIME_BUDGET
 
 
 def diagnose(
@@ -29,9 +31,18 @@ def diagnose(
     write_recipe: Annotated[Path | None, typer.Option(
         "--write-recipe", help="When no known bug matches, write the starting recipe to FILE.",
         rich_help_panel=opt.OUTPUT)] = None,
+    hunt: Annotated[bool, typer.Option(
+        "--hunt", help="Hunt for a route to the log's crash instead (the same as `kvdoctor hunt LOG`; its "
+                       "--target, --force, --include-known, --time-budget and --out apply).",
+        rich_help_panel=hunt_cmd.AIM)] = False,
+    target: hunt_cmd.Target = None,
+    force: hunt_cmd.Force = None,
+    include_known: hunt_cmd.IncludeKnown = False,
+    time_budget: hunt_cmd.TimeBudget = DEFAULT_TIME_BUDGET,
+    out: hunt_cmd.Out = Path(DEFAULT_OUT),
     serve_flags: Annotated[list[str] | None, typer.Argument(
         help="After `--`: vllm serve flags (over the log's own) for a start-up failure's check, e.g. "
-             "`-- --kv-offloading-size 64 --block-size 16`.", metavar="[-- SERVE_FLAGS...]",
+             "`-- --kv-offloading-size 64 --block-size 16`.", metavar="-- SERVE_FLAGS",
         show_default=False)] = None,
 ) -> None:
     """Read a vLLM log: the version, the serve arguments that matter and the engine's crash; name the
@@ -45,8 +56,21 @@ def diagnose(
     (`kvdoctor diagnose "TimeoutError: ..."`) and a gzip, xz or bzip2 (zstd where the `zstandard`
     module is installed) compressed log; a file that is not text is refused (exit 2)."""
     def action() -> int:
-        from kvdoctor.diagnose import app as diagnose_app
         from kvdoctor.errors import UsageError
+
+        aimed = [flag for flag, given in (("--target", target), ("--force", force), ("--include-known", include_known),
+                                          ("--time-budget", time_budget != DEFAULT_TIME_BUDGET),
+                                          ("--out", out != Path(DEFAULT_OUT))) if given]
+        if not hunt and aimed:
+            raise UsageError(f"{aimed[0]} is a hunt flag: add --hunt (or run kvdoctor hunt LOG)")
+        unused = [flag for flag, given in (("--no-run", no_run), ("--report", report),
+                                           ("--write-recipe", write_recipe), ("-- SERVE_FLAGS", serve_flags)) if given]
+        if hunt and unused:
+            raise UsageError(f"{unused[0]} is not a hunt flag: run kvdoctor diagnose LOG {unused[0]} without --hunt")
+        if hunt:
+            return hunt_cmd.hunt_action(log, target, force or [], include_known, time_budget, 0, True, out,
+                                        output_format, json_out)
+        from kvdoctor.diagnose import app as diagnose_app
 
         fmt = opt.output_format(output_format, json_out)
         for path in (report, write_recipe):  # before any run: a bad output path costs no vLLM import

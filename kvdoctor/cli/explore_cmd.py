@@ -69,6 +69,11 @@ def explore(
     exclude_trigger: Annotated[str | None, typer.Option(
         "--exclude-trigger", help="Known bugs (K1,K6) whose trigger a finding must not go through: a run "
                                   "through one is that bug, not a new route.", rich_help_panel=SEARCH)] = None,
+    coverage: Annotated[bool, typer.Option(
+        "--coverage", help="Measure the line coverage of vLLM's offloading connector code (coverage.py) and report "
+                           "it per file at the end; the search then favours examples that reach more of it. "
+                           "Slower (docs/explore-vocabulary.md measures by how much); off by default.",
+        rich_help_panel=SEARCH)] = False,
     out: Annotated[Path, typer.Option(
         "--out", help="Folder for the shrunk recipes, one file per failure signature and path.",
         rich_help_panel=opt.OUTPUT)] = Path(DEFAULT_OUT),
@@ -105,7 +110,8 @@ def explore(
 
         aim = parse_aim(target, force or [], exclude_trigger)
         config = ExploreConfig(seed=seed, logic=logic, max_examples=max_examples, time_budget=time_budget,
-                               max_events=max_events, workers=asked, worker=worker, triage=triage, ray=address, **aim)
+                               max_events=max_events, workers=asked, worker=worker, triage=triage, ray=address,
+                               coverage=coverage, **aim)
         display = _Display(config, quiet_lines=fmt == "json")
         with display:
             report = explore_app.explore(config, out, command=command_line(),
@@ -214,6 +220,37 @@ class _Display:
 
 
 def _summary(report: Any) -> list[Any]:
+    out = _search_summary(report)
+    if report.coverage is not None:
+        out.extend(_coverage_summary(report.coverage))
+    return out
+
+
+# Shorter names for the connector's two packages in the coverage table.
+_SHORT = (("distributed/kv_transfer/kv_connector/v1/", ""), ("v1/kv_offload/", "kv_offload/"))
+
+
+def _coverage_summary(covered: Any) -> list[Any]:
+    """The connector's line coverage: one row per file (statements, executed, percent), then the total."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"connector line coverage: {covered.executed:,} of {covered.statements:,} statements "
+                        f"({covered.percent:.1f}%)", box=box.SIMPLE, title_justify="left", pad_edge=False)
+    for column in ("file", "statements", "executed", "%"):
+        table.add_column(column, justify="left" if column == "file" else "right")
+    for entry in covered.files:
+        name = entry.file
+        for prefix, short in _SHORT:
+            if name.startswith(prefix):
+                name = short + name[len(prefix):]
+                break
+        table.add_row(Text(name), str(entry.statements), str(entry.executed), f"{entry.percent:.0f}")
+    return [table]
+
+
+def _search_summary(report: Any) -> list[Any]:
     from rich import box
     from rich.table import Table
     from rich.text import Text

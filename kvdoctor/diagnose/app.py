@@ -103,24 +103,18 @@ class DiagnoseReport:
 
     @property
     def hunt_command(self) -> str:
-        """For an unknown crash in the scheduler with its exception and function: the explore command that aims
-        at its site, forces the features the log names and excludes the triggers of known bugs that reach
-        the same function ("" otherwise)."""
-        crash = self.summary.crash
-        if self.match.candidates or crash is None or crash.cut_short or self.kind is not ENGINE:
+        """For an unknown crash in the engine: the `kvdoctor hunt` command that aims explore at its site (the log's
+        exception, function and statement; the features it names forced; known bugs' triggers excluded), with
+        `--target` to fill in where the log names no site ("" for a known bug or no engine crash)."""
+        if self.match.candidates or not self.summary.holds_crash or self.kind not in (ENGINE, None):
             return ""
-        site = innermost_vllm(crash)
-        if site is None or not crash.exception:
-            return ""
-        from kvdoctor.recipes.builtins import all_builtins
+        from kvdoctor.hunt.aim import aim_from_log
 
-        same_site = sorted({r.bug for r in all_builtins() if r.bug and site.function in r.signature.functions()})
-        force = [flag for feature, flag in (("speculative decoding", "speculative"),
-                                            ("KV tiers (TieringOffloadingSpec)", "fs-tier"))
-                 if feature in self.summary.features]
-        return (f"kvdoctor explore --target {crash.exception}:{site.function}"
-                + (f" --exclude-trigger {','.join(same_site)}" if same_site else "")
-                + "".join(f" --force {flag}" for flag in force) + " --time-budget 120")
+        try:
+            aim_from_log(self.summary, self.match)
+        except UsageError:
+            return "kvdoctor hunt LOG --target EXCEPTION:FUNCTION"
+        return "kvdoctor hunt LOG  (or: kvdoctor diagnose LOG --hunt)"
 
     @property
     def unnamed_crash(self) -> bool:

@@ -19,7 +19,7 @@ from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.secondary_tier import empty_tier_directory
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.step_loop import DECODE_TOKEN, EOS_TOKEN, StepLoop, sample
-from kvdoctor.engine.tiny_model import tiny_draft_dir, tiny_model_dir
+from kvdoctor.engine.tiny_model import ContextKeys, tiny_draft_dir, tiny_model_dir
 from kvdoctor.engine.worker import Job
 from kvdoctor.engine.workers.multi import SeveralWorkers
 from kvdoctor.engine.workers.simulated import SimulatedTransfers
@@ -131,6 +131,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
             device_config=api.config_class("DeviceConfig")("cpu"),
             **speculative,
             **({"parallel_config": api.parallel_config(setup.num_workers)} if setup.num_workers > 1 else {}),
+            **({"kv_events_config": api.kv_events_config()} if setup.kv_events else {}),
         )
     except (ValueError, TypeError) as exc:  # vLLM's validation (pydantic's errors are ValueErrors)
         raise UsageError(f"vLLM rejected the configuration: {validation_message(exc)}") from None
@@ -183,6 +184,8 @@ class StepEvents:
     # request -> draft tokens verified in this step (speculative decoding): their slots' KV is written by
     # the forward but holds a rejected draft's KV unless the draft is accepted
     spec_tokens: dict[str, int] = field(default_factory=dict)
+    # The KV cache events vLLM's Scheduler published in this step (Setup.kv_events), in order: KvEvent
+    kv_events: list[Any] = field(default_factory=list)
 
     def is_quiet(self) -> bool:
         return not any((self.scheduled_tokens, self.new_store_jobs, self.new_load_jobs, self.jobs_to_flush,
@@ -227,6 +230,8 @@ class Harness:
         self._tiering = (api.tiering_manager_of(self.connector_scheduler)
                          if setup.secondary_tier and self.connector_scheduler is not None else None)
         self.model_runner = self._choose_model_runner()
+        # Setup.kv_events: what vLLM's Scheduler publishes, recorded where its publisher stands
+        self.kv_event_recorder = api.record_kv_events(self.scheduler) if setup.kv_events else None
         self.worker = self._make_worker()
         # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
         # (it stands for another asynchronous connector; holds and failures apply to the watched one).
@@ -245,6 +250,10 @@ class Harness:
         self._acceptance = self.setup.draft_acceptance_pattern()
         self.verifications = 0
         self.drafts_rejected = 0
+        # The stand-in model's answers (tiny_model.answer_of): the keys right KV holds, and each request's
+        # sampled (token, logprob), in order (EOS a recipe forces is not the model's and not listed).
+        self.context_keys = ContextKeys()
+        self.answers: dict[str, list[tuple[int, float]]] = {}
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
@@ -365,7 +374,13 @@ class Harness:
         output = self.loop.step(worker_side)
         if not self.setup.async_scheduling:
             self._propose_drafts(output)
+        self.take_kv_events(events)
         return events
+
+    def take_kv_events(self, events: StepEvents) -> None:
+        """The KV events vLLM published during this step, into `events` (Setup.kv_events)."""
+        if self.kv_event_recorder is not None:
+            events.kv_events = self.kv_event_recorder.take()
 
     def _propose_drafts(self, output: Any) -> None:
         """The stand-in drafter, after the step's output is applied (sync scheduling), as vLLM's engine
@@ -420,7 +435,12 @@ class Harness:
             new_jobs.append(Job(jid, job.req_id, "load", self.step_index, self.api.block_ids_of(dst_spec),
                                 dst_groups=self.api.block_ids_by_group(dst_spec), sync=self.api.load_is_sync(job)))
         sampled = self._sample(output, events.spec_tokens)
+        answered = self._answer(sampled)
+        # vLLM's worker: the toy model reads each answer from the KV bytes its forward attends to
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
+        read = getattr(getattr(self.worker, "model", None), "logprobs", {})
+        for req_id in answered:
+            self.answers.setdefault(req_id, []).append((sampled[req_id][-1], read.pop(req_id, answered[req_id])))
         if self.companion is not None:
             other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
             done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,
@@ -451,6 +471,19 @@ class Harness:
         drafts each request verifies in this step (`StepEvents.spec_tokens`)."""
         return sample(self.requests, output.num_scheduled_tokens, self._finish_next,
                       lambda req_id: self._accepted(spec_tokens.get(req_id, 0)))
+
+    def _answer(self, sampled: dict[str, list[int]]) -> dict[str, float]:
+        """The stand-in model's token for each request that samples one (not a recipe's EOS): what right KV
+        gives (`tiny_model.ContextKeys`); vLLM's worker then reads it from the KV bytes instead. Returns
+        request -> logprob of the tokens replaced."""
+        logprobs: dict[str, float] = {}
+        for req_id, tokens in sampled.items():
+            request = self.requests.get(req_id)
+            if not tokens or tokens[-1] == EOS_TOKEN or request is None:
+                continue
+            tokens[-1], logprobs[req_id] = self.context_keys.answer(
+                req_id, request.all_token_ids, int(request.num_computed_tokens))
+        return logprobs
 
     def _accepted(self, num_drafts: int) -> int:
         """The stand-in rejection sampler: how many of a request's `num_drafts` drafts it accepts (the

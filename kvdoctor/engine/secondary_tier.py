@@ -20,7 +20,12 @@ import shutil
 import tempfile
 from typing import Any
 
-SECONDARY_TIERS = ("fs",)  # vLLM secondary tier types that run in-process on a CPU (no network)
+# Setup.secondary_tier values: vLLM's fs tier, kvdoctor's scripted tier (compat/scripted_tier.py, loaded by vLLM
+# through the tier spec's `module_path`), or both at once (fs first, then scripted: vLLM cascades to every tier
+# and promotes from the first that hits). All run in-process on a CPU (no network).
+SECONDARY_TIERS = ("fs", "scripted", "fs+scripted")
+SCRIPTED_MODULE = "kvdoctor.engine.compat.scripted_tier"
+SCRIPTED_CLASS = "ScriptedSecondaryTier"  # vLLM's factory reads the class named by `type` from `module_path`
 
 _directory: str | None = None
 
@@ -38,6 +43,26 @@ def tier_config(tier_type: str) -> dict[str, Any]:
     """The `secondary_tiers` entry vLLM's tiering spec reads for `tier_type`. One read and one write
     thread: the machine is small and the files are a few KiB."""
     return {"type": tier_type, "root_dir": tier_directory(), "n_read_threads": 1, "n_write_threads": 1}
+
+
+def tier_configs(secondary_tier: str, tier_script: str | None = None,
+                 backpressure_pattern: str | None = None) -> list[dict[str, Any]]:
+    """The `secondary_tiers` list for a `Setup.secondary_tier` value. The scripted tier gets its job
+    script and, with a backpressure pattern, vLLM's `backpressure` dict naming kvdoctor's scripted
+    detector and policy (vLLM's factory imports them by their dotted names)."""
+    configs: list[dict[str, Any]] = []
+    for kind in secondary_tier.split("+"):
+        if kind != "scripted":
+            configs.append(tier_config(kind))
+            continue
+        scripted: dict[str, Any] = {"type": SCRIPTED_CLASS, "module_path": SCRIPTED_MODULE,
+                                    "script": tier_script or ""}
+        if backpressure_pattern:
+            scripted["backpressure"] = {"backpressure_cls": f"{SCRIPTED_MODULE}.ScriptedDetector",
+                                        "policy_cls": f"{SCRIPTED_MODULE}.ScriptedPolicy",
+                                        "pattern": backpressure_pattern}
+        configs.append(scripted)
+    return configs
 
 
 def empty_tier_directory() -> None:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_config
+from kvdoctor.engine.secondary_tier import SECONDARY_TIERS, tier_configs
 from kvdoctor.engine.serve_args import flag_name
 from kvdoctor.engine.workers.cpu_copy_spec import spec_name_for
 from kvdoctor.errors import UsageError
@@ -127,8 +127,21 @@ class Setup:
     disable_lookahead_block_hashes: bool = False
     # The tiering spec's secondary tier (vLLM TieringOffloadingSpec's `secondary_tiers`): "fs", a local
     # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
-    # None: the CPU tier only. Needs spec_name = "TieringOffloadingSpec".
+    # None: the CPU tier only. "scripted": kvdoctor's scripted tier (engine/compat/scripted_tier.py) whose job
+    # outcomes follow `tier_script` ("ok,late/defer,partial": store outcomes / promotion outcomes, cycled);
+    # "fs+scripted": both. Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
+    # vLLM's KV cache events (`--kv-events-config '{"enable_kv_cache_events": true}'`): the Scheduler publishes
+    # its KV cache manager's and its connector's BlockStored / BlockRemoved / AllBlocksCleared each step; kvdoctor
+    # records them where the publisher would send them and checks them against the tier (observe/kv_events.py).
+    kv_events: bool = False
+    # The connector's self-describing payloads (`kv_connector_extra_config.self_describing_kv_events`): a CPU
+    # BlockStored carries the chunk's block hashes, tokens and parent. Needs kv_events.
+    self_describing_kv_events: bool = False
+    tier_script: str | None = None
+    # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
+    # (0: drop the cascade). None: no backpressure.
+    backpressure_pattern: str | None = None
 
     @property
     def offloaded_block_size(self) -> int:
@@ -143,7 +156,9 @@ class Setup:
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
         if self.secondary_tier:
-            cfg["secondary_tiers"] = [tier_config(self.secondary_tier)]
+            cfg["secondary_tiers"] = tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
+        if self.self_describing_kv_events:
+            cfg["self_describing_kv_events"] = True
         if self.worker == "vllm" and self.device != "cuda":
             # vLLM loads kvdoctor's spec itself: the named spec's manager, kvdoctor's copy engine
             cfg["spec_name"] = spec_name_for(self.spec_name or "CPUOffloadingSpec")
@@ -239,6 +254,11 @@ class Setup:
         if self.multi_connector and not self.offloading:
             raise UsageError("multi_connector and offloading = false contradict: a MultiConnector is a KV connector")
         self._validate_speculative()
+        if self.self_describing_kv_events and not self.kv_events:
+            raise UsageError("self_describing_kv_events needs kv_events = true (vLLM publishes no KV events otherwise)")
+        if self.kv_events and not self.offloading:
+            raise UsageError("kv_events and offloading = false: kvdoctor checks the connector's KV events, and "
+                             "there is no connector")
         if self.secondary_tier is not None:
             if self.secondary_tier not in SECONDARY_TIERS:
                 raise UsageError(f"secondary_tier must be one of {'|'.join(SECONDARY_TIERS)}, "
@@ -246,6 +266,7 @@ class Setup:
             if self.spec_name != "TieringOffloadingSpec":
                 raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
+        self._validate_scripted_tier()
         refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "
@@ -267,6 +288,21 @@ class Setup:
                 f"must be >= max model length ({self.max_model_len}), as vLLM requires"
             )
         return self
+
+    def _validate_scripted_tier(self) -> None:
+        from kvdoctor.engine.tier_script import check_pattern, check_script
+
+        scripted = "scripted" in (self.secondary_tier or "").split("+")
+        for name in ("tier_script", "backpressure_pattern"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not scripted:
+                raise UsageError(f"{name} needs secondary_tier = \"scripted\" or \"fs+scripted\", "
+                                 f"got secondary_tier {self.secondary_tier!r}")
+            problem = (check_script if name == "tier_script" else check_pattern)(value)
+            if problem:
+                raise UsageError(f"{name}: {problem}")
 
     def _validate_speculative(self) -> None:
         if self.speculative_method is None:

@@ -40,6 +40,7 @@ class ExploreReport:
     wall_s: float
     command: str = ""
     notes: list[str] = field(default_factory=list)
+    coverage: Any = None  # --coverage: line_coverage.CoverageReport of the connector's files
 
     @property
     def findings(self) -> list[Any]:
@@ -146,12 +147,23 @@ def explore(config: Any, out_dir: Path, command: str = "",
             raise compat.VllmUnavailableError(
                 f"vLLM is not installed in this Python environment (kvdoctor needs vllm{compat.SUPPORTED_RANGE_TEXT})")
         compat.check_supported(declared)
+    lines = None
     if not parallel:
         from kvdoctor.explore.search import warm_up
 
-        if api is None:
-            api = compat.load()  # here, not in the search: each finding is triaged as it comes
-        warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+        if config.coverage:  # before vLLM's import (its lines count, as under `coverage run`); the pool's own
+            from kvdoctor.observe.line_coverage import LineCoverage
+
+            lines = LineCoverage()
+            lines.start()
+        try:
+            if api is None:
+                api = compat.load()  # here, not in the search: each finding is triaged as it comes
+            warm_up(api)  # vLLM's first scheduler build and hypothesis' strategies: before the clock starts
+        except BaseException:
+            if lines is not None:
+                lines.stop()
+            raise
     pool: WorkerPool | None = ProcessPool() if parallel and config.ray is None else None
     if config.ray is not None:  # joined (or started) here; the search stops it, whatever happens
         from kvdoctor.explore.ray_pool import RayPool
@@ -189,9 +201,12 @@ def explore(config: Any, out_dir: Path, command: str = "",
                     else dataclasses.replace(config, stop_at=config.stop_at - reserve))
     try:
         with hypothesis_storage():
-            result = search(searched, on_progress=on_progress, on_finding=found, api=api, pool=pool)
+            result = search(searched, on_progress=on_progress, on_finding=found, api=api, pool=pool, lines=lines)
     except KeyboardInterrupt:
         raise ExploreInterrupted(f"interrupted: {len(written)} finding(s) kept in {out_dir}") from None
+    finally:
+        if lines is not None:
+            lines.stop()
     if relative:
         config = dataclasses.replace(config, stop_at=time.time() + reserve)
     result.config = config
@@ -209,8 +224,13 @@ def explore(config: Any, out_dir: Path, command: str = "",
         if skipped:
             notes.append(f"{skipped} finding(s) not triaged: the time budget was spent "
                          f"(triage one with a longer --time-budget, or replay it with kvdoctor repro FILE)")
+    covered = None
+    if config.coverage and result.coverage is not None:
+        from kvdoctor.observe.line_coverage import report as coverage_report
+
+        covered = coverage_report(result.coverage)
     return ExploreReport(result=result, out_dir=out_dir, wall_s=time.monotonic() - start, command=command,
-                         notes=notes)
+                         notes=notes, coverage=covered)
 
 
 def triage_findings(result: Any, stop_at: float | None = None,
@@ -283,4 +303,6 @@ def explore_document(report: ExploreReport) -> dict[str, Any]:
         "lost": list(result.lost),
         "ray": config.ray,
         "nodes": sorted({w.node for w in result.workers}),
+        # --coverage: the connector's line coverage per file and in total (null without --coverage)
+        "coverage": report.coverage.as_dict() if report.coverage is not None else None,
     }

@@ -153,6 +153,7 @@ MECHANISMS: dict[str, tuple[str, Any]] = {
            lambda setup, detail, actions: "delay_block_hashes" in actions),
     "K9": ("a MultiConnector", lambda setup, detail, actions: bool(setup.get("multi_connector"))),
     "K11": ("re-admission after a preemption", lambda setup, detail, actions: "after a preemption" in detail),
+    "K13": ("a prefix-cache reset", lambda setup, detail, actions: "reset_prefix_cache" in actions),
 }
 
 

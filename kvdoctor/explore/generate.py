@@ -51,8 +51,9 @@ either side of a chunk: sent as a client sends them), `prefix_cache_retention_in
 (CacheConfig; one or two chunks, only with a sliding-window or Mamba group, where
 vLLM takes it) and the priority policy (SchedulerConfig.policy, with each add's
 priority: a more urgent arrival preempts running requests while their stores or
-loads are in flight). A release without the caps draws none of it, so its seeds
-stay as they were.
+loads are in flight), and the CPU tier's ARC eviction policy (`eviction_policy =
+"arc"` in kv_connector_extra_config, where vLLM's cache policy registry has it). A
+release without the caps draws none of it, so its seeds stay as they were.
 
 Where the release has 0.34's speculative machinery in the offloading path (lookahead block hashes, the
 EAGLE block drop; probed), one more byte draws speculative decoding through vLLM's own SpeculativeConfig
@@ -120,6 +121,7 @@ class Geometry:
     # The second extension byte (`decode_second_extension`), drawn only where the connector reads caps:
     prefix_cache_retention_interval: int | None = None  # CacheConfig (sliding-window / Mamba layouts)
     scheduling_policy: str | None = None  # SchedulerConfig.policy ("priority"; None: fcfs)
+    eviction_policy: str | None = None  # kv_connector_extra_config.eviction_policy ("arc"; None: vLLM's lru)
     # The speculative byte (`decode_speculative`), drawn only where `SPECULATIVE_DRAW` is a feature:
     speculative_method: str | None = None  # vLLM's SpeculativeConfig method (kvdoctor stands in for the drafter)
     num_speculative_tokens: int = 2
@@ -129,8 +131,15 @@ class Geometry:
     num_workers: int = 1  # ParallelConfig.tensor_parallel_size: the scheduler waits for every worker
     late_worker_steps: int = 0  # the last worker reports this many steps after the others
     fail_worker: int | None = None  # a fail event is this worker's alone (the others complete the jobs)
-    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier
+    # The tier byte (`decode_tier`), drawn only where `TIER_DRAW` is a feature: the tiering spec's fs tier;
+    # where `SCRIPTED_TIER_DRAW` is one too, kvdoctor's scripted tier, its script and backpressure (tier_draw.py)
     secondary_tier: str | None = None
+    # The events byte (`decode_kv_events`), drawn only where `EVENTS_DRAW` is a feature: vLLM's KV events on
+    # (checked by observe/kv_events.py), and the connector's self-describing payloads
+    kv_events: bool = False
+    self_describing_kv_events: bool = False
+    tier_script: str | None = None
+    backpressure_pattern: str | None = None
 
     @property
     def groups(self) -> int:
@@ -152,6 +161,11 @@ class Geometry:
         fields = {"kv_load_failure_policy": self.kv_load_failure_policy, "kv_role": self.kv_role}
         return {key: value for key, value in fields.items() if value is not None}
 
+    def extra_connector_config(self) -> dict[str, Any]:
+        fields = {"sync_load_budget_bytes": self.sync_load_budget_bytes or None,
+                  "eviction_policy": self.eviction_policy}
+        return {key: value for key, value in fields.items() if value is not None}
+
     def setup_dict(self) -> dict[str, Any]:
         optional = {"cpu_bytes_to_use": self.cpu_bytes_to_use, "spec_name": self.spec_name, "layout": self.layout,
                     "sliding_window": self.sliding_window, "mamba_cache_mode": self.mamba_cache_mode}
@@ -163,8 +177,7 @@ class Geometry:
             **{key: value for key, value in optional.items() if value is not None},
             **({} if self.offload_prompt_only else {"offload_prompt_only": False}),
             **({} if self.enable_prefix_caching else {"enable_prefix_caching": False}),
-            **({"extra_connector_config": {"sync_load_budget_bytes": self.sync_load_budget_bytes}}
-               if self.sync_load_budget_bytes else {}),
+            **({"extra_connector_config": extra} if (extra := self.extra_connector_config()) else {}),
             **({"kv_transfer_fields": fields} if (fields := self.kv_transfer_fields()) else {}),
             **({"prefix_match_unit": self.prefix_match_unit} if self.prefix_match_unit else {}),
             **({"prefix_cache_retention_interval": self.prefix_cache_retention_interval}
@@ -182,6 +195,10 @@ class Geometry:
             **({"num_workers": self.num_workers} if self.num_workers > 1 else {}),
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
+            **({"kv_events": True} if self.kv_events else {}),
+            **({"self_describing_kv_events": True} if self.self_describing_kv_events else {}),
+            **({"tier_script": self.tier_script} if self.tier_script else {}),
+            **({"backpressure_pattern": self.backpressure_pattern} if self.backpressure_pattern else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -234,6 +251,7 @@ EXTENSION_GATE = SYNC_LOADS  # the extension byte is drawn only where the releas
 LOAD_CAPS = "max_load_tokens"  # the offloading connector reads it (and max_offload_tokens) per request
 RETENTION = "prefix_cache_retention_interval"  # a CacheConfig field
 PRIORITY = "priority"  # SchedulerConfig.policy takes "priority" (every supported release)
+ARC = "arc"  # the CPU tier's cache policy registry has vLLM's ARC (every supported release, probed)
 # The second extension byte and each event's fifth byte are drawn only where the release has this:
 SECOND_GATE = LOAD_CAPS
 # A per-request cap (max_load_tokens / max_offload_tokens) in tokens: none, 0, a block, a chunk and
@@ -318,7 +336,8 @@ TIER_DRAW = "secondary_tier"
 TIER_CPU_CHUNKS = (1, 2, 4, None)
 
 
-def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geometry:
+def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
+                features: frozenset[str] = frozenset()) -> Geometry:
     """The tier byte (bit 0: an fs secondary tier under TieringOffloadingSpec; bits 1-2 its CPU tier,
     `TIER_CPU_CHUNKS`); 0 is no secondary tier. Not under MultiConnector (its second connector would
     share the first's tier directory), nor with vLLM's worker on a CPU (`Setup.vllm_worker_unsupported`)."""
@@ -331,7 +350,27 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated") -> Geo
     else:
         own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
         cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
-    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier="fs")
+    from kvdoctor.explore.tier_draw import scripted_tier_fields  # bits 3-7, where SCRIPTED_TIER_DRAW is a feature
+
+    tiers, script, pattern = scripted_tier_fields(byte, features)
+    return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier=tiers,
+                               tier_script=script, backpressure_pattern=pattern)
+
+
+# KV events (`decode_kv_events`): one more geometry byte, the last (after the tier byte), drawn where the connector
+# describes a store from its request's context (0.34's events tracker, `on_new_request`; probed by
+# `search.available_features`); elsewhere no byte is drawn, so a release's seeds stay as they were.
+EVENTS_DRAW = "kv_events"
+SELF_DESCRIBING_DRAW = "self_describing_kv_events"  # the connector's events config takes it (probed)
+
+
+def decode_kv_events(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
+    """The events byte's bit 0: vLLM's KV events on (`KVEventsConfig`); bit 1: with self-describing payloads where
+    the release has them; 0 is no events. Not under MultiConnector (two connectors' CPU events share one stream)."""
+    if not byte & 1 or EVENTS_DRAW not in features or geometry.multi_connector:
+        return geometry
+    return dataclasses.replace(geometry, kv_events=True,
+                               self_describing_kv_events=bool(byte >> 1 & 1) and SELF_DESCRIBING_DRAW in features)
 
 
 def kv_bytes_per_token(geometry: Geometry) -> int:
@@ -369,14 +408,18 @@ def decode_extension(geometry: Geometry, byte: int, features: frozenset[str], wo
 
 
 def decode_second_extension(geometry: Geometry, byte: int, features: frozenset[str]) -> Geometry:
-    """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy); 0 is
-    the geometry as it was, and a feature the release lacks (or the layout cannot take) its default."""
+    """The second extension byte (bits: 0-1 the retention interval in chunks, 2 the priority policy, 3 the
+    CPU tier's ARC eviction policy); 0 is the geometry as it was, and a feature the release lacks (or the
+    layout cannot take) its default. ARC is in this byte (drawn where the connector reads per-request caps)
+    although every supported release has it: a byte of its own would have changed every release's seeds."""
     changes: dict[str, Any] = {}
     chunks = RETENTION_CHUNKS[byte & 3]
     if chunks and RETENTION in features and geometry.layout in RETAINING_LAYOUTS:
         changes["prefix_cache_retention_interval"] = chunks * geometry.chunk_tokens
     if byte >> 2 & 1 and PRIORITY in features:
         changes["scheduling_policy"] = "priority"
+    if byte >> 3 & 1 and ARC in features:
+        changes["eviction_policy"] = ARC
     return dataclasses.replace(geometry, **changes) if changes else geometry
 
 
@@ -481,14 +524,15 @@ def event_fields(raw: bytes) -> tuple[int, ...]:
 
 @cache
 def raw_examples(max_events: int, extended: bool = False, second: bool = False,
-                 speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
+                 speculative: bool = False, workers: bool = False, tier: bool = False,
+                 events: bool = False) -> st.SearchStrategy[Any]:
     """(geometry bytes, [event bytes, ...]): decoded by `Example.decode`. `extended`: one more
     geometry byte, the extension (`decode_extension`), after the others; `second` (with `extended`):
     the second extension byte after it (`decode_second_extension`) and a fifth byte per event;
     `speculative`: one more geometry byte (`decode_speculative`); `workers`: one more
-    (`decode_workers`); `tier`: one more, last (`decode_tier`)."""
+    (`decode_workers`); `tier`: one more (`decode_tier`); `events`: one more, last (`decode_kv_events`)."""
     second = extended and second
-    size = len(GEOMETRY_RANGES) + sum(map(bool, (extended, second, speculative, workers, tier)))
+    size = len(GEOMETRY_RANGES) + sum(map(bool, (extended, second, speculative, workers, tier, events)))
     event_size = EVENT_BYTES + (1 if second else 0)
     return st.tuples(st.binary(min_size=size, max_size=size),
                      st.lists(st.binary(min_size=event_size, max_size=event_size),
@@ -507,19 +551,20 @@ class Example:
         `features` holds the gate)."""
         geometry, events = raw
         extra = list(geometry[len(GEOMETRY_RANGES):])
+        events_byte = extra.pop() if EVENTS_DRAW in features and extra else 0
         tier = extra.pop() if TIER_DRAW in features and extra else 0
         workers = extra.pop() if WORKERS_DRAW in features and extra else 0
         speculative = extra.pop() if SPECULATIVE_DRAW in features and extra else 0
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative, workers, tier)
+                               features, extension, second, speculative, workers, tier, events_byte)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0, workers: int = 0, tier: int = 0) -> Example:
+                    speculative: int = 0, workers: int = 0, tier: int = 0, events_byte: int = 0) -> Example:
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
         decoded_geometry = decode_geometry(geometry, specs)
@@ -534,7 +579,9 @@ class Example:
         # the tier before the workers: decode_workers scales the CPU tier the tier byte sized (vLLM's
         # cpu_bytes_to_use holds a copy per worker; unscaled, a one-chunk tier held none with 2 workers)
         if tier:
-            decoded_geometry = decode_tier(decoded_geometry, tier, worker)
+            decoded_geometry = decode_tier(decoded_geometry, tier, worker, features)
+        if events_byte:
+            decoded_geometry = decode_kv_events(decoded_geometry, events_byte, features)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
@@ -544,10 +591,11 @@ class Example:
 
 
 def examples(max_events: int, extended: bool = False, second: bool = False,
-             speculative: bool = False, workers: bool = False, tier: bool = False) -> st.SearchStrategy[Any]:
+             speculative: bool = False, workers: bool = False, tier: bool = False,
+             events: bool = False) -> st.SearchStrategy[Any]:
     """What hypothesis draws: raw bytes, cheap to draw and to shrink (no `.map`/`builds` layers,
     each of which costs a Python call per draw); `Example.decode` reads them."""
-    return raw_examples(max_events, extended, second, speculative, workers, tier)
+    return raw_examples(max_events, extended, second, speculative, workers, tier, events)
 
 
 def mode_variants(example: Example, both: bool) -> list[Example]:

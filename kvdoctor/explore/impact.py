@@ -29,6 +29,7 @@ NO_START = "server does not start"
 WRONG_KV = "engine serves wrong KV"
 LOST_HITS = "lost prefix hits"
 LEAK = "leak"
+WRONG_METRICS = "wrong metrics"
 HARNESS = "kvdoctor's own bug"
 
 # Utility calls EngineCore runs for a client through _invoke_utility_method (failures returned).
@@ -54,8 +55,24 @@ _INVARIANTS: dict[str, tuple[str, str]] = {
     "readmitted-chunks-offered-again": (LOST_HITS, "no error and no wrong output; the recomputed chunks never "
                                                    "reach the CPU tier, so later prefix hits stop at the hole "
                                                    "(more recomputation, higher latency)"),
+    "kv-events-match-tier": (LOST_HITS, "no error and no wrong output; a KV-events subscriber (a cache-aware "
+                                        "router) believes chunks are in the CPU tier that are not, and routes "
+                                        "requests to prefixes the engine recomputes"),
+    "kv-events-store-remove-alternate": (LOST_HITS, "no error and no wrong output; a KV-events subscriber gets a "
+                                                    "store it already had or a removal it never saw stored: its "
+                                                    "index of cached prefixes drifts from the engine's"),
+    "kv-events-self-describing": (LOST_HITS, "no error and no wrong output; a KV-events subscriber indexes a stored "
+                                             "chunk under hashes or tokens that are not its request's"),
+    "kv-events-removal-carries-store-hashes": (LOST_HITS, "no error and no wrong output; a KV-events subscriber "
+                                                          "keeps block hashes of a removed chunk"),
     "no-orphan-transfer-jobs": (LEAK, "no error; a transfer job no request owns keeps its blocks or CPU slots "
                                       "until restart"),
+    # the metrics invariants: what /metrics and the stats log say, not what is served
+    "connector-metrics-in-range": (WRONG_METRICS, "no error and no wrong output; the server's KV offload metrics "
+                                                  "(/metrics, the stats log) report impossible values, or "
+                                                  "recording them raises"),
+    "idle-connector-gauges-zero": (LEAK, "no error; with nothing running the CPU tier still counts chunks in "
+                                         "use (pinned, never evictable again) until restart"),
 }
 
 

@@ -44,6 +44,8 @@ from kvdoctor.explore.findings import (
     summary_text,
 )
 from kvdoctor.explore.generate import (
+    ARC,
+    EVENTS_DRAW,
     EXTENSION_GATE,
     LOAD_CAPS,
     NO_LOOKAHEAD_HASHES,
@@ -52,6 +54,7 @@ from kvdoctor.explore.generate import (
     RECOMPUTE,
     RETENTION,
     SECOND_GATE,
+    SELF_DESCRIBING_DRAW,
     SPECS,
     SPECULATIVE_DRAW,
     SYNC_LOADS,
@@ -63,7 +66,9 @@ from kvdoctor.explore.generate import (
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
+from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
 from kvdoctor.observe.invariants import INVARIANTS
+from kvdoctor.observe.line_coverage import Executed, LineCoverage, merge_executed
 
 SHRINK_GRACE_S = 30.0
 PROGRESS_EVERY_S = 0.2
@@ -99,6 +104,10 @@ class ExploreConfig:
     # Known bugs whose trigger a finding must not go through (`--exclude-trigger K1,K6`): such a run is that
     # bug's route to the site, not a new one, and is run past.
     exclude_triggers: frozenset[str] = frozenset()
+    # `--coverage`: measure the connector's line coverage (`kvdoctor.observe.line_coverage`) in every worker and
+    # steer the search towards examples that reach more of it (hypothesis' `target`, its target phase on).
+    # Off, nothing is measured and the examples a seed generates are the same as without the option.
+    coverage: bool = False
 
 
 # `--force NAME` -> the draw it turns on (generate's feature names); explore.aim.FORCE_NAMES lists the same names.
@@ -128,6 +137,7 @@ class Stats:
     elapsed: float = 0.0
     failures: int = 0
     excluded: int = 0  # failing runs through an excluded bug's trigger (`--exclude-trigger`), run past
+    connector_lines: int = 0  # --coverage: connector lines this worker's examples reached (new to it)
     phase: str = "starting"
     done: bool = False
 
@@ -150,6 +160,7 @@ class ExploreResult:
     error_codes: list[int | None] = field(default_factory=list)  # a KvdoctorError's exit code, else None
     lost: list[str] = field(default_factory=list)  # shares not searched: a worker lost or stopped, and why
     workers: list[WorkerIdentity] = field(default_factory=list)  # who reported ready, where (pool runs)
+    coverage: Executed | None = None  # --coverage: the connector lines every worker executed, merged
     api: Any = None  # the in-process vLLM adapter (one worker), for the triage reruns
 
 
@@ -196,10 +207,12 @@ def example_seed(seed: int, worker: int, round_: int) -> int:
 def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                   on_progress: Callable[[Stats], None] | None = None,
                   on_finding: Callable[[Finding], None] | None = None,
-                  trace: list[tuple[Any, Observation, bool]] | None = None) -> tuple[list[Finding], Stats]:
+                  trace: list[tuple[Any, Observation, bool]] | None = None,
+                  lines: LineCoverage | None = None) -> tuple[list[Finding], Stats]:
     """One worker's rounds of `find`; `trace` (if given) collects every run as
-    (recipe, observation, whether it ran while shrinking)."""
-    from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+    (recipe, observation, whether it ran while shrinking). `lines` (with `config.coverage`): the
+    connector's line coverage, measuring; each generated example's reach is hypothesis' `target`."""
+    from hypothesis import HealthCheck, Phase, Verbosity, find, settings, target
     from hypothesis.errors import HypothesisException, NoSuchExample
 
     stats = Stats(phase="searching")
@@ -211,8 +224,12 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     features = features | {FORCEABLE[name] for name in config.force}
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
                         speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
-                        tier=TIER_DRAW in features)
+                        tier=TIER_DRAW in features, events=EVENTS_DRAW in features)
     setups: dict[Any, Any] = {}  # geometry -> Setup, resolved once as `repro` resolves a recipe's [setup]
+    meter = lines if config.coverage else None  # measuring this search's examples (steering it)
+    steering = meter is not None
+    if meter is not None:
+        meter.mark_seen()  # vLLM's import and the warm-up are not what the search reached
     builds = BuildCache()  # this search's: each run still builds a fresh scheduler, connector and worker
     start = time.monotonic()
     deadline = start + config.time_budget
@@ -231,6 +248,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             on_progress(stats)
 
     limit = config.max_examples if config.max_examples is not None else 10**9
+    # the target phase only where something is targeted: without --coverage the phases, so the draws, are as before
+    phases = (Phase.generate, Phase.target, Phase.shrink) if steering else (Phase.generate, Phase.shrink)
     round_ = 0
     while stats.examples < limit and time.monotonic() < deadline:
         round_ += 1
@@ -250,6 +269,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             if not shrinking and stats.examples >= limit:
                 raise _StopExploring()
             runs: list[tuple[Any, Observation]] = []
+            if meter is not None:
+                meter.begin_example()
             for example in mode_variants(Example.decode(raw, specs, config.worker, features), config.both_modes):
                 recipe = to_recipe(example)
                 t0 = time.perf_counter()
@@ -269,6 +290,11 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                     stats.shrink_steps += obs.scheduler_steps
                 if trace is not None:
                     trace.append((recipe, obs, shrinking))
+            if meter is not None:
+                reached, new = meter.end_example()
+                stats.connector_lines += new
+                if not shrinking:  # hypothesis favours (mutates) the examples that reach the most connector lines
+                    target(float(reached), label="connector lines reached")
             if shrinking:
                 stats.shrink_examples += 1
             else:
@@ -301,7 +327,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             with draws_named_by_seed():
                 find(strategy, condition, random=random.Random(seed_here), settings=settings(
                     max_examples=max(1, budget_left), database=None, deadline=None, verbosity=Verbosity.quiet,
-                    phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck)))
+                    phases=phases, suppress_health_check=list(HealthCheck)))
             # find() ends by running the minimal example once more: the last success is its run.
             outcome = lock["best"]
         except NoSuchExample:
@@ -367,6 +393,15 @@ def available_features(api: Any) -> frozenset[str]:
     # A secondary (fs) tier where the tiering manager has 0.34's deferred write release: where the
     # promotion / cascade bugs would be new (older releases' fs tier is left undrawn: their seeds stay).
     probes[TIER_DRAW] = api.has_secondary_tier("fs") and api.tiering_defers_write_release()
+    # KV events (one more byte, the last) where the connector describes a store from its request's context
+    # (0.34's events tracker): where the event bugs would be new; self-describing payloads where configurable.
+    events = api.kv_events_features()
+    probes[EVENTS_DRAW] = {EVENTS_DRAW, "request_described_stores"} <= events
+    probes[SELF_DESCRIBING_DRAW] = SELF_DESCRIBING_DRAW in events
+    # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
+    probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
+    # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)
+    probes[ARC] = ARC in api.eviction_policies()
     return frozenset(name for name, present in probes.items() if present)
 
 
@@ -400,10 +435,14 @@ def worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
     """The body of one search worker, wherever it runs (a spawned process, a Ray task): import vLLM,
     search, and send what happens as messages on `queue` (anything with `put`): ("ready", worker,
     `WorkerIdentity` as a dict), ("progress", worker, stats), ("finding", worker, Finding), ("done",
-    worker, stats) or ("error", worker, (text, exit code or None))."""
+    worker, stats) or ("error", worker, (text, exit code or None)); with `config.coverage`, ("coverage", worker,
+    the connector lines it executed) just before "done"."""
+    lines = LineCoverage() if config.coverage else None
     try:
         from kvdoctor.engine import compat
 
+        if lines is not None:  # before vLLM's import: the lines an import runs count, as under `coverage run`
+            lines.start()
         api = compat.load()
         warm_up(api)
         queue.put(("ready", worker, WorkerIdentity.here(api.version_text).as_dict()))
@@ -411,7 +450,10 @@ def worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
         _, stats = worker_search(
             api, worker_config, worker,
             on_progress=lambda s: queue.put(("progress", worker, s.as_dict())),
-            on_finding=lambda f: queue.put(("finding", worker, f)))
+            on_finding=lambda f: queue.put(("finding", worker, f)), lines=lines)
+        if lines is not None:
+            lines.stop()
+            queue.put(("coverage", worker, lines.executed()))  # before "done", a worker's last word
         queue.put(("done", worker, stats.as_dict()))
     except BaseException as exc:  # the parent reports it, one line
         from kvdoctor.errors import KvdoctorError
@@ -419,6 +461,9 @@ def worker_main(config: ExploreConfig, worker: int, queue: Any) -> None:
         code = exc.exit_code if isinstance(exc, KvdoctorError) else None
         text = str(exc) if isinstance(exc, KvdoctorError) else f"{type(exc).__name__}: {exc}"
         queue.put(("error", worker, (text, code)))
+    finally:
+        if lines is not None:
+            lines.stop()
 
 
 @dataclass(frozen=True)
@@ -468,9 +513,10 @@ class WorkerPool(Protocol):
 
 def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] | None = None,
             on_finding: Callable[[Finding], None] | None = None, api: Any = None,
-            pool: WorkerPool | None = None) -> ExploreResult:
+            pool: WorkerPool | None = None, lines: LineCoverage | None = None) -> ExploreResult:
     """Run the whole search: in-process for one worker without a `pool`, else in the pool's workers
-    (spawned processes, or Ray tasks: `kvdoctor.explore.pools`)."""
+    (spawned processes, or Ray tasks: `kvdoctor.explore.pools`). `lines`: one worker's line coverage, started
+    by the caller (before vLLM's import); the pool's workers measure their own."""
     if pool is None and config.workers <= 1:
         if api is None:
             api = compat.load()
@@ -483,9 +529,11 @@ def explore(config: ExploreConfig, on_progress: Callable[[ExploreResult], None] 
             if on_progress is not None:
                 on_progress(result)
 
-        findings, stats = worker_search(api, config, 0, progress, on_finding)
+        findings, stats = worker_search(api, config, 0, progress, on_finding, lines=lines)
         result.stats, result.worker_stats = stats, [stats]
         result.api = api
+        if lines is not None and config.coverage:
+            result.coverage = lines.executed()
         result.findings = merge(findings)
         return result
     if pool is None:
@@ -510,6 +558,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
     running = set(range(config.workers))
     seen: set[str] = set()
     lost: set[int] = set()
+    covered: list[Executed] = []
 
     def lose(worker: int, why: str) -> None:
         lost.add(worker)
@@ -531,6 +580,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
             total.shrink_steps += s.shrink_steps
             total.run_seconds += s.run_seconds
             total.shrink_seconds += s.shrink_seconds
+            total.connector_lines += s.connector_lines  # each worker's new lines (overlaps counted per worker)
             total.elapsed = max(total.elapsed, s.elapsed)
         total.failures = len(seen)
         total.done = not running
@@ -568,6 +618,8 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
                     seen.add(payload.key)
                     if on_finding is not None:
                         on_finding(payload)
+            elif kind == "coverage":
+                covered.append(payload)
             elif kind == "done":
                 per_worker[worker] = Stats(**payload)
                 running.discard(worker)
@@ -580,5 +632,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
     finally:
         pool.close()
     result.findings = merge(findings)
+    if config.coverage:
+        result.coverage = merge_executed(covered)
     publish()
     return result

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
+from kvdoctor.observe import connector_metrics, kv_events
+from kvdoctor.observe.tier_invariants import TIER_CHECKS
 
 
 @dataclass
@@ -172,6 +174,29 @@ def _no_orphan_jobs(ctx: StepContext) -> list[str]:
     return [f"job #{jid} has no owning request state" for jid in orphans]
 
 
+# -- KV events (Setup.kv_events: what vLLM publishes to a subscriber; no-ops where events are off) ----------
+
+for _name, _summary, _events_check in kv_events.CHECKS:
+    invariant(_name, _summary)(_events_check)
+
+
+# -- the connector's metrics (vLLM's reduce() and Prometheus observe, each step) -----------------
+
+
+@invariant("connector-metrics-in-range",
+           "the connector's stats pass through vLLM's reduce() and Prometheus observe each step, and every "
+           "gauge is in range (usage fractions in [0, 1], counts non-negative), no counter decreases")
+def _metrics_in_range(ctx: StepContext) -> list[str]:
+    return connector_metrics.check_step(ctx.harness)
+
+
+@invariant("idle-connector-gauges-zero",
+           "once the engine is idle (no request, no transfer in flight) the connector's in-flight gauges "
+           "(cache usage, active jobs, deferred releases) read zero: nothing is left pinned")
+def _idle_gauges_zero(ctx: StepContext) -> list[str]:
+    return connector_metrics.check_step(ctx.harness, idle_only=True)
+
+
 # -- KV content (the vLLM worker's toy model judges bytes; the simulated worker moves none) ------
 
 CONTENT_INVARIANTS = ("store-copies-computed-kv", "reads-see-their-tokens", "load-returns-stored-bytes")
@@ -211,3 +236,7 @@ def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
         if messages:
             violations.extend(Violation(name, message) for message in messages)
     return violations
+
+
+# The tiering manager's invariants, read through kvdoctor's scripted secondary tier (a module of their own)
+INVARIANTS.update(TIER_CHECKS)

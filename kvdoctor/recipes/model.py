@@ -97,7 +97,7 @@ class Recipe:
 
 
 def bug_order(bug: str | None) -> tuple[int, str]:
-    """The catalogue's order (K1, K2, ..., K12), then recipes that name no known bug."""
+    """The catalogue's order (K1, K2, ..., K13), then recipes that name no known bug."""
     bug = bug or ""
     digits = "".join(ch for ch in bug if ch.isdigit())
     return (int(digits) if digits else 10_000, bug)

@@ -38,6 +38,9 @@ def missing(api: VllmApi, requirements: tuple[str, ...]) -> list[str]:
             reasons.append(f"this vLLM's KVCacheGroupSpec has no field {value!r}")
         elif kind == "cache_config_field" and not api.cache_config_has_field(value):
             reasons.append(f"this vLLM's CacheConfig has no field {value!r}")
+        elif kind == "secondary_tier" and value == "scripted":
+            if not api.has_scripted_tier():
+                reasons.append("this vLLM's tiering spec loads no scripted (out-of-tree, deferred-release) tier")
         elif kind == "secondary_tier" and not api.has_secondary_tier(value):
             reasons.append(f"this vLLM's tiering spec has no secondary tier {value!r}")
     return reasons

@@ -46,6 +46,8 @@ def result_dict(result: RunResult, with_timeline: bool = False) -> dict[str, Any
         "worker": result.worker or None,
         "model_runner": result.model_runner or None,
         "coverage": result.coverage.as_dict() if result.coverage is not None else None,
+        # a silent bug as its clients see it: each request's completion against the run's own reference
+        "answers": result.answers.as_dict() if result.answers is not None else None,
     }
     if with_timeline:
         data["timeline"] = [entry.as_dict() for entry in result.timeline]
@@ -107,6 +109,8 @@ def audit_document(report: AuditReport) -> dict[str, Any]:
                 "failure": row.installed.failure.as_dict() if row.installed.failure else None,
                 "violations": [v.__dict__ for v in row.installed.violations],
                 "coverage": row.installed.coverage.as_dict() if row.installed.coverage is not None else None,
+                # a silent bug as its clients see it (the levels that compare completions; None elsewhere)
+                "answers": row.installed.answers.as_dict() if row.installed.answers is not None else None,
                 "fixed_in": fixed_in_dict(row.fixed_in),
             }
             for row in report.rows

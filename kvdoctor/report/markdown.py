@@ -73,7 +73,9 @@ def _result_rows(report: ReproReport) -> list[str]:
     lines.append("")
     if any(r.logic in ("fixed", "unpatched") for r in report.results):
         lines += [f"_{FIXED_LOGIC}._", ""]
-    return lines
+    impacts = [f"- Impact ({r.logic} logic): {_scrub(r.answers.line)}" for r in report.results
+               if r.answers is not None]
+    return lines + ([*impacts, ""] if impacts else [])
 
 
 def _cell(text: str) -> str:

@@ -207,6 +207,8 @@ def repro_renderables(report: Any) -> list[Any]:
     ]
     if any(r.logic in ("fixed", "unpatched") for r in report.results):
         items.append(Items(FIXED_LOGIC.split(" "), sep=" ", indent=0, style="dim"))
+    items += [Items(f"[{r.logic}] impact: {r.answers.line}".split(" "), sep=" ", indent=4)
+              for r in report.results if r.answers is not None]
     shown: dict[tuple, str] = {}
     checks_shown: dict[tuple, list[str]] = {}
     for result in report.results:

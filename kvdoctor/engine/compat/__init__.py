@@ -30,6 +30,7 @@ from typing import Any
 from kvdoctor.engine.compat import names, portable, probes
 from kvdoctor.engine.compat.engine import EngineGlue
 from kvdoctor.engine.compat.imports import _import, _quiet_environment, _require, _silenced_stderr
+from kvdoctor.engine.compat.kv_events import KvEventsGlue
 from kvdoctor.engine.compat.speculative import SpeculativeGlue
 from kvdoctor.engine.compat.worker import WorkerGlue
 from kvdoctor.errors import IncompatibleVllmError, UsageError, VllmUnavailableError
@@ -95,7 +96,7 @@ class RequestView:
 
 
 @dataclass
-class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
+class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
     """vLLM's classes and the per-release facts kvdoctor needs, loaded once."""
 
     version_text: str
@@ -494,6 +495,8 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
 
         deadline = time.monotonic() + timeout_s
         for tier in manager.secondary_tiers:
+            if getattr(tier, "kvdoctor_scripted", False):  # kvdoctor's scripted tier: its script times its jobs
+                continue
             tier.drain_jobs()
             lookups = names.get(tier, names.TIER_LOOKUP_MANAGER, None)
             states = names.get(lookups, names.LOOKUP_STATE, None)
@@ -509,11 +512,71 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
                     raise TimeoutError(f"the {tier.tier_type} tier's lookups did not answer within {timeout_s} s")
                 time.sleep(0.0005)
 
+    def has_scripted_tier(self) -> bool:
+        """Whether vLLM's tiering spec loads an out-of-tree secondary tier from a tier spec's `module_path`
+        and takes a failed promotion's `deferred_release` (what kvdoctor's scripted tier reports): the
+        factory's `get_tier_class` reads `module_path`, and `JobResult` has the field."""
+        import dataclasses
+        import importlib.util
+        import inspect
+
+        if (importlib.util.find_spec(names.TIERING_PACKAGE) is None
+                or importlib.util.find_spec(names.TIER_FACTORY_MODULE) is None):
+            return False
+        factory = getattr(_import(names.TIER_FACTORY_MODULE), "SecondaryTierFactory", None)
+        get_class = getattr(factory, "get_tier_class", None)
+        if get_class is None or "module_path" not in inspect.getsource(get_class):
+            return False
+        result = getattr(_import(names.TIER_BASE_MODULE), "JobResult", None)
+        return result is not None and "deferred_release" in {f.name for f in dataclasses.fields(result)}
+
+    def has_tier_backpressure(self) -> bool:
+        """Whether a tier's `backpressure` dict builds a detector by `backpressure_cls` (the factory reads
+        it) with vLLM's drop-accounting policy (what kvdoctor's scripted policy extends)."""
+        import importlib.util
+        import inspect
+
+        if not self.has_scripted_tier() or importlib.util.find_spec(names.TIER_BACKPRESSURE_MODULE) is None:
+            return False
+        factory = getattr(_import(names.TIER_FACTORY_MODULE), "SecondaryTierFactory", None)
+        create = getattr(factory, "create_secondary_tier", None)
+        return (create is not None and "backpressure_cls" in inspect.getsource(create)
+                and hasattr(_import(names.TIER_BACKPRESSURE_MODULE), "DropAccountingPolicy"))
+
+    def scripted_tiers(self, manager: Any) -> list[Any]:
+        """kvdoctor's scripted tiers among the tiering manager's secondary tiers (none without a manager)."""
+        tiers = getattr(manager, "secondary_tiers", None) or []
+        return [tier for tier in tiers if getattr(tier, "kvdoctor_scripted", False)]
+
+    def primary_chunk(self, manager: Any, key: Any) -> tuple[int, bool] | None:
+        """The tiering manager's CPU (primary) tier's chunk for `key`: (chunk id, ready), None if absent."""
+        policy = names.get(manager.primary_tier, names.PRIMARY_POLICY, None)
+        chunk = None if policy is None else policy.get(key)
+        return None if chunk is None else (chunk.chunk_id, bool(chunk.is_ready))
+
+    def primary_free_chunks(self, manager: Any) -> set[int]:
+        """The CPU (primary) tier's free pool: chunk ids it may hand to the next store or promotion."""
+        return set(names.get(manager.primary_tier, names.PRIMARY_FREE_LIST, None) or ())
+
+    def tier_tracked_requests(self, manager: Any) -> set[str]:
+        """The request ids the tiering manager still holds state for (finalized ones are gone)."""
+        return set(names.get(manager, names.TIER_REQUEST_STATE, None) or ())
+
+    def tier_jobs_of(self, manager: Any, tier: Any) -> int:
+        """Transfer jobs the tiering manager tracks for `tier` (each pins its primary chunks)."""
+        index = list(manager.secondary_tiers).index(tier)
+        jobs = names.get(manager, names.TIER_TRANSFER_JOBS, None) or {}
+        return sum(1 for job in jobs.values() if getattr(job, "tier_idx", None) == index)
+
     def promotion_jobs(self, manager: Any) -> int:
         """Secondary-tier -> CPU promotion jobs the tiering manager holds in flight now."""
         jobs = names.get(manager, names.TIER_TRANSFER_JOBS, None) or {}
         # 0.34: JobMetadata wraps a TransferJob; earlier releases' JobMetadata is the job itself
         return sum(1 for job in jobs.values() if getattr(job, "transfer_job", job).is_promotion)
+
+    def tier_jobs(self, manager: Any) -> int:
+        """Secondary-tier jobs (promotions and cascades) the tiering manager holds in flight now."""
+        return len(names.get(manager, names.TIER_TRANSFER_JOBS, None) or {})
 
     def kv_cache_group_has_field(self, name: str) -> bool:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
@@ -555,6 +618,57 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue):
         hints = typing.get_type_hints(cls) if isinstance(fields["policy"].type, str) else {}
         kind = hints.get("policy", fields["policy"].type)
         return tuple(str(value) for value in typing.get_args(kind)) or ("fcfs",)
+
+    def offloading_stats(self, connector_scheduler: Any) -> Any:
+        """The offloading connector's stats now (`get_stats`, what the scheduler collects each step; its
+        gauges are snapshots of the state, its counters what accumulated since the last read)."""
+        return connector_scheduler.get_stats()
+
+    def offloading_stats_sections(self, stats: Any) -> tuple[dict[str, str], dict[str, Any]]:
+        """(metric name -> "gauge" | "counter" | "histogram", metric name -> {label values: value}) of an
+        OffloadingConnectorStats payload (`metric_sections()` where it has it, else its data's two keys)."""
+        if hasattr(stats, "metric_sections"):
+            types, values = stats.metric_sections()
+            return types, values
+        return stats.data.get("types", {}), stats.data.get("data", {})
+
+    def offloading_prom_metrics(self, scheduler: Any, gauge: Any, counter: Any, histogram: Any) -> Any:
+        """vLLM's Prometheus side of the OffloadingConnector (`build_prom_metrics`) with these metric classes
+        standing in for prometheus_client's Gauge, Counter and Histogram; None under a MultiConnector (its
+        metrics are the MultiConnector's, over every sub-connector)."""
+        from prometheus_client import Counter, Gauge, Histogram
+
+        connector = _require(scheduler, "connector", "Scheduler")
+        if connector is None or self.sub_connectors(connector) is not None:
+            return None
+        return type(connector).build_prom_metrics(self.vllm_config_of(scheduler),
+                                                  {Gauge: gauge, Counter: counter, Histogram: histogram},
+                                                  ["model_name", "engine"], {0: ["kvdoctor", "0"]})
+
+    def eviction_policies(self) -> frozenset[str]:
+        """The CPU tier's eviction policies `kv_connector_extra_config.eviction_policy` selects ("lru", "arc"):
+        those vLLM's cache policy factory resolves (0.27+), else the values the CPU offloading manager's
+        `cache_policy` parameter is typed to take (0.26's Literal)."""
+        import importlib.util
+        import inspect
+        import typing
+
+        if importlib.util.find_spec("vllm.v1.kv_offload.cpu.policies.factory") is not None:
+            factory = _import("vllm.v1.kv_offload.cpu.policies.factory").CachePolicyFactory
+            found = set()
+            for name in ("lru", "arc"):
+                try:
+                    factory.get_cache_policy_cls(name)
+                except ValueError:
+                    continue
+                found.add(name)
+            return frozenset(found)
+        manager = getattr(_import("vllm.v1.kv_offload.cpu.manager"), "CPUOffloadingManager", None)
+        parameter = inspect.signature(manager).parameters.get("cache_policy") if manager is not None else None
+        if parameter is None:
+            return frozenset()
+        hints = typing.get_type_hints(vars(manager)["__init__"]) if isinstance(parameter.annotation, str) else {}
+        return frozenset(str(v) for v in typing.get_args(hints.get("cache_policy", parameter.annotation)))
 
     def cache_config_kwargs(self, setup_fields: dict[str, Any]) -> dict[str, Any]:
         """`CacheConfig` keyword arguments for the optional setup fields given (None: vLLM's default).

@@ -31,11 +31,15 @@ TIER_FACTORY_MODULE = "vllm.v1.kv_offload.tiering.factory"
 TIERING_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.manager"
 ASYNC_LOOKUP_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 FS_TIER_MODULE = "vllm.v1.kv_offload.tiering.fs.manager"
+TIER_BASE_MODULE = "vllm.v1.kv_offload.tiering.base"
+TIER_BACKPRESSURE_MODULE = "vllm.v1.kv_offload.tiering.backpressure"
+CPU_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 KV_TRANSFER_STATE_MODULE = "vllm.distributed.kv_transfer.kv_transfer_state"
 RUNNER_MIXIN_MODULE = "vllm.v1.worker.kv_connector_model_runner_mixin"
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 BACKEND_UTILS_MODULE = "vllm.v1.attention.backends.utils"
 VLLM_CONFIG_MODULE = "vllm.config.vllm"
+CPU_MANAGER_MODULE = "vllm.v1.kv_offload.cpu.manager"
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,10 @@ CALC_OFFLOADABLE_TOKENS = VllmName(OFFLOADING_SCHEDULER_MODULE, "OffloadingConne
 # new `_lookup` calls it). A crash site named by either is looked for under both.
 LOOKUP_COMPLETE_CHUNKS = VllmName(OFFLOADING_SCHEDULER_MODULE, "OffloadingConnectorScheduler",
                                   ("_lookup_complete_chunks", "_lookup"), function=True)
+# The connector's reset of its manager's cache moved into a helper: `reset_cache` (0.26-0.32) -> `_reset_cache`
+# (0.33+, called under the manager lock). A crash site named by either is looked for under both.
+RESET_CACHE = VllmName(OFFLOADING_SCHEDULER_MODULE, "OffloadingConnectorScheduler", ("_reset_cache", "reset_cache"),
+                       function=True)
 # A MultiConnector's sub-connectors: public `sub_connectors` in newer releases, `_connectors` before.
 SUB_CONNECTORS = VllmName(MULTI_CONNECTOR_MODULE, "MultiConnector", ("sub_connectors", "_connectors"))
 
@@ -87,6 +95,13 @@ LOOKUP_STATE = VllmName(ASYNC_LOOKUP_MODULE, "AsyncLookupManager", ("_lookup_sta
                         absent="settle_secondary_tiers: a tier without asynchronous lookups waits on I/O only")
 LOOKUP_BATCH = VllmName(ASYNC_LOOKUP_MODULE, "AsyncLookupManager", ("_lookup_batch",),
                         absent="settle_secondary_tiers: every lookup counts as sent")
+# -- the tier invariants (observe/tier_invariants.py): the primary tier's pool, the manager's requests --------
+PRIMARY_POLICY = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_policy",),
+                          absent="primary_chunk: no cache policy to read, every key absent")
+PRIMARY_FREE_LIST = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_free_list",),
+                             absent="primary_free_chunks: no free list to read, none free")
+TIER_REQUEST_STATE = VllmName(TIERING_MANAGER_MODULE, "TieringOffloadingManager", ("_req_state",),
+                              absent="tier_tracked_requests: no per-request state to read, none tracked")
 
 # -- the worker side and the engine core ------------------------------------------------------------
 KV_CONNECTOR_AGENT = VllmName(KV_TRANSFER_STATE_MODULE, None, ("_KV_CONNECTOR_AGENT",))
@@ -104,11 +119,16 @@ V2_RUNNER_UNSUPPORTED = VllmName(VLLM_CONFIG_MODULE, "VllmConfig", ("_get_v2_mod
 DEFAULT_LAYOUT_PREFERENCE = VllmName(BACKEND_UTILS_MODULE, None, ("_DEFAULT_LAYOUT_PREFERENCE",),
                                      absent="portable.default_kv_cache_layouts: NHD")
 
+# -- the CPU tier behind KV events (what a subscriber should believe is resident) ----------------------
+CPU_CACHE_POLICY = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_policy",),
+                            absent="connector_tier_keys: the tier is not read, its residency not compared")
+
 TABLE: tuple[VllmName, ...] = (
-    REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, SUB_CONNECTORS,
+    REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, RESET_CACHE, SUB_CONNECTORS,
     SPEC_REGISTRY, SECONDARY_TIER_REGISTRY, TIER_TRANSFER_JOBS, TIER_LOOKUP_MANAGER, LOOKUP_STATE, LOOKUP_BATCH,
+    PRIMARY_POLICY, PRIMARY_FREE_LIST, TIER_REQUEST_STATE,
     KV_CONNECTOR_AGENT, GET_KV_CONNECTOR_OUTPUT, PROCESS_INPUT_QUEUE, IS_DEFAULT_V2_RUNNER_MODEL,
-    V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE,
+    V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE, CPU_CACHE_POLICY,
 )
 
 _MISSING = object()

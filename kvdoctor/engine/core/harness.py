@@ -128,6 +128,7 @@ class CoreHarness(Harness):
         events = self._events
         _, executed = self.core.step_fn()
         self.core.post_step(executed)
+        self.take_kv_events(events)
         return events
 
     def _execute(self, output: Any) -> Any:

@@ -8,6 +8,9 @@ start with), or it holds another position's bytes ("stale: bytes of request X po
 P"). This is a stand-in for the model's attention, and says so; the bytes move only
 through vLLM's worker connector and the copy engine.
 
+The token a request samples is read from those bytes too (`tiny_model.answer_of` over word 0 of every
+slot its last position attends to, in its full-attention layers): wrong KV gives a different answer.
+
 A token's slot is the toy model's layout of a page: page bytes [off*slot, (off+1)*slot)
 for the token at offset `off` of its block. vLLM moves whole pages, so any layout that
 partitions a page works.
@@ -15,16 +18,16 @@ partitions a page works.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.step_loop import EOS_TOKEN
+from kvdoctor.engine.tiny_model import POISON_WORD, answer_of, next_key, words_bytes
 from kvdoctor.errors import UsageError
 
-POISON_BYTE = 0x5A  # every KV byte starts as this: a slot never written reads back as poison
-POISON_WORD = int.from_bytes(bytes([POISON_BYTE]) * 8, "little", signed=True)
 MAX_FINDINGS_PER_CHECK = 3  # first few slots per (request, layer): enough to name the bug
+_WRONG_SLOT = 0x5BD1E9955BD1E995  # mixed into a slot's word 0 where the slot is not its tokens' KV
 
 
 @dataclass
@@ -54,13 +57,6 @@ class RequestKv:
     block_ids: list[list[int]]  # per KV cache group
     num_computed: int = 0
     keys: list[int] = field(default_factory=list)
-
-
-def _next_key(previous: int, token: int) -> int:
-    chained = previous.to_bytes(8, "little", signed=True) + int(token).to_bytes(8, "little", signed=True)
-    digest = hashlib.blake2b(chained, digest_size=8).digest()
-    key = int.from_bytes(digest, "little", signed=True)
-    return key if key not in (0, POISON_WORD) else key + 1
 
 
 @dataclass
@@ -100,6 +96,7 @@ class ToyModel:
         self._copied: dict[int, dict[str, Any]] = {}
         self.checked_slots = 0
         self._reported: set[tuple[int, str, int]] = set()
+        self.logprobs: dict[str, float] = {}  # request -> the logprob of the token it sampled last
 
     def release(self) -> None:
         """Drop the KV tensors and copies this model reads (a finished run's pages go with it)."""
@@ -164,7 +161,7 @@ class ToyModel:
     def _keys(self, state: RequestKv, upto: int) -> list[int]:
         keys = state.keys
         while len(keys) < min(upto, len(state.tokens)):
-            keys.append(_next_key(keys[-1] if keys else 0, state.tokens[len(keys)]))
+            keys.append(next_key(keys[-1] if keys else 0, state.tokens[len(keys)]))
         return keys
 
     # -- one forward ----------------------------------------------------------
@@ -186,7 +183,31 @@ class ToyModel:
                                 None)
                 self._write(layer, rid, table, range(start, end), keys[start:end])
             state.num_computed = start + int(count)
-            state.tokens.extend(sampled.get(rid) or ())
+            tokens = sampled.get(rid)
+            if tokens and tokens[-1] != EOS_TOKEN and end == start + int(count):
+                tokens[-1], self.logprobs[rid] = self.answer(state, end)
+            state.tokens.extend(tokens or ())
+
+    def answer(self, state: RequestKv, end: int) -> tuple[int, float]:
+        """The stand-in's next token for a request whose last computed position is `end - 1`: a digest of
+        word 0 of every slot it attends to, read from the KV bytes (`tiny_model.answer_of`). A slot that does
+        not hold its tokens' KV in some full-attention layer (poison, another prefix, another layer's tag)
+        reads as a word that differs from its key; where every layer is sliding-window, the answer is the
+        tokens' own (nothing reads the whole context)."""
+        torch = self.torch
+        full = [layer for layer in self.layers if not layer.window]
+        if not full:
+            return answer_of(words_bytes(self._keys(state, end)[:end]))
+        words = None
+        for layer in full:
+            blocks, offs, _ = self._locate(layer, state.block_ids[layer.group], range(0, end))
+            rows = layer.slots[blocks, offs]
+            ok = (rows[:, 1] == layer.tag) & (rows[:, 2:] == rows[:, :1]).all(1) & (blocks != 0)
+            layer_words = torch.where(ok, rows[:, 0], rows[:, 0] ^ rows[:, 1] ^ _WRONG_SLOT)
+            words = layer_words if words is None else torch.where(layer_words == words, words,
+                                                                  words ^ (layer_words << 1) ^ 1)
+        assert words is not None
+        return answer_of(words.cpu().contiguous().numpy().astype("<i8").tobytes())
 
     def _locate(self, layer: _Layer, table: list[int], positions: range) -> tuple[Any, Any, list[int]]:
         torch = self.torch

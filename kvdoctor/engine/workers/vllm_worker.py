@@ -16,12 +16,13 @@ import contextlib
 import itertools
 from typing import Any
 
+from kvdoctor.engine.tiny_model import POISON_BYTE
 from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.copy_engine import TransferControl
 from kvdoctor.engine.workers.cpu_copy_spec import CONTROL_KEY, CONTROLS
 from kvdoctor.engine.workers.fingerprint import fingerprint_plan
-from kvdoctor.engine.workers.toy_model import POISON_BYTE, ContentFinding, ToyModel, check_attention_only
+from kvdoctor.engine.workers.toy_model import ContentFinding, ToyModel, check_attention_only
 from kvdoctor.errors import UsageError
 
 _IDS = itertools.count(1)

@@ -1,0 +1,25 @@
+"""The scripted tier in explore's tier byte (issue 36): which secondary tiers, the scripted tier's job script
+and its backpressure pattern, drawn from the byte's upper bits (3-7) where `SCRIPTED_TIER_DRAW` is a feature
+(probed: vLLM loads kvdoctor's scripted tier through `module_path`, with deferred releases and
+`backpressure_cls`). Elsewhere those bits are ignored, so a release's examples stay as they were; a zero
+upper part (what hypothesis shrinks towards) is the fs tier alone, as before."""
+
+from __future__ import annotations
+
+SCRIPTED_TIER_DRAW = "scripted_tier"
+# bits 3-4: the tiers (fs alone as before, the scripted tier alone, or both, fs first)
+TIER_KINDS = ("fs", "scripted", "fs+scripted", "scripted")
+# bits 5-6: the scripted tier's job outcomes, "<stores>/<promotions>" cycled (engine/tier_script.py)
+TIER_SCRIPTS = (None, "late,ok/defer,ok", "ok,fail/partial,late", "fail,late/late,defer,fail")
+# bit 7: a backpressure pattern (vLLM's backpressure_cls: kvdoctor's scripted detector), dropping one
+# cascade in three
+BACKPRESSURE_PATTERNS = (None, "1,0,1")
+
+
+def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str | None, str | None]:
+    """(secondary_tier, tier_script, backpressure_pattern) the tier byte's upper bits give (the fs tier
+    alone, no script, where the feature is absent)."""
+    kind = TIER_KINDS[byte >> 3 & 3] if SCRIPTED_TIER_DRAW in features else "fs"
+    if "scripted" not in kind:
+        return kind, None, None
+    return kind, TIER_SCRIPTS[byte >> 5 & 3], BACKPRESSURE_PATTERNS[byte >> 7 & 1]

@@ -1,0 +1,117 @@
+"""Silent bugs as a client sees them (issue 38): the stand-in model answers from the KV it reads, and
+`--engine core` compares every request's completion with offloading on against the same steps with
+offloading off.
+
+The recipes run in this process (tests/cli_runner.invoke, one vLLM import). Expectations come from
+kvdoctor's own measurements: a silent bug that stores wrong KV (K4, whose scheduler-level outcome on
+this release is in kvdoctor/data/release_outcomes.toml) changes a client's completion exactly where
+the release has the bug; one that only loses prefix hits (K11: `explore.impact` says lost hits) leaves
+every completion equal; a run whose worker moves no KV bytes (K9's MultiConnector runs on the simulated
+worker) says it did not compare.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvdoctor.engine.tiny_model import FIRST_ANSWER_TOKEN, ContextKeys, answer_of, next_key, words_bytes
+from kvdoctor.explore.impact import LOST_HITS, WRONG_KV, impact_of
+from kvdoctor.matrix import data
+from kvdoctor.observe.verdict import compare_completions
+from tests.cli_runner import invoke
+
+# -- the stand-in's answer (no vLLM) -------------------------------------------------------------------
+
+def test_the_answer_is_a_function_of_the_kv_read() -> None:
+    tokens = [10, 141, 272, 403]
+    keys: list[int] = []
+    for token in tokens:
+        keys.append(next_key(keys[-1] if keys else 0, token))
+    right = answer_of(words_bytes(keys))
+    assert right == ContextKeys().answer("A", tokens, len(tokens))  # right KV: the tokens decide
+    assert FIRST_ANSWER_TOKEN <= right[0] < 1024 and right[1] <= 0
+    stale = answer_of(words_bytes([*keys[:-1], next_key(keys[-2], 999)]))  # one slot of other tokens
+    never_written = answer_of(words_bytes([*keys[:-1], int.from_bytes(b"\x5a" * 8, "little", signed=True)]))
+    assert right[0] != stale[0] and right[0] != never_written[0]
+
+
+def test_context_keys_start_over_when_a_request_changed_below_them() -> None:
+    keys = ContextKeys()
+    first = keys.answer("A", [10, 20, 30], 3)
+    assert keys.answer("A", [10, 21, 30], 3) != first
+    assert keys.answer("A", [10, 20, 30], 3) == first
+
+
+def test_completions_compare_token_by_token_over_what_both_have() -> None:
+    answers = compare_completions({"A": [5, 6, 7], "B": [9, 9], "C": [1, 2, 3, 4]},
+                                  {"A": [5, 6, 7], "B": [9, 9, 9], "C": [1, 2, 8, 4], "D": [3]}, "offloading off")
+    assert [d.request for d in answers.differing] == ["C"]
+    assert answers.reproduced and answers.missing == ["D"]
+    assert answers.differing[0].got_logprob is None  # no logprobs given
+    assert answers.line == ("request C's completion differs from the reference (offloading off) at token 2: 3 where "
+                            "the reference has 8")
+    same = compare_completions({"A": [5]}, {"A": [5]}, "offloading off")
+    assert not same.reproduced and same.line == "every completion equals the reference (offloading off): requests A"
+
+
+# -- through vLLM's EngineCore -------------------------------------------------------------------------
+
+def _core(recipe: str) -> dict:
+    proc = invoke("repro", recipe, "--engine", "core", "--logic", "installed", "--json")
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()}")
+    assert proc.returncode in (0, 1, 6), proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def _measured(release: str, recipe: str) -> str:
+    rows = [r for r in data.load() if r.release == release and r.recipe == recipe]
+    if not rows:
+        pytest.skip(f"kvdoctor/data/release_outcomes.toml has no {recipe} row for vLLM {release}")
+    return rows[0].outcome
+
+
+@pytest.mark.vllm
+def test_k4_a_clients_next_turn_gets_another_answer_where_the_release_has_the_bug(api) -> None:
+    doc = _core("final-token-slot-stored")
+    result = doc["results"][0]
+    measured = _measured(doc["vllm_version"], "final-token-slot-stored")
+    assert result["outcome"] == measured
+    answers = result["answers"]
+    assert answers is not None and answers["not_compared"] is None, answers
+    assert impact_of("invariant", "store-covers-computed-slots", "").kind == WRONG_KV
+    by_request = {r["request"]: r for r in answers["requests"]}
+    assert set(by_request) == {"A", "C"}  # A ends by the recipe's EOS: no token of the model's
+    assert by_request["A"]["position"] is None
+    if measured == "reproduced":  # C's prefix hit A's stored chunk and read its never-written slot
+        assert answers["reproduced"] and by_request["C"]["position"] == 0, answers
+        assert by_request["C"]["got_logprob"] <= 0 and by_request["C"]["expected_logprob"] <= 0, answers
+        assert answers["line"].startswith("request C's completion differs from the reference (offloading off) "
+                                          "at token 0: ")
+    else:  # nothing wrong stored: C's answer is the one the engine computes itself
+        assert not answers["reproduced"] and by_request["C"]["expected_tokens"] == 3, answers
+
+
+@pytest.mark.vllm
+def test_k11_loses_prefix_hits_and_no_client_answer(api) -> None:
+    doc = _core("readmitted-stale-store-cursor")
+    result = doc["results"][0]
+    assert result["outcome"] == _measured(doc["vllm_version"], "readmitted-stale-store-cursor")
+    assert impact_of("invariant", "readmitted-chunks-offered-again", "").kind == LOST_HITS
+    answers = result["answers"]
+    assert answers is not None and not answers["reproduced"] and answers["not_compared"] is None, answers
+    assert {r["request"] for r in answers["requests"]} == {"A", "B"}
+    assert all(r["got_tokens"] == r["expected_tokens"] > 0 for r in answers["requests"]), answers
+
+
+@pytest.mark.vllm
+def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
+    doc = _core("reused-block-unfenced-multiconnector")
+    result = doc["results"][0]
+    if result["outcome"] not in ("reproduced", "not_reproduced"):
+        pytest.skip(f"no verdict on vLLM {doc['vllm_version']}: {result['outcome']}")
+    answers = result["answers"]
+    assert answers is not None and not answers["reproduced"]
+    assert "moves no KV bytes (simulated worker: vLLM's worker does not drive MultiConnector" in answers["not_compared"]

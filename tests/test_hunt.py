@@ -1,0 +1,117 @@
+"""`kvdoctor hunt LOG` / `diagnose LOG --hunt` (issue 35): the aim read from a log, its refusals, and bounded hunts
+on the installed vLLM.
+
+The aim and the refusals need no vLLM (one line, exit 2, before vLLM is imported). The hunts run in-process on
+the test's vLLM (`invoke`), one worker, a small budget: a K1 crash hunted with its trigger not excluded finds
+the site (0.26.0: the first route within 10 s, measured); the same crash with K1's and K6's triggers excluded
+runs past their routes; a target no example reaches is inconclusive (6), never "not found".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvdoctor.diagnose.match import match_log
+from kvdoctor.diagnose.reader import read_log
+from kvdoctor.hunt.aim import aim_from_log
+from kvdoctor.recipes.builtins import all_builtins
+
+from .cli_runner import invoke
+from .conftest import ROOT
+
+LOGS = ROOT / "tests" / "data" / "logs"
+K1_LOG = LOGS / "vllm-51013-k1-tail.log"
+PREFIX = "(EngineCore pid=7) ERROR 12-05 10:00:00 [core.py:1332] "
+UNKNOWN = "\n".join(PREFIX + line for line in (
+    "EngineCore encountered a fatal error.",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.12/site-packages/vllm/v1/engine/core.py", line 1323, in run_engine_core',
+    "    engine_core.run_busy_loop()",
+    '  File "/usr/lib/python3.12/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloading/'
+    'scheduler.py", line 990, in _build_store_jobs',
+    "    assert job_id not in self._jobs",
+    "AssertionError",
+)) + "\n"
+
+
+def _aim(path: Path, **flags):
+    summary = read_log(str(path))
+    return aim_from_log(summary, match_log(summary, all_builtins()), **flags)
+
+
+def test_the_aim_is_the_logs_crash_site_with_known_triggers_excluded():
+    aim = _aim(K1_LOG)
+    assert (aim.exception, aim.function) == ("AssertionError", "_build_store_jobs")
+    assert aim.statement == "assert len(offload_keys) == len(offload_block_ids)" and aim.line == 975
+    assert "K1" in aim.known and aim.exclude == frozenset({"K1", "K6"})  # both fail at this assert
+    assert _aim(K1_LOG, include_known=True).exclude == frozenset()
+
+
+def test_the_aim_forces_what_the_log_names_and_says_what_it_cannot_express(tmp_path):
+    log = tmp_path / "mtp.log"
+    log.write_text("# vLLM 0.26.0, version: 0.26.0\n# serving with MTP speculative decoding, a CPU tier and an "
+                   "fs tier (TieringOffloadingSpec, secondary_tiers fs), MultiConnector\n" + UNKNOWN)
+    aim = _aim(log)
+    assert aim.version == "0.26.0" and aim.force == frozenset({"speculative", "fs-tier"})
+    assert {feature for feature, _ in aim.unexpressed} >= {"MTP", "MultiConnector"}
+    assert _aim(log, target="KeyError:prepare_store").target == "KeyError:prepare_store"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["/nonexistent/vllm.log"], "/nonexistent/vllm.log"),
+    ([str(K1_LOG), "--target", "nope"], "--target must be EXCEPTION:FUNCTION"),
+    ([str(K1_LOG), "--target", "AssertionError:"], "--target must name the function too"),
+    ([str(K1_LOG), "--force", "bogus"], "--force: unknown feature 'bogus'"),
+    ([str(K1_LOG), "--time-budget", "0"], "--time-budget must be > 0"),
+    ([str(LOGS / "vllm-24162-banner-args-no-crash.log")], "no crash site to hunt for"),
+])
+def test_bad_input_is_one_line_exit_2(args, says):
+    proc = invoke("hunt", *args)
+    assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_diagnose_hunt_flags_without_hunt_and_diagnose_flags_with_it_are_refused():
+    proc = invoke("diagnose", str(K1_LOG), "--target", "AssertionError:_build_store_jobs")
+    assert proc.returncode == 2 and "add --hunt" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = invoke("diagnose", str(K1_LOG), "--hunt", "--no-run")
+    assert proc.returncode == 2 and "--no-run is not a hunt flag" in proc.stderr
+
+
+def test_diagnose_offers_the_hunt_for_an_unknown_crash(tmp_path):
+    log = tmp_path / "unknown.log"
+    log.write_text(UNKNOWN)
+    proc = invoke("diagnose", str(log), "--no-run")
+    assert proc.returncode == 7 and "kvdoctor hunt LOG" in proc.stdout, proc.stdout
+    assert "kvdoctor hunt" not in invoke("diagnose", str(K1_LOG), "--no-run").stdout  # a known bug: its recipe
+
+
+def test_a_k1_crash_hunted_with_its_trigger_included_is_found(api, tmp_path):
+    """0.26.0: K1's route reaches the assert within seconds (measured 6 s); on a release without K1 or K6 the
+    assert holds and the hunt says how many examples reached `_build_store_jobs` (exit 0)."""
+    from .recipe_runs import bug_present
+
+    proc = invoke("hunt", str(K1_LOG), "--include-known", "--time-budget", "20", "--no-triage",
+                  "--out", str(tmp_path), "--json")
+    doc = json.loads(proc.stdout)
+    assert doc["function_reach"]["measured"] and doc["function_reach"]["calls"] > 0, doc["function_reach"]
+    if not (bug_present(api, "queued-abort") or bug_present(api, "offload-keys-lag-blocks")):
+        assert proc.returncode == 0 and not doc["found"], doc
+        return
+    assert proc.returncode == 1 and doc["found"], doc
+    finding = doc["findings"][0]
+    assert finding["signature"] == "AssertionError in _build_store_jobs" and finding["path"] in ("K1", "K6")
+    assert Path(finding["file"]).is_file() and "kvdoctor hunt: found" in proc.stderr
+    assert "the crash statement (line" in doc["function_reach"]["summary"]
+
+
+def test_a_site_no_example_reaches_is_inconclusive(api, tmp_path):
+    """A target in a function explore's runs never call: exit 6 with the reason, never 0 (through `diagnose
+    --hunt`: the same code path)."""
+    proc = invoke("diagnose", str(K1_LOG), "--hunt", "--target", "AssertionError:no_such_vllm_function",
+                  "--time-budget", "5", "--out", str(tmp_path), "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 6 and not doc["found"] and doc["inconclusive_reason"], doc
+    assert "hunt inconclusive" in proc.stderr
