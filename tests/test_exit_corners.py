@@ -421,7 +421,7 @@ def test_ctrl_c_in_explore_says_what_was_kept_and_where(tmp_path, monkeypatch):
     finding = SimpleNamespace(signature="AssertionError in f", key="AssertionError in f", label="AssertionError in f",
                               steps=3, elapsed_s=1.0)
 
-    def interrupted_search(config, on_progress=None, on_finding=None, api=None, pool=None):
+    def interrupted_search(config, on_progress=None, on_finding=None, api=None, pool=None, **_):
         on_finding(finding)  # written at once, as the real search does
         raise KeyboardInterrupt
 

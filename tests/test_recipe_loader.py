@@ -276,7 +276,8 @@ def test_wrong_type_in_step(tmp_path: Path, old: str, new: str, what: str, expec
 def test_unknown_field_in_step(tmp_path: Path) -> None:
     text = replace(GOOD, "prompt_chunks = 4", "prompt_chunks = 4\nprompt_size = 3")
     assert_error(tmp_path, text, line_of(text, "prompt_size"),
-                 "step 3 (add)", "unknown field 'prompt_size'", "expected fill_pool, kv_transfer_params, max_tokens")
+                 "step 3 (add)", "unknown field 'prompt_size'",
+                 "expected continues, fill_pool, kv_transfer_params, max_tokens")
 
 
 def test_field_of_another_action(tmp_path: Path) -> None:
