@@ -91,6 +91,7 @@ def main() -> int:
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
     wanted = [n for n in args.recipes.split(",") if n]
     recipes = [r for r in all_builtins() if r.signature.exception and (not wanted or r.name in wanted)]
+    recipes.sort(key=lambda r: wanted.index(r.name) if r.name in wanted else 0)  # in the order --recipes names
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvdoctor-bench-hunt-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"hunt table on vLLM {api.version_text}, {args.budget:g} s per recipe, seed {args.seed}, one worker, "

@@ -241,7 +241,7 @@ LAYOUTS = (None, None, None, None, None, "swa-full", "mamba-hybrid", "eagle-pair
 # LAYOUTS, so a release's random draws (and its measured seeds) stay as they were.
 # KV cache groups sharing the pool, per layout (the model length is what a request's blocks in all fit).
 LAYOUT_GROUPS = {"swa-full": 2, "mamba-hybrid": 2, "swa-full-mixed": 2, "mamba-swa-hybrid": 3}
-SCALED_POOL_LAYOUTS = ("mamba-swa-hybrid",)  # forced-only layouts whose pool holds the drawn blocks per group
+SCALED_POOL_LAYOUTS = ("swa-full-mixed", "mamba-swa-hybrid")  # forced only: the pool holds the drawn blocks per group
 WINDOWED_LAYOUTS = ("swa-full", "swa-full-mixed", "mamba-swa-hybrid")  # a drawn window (WINDOW_BLOCKS)
 MAMBA_LAYOUTS = ("mamba-hybrid", "mamba-swa-hybrid")
 WINDOW_BLOCKS = (4, 3, 6, 8, 2)  # swa-full's sliding window, in GPU blocks (unaligned to chunks too)
@@ -459,11 +459,13 @@ def cap_tokens(geometry: Geometry, choice: str | int | None) -> int | None:
 
 
 def pool_blocks(drawn: int, layout: str | None) -> int:
-    """The GPU pool of a drawn size: mamba-swa-hybrid's (three groups, forced only) holds the drawn usable blocks
-    for each of its groups (as `--model` pools are planned), so its requests are as long, against the pool, as a
-    one-group layout's: three groups in 4-24 blocks left requests of at most 7 blocks, no longer than most drawn
-    sliding windows (0 of 7,788 examples reached K7's diverged hit in a 600 s hunt before; whether this helps
-    is not measured yet). The other layouts keep the drawn pool (their examples, as measured, stay as they were)."""
+    """The GPU pool of a drawn size: the forced-only layouts' hold the drawn usable blocks for each of their groups
+    (as `--model` pools are planned), so their requests are as long, against the pool, as a one-group layout's.
+    Three groups in 4-24 blocks left requests of at most 7 blocks, no longer than most drawn sliding windows (0
+    of 7,788 examples reached K7's diverged hit in a 600 s hunt); swa-full-mixed's prompts stayed under two of
+    its sliding-window chunks, so no hit could end inside a stored sliding-window chunk past the first (K3's and
+    K12's case; measured: 19 of 6,120 examples reached prepare_load). The other layouts keep the drawn pool
+    (their examples, as measured, stay as they were)."""
     if layout not in SCALED_POOL_LAYOUTS:
         return drawn
     return (drawn - 1) * LAYOUT_GROUPS[layout] + 1
