@@ -18,8 +18,8 @@ start). It imports only vLLM and the standard library.
     for v in '' -vllm-0.27 ...; do /work/main/.venv$v/bin/python benchmarks/oracle_k4_final_token.py; done
 
 Prints one line per (scheduling, offset): the stored block indices, PASS (only block 0) or FAIL (upstream's
-loop), and the same after one more schedule(); exit 0 when
-every case passes, 1 otherwise.
+loop), the same after one more schedule(), and (async) with that schedule() before the in-flight step's output
+is applied (EngineCore's order); exit 0 when every case passes upstream's loop, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -80,9 +80,13 @@ def build(async_scheduling: bool, model_dir: str) -> Any:
                structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
 
 
-def play(async_scheduling: bool, offset: int, model_dir: str) -> tuple[list[int], list[int]]:
+def play(async_scheduling: bool, offset: int, model_dir: str,
+         engine_order: bool = False) -> tuple[list[int], list[int]]:
     """Upstream's RequestRunner._run loop for decoded_tokens=[EOS], then its drain: the stored block indices; and
-    those after one more schedule() (the engine's next step, when another request arrives)."""
+    those after one more schedule() (the engine's next step, when another request arrives).
+
+    engine_order: under async scheduling, that next schedule() comes before the in-flight step's output is
+    applied, as EngineCore's batch queue orders them (upstream's loop applies it first, "sample last token")."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
     from vllm.utils.hashing import sha256
@@ -146,9 +150,14 @@ def play(async_scheduling: bool, offset: int, model_dir: str) -> tuple[list[int]
         if prev_token == EOS and prev_token != token and sched.requests:
             continue
         if token is None:
-            if async_scheduling and prev is not None:
+            if async_scheduling and prev is not None and not engine_order:
                 sched.update_from_output(*prev)
             break
+    if engine_order and async_scheduling and prev is not None:
+        out = sched.schedule()  # the next step is scheduled while the last one is in flight
+        result = worker(out, None, running=False)
+        sched.update_from_output(*prev)
+        sched.update_from_output(out, result)
     for _ in range(20):  # upstream's drain: schedule until the finished request's stores let it go
         if not sched.requests:
             break
@@ -175,6 +184,9 @@ def main() -> int:
                     verdict = "PASS" if stored == [0] else "FAIL"
                     detail = (f"stored blocks {stored}; after one more schedule(): {next_step}, "
                               f"{'PASS' if next_step == [0] else 'FAIL'}")
+                    if async_scheduling:
+                        _, engine = play(async_scheduling, offset, model_dir, engine_order=True)
+                        detail += f"; in the engine's order: {engine}, {'PASS' if engine == [0] else 'FAIL'}"
                 except Exception as exc:  # an assertion inside vLLM is a failing test too
                     verdict, detail = "FAIL", f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
                 rows.append(verdict)
