@@ -170,9 +170,10 @@ def play(async_scheduling: bool, offset: int, model_dir: str,
 
 
 def main() -> int:
+    model_dir = tempfile.mkdtemp(prefix="k4-oracle-model-")
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(model_dir, "vllm-cache"))  # leave ~/.cache/vllm alone
     import vllm
 
-    model_dir = tempfile.mkdtemp(prefix="k4-oracle-model-")
     try:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(CONFIG, f)
