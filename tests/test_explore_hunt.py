@@ -62,7 +62,7 @@ def test_force_layout_draws_only_that_layout_through_the_search(api):
     if layout_refusal(api, "swa-full-mixed") is not None:
         pytest.skip(f"vLLM {api.version_text} does not build swa-full-mixed: {layout_refusal(api, 'swa-full-mixed')}")
     trace: list = []
-    config = ExploreConfig(seed=3, max_examples=12, time_budget=60, triage=False,
+    config = ExploreConfig(seed=3, max_examples=12, time_budget=20, triage=False,
                            force=frozenset({"layout=swa-full-mixed"}))
     _, stats = worker_search(api, config, trace=trace)
     assert stats.examples > 0 and trace
