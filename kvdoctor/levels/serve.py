@@ -33,19 +33,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import ADMISSION_ENV, EOS_AFTER_ARG, EXECUTOR_QUALNAME, STEP_SECONDS_ENV, WORKER_ENV
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import serve_command_flags
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.engine.tiny_model import tiny_model_dir
 from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.installed import vllm_version
+from kvdoctor.levels.core import setup_unexpressible as core_setup_unexpressible
 from kvdoctor.levels.in_process import Progress
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.matrix.known import FixedIn
 from kvdoctor.observe.failure import Failure, Frame
-from kvdoctor.observe.verdict import Outcome, failure_verdict
+from kvdoctor.observe.verdict import ClientAnswers, Outcome, compare_completions, failure_verdict
 from kvdoctor.recipes.compile import compile_recipe
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import AuditRow, ReproReport, RunResult
@@ -67,22 +69,46 @@ class Event:
     request: str = ""
     prompt: list[int] = field(default_factory=list)
     max_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # the add's kv_transfer_params / priority, as a client sends
+    # the add's body fields as a client sends them: kv_transfer_params, priority, stop_token_ids, vllm_xargs
+    extra: dict[str, Any] = field(default_factory=dict)
+    continues: str = ""  # the add continues this request's conversation (its prompt and completion first)
+
+
+class Unexpressible(Exception):
+    """A step the serve client cannot send as the recipe schedules it (the recipe is not_applicable)."""
 
 
 def plan_traffic(recipe: Recipe, setup: Setup) -> list[Event]:
     """The recipe's steps as client events, each kind's as its declaration says (`serve` in `kvdoctor.steps`),
     compiled exactly as the scheduler level plays them (the same fill plan, prompts and repeats:
     `recipes.compile.compile_recipe`). A kind without serve events is refused first (`unplayable`); reaching
-    one here is kvdoctor's bug, never a step left out of the traffic."""
+    one here is kvdoctor's bug, never a step left out of the traffic. A `finish` travels with its request
+    (the EOS schedule in its vllm_xargs, read by kvdoctor's executor): only before the request's first
+    engine step, else `Unexpressible` names the step."""
     events: list[Event] = []
     for play in compile_recipe(recipe.steps, setup).steps:
         serve_events = kind_of(play.action).serve
         if serve_events is None:
             raise InternalError(f"step kind {play.action!r} (line {play.step.line}) has no serve events and was "
                                 f"not refused")
-        events += [Event(**event) for event in serve_events(play)]
+        for event in (Event(**e) for e in serve_events(play)):
+            if event.kind == "finish":
+                _send_eos_with_the_request(events, event.request, play.counter, play.step.line)
+            else:
+                events.append(event)
     return events
+
+
+def _send_eos_with_the_request(events: list[Event], request: str, counter: int, line: int) -> None:
+    """The add of `request` gets its EOS schedule (its first sampled token is EOS) when no engine step came
+    between them; else the client cannot tell the server when (`Unexpressible`)."""
+    adds = [i for i, e in enumerate(events) if e.kind == "add" and e.request == request]
+    if not adds or any(e.kind == "step" for e in events[adds[-1]:]):
+        raise Unexpressible(f"step {counter} (line {line}) `finish` cannot be played through vllm serve: a client "
+                            f"sends a request's EOS schedule with the request (vllm_xargs), so only a finish "
+                            f"before {request}'s first engine step can be expressed")
+    add = events[adds[-1]]
+    add.extra = {**add.extra, "vllm_xargs": {EOS_AFTER_ARG: 0}}
 
 
 def admission_len(setup: Setup) -> int:
@@ -95,14 +121,18 @@ def admission_len(setup: Setup) -> int:
 
 
 def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
-    extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
-    kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
-                   **setup.kv_transfer_fields}
+    """The `vllm serve` command of a setup (offloading off: no --kv-transfer-config; vLLM's worker: kvdoctor's
+    copy-engine spec named in the connector's config, as `--engine core` runs it)."""
+    kv_flags: list[str] = []
+    if setup.offloading:
+        extra = dataclasses.replace(setup, device=None).kv_connector_extra_config()
+        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra, **setup.kv_transfer_fields}
+        kv_flags = ["--kv-transfer-config", json.dumps(kv_transfer)]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
             *serve_command_flags(setup),  # the geometry, from the one serve-flag table
-            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", EXECUTOR_QUALNAME]
+            "--enforce-eager", *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
 def serve_env(setup: Setup) -> dict[str, str]:
@@ -110,9 +140,9 @@ def serve_env(setup: Setup) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({PLATFORM_ENV: "1", STEP_SECONDS_ENV: str(STEP_SECONDS), ADMISSION_ENV:
-                str(admission_len(setup)), "KVDOCTOR_VERBOSE_IMPORT": "1", "VLLM_LOGGING_LEVEL": "INFO",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+                str(admission_len(setup)), WORKER_ENV: setup.worker, "KVDOCTOR_VERBOSE_IMPORT": "1",
+                "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     return env
 
 
@@ -160,46 +190,55 @@ def _failure_from_log(crash: LogTraceback) -> Failure:
 
 def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
-    the exported serve script alike: the kinds without serve events, by their needs (`expect` sends nothing:
-    the client checks its own precondition, that an aborted request was still queued, from the executor's
-    step log, so a recipe without an abort is refused)."""
+    the exported serve script alike: the kinds without serve events, by their needs; a step the client
+    cannot send as the recipe schedules it (`plan_traffic`). `expect` sends nothing: a silent bug's verdict
+    is what its clients received (`answers_apply`); a crash recipe's client checks its own precondition,
+    that an aborted request was still queued, from the executor's step log, so one without an abort is
+    refused."""
     sending = frozenset(name for name, kind in REGISTRY.items() if kind.serve is not None)
     reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling, played_otherwise=sending)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
+    if not reasons:
+        try:
+            plan_traffic(recipe, setup)
+        except Unexpressible as exc:
+            reasons = [str(exc)]
+    if not reasons and not recipe.signature.invariant and not any(s.action == "abort" for s in recipe.steps):
         reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
     return reasons
 
 
-def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
-    """Play the recipe against a fresh server; returns (its result, the server's log text)."""
+def answers_unexpressible(recipe: Recipe, setup: Setup) -> list[str]:
+    """Why a silent recipe's clients cannot get a wrong answer from this served setup (empty: they can)."""
+    if not recipe.signature.invariant:
+        return []
+    why = setup.vllm_worker_unsupported()
+    if why:
+        return [f"a silent bug is judged at serve by its clients' answers, which need vLLM's worker moving KV "
+                f"bytes in the server's executor: {why}"]
+    return core_setup_unexpressible(setup)
+
+
+@dataclass
+class Served:
+    """One server's run of the traffic: what its clients got, and its log."""
+
+    ready: bool
+    played: Any  # serve_client.Played
+    text: str
+    lines: list[str]
+    crash: LogTraceback | None
+    returncode: int | None
+
+
+def serve_once(setup: Setup, events: list[Event]) -> Served:
+    """Start a fresh server for `setup`, play `events`, stop it (its process group, bounded)."""
     # Deferred to a served run: the HTTP client (asyncio) and diagnose's log reader cost ~0.2 s that every
     # in-process repro would pay when `levels.runners` imports this module.
     import asyncio
 
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.levels.serve_client import (
-        Played,
-        Server,
-        aborted_while_queued,
-        ever_scheduled,
-        free_port,
-        play,
-        step_log,
-        wait_ready,
-    )
+    from kvdoctor.levels.serve_client import Played, Server, free_port, play, wait_ready
 
-    result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
-    result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
-                     "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
-    reasons = unplayable(recipe, setup, "kvdoctor's serve client")
-    if reasons:
-        result.outcome = Outcome.NOT_APPLICABLE
-        result.detail = "; ".join(reasons)
-        result.unplayable = True
-        return result, ""
-    check_plugin()
-    events = plan_traffic(recipe, setup)
-    aborted = [e.request for e in events if e.kind == "abort"]
     workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
     log_path = workdir / "server.log"
     port = free_port()
@@ -219,20 +258,47 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
             server.stop()
             text = log_path.read_text(errors="replace")
             shutil.rmtree(workdir, ignore_errors=True)
-    lines = text.splitlines()
     summary = read_stream(io.BytesIO(text.encode()), "server.log")
+    return Served(ready, played, text, text.splitlines(), engine_crash(summary), server.proc.returncode)
+
+
+def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
+    """Play the recipe against a fresh server; returns (its result, the server's log text). A silent bug's
+    verdict is its clients' answers against a second server's with offloading off (`_judge_answers`)."""
+    from kvdoctor.levels.serve_client import aborted_while_queued, ever_scheduled, step_log
+
+    result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
+    result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
+                     "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
+    reasons = unplayable(recipe, setup, "kvdoctor's serve client") or answers_unexpressible(recipe, setup)
+    if reasons:
+        result.outcome = Outcome.NOT_APPLICABLE
+        result.detail = "; ".join(reasons)
+        result.unplayable = True
+        return result, ""
+    check_plugin()
+    silent = bool(recipe.signature.invariant)
+    if silent:
+        setup = dataclasses.replace(setup, worker="vllm", worker_fallback=None)
+        result.worker = ("vLLM's worker-role OffloadingConnector on fingerprint KV (kvdoctor's copy engine, the "
+                         "stand-in model reading each answer from the KV bytes) inside kvdoctor's executor in a "
+                         "`vllm serve` child (EngineCoreProc's busy loop calls the scheduler); kvdoctor is its "
+                         "HTTP client")
+    events = plan_traffic(recipe, setup)
+    aborted = [e.request for e in events if e.kind == "abort"]
+    served = serve_once(setup, events)
+    lines, text, played = served.lines, served.text, served.played
     engine_steps = len(step_log(lines))
-    crash = engine_crash(summary)
-    if not ready:
+    if not served.ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
-                         f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if crash is not None:
-            result.failure = _failure_from_log(crash)
+                         f"{served.returncode}); its log: {_tail(lines)}")
+        if served.crash is not None:
+            result.failure = _failure_from_log(served.crash)
         return result, text
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
-    if crash is not None:
-        failure = _failure_from_log(crash)
+    if served.crash is not None:
+        failure = _failure_from_log(served.crash)
         result.failure = failure
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         # the server's traceback does not name the request: the signature's request cannot be checked
@@ -245,21 +311,61 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
         else:
             result.detail = f"the engine died with {why}"
         return result, text
-    if played.healthy and played.fresh_served:
-        missed = [name for name, was in queued.items() if not was]
-        if missed:
-            result.outcome = Outcome.NOT_REACHED
-            result.detail = (f"the server survived, but {', '.join(missed)} was not aborted while queued (the "
-                             f"executor's step log shows it scheduled first, or never finished): the run did not "
-                             f"test the bug")
-        else:
-            result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
-                             f"per the executor's step log); /health 200 and a fresh request served")
+    if not (played.healthy and played.fresh_served):
+        result.outcome = Outcome.OTHER_FAILURE
+        result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
+                         + "; ".join(played.notes[-4:]))
         return result, text
-    result.outcome = Outcome.OTHER_FAILURE
-    result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
-                     + "; ".join(played.notes[-4:]))
+    if silent:
+        return _judge_answers(result, setup, events, played), text
+    missed = [name for name, was in queued.items() if not was]
+    if missed:
+        result.outcome = Outcome.NOT_REACHED
+        result.detail = (f"the server survived, but {', '.join(missed)} was not aborted while queued (the "
+                         f"executor's step log shows it scheduled first, or never finished): the run did not "
+                         f"test the bug")
+    else:
+        result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
+                         f"per the executor's step log); /health 200 and a fresh request served")
     return result, text
+
+
+REFERENCE = "offloading off, a second server"
+
+
+def _judge_answers(result: RunResult, setup: Setup, events: list[Event], played: Any) -> RunResult:
+    """A silent bug at serve: reproduced when a client's completion differs from the one the same traffic gets
+    from a server with offloading off (the run's own reference; `verdict.compare_completions`, the
+    comparison `--engine core` makes). The recipe's `expect` steps are not checked (the server's scheduler
+    is not readable from outside): a run whose requests were not all answered did not test the bug."""
+    plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated", device=None)
+    reference = serve_once(plain, events)
+    if not (reference.ready and reference.crash is None and reference.played.healthy):
+        result.outcome = Outcome.OTHER_FAILURE
+        result.answers = ClientAnswers(REFERENCE, not_compared="the reference server did not serve the traffic: "
+                                       + "; ".join(reference.played.notes[-3:] or [_tail(reference.lines)]))
+        result.detail = result.answers.line
+        return result
+    def answer(tokens: list[int]) -> list[int]:
+        return [t for t in tokens if t != EOS_TOKEN]  # the recipe's EOS is the recipe's, not the model's
+
+    answers = compare_completions({k: answer(v) for k, v in played.completions.items()},
+                                  {k: answer(v) for k, v in reference.played.completions.items()}, REFERENCE)
+    result.answers = answers
+    sent = [e.request for e in events if e.kind == "add"]
+    unanswered = [name for name in sent if name not in played.completions]
+    if answers.reproduced:
+        result.outcome = Outcome.REPRODUCED
+        result.detail = f"a client got another answer: {answers.line}"
+    elif unanswered or answers.missing:
+        result.outcome = Outcome.NOT_REACHED
+        result.detail = (f"not every request was answered (offloading on: {', '.join(unanswered) or 'all'}; "
+                         f"one server only: {', '.join(answers.missing) or 'none'}): the run did not test the bug")
+    else:
+        result.outcome = Outcome.NOT_REPRODUCED
+        result.detail = f"no client got another answer: {answers.line}"
+    result.detail += " (the recipe's expect steps are not checked at serve: a client cannot read the scheduler)"
+    return result
 
 
 @contextlib.contextmanager
