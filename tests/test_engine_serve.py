@@ -127,3 +127,34 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_and_named(serve_env: dict
     assert _gone(pid), f"server process group {pid} still alive"
     assert _port_free(port)
     assert time.monotonic() - started < 120  # bounded: the limit, the stop, not the server's own start-up
+
+
+def test_k4_at_serve_a_clients_next_turn_differs_where_the_release_has_the_bug(serve_env: dict[str, str]) -> None:
+    """K4 (silent) through `vllm serve`: A's client asks for EOS as its first token (vllm_xargs), C's client
+    continues A's conversation; C's completion is compared with the same traffic on a second server with
+    offloading off. Reproduced (C differs at token 0) exactly where the scheduler level measured K4
+    (release_outcomes.toml), completions equal elsewhere; both servers gone, their ports free."""
+    proc = subprocess.run([*KVDOCTOR, "repro", "final-token-slot-stored", "--engine", "serve", "--json"], cwd=ROOT,
+                          env=serve_env, capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
+    children = [(int(pid), int(port)) for pid, port in PID_LINE.findall(proc.stderr)]
+    assert len(children) == 2, proc.stderr[-3000:]  # offloading on, and the reference with offloading off
+    assert all(_gone(pid) and _port_free(port) for pid, port in children)
+    doc = json.loads(proc.stdout)
+    rows = [r for r in data.load() if r.release == doc["vllm_version"] and r.recipe == "final-token-slot-stored"]
+    if not rows:
+        pytest.skip(f"no measured final-token-slot-stored row for vLLM {doc['vllm_version']}")
+    result = doc["results"][0]
+    answers = result["answers"]
+    assert answers is not None and answers["not_compared"] is None, result
+    by_request = {r["request"]: r for r in answers["requests"]}
+    assert set(by_request) == {"A", "C"} and by_request["A"]["position"] is None, answers
+    if rows[0].outcome == "reproduced":  # C's prefix hit A's stored chunk and read its never-written slot
+        assert proc.returncode == 1 and result["outcome"] == "reproduced", result
+        assert by_request["C"]["position"] == 0, answers
+        assert answers["line"].startswith("request C's completion differs from the reference (offloading off, a "
+                                          "second server) at token 0: "), answers
+    else:
+        assert proc.returncode == 0 and result["outcome"] == "not_reproduced", result
+        assert by_request["C"]["got_tokens"] == by_request["C"]["expected_tokens"] == 3, answers

@@ -4,16 +4,20 @@ kvdoctor starts `python -m vllm.entrypoints.cli.main serve` (the installed vLLM)
 process group on a free loopback port, with kvdoctor's platform plugin switched on for that child
 only (`KVDOCTOR_ENGINE_PLATFORM=1`) and kvdoctor's executor (`--distributed-executor-backend`),
 which paces the engine (`KVDOCTOR_ENGINE_STEP_SECONDS`) so that each client event lands between
-the steps the recipe names. The recipe's steps become traffic: `add` is a `/v1/completions` request
-with a token-id prompt (its `X-Request-Id` names the recipe's request), `schedule` is one paced
-step of waiting, `abort` is the client closing its connection. `expect` is not played (the
-server's scheduler cannot be read from outside); what it guards is checked from the executor's
-step log instead: an aborted request must never have been scheduled before it finished.
+the steps the recipe names. The recipe's steps become traffic, each kind's as its declaration says
+(`serve` in `kvdoctor.steps`): `add` is a `/v1/completions` request with a token-id prompt (its
+`X-Request-Id` names the recipe's request; `continues`: the prompt and completion its client received
+first), `schedule` is one paced step of waiting, `abort` is the client closing its connection,
+`finish` travels with its request (an EOS schedule in its `vllm_xargs`). `expect` is not played (the
+server's scheduler cannot be read from outside).
 
-The verdict comes from what the server did: its log read with `diagnose`'s reader (exception,
-function, frames) matched against the recipe's signature, or, when it survived, `/health` and a
-fresh request served. The child is always stopped by its process group, bounded in time, also when
-kvdoctor fails or is interrupted.
+The verdict of a crash recipe comes from what the server did: its log read with `diagnose`'s reader
+(exception, function, frames) matched against the recipe's signature, or, when it survived, `/health`
+and a fresh request served; its precondition (an aborted request was never scheduled) from the
+executor's step log. A silent bug's verdict is what its clients received: the server's executor runs
+vLLM's worker on fingerprint KV and the stand-in model answers from the KV bytes it reads; each
+completion is compared with the same traffic's on a second server with offloading off. Each child is
+always stopped by its process group, bounded in time, also when kvdoctor fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -230,8 +234,10 @@ class Served:
     returncode: int | None
 
 
-def serve_once(setup: Setup, events: list[Event]) -> Served:
-    """Start a fresh server for `setup`, play `events`, stop it (its process group, bounded)."""
+def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
+    """Start a fresh server per (setup, traffic), all at once (their start-ups, mostly `import vllm`, and
+    their paced traffic overlap), play each its traffic, stop them all (each its process group, bounded),
+    also when kvdoctor fails or is interrupted."""
     # Deferred to a served run: the HTTP client (asyncio) and diagnose's log reader cost ~0.2 s that every
     # in-process repro would pay when `levels.runners` imports this module.
     import asyncio
@@ -239,27 +245,45 @@ def serve_once(setup: Setup, events: list[Event]) -> Served:
     from kvdoctor.diagnose.reader import read_stream
     from kvdoctor.levels.serve_client import Played, Server, free_port, play, wait_ready
 
-    workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
-    log_path = workdir / "server.log"
-    port = free_port()
     model = tiny_model_dir()
-    played = Played()
-    ready = False
+    started: list[tuple[Server, int, Path]] = []
+    outcomes: list[tuple[bool, Any]] = [(False, Played()) for _ in runs]
+
+    async def one(index: int, server: Server, port: int, events: list[Event]) -> None:
+        ready = await wait_ready(port, server, STARTUP_LIMIT_S)
+        outcomes[index] = (ready, Played())
+        if ready:
+            outcomes[index] = (True, await play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
+
+    async def every(jobs: list[Any]) -> None:
+        await asyncio.gather(*jobs)
+
+    texts: list[str] = []
     with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
         try:
-            print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
-                  f"group when the run ends)", file=sys.stderr, flush=True)
-            ready = asyncio.run(wait_ready(port, server, STARTUP_LIMIT_S))
-            if ready:
-                played = asyncio.run(play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
-                time.sleep(1.0)
+            ports: set[int] = set()
+            for setup, _events in runs:
+                workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
+                port = free_port()
+                while port in ports:
+                    port = free_port()
+                ports.add(port)
+                server = Server(serve_command(setup, model, port), serve_env(setup), str(workdir / "server.log"))
+                started.append((server, port, workdir))
+                print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
+                      f"group when the run ends)", file=sys.stderr, flush=True)
+            asyncio.run(every([one(i, server, port, runs[i][1]) for i, (server, port, _) in enumerate(started)]))
+            time.sleep(1.0)
         finally:
-            server.stop()
-            text = log_path.read_text(errors="replace")
-            shutil.rmtree(workdir, ignore_errors=True)
-    summary = read_stream(io.BytesIO(text.encode()), "server.log")
-    return Served(ready, played, text, text.splitlines(), engine_crash(summary), server.proc.returncode)
+            for server, _port, workdir in started:
+                server.stop()
+                texts.append((workdir / "server.log").read_text(errors="replace"))
+                shutil.rmtree(workdir, ignore_errors=True)
+    served = []
+    for (server, _port, _workdir), text, (ready, played) in zip(started, texts, outcomes, strict=True):
+        summary = read_stream(io.BytesIO(text.encode()), "server.log")
+        served.append(Served(ready, played, text, text.splitlines(), engine_crash(summary), server.proc.returncode))
+    return served
 
 
 def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
@@ -286,7 +310,8 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
                          "HTTP client")
     events = plan_traffic(recipe, setup)
     aborted = [e.request for e in events if e.kind == "abort"]
-    served = serve_once(setup, events)
+    # a silent bug's reference: the same traffic on a server with offloading off, started beside it
+    served, *reference = serve_all([(setup, events)] + ([(reference_setup(setup), events)] if silent else []))
     lines, text, played = served.lines, served.text, served.played
     engine_steps = len(step_log(lines))
     if not served.ready:
@@ -317,7 +342,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
                          + "; ".join(played.notes[-4:]))
         return result, text
     if silent:
-        return _judge_answers(result, setup, events, played), text
+        return _judge_answers(result, events, played, reference[0]), text
     missed = [name for name, was in queued.items() if not was]
     if missed:
         result.outcome = Outcome.NOT_REACHED
@@ -333,19 +358,24 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
 REFERENCE = "offloading off, a second server"
 
 
-def _judge_answers(result: RunResult, setup: Setup, events: list[Event], played: Any) -> RunResult:
+def reference_setup(setup: Setup) -> Setup:
+    """The run's own reference: the same geometry with offloading off (the engine computes every token's KV
+    itself; the stand-in model's answer is then the tokens' own), as `--engine core` makes it."""
+    return dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated", device=None)
+
+
+def _judge_answers(result: RunResult, events: list[Event], played: Any, reference: Served) -> RunResult:
     """A silent bug at serve: reproduced when a client's completion differs from the one the same traffic gets
     from a server with offloading off (the run's own reference; `verdict.compare_completions`, the
     comparison `--engine core` makes). The recipe's `expect` steps are not checked (the server's scheduler
     is not readable from outside): a run whose requests were not all answered did not test the bug."""
-    plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated", device=None)
-    reference = serve_once(plain, events)
     if not (reference.ready and reference.crash is None and reference.played.healthy):
         result.outcome = Outcome.OTHER_FAILURE
         result.answers = ClientAnswers(REFERENCE, not_compared="the reference server did not serve the traffic: "
                                        + "; ".join(reference.played.notes[-3:] or [_tail(reference.lines)]))
         result.detail = result.answers.line
         return result
+
     def answer(tokens: list[int]) -> list[int]:
         return [t for t in tokens if t != EOS_TOKEN]  # the recipe's EOS is the recipe's, not the model's
 
@@ -359,8 +389,9 @@ def _judge_answers(result: RunResult, setup: Setup, events: list[Event], played:
         result.detail = f"a client got another answer: {answers.line}"
     elif unanswered or answers.missing:
         result.outcome = Outcome.NOT_REACHED
-        result.detail = (f"not every request was answered (offloading on: {', '.join(unanswered) or 'all'}; "
-                         f"one server only: {', '.join(answers.missing) or 'none'}): the run did not test the bug")
+        result.detail = (f"not every request was answered (offloading on, unanswered: {', '.join(unanswered) or 'none'}"
+                         f"; answered by one server only: {', '.join(answers.missing) or 'none'}): the run did not "
+                         f"test the bug")
     else:
         result.outcome = Outcome.NOT_REPRODUCED
         result.detail = f"no client got another answer: {answers.line}"
@@ -404,8 +435,8 @@ UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fix
 
 
 class ServeLevel:
-    """The served level: one `vllm serve` child per recipe, installed logic only (the server runs vLLM
-    unpatched); vLLM is not imported in this process to play it."""
+    """The served level: one `vllm serve` child per recipe (a silent recipe: two, offloading on and off),
+    installed logic only (the server runs vLLM unpatched); vLLM is not imported in this process to play it."""
 
     name = NAME
 

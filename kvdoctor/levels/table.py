@@ -57,10 +57,9 @@ LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
                                             "(step_with_batch_queue); only its own steps apply it, a client "
                                             "cannot ask for that between steps"}),
     Level("serve", "vllm serve",
-          meets=frozenset({Need.ENGINE_INPUT, Need.ENGINE_STEP}),
+          meets=frozenset({Need.ENGINE_INPUT, Need.ENGINE_STEP, Need.MODEL_OUTPUT}),
           cannot={
               Need.IN_FLIGHT_OUTPUT: "a client cannot apply the in-flight batch between engine steps",
-              Need.MODEL_OUTPUT: "the served executor samples no EOS on request (only max_tokens ends a request)",
               Need.TRANSFER_CONTROL: _NO_TRANSFER_CONTROL,
               Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE,
               Need.ENGINE_PAUSE: "not played by kvdoctor's serve client (vllm serve pauses only in its "
@@ -80,7 +79,9 @@ HOW: dict[Need, str] = {
     Need.ENGINE_STEP: "core: the engine's step_fn (step / step_with_batch_queue) + post_step; serve: a paced "
                       "engine step of waiting",
     Need.IN_FLIGHT_OUTPUT: "core, sync scheduling: nothing is in flight between engine steps (a no-op)",
-    Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request",
+    Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request; serve: the client sends the EOS "
+                       "schedule with the request (vllm_xargs), so only a finish before the request's first "
+                       "engine step (a later one is not_applicable, named)",
     Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs",
     Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache",
     Need.SCHEDULER_STATE: "core: the engine's Scheduler, read between steps",
