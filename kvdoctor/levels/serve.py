@@ -286,11 +286,19 @@ def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
     return served
 
 
-def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
-    """Play the recipe against a fresh server; returns (its result, the server's log text). A silent bug's
-    verdict is its clients' answers against a second server's with offloading off (`_judge_answers`)."""
-    from kvdoctor.levels.serve_client import aborted_while_queued, ever_scheduled, step_log
+@dataclass
+class Planned:
+    """A recipe the serve client can play: its result so far, and the servers it needs (setup, traffic):
+    one, and for a silent bug a second with offloading off (its reference)."""
 
+    recipe: Recipe
+    result: RunResult
+    events: list[Event]
+    runs: list[tuple[Setup, list[Event]]]
+
+
+def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
+    """The recipe's servers and traffic, or its not_applicable result (no server started)."""
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
                      "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
@@ -299,8 +307,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
         result.unplayable = True
-        return result, ""
-    check_plugin()
+        return result
     silent = bool(recipe.signature.invariant)
     if silent:
         setup = dataclasses.replace(setup, worker="vllm", worker_fallback=None)
@@ -309,10 +316,43 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
                          "`vllm serve` child (EngineCoreProc's busy loop calls the scheduler); kvdoctor is its "
                          "HTTP client")
     events = plan_traffic(recipe, setup)
-    aborted = [e.request for e in events if e.kind == "abort"]
     # a silent bug's reference: the same traffic on a server with offloading off, started beside it
-    served, *reference = serve_all([(setup, events)] + ([(reference_setup(setup), events)] if silent else []))
-    lines, text, played = served.lines, served.text, served.played
+    return Planned(recipe, result, events, [(setup, events)] + ([(reference_setup(setup), events)] if silent else []))
+
+
+def run_many(items: list[tuple[Recipe, Setup]]) -> list[tuple[RunResult, str]]:
+    """Every recipe's servers started at once (`serve_all`: their start-ups and paced traffic overlap), each
+    judged from its own servers; returns (result, the offloading-on server's log text) per recipe."""
+    plans = [plan_run(recipe, setup) for recipe, setup in items]
+    runs = [run for plan in plans if isinstance(plan, Planned) for run in plan.runs]
+    if runs:
+        check_plugin()
+    served = serve_all(runs)
+    out: list[tuple[RunResult, str]] = []
+    for plan in plans:
+        if not isinstance(plan, Planned):
+            out.append((plan, ""))
+            continue
+        mine, served = served[:len(plan.runs)], served[len(plan.runs):]
+        out.append((judge_run(plan, mine), mine[0].text))
+    return out
+
+
+def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
+    """Play the recipe against fresh servers; returns (its result, the server's log text). A silent bug's
+    verdict is its clients' answers against a second server's with offloading off (`_judge_answers`)."""
+    return run_many([(recipe, setup)])[0]
+
+
+def judge_run(plan: Planned, servers: list[Served]) -> RunResult:
+    """The verdict from what the recipe's servers did (the first: offloading on)."""
+    from kvdoctor.levels.serve_client import aborted_while_queued, ever_scheduled, step_log
+
+    recipe, result, events = plan.recipe, plan.result, plan.events
+    served, *reference = servers
+    silent = bool(reference)
+    aborted = [e.request for e in events if e.kind == "abort"]
+    lines, played = served.lines, served.played
     engine_steps = len(step_log(lines))
     if not served.ready:
         result.outcome = Outcome.OTHER_FAILURE
@@ -320,7 +360,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
                          f"{served.returncode}); its log: {_tail(lines)}")
         if served.crash is not None:
             result.failure = _failure_from_log(served.crash)
-        return result, text
+        return result
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
     if served.crash is not None:
         failure = _failure_from_log(served.crash)
@@ -335,14 +375,14 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
                              f"does not name the request)")
         else:
             result.detail = f"the engine died with {why}"
-        return result, text
+        return result
     if not (played.healthy and played.fresh_served):
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
                          + "; ".join(played.notes[-4:]))
-        return result, text
+        return result
     if silent:
-        return _judge_answers(result, events, played, reference[0]), text
+        return _judge_answers(result, events, played, reference[0])
     missed = [name for name, was in queued.items() if not was]
     if missed:
         result.outcome = Outcome.NOT_REACHED
@@ -352,7 +392,7 @@ def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
     else:
         result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
                          f"per the executor's step log); /health 200 and a fresh request served")
-    return result, text
+    return result
 
 
 REFERENCE = "offloading off, a second server"
@@ -458,10 +498,20 @@ class ServeLevel:
 
     def audit_row(self, api: VllmApi, recipe: Recipe, setup: Setup, fixed_in: FixedIn | None) -> AuditRow:
         """One recipe through a `vllm serve` child; the fixed logic cannot be played there."""
-        setup = serve_setup(setup)
-        installed, log_text = run_serve(recipe, setup)
-        fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
-        return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text)
+        return self.audit_rows(api, [(recipe, setup, fixed_in)], lambda done, total, what: None)[0]
+
+    def audit_rows(self, api: VllmApi, jobs: list[tuple[Recipe, Setup, FixedIn | None]],
+                   progress: Progress) -> list[AuditRow]:
+        """Every recipe's servers at once (`run_many`): the audit costs about one server's start-up and the
+        longest traffic, not their sum; the fixed logic cannot be played there."""
+        setups = [serve_setup(setup) for _, setup, _ in jobs]
+        progress(0, len(jobs), f"{len(jobs)} recipes through `vllm serve` children started at once")
+        played = run_many([(recipe, setup) for (recipe, _, _), setup in zip(jobs, setups, strict=True)])
+        rows = []
+        for (recipe, _, fixed_in), setup, (installed, log_text) in zip(jobs, setups, played, strict=True):
+            fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
+            rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text))
+        return rows
 
 
 SERVE = ServeLevel()
