@@ -211,6 +211,15 @@ def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     return reasons
 
 
+def setup_unexpressible(setup: Setup) -> list[str]:
+    """Geometry the served engine does not build: `vllm serve` runs kvdoctor's tiny full-attention model (its
+    executor gives every decoder layer a full-attention spec), not another model's or a shipped layout."""
+    if setup.model is not None or setup.layout is not None:
+        return [f"the served engine runs kvdoctor's tiny full-attention model; {setup.model or setup.layout}'s KV "
+                f"layout is not built at --engine serve (play it with --engine core)"]
+    return []
+
+
 def answers_unexpressible(recipe: Recipe, setup: Setup) -> list[str]:
     """Why a silent recipe's clients cannot get a wrong answer from this served setup (empty: they can)."""
     if not recipe.signature.invariant:
@@ -302,7 +311,8 @@ def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
                      "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
-    reasons = unplayable(recipe, setup, "kvdoctor's serve client") or answers_unexpressible(recipe, setup)
+    reasons = (unplayable(recipe, setup, "kvdoctor's serve client") or setup_unexpressible(setup)
+               or answers_unexpressible(recipe, setup))
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
