@@ -356,8 +356,10 @@ def _schedule(target: StepTarget, step: ConcreteStep) -> StepEvents:
     return target.harness.step()
 
 
+# At serve (sync scheduling only, by its need): nothing is in flight between the engine's steps, nothing to send.
 @step_kind("drain", Need.IN_FLIGHT_OUTPUT, summary="apply the output still in flight, without scheduling",
-           fields={}, explore="drain", script="loop.drain()  # async: apply the output still in flight\n")
+           fields={}, explore="drain", serve=lambda play: [],
+           script="loop.drain()  # async: apply the output still in flight\n")
 def _drain(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.drain()
 
@@ -410,8 +412,15 @@ def _fail_transfers(target: StepTarget, step: ConcreteStep) -> None:
     several.fail(step.args.get("request"), step.args.get("kind"), worker=worker)
 
 
+def _serve_reset(play: ConcreteStep) -> list[dict[str, Any]]:
+    """POST /reset_prefix_cache (vLLM's development endpoint), its query as the step's fields."""
+    return [{"kind": "reset", "extra": {"reset_running_requests": bool(play.args.get("reset_running_requests", False)),
+                                        "reset_external": bool(play.args.get("reset_connector", False))}}]
+
+
 @step_kind("reset_prefix_cache", Need.ENGINE_UTILITY, summary="reset the prefix cache (and the connector's)",
-           fields={"reset_running_requests": f(bool), "reset_connector": f(bool)}, explore="reset", script="""
+           fields={"reset_running_requests": f(bool), "reset_connector": f(bool)}, explore="reset",
+           serve=_serve_reset, script="""
 scheduler.reset_prefix_cache(reset_running_requests=args.get("reset_running_requests", False),
                              reset_connector=args.get("reset_connector", False))
 if args.get("reset_connector", False):

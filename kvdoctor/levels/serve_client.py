@@ -135,7 +135,7 @@ def completion_tokens(body: str) -> list[int] | None:
 
 async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_seconds: float,
                echo: Callable[[str], None] | None = None) -> Played:
-    """The recipe's clients (events as dicts: kind add | step | abort, request, prompt, max_tokens, an
+    """The recipe's clients (events as dicts: kind add | step | abort | reset, request, prompt, max_tokens, an
     add's `extra` body fields (kv_transfer_params, priority, stop_token_ids, vllm_xargs) and `continues`:
     the request whose conversation it continues: its prompt and the completion its client received come
     first); then whether the server answers /health and a fresh request. `echo` sees each note as taken."""
@@ -190,6 +190,13 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
                                                    {"X-Request-Id": request_tag(name)}, REQUEST_LIMIT_S))
             note(f"{name} sent: {len(prompt)} prompt tokens, max_tokens {event['max_tokens']}")
+        elif kind == "reset":
+            query = "&".join(f"{key}={'true' if value else 'false'}" for key, value in event.get("extra", {}).items())
+            try:
+                status, answer = await http(port, "POST", f"/reset_prefix_cache?{query}", timeout=30)
+                note(f"POST /reset_prefix_cache?{query}: HTTP {status} {answer.strip()[:80]}")
+            except (TimeoutError, OSError) as exc:
+                note(f"POST /reset_prefix_cache failed: {type(exc).__name__}")
         elif kind == "abort":
             task = tasks.pop(name, None)
             if task is not None:
