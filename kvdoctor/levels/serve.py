@@ -380,11 +380,14 @@ def judge_run(plan: Planned, servers: list[Served]) -> RunResult:
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         # the server's traceback does not name the request: the signature's request cannot be checked
         result.outcome, why = failure_verdict(recipe.signature, failure, names_request=False)
-        if result.outcome is Outcome.REPRODUCED:
+        if result.outcome is Outcome.REPRODUCED and aborted:
             seen = ", ".join(f"{name} {'was scheduled before' if ever_scheduled(lines, name) else 'never scheduled'}"
                              for name in aborted)
             result.detail = (f"the engine died ({seen}, per the executor's step log; the server's traceback "
                              f"does not name the request)")
+        elif result.outcome is Outcome.REPRODUCED:
+            result.detail = (f"the engine died at its step {engine_steps + 1} (the server's traceback does not name "
+                             f"the request; the recipe's expect steps are not checked at serve)")
         else:
             result.detail = f"the engine died with {why}"
         return result
