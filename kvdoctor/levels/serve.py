@@ -322,7 +322,7 @@ def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
         return result
     silent = bool(recipe.signature.invariant)
     if silent:
-        setup = dataclasses.replace(setup, worker="vllm", worker_fallback=None)
+        setup = dataclasses.replace(setup, worker="vllm", device=None, worker_fallback=None)
         result.worker = ("vLLM's worker-role OffloadingConnector on fingerprint KV (kvdoctor's copy engine, the "
                          "stand-in model reading each answer from the KV bytes) inside kvdoctor's executor in a "
                          "`vllm serve` child (EngineCoreProc's busy loop calls the scheduler); kvdoctor is its "
@@ -482,8 +482,11 @@ def _tail(lines: list[str], count: int = 5) -> str:
     return " | ".join(line.strip() for line in lines[-count:])
 
 
-def serve_setup(setup: Setup) -> Setup:
-    """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor."""
+def serve_setup(setup: Setup, recipe: Recipe | None = None) -> Setup:
+    """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor; for a
+    silent recipe vLLM's worker on fingerprint KV (its clients' answers read the KV bytes), where it can run."""
+    if recipe is not None and recipe.signature.invariant and setup.vllm_worker_unsupported() is None:
+        return dataclasses.replace(setup, worker="vllm", device=None, model_runner=None, worker_fallback=None)
     return dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
                                worker_fallback=(None if setup.worker == "simulated" else
                                                 "the serve level runs kvdoctor's simulated worker inside the "
@@ -510,7 +513,7 @@ class ServeLevel:
     def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
-        setup = serve_setup(setup)
+        setup = serve_setup(setup, recipe)
         result, log_text = run_serve(recipe, setup)
         return ReproReport(recipe=recipe, setup=setup, vllm_version=vllm_version() or "?", command=command,
                            fixed_in=fixed_in, results=[result], server_log=log_text)
@@ -523,7 +526,7 @@ class ServeLevel:
                    progress: Progress) -> list[AuditRow]:
         """Every recipe's servers at once (`run_many`): the audit costs about one server's start-up and the
         longest traffic, not their sum; the fixed logic cannot be played there."""
-        setups = [serve_setup(setup) for _, setup, _ in jobs]
+        setups = [serve_setup(setup, recipe) for recipe, setup, _ in jobs]
         progress(0, len(jobs), f"{len(jobs)} recipes through `vllm serve` children started at once")
         played = run_many([(recipe, setup) for (recipe, _, _), setup in zip(jobs, setups, strict=True)])
         rows = []
