@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--unit-tests", type=Path, default=None,
                         help="a folder of vLLM's own connector unit tests to run under the same measurement")
-    parser.add_argument("--p2p-plans", type=int, default=64,
+    parser.add_argument("--p2p-plans", type=int, default=128,
                         help="P2P pair runs (engine/p2p.py) over the first N plans tier_draw.p2p_plan_fields decodes, "
                              "measured in a process of their own (0: none; skipped where vLLM has no P2P tier)")
     parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON to FILE")

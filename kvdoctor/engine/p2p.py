@@ -26,13 +26,14 @@ from kvdoctor.observe import p2p_invariants as inv
 P2P_HOST = "kvdoctor-p2p"  # the peers' host name on the in-memory fabric (no socket is opened)
 PRODUCER_PORT, CONSUMER_PORT = 1, 2
 KV_REQUEST_ID = "kvdoctor-pd-0"
+SYMMETRIC_LAG = 4  # steps between the symmetric consumer's warm-up request and its request
 _fabric_names = itertools.count()
 
 
 @dataclass(frozen=True)
 class P2PPlan:
     """One PD exchange: the producer prefills `prompt_tokens`; the consumer's request (the prompt plus one
-    token) arrives at step `consumer_at` and decodes `decode_tokens`. Faults: `drop` (control message types
+    token) arrives at step `consumer_at` (symmetric: `SYMMETRIC_LAG` steps later) and decodes `decode_tokens`. Faults: `drop` (control message types
     dropped), `delay_polls`, `fail_transfers`; `kill_producer_at` (the producer dies at that step);
     `abort_consumer_at` (the consumer's request is aborted at that step)."""
 
@@ -45,6 +46,10 @@ class P2PPlan:
     kill_producer_at: int | None = None
     abort_consumer_at: int | None = None
     max_steps: int = 40
+    # symmetric P2P (`remote_kv_source`): the producer's request is an ordinary one (its chunks stay in its CPU
+    # tier); the consumer probes the producer (LookupMsg) and fetches what hits. A warm-up request opens the
+    # session first (a lookup before the handshake is answered MISS: vLLM prefills locally then).
+    symmetric: bool = False
 
 
 @dataclass
@@ -90,6 +95,7 @@ class P2PPair:
         self.producer_id = f"{P2P_HOST}:{PRODUCER_PORT}"
         self.consumer_id = f"{P2P_HOST}:{CONSUMER_PORT}"
         self.producer_dead = False
+        self.consumer_request_at = plan.consumer_at + (SYMMETRIC_LAG if plan.symmetric else 0)
 
     def tier(self, harness: Harness) -> Any:
         return self.api.tiering_manager_of(harness.connector_scheduler).secondary_tiers[0]
@@ -127,11 +133,13 @@ class P2PPair:
         if index == plan.kill_producer_at:
             self.fabric.kill(self.producer_id)
             self.producer_dead = True
-        if index == plan.consumer_at:
+        role = "remote_kv_source" if plan.symmetric else "remote_prefiller"
+        source = {"remote_host": P2P_HOST, "remote_port": PRODUCER_PORT}
+        if plan.symmetric and index == plan.consumer_at:  # opens the session; its own prefix is not the producer's
+            self.consumer.add("W", [1000 + t for t in range(8)], 1, {role: {"kv_request_id": "warm-up", **source}})
+        if index == self.consumer_request_at:
             prompt = [*range(1, plan.prompt_tokens + 1), plan.prompt_tokens + 1]
-            self.consumer.add("D", prompt, plan.decode_tokens,
-                              {"remote_prefiller": {"kv_request_id": KV_REQUEST_ID, "remote_host": P2P_HOST,
-                                                    "remote_port": PRODUCER_PORT}})
+            self.consumer.add("D", prompt, plan.decode_tokens, {role: {"kv_request_id": KV_REQUEST_ID, **source}})
         if index == plan.abort_consumer_at and "D" in self.consumer.scheduler.requests:
             self.consumer.abort("D")
         if not self.producer_dead:
@@ -143,10 +151,10 @@ class P2PPair:
         and at rest."""
         plan = self.plan
         self.producer.add("P", list(range(1, plan.prompt_tokens + 1)), 1,
-                          {"remote_decoder": {"kv_request_id": KV_REQUEST_ID}})
+                          None if plan.symmetric else {"remote_decoder": {"kv_request_id": KV_REQUEST_ID}})
         violations: list[str] = []
         index = 0
-        last_event = max(x for x in (plan.consumer_at, plan.kill_producer_at, plan.abort_consumer_at)
+        last_event = max(x for x in (self.consumer_request_at, plan.kill_producer_at, plan.abort_consumer_at)
                          if x is not None)
         rest = False
         for index in range(plan.max_steps):
