@@ -34,8 +34,8 @@ _fabric_names = itertools.count()
 class P2PPlan:
     """One PD exchange: the producer prefills `prompt_tokens`; the consumer's request (the prompt plus one
     token) arrives at step `consumer_at` (symmetric: `SYMMETRIC_LAG` steps later) and decodes `decode_tokens`.
-    Faults: `drop` (control message types dropped), `delay_polls`, `fail_transfers`; `kill_producer_at` (the producer dies at that step);
-    `abort_consumer_at` (the consumer's request is aborted at that step)."""
+    Faults: `drop` (control message types dropped), `delay_polls`, `fail_transfers`; `kill_producer_at` (the
+    producer dies at that step); `abort_consumer_at` (the consumer's request is aborted at that step)."""
 
     prompt_tokens: int = 32
     decode_tokens: int = 3
