@@ -43,6 +43,22 @@ def test_pd_exchange_moves_the_producers_bytes(api):
     assert not FABRICS  # the pair gave its fabric back
 
 
+def test_symmetric_p2p_probes_then_fetches(api):
+    """remote_kv_source: after a warm-up request opened the session, the consumer's lookup is a LookupMsg the
+    producer answers from its own CPU tier (ParentManager), then the hit is fetched with the producer's bytes."""
+    from kvdoctor.engine.p2p import P2PPair, P2PPlan
+
+    pair = P2PPair(api, P2PPlan(symmetric=True))
+    try:
+        run = pair.run()
+        kinds = {kind for _sender, _receiver, kind in pair.fabric.sent}
+    finally:
+        pair.shutdown()
+    assert run.violations == [] and run.at_rest and run.consumer_finished
+    assert {"lookup", "lookup_resp", "fetch", "transfer_done"} <= kinds
+    assert (run.loads, run.loads_ok, run.loads_checked) == (1, 1, 1)
+
+
 @pytest.mark.parametrize("plan", [
     dict(delay_polls=2),
     dict(fail_transfers=True),
@@ -50,14 +66,16 @@ def test_pd_exchange_moves_the_producers_bytes(api):
     dict(delay_polls=3, kill_producer_at=5),
     dict(delay_polls=3, abort_consumer_at=4),
     dict(delay_polls=1, abort_consumer_at=5, kill_producer_at=6),
+    dict(symmetric=True, delay_polls=2, kill_producer_at=8),
 ], ids=["delayed", "failed-transfer", "producer-dead-before", "producer-dies-mid-round", "consumer-aborts",
-        "abort-then-producer-dies"])
+        "abort-then-producer-dies", "symmetric-producer-dies"])
 def test_faults_end_every_round_with_nothing_left(api, plan):
     """Whatever the fabric does, the real tier ends the round (the consumer falls back to computing) and
     comes to rest holding nothing."""
     run = _run(api, **plan)
     assert run.violations == [], run.violations
-    assert run.at_rest and run.consumer_finished and run.loads == 1
+    assert run.at_rest and run.consumer_finished
+    assert run.loads == (0 if plan.get("symmetric") else 1)  # measured: the producer dies before the fetch
     if plan.get("fail_transfers") or "kill_producer_at" in plan or "abort_consumer_at" in plan:
         assert run.loads_ok == 0
 
