@@ -114,8 +114,8 @@ def test_nothing_pinned_fires_when_store_results_are_lost(api, monkeypatch):
     real = session_cls.poll
     monkeypatch.setattr(session_cls, "poll", lambda self: real(self)._replace(stores=[]))
     run = _run(api, max_steps=15)
-    assert run.loads_ok == 1
-    assert not run.at_rest or _fired(run, inv.NOTHING_PINNED), run.violations
+    assert run.loads_ok == 1 and run.at_rest
+    assert _fired(run, inv.NOTHING_PINNED) and not _fired(run, inv.ROUND_ENDS), run.violations
 
 
 def test_bytes_equal_fires_when_the_producer_serves_other_chunks(api, monkeypatch):

@@ -84,6 +84,11 @@ class Fabric:
             for agent in transport.agents:
                 self.data.pop(agent, None)
 
+    def quiet(self) -> bool:
+        """Nothing in flight: no control message waiting for delivery, no data transfer unfinished."""
+        return (not any(t.pending() for t in self.control.values())
+                and not any(d.pending() for d in self.data.values()))
+
     def next_transfer_id(self) -> int:
         return next(self._transfer_ids)
 
@@ -198,6 +203,9 @@ def _standin_classes() -> tuple[type, type, type]:
             self._router = waiting
             return new
 
+        def pending(self) -> int:
+            return 0 if self.local_id in self.fabric.dead else len(self._router)
+
         def _sweep(self) -> None:
             for pid in [p for p, c in self._connections.items() if not c.alive]:
                 self._connections.pop(pid).close()
@@ -222,6 +230,9 @@ def _standin_classes() -> tuple[type, type, type]:
             self.fabric.data[agent_name] = self
             self._peers: dict[str, str] = {}  # peer_id -> agent name
             self._inflight: dict[int, list[Any]] = {}  # id -> [polls left, peer_id, local, remote]
+
+        def pending(self) -> int:
+            return len(self._inflight)
 
         def get_agent_metadata(self) -> bytes:
             return self.agent_name.encode()
