@@ -20,13 +20,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 
 from kvdoctor.engine.compat.p2p_transport import FABRICS, Fabric, p2p_transports
 
 TIER_CLASS = "RecordedP2PTier"
 TIER_MODULE = __name__
+
+
+def _chunk_ids(job: Any) -> tuple[int, ...]:
+    """A tier job's primary chunk ids (`TransferJob.chunk_ids`; `JobMetadata.block_ids` before 0.34)."""
+    ids = job.chunk_ids if hasattr(job, "chunk_ids") else job.block_ids
+    return tuple(int(c) for c in np.asarray(ids).tolist())
 
 
 def key_stamp(key: Any, size: int, dtype: Any = np.uint8) -> np.ndarray:
@@ -65,26 +70,28 @@ class RecordedP2PTier(P2PSecondaryTierManager):
         self.journal = P2PJournal(local_id)
         self.kvdoctor_fabric.journals[local_id] = self.journal
 
-    def submit_store(self, job_metadata: TransferJob) -> None:
+    def submit_store(self, job_metadata: Any) -> None:
         keys = tuple(job_metadata.keys)
-        chunks = tuple(int(c) for c in job_metadata.chunk_ids.tolist())
+        chunks = _chunk_ids(job_metadata)
         size = self.kvdoctor_region.shape[1]
         for key, chunk in zip(keys, chunks, strict=True):  # the copy engine's bytes (see the docstring)
             self.kvdoctor_region[chunk] = key_stamp(key, size, self.kvdoctor_region.dtype)
         self.journal.stores[job_metadata.job_id] = (keys, chunks)
         super().submit_store(job_metadata)
 
-    def submit_load(self, job_metadata: TransferJob) -> None:
+    def submit_load(self, job_metadata: Any) -> None:
         keys = tuple(job_metadata.keys)
-        chunks = tuple(int(c) for c in np.asarray(job_metadata.chunk_ids).tolist())
+        chunks = _chunk_ids(job_metadata)
         self.journal.loads[job_metadata.job_id] = (keys, chunks)
         super().submit_load(job_metadata)
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
+    def get_finished_jobs(self) -> Iterable[Any]:
         results = list(super().get_finished_jobs())
         size = self.kvdoctor_region.shape[1]
         for result in results:
-            self.journal.results.append((result.job_id, bool(result.success), result.deferred_release))
+            # deferred releases: 0.34 (absent before: a failed load's chunks are released at once)
+            self.journal.results.append((result.job_id, bool(result.success),
+                                         getattr(result, "deferred_release", None)))
             load = self.journal.loads.get(result.job_id)
             if load is None or not result.success:
                 continue

@@ -45,6 +45,22 @@ def p2p_probe() -> str | None:
     for name in ("NixlTransport", "ZmqTransport", "P2PSecondaryTierManager"):
         if not hasattr(manager, name):
             return f"vLLM's P2P manager has no {name}: its transports cannot be stood in for"
+    import inspect
+
+    factory = getattr(importlib.import_module("vllm.v1.kv_offload.tiering.factory"), "SecondaryTierFactory", None)
+    get_class = getattr(factory, "get_tier_class", None)
+    if get_class is None or "module_path" not in inspect.getsource(get_class):
+        # measured on 0.26.0: its P2P tier exists, its factory knows only its own tier types
+        return ("vLLM's secondary tier factory does not load a tier from `module_path`: kvdoctor's recording "
+                "P2P tier (compat/p2p_tier.py) cannot be loaded")
+    import dataclasses
+
+    result_cls = getattr(importlib.import_module("vllm.v1.kv_offload.tiering.base"), "JobResult", None)
+    if result_cls is None or "deferred_release" not in {f.name for f in dataclasses.fields(result_cls)}:
+        # measured on 0.33.0: the pair runs there, but its tier reports has_pending_work() always (so nothing
+        # says when it is at rest) and its results carry no deferred release to check
+        return ("vLLM's secondary tier results carry no `deferred_release`: kvdoctor's P2P invariants check "
+                "that promise and an idle tier's has_pending_work(), which such a release does not make")
     return None
 
 
