@@ -6,7 +6,7 @@ scheduler is asserted by the recipe tests (tests/test_recipes_mamba.py, test_rec
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -142,6 +142,70 @@ def test_a_trace_function_already_installed_keeps_seeing_other_frames():
     finally:
         sys.settrace(previous)
     assert coverage.hits == 1 and "<lambda>" in seen
+
+
+class FakeOffloadManager:
+    """A vLLM-side class `observe.function_lines` finds among the loaded connector modules (no vLLM needed)."""
+
+    def prepare_store(self, keys: list[int]) -> int:
+        total = 0
+        for key in keys:
+            total += key
+        return total
+
+
+FakeOffloadManager.__module__ = "vllm.fake_offload_for_test"
+
+
+def _lines_seen_by_a_tracer_installed_before(code, scope, call):
+    """The line events of `code` that a trace function installed before `scope` sees while `call` runs in it
+    (and once with no scope, for comparison); the trace function must be back in place after the scope."""
+    def record(into):
+        def outer(frame, event, arg):
+            if frame.f_code is code and event == "line":
+                into.append(frame.f_lineno - code.co_firstlineno)
+            return outer
+        return outer
+
+    alone, beside = [], []
+    previous = sys.gettrace()
+    try:
+        sys.settrace(record(alone))
+        call()
+        outer = record(beside)
+        sys.settrace(outer)
+        with scope() as counted:
+            call()
+        assert sys.gettrace() is outer
+    finally:
+        sys.settrace(previous)
+    assert alone, "the trace function saw nothing at all: the comparison would be vacuous"
+    return alone, beside, counted
+
+
+def test_a_trace_function_already_installed_sees_the_lines_the_function_counter_traces(monkeypatch):
+    """Review D5: the hunt's per-call line counter chains a trace function installed before it (a debugger,
+    coverage.py): that tracer sees every line of the traced function as it would alone, and both count."""
+    from kvdoctor.observe.function_lines import FunctionLines
+
+    module = ModuleType("vllm.fake_offload_for_test")
+    module.FakeOffloadManager = FakeOffloadManager
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    manager = FakeOffloadManager()
+    alone, beside, reach = _lines_seen_by_a_tracer_installed_before(
+        FakeOffloadManager.prepare_store.__code__, lambda: FunctionLines("prepare_store", lambda: 7),
+        lambda: manager.prepare_store([1, 2]))
+    assert beside == alone == [1, 2, 3, 2, 3, 2, 4]
+    assert reach.measured and (reach.calls, reach.examples) == (1, 1)
+    assert reach.reached == reach.statements and len(reach.statements) == 4, reach
+
+
+def test_a_trace_function_already_installed_sees_the_lines_the_site_tracer_traces():
+    engine, found = site()
+    alone, beside, coverage = _lines_seen_by_a_tracer_installed_before(
+        FakeScheduler.update_state_after_alloc.__code__, lambda: SiteTracer(found),
+        lambda: engine.update_state_after_alloc(16, 2))
+    assert beside == alone and coverage.hits == 1
 
 
 @pytest.mark.parametrize("text, message", [

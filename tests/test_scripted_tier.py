@@ -225,6 +225,39 @@ def test_the_recipe_replays_with_kvdoctor_repro(api):
     assert "reproduced " not in result.stdout.replace("not_reproduced", ""), result.stdout
 
 
+# Found by `explore --seed 1` on 0.34.0 (600 s): a reset while a promotion fails with a deferred release, the
+# gauge of deferred-release chunks at 1 once nothing runs. vLLM's connector says the engine must keep stepping
+# then (`has_pending_push_work`: the tier may still write the chunk), so it is work in flight, not a leak.
+DEFERRED_AT_IDLE = "\n".join([
+    '[recipe]', 'name = "deferred-release-at-idle"', 'summary = "a deferred release pending when requests are done"',
+    '[setup]', 'block_size = 2', 'blocks_per_chunk = 1', 'gpu_blocks = 4', 'max_model_len = 6',
+    'cpu_bytes_to_use = 4096', f'spec_name = "{TIERING}"', 'secondary_tier = "scripted"',
+    'tier_script = "late,ok/defer,ok"', 'worker = "simulated"',
+    '[signature]', 'invariant = "idle-connector-gauges-zero"',
+    '[[step]]', 'action = "add"', 'request = "A"', 'prompt_tokens = 2', 'max_tokens = 1',
+    '[[step]]', 'action = "schedule"',
+    '[[step]]', 'action = "add"', 'request = "B"', 'prompt_tokens = 2', 'max_tokens = 1',
+    'shared_prefix_with = "A"', 'shared_prefix_tokens = 2',
+    '[[step]]', 'action = "reset_prefix_cache"', 'reset_connector = true',
+    '[[step]]', 'action = "schedule"',
+    '[[step]]', 'action = "complete_transfers"',
+    '[[step]]', 'action = "schedule"',
+]) + "\n"
+
+
+def test_a_pending_deferred_release_is_not_an_idle_engine(scripted, tmp_path):
+    """The idle gauges are judged only once vLLM's connector lets the engine stop stepping: the deferred
+    release still pending at the last step keeps it busy, so the invariant holds (it fired before)."""
+    from kvdoctor import app as application
+    from kvdoctor.engine.overrides import Overrides
+    from kvdoctor.observe.verdict import Outcome
+
+    path = tmp_path / "deferred.toml"
+    path.write_text(DEFERRED_AT_IDLE, encoding="utf-8")
+    (result,) = application.repro(str(path), Overrides(), "installed").results
+    assert result.outcome is Outcome.NOT_REPRODUCED, (result.outcome, result.detail)
+
+
 # -- explore's draw ---------------------------------------------------------------------------------------
 
 def test_the_tier_bytes_upper_bits_draw_the_scripted_tier_only_where_probed():

@@ -118,10 +118,9 @@ def explore(
                                          on_progress=display.progress, on_finding=display.finding,
                                          write_attachment=write_attachment)
         from kvdoctor.cli import output
-        from kvdoctor.report.formats import Shown
+        from kvdoctor.report.explore import explore_shown
 
-        output.show(Shown(renderables=lambda: _summary(report),
-                          document=lambda: explore_app.explore_document(report)), fmt)
+        output.show(explore_shown(report), fmt)
         untested = explore_app.nothing_tested(report)
         if untested is not None and not report.result.errors:
             from kvdoctor.cli.streams import note
@@ -217,102 +216,6 @@ class _Display:
         for finding in self.found:
             grid.add_row("", Text(f"{finding.label} ({finding.steps} steps)"))
         return grid
-
-
-def _summary(report: Any) -> list[Any]:
-    out = _search_summary(report)
-    if report.coverage is not None:
-        out.extend(_coverage_summary(report.coverage))
-    return out
-
-
-# Shorter names for the connector's two packages in the coverage table.
-_SHORT = (("distributed/kv_transfer/kv_connector/v1/", ""), ("v1/kv_offload/", "kv_offload/"))
-
-
-def _coverage_summary(covered: Any) -> list[Any]:
-    """The connector's line coverage: one row per file (statements, executed, percent), then the total."""
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=f"connector line coverage: {covered.executed:,} of {covered.statements:,} statements "
-                        f"({covered.percent:.1f}%)", box=box.SIMPLE, title_justify="left", pad_edge=False)
-    for column in ("file", "statements", "executed", "%"):
-        table.add_column(column, justify="left" if column == "file" else "right")
-    for entry in covered.files:
-        name = entry.file
-        for prefix, short in _SHORT:
-            if name.startswith(prefix):
-                name = short + name[len(prefix):]
-                break
-        table.add_row(Text(name), str(entry.statements), str(entry.executed), f"{entry.percent:.0f}")
-    return [table]
-
-
-def _search_summary(report: Any) -> list[Any]:
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
-
-    result, stats = report.result, report.result.stats
-    config = result.config
-    line = (f"explore on vLLM {result.vllm_version}, logic {config.logic}, seed {config.seed}: "
-            f"{stats.examples} examples (+{stats.shrink_examples} while shrinking), "
-            f"{stats.scheduler_steps:,} scheduler steps in {stats.elapsed:.1f} s "
-            f"({stats.steps_per_second:,.0f} steps/s)")
-    out: list[Any] = [Text(line)]
-    for error in result.errors:
-        out.append(Text(f"warning: {error}", style="yellow"))
-    for lost in result.lost:
-        out.append(Text(f"warning: {lost}", style="yellow"))
-    if config.ray is not None and result.workers:
-        nodes = sorted({w.node for w in result.workers})
-        out.append(Text(f"{config.workers} Ray tasks on {len(nodes)} node(s): {', '.join(nodes)}"))
-    if not report.findings:
-        if result.lost:
-            out.append(Text("no failure found in the part of the search that ran (incomplete: see the warnings)",
-                            style="yellow"))
-        else:
-            out.append(Text("no example ran: nothing tested" if stats.examples == 0 else "no failure found",
-                            style="yellow" if stats.examples == 0 else "green"))
-        return out
-    table = Table(title=f"{len(report.findings)} failure(s) found, shrunk and written to {report.out_dir}",
-                  box=box.SIMPLE, title_justify="left")
-    for column in ("signature", "steps", "found after", "recipe file"):
-        table.add_column(column, no_wrap=column in ("steps", "recipe file"))
-    for finding in report.findings:  # Text(): a `[...]` from vLLM's source is not rich markup
-        table.add_row(Text(finding.label), str(finding.steps),
-                      f"{finding.elapsed_s:.1f} s, {finding.examples_before} examples (worker {finding.worker})",
-                      Text(finding.file or ""))
-    from kvdoctor.report.layout import Fit, Hanging, Items
-
-    blocks: list[Any] = [table.title if isinstance(table.title, Text) else Text(table.title or "")]
-    for finding in report.findings:
-        blocks.append(Items(finding.label.split(" "), prefix=" ", sep=" ", indent=4))
-        blocks.append(Text(f"    {finding.steps} steps, after {finding.elapsed_s:.1f} s, "
-                           f"{finding.examples_before} examples (worker {finding.worker})"))
-        blocks.append(Text(f"    {finding.file or ''}"))
-    from rich.console import Group
-
-    out.append(Fit(table, Group(*blocks)))
-    for finding in report.findings:  # Hanging: wrapped lines keep their indent (plain text, not markup)
-        out.append(Hanging(f"{finding.label}: {finding.detail}"
-                           + (" (flaky: hypothesis could not replay it deterministically)" if finding.flaky else ""),
-                           extra=4))
-        out.append(Hanging(f"    impact: {finding.impact.line}", extra=8))
-        if finding.triage is not None:
-            style = "bold" if finding.triage.report else ""
-            out.append(Hanging(f"    triage: {finding.triage.line}", extra=8, style=style))
-            for note in finding.triage.diagnosis:
-                out.append(Hanging(f"    diagnosis: {note}", extra=8))
-            if finding.triage.report:
-                out.append(Hanging(f"    report attachment: {finding.triage.report}", extra=8))
-    for note in report.notes:
-        out.append(Hanging(f"note: {note}", extra=6, style="yellow"))
-    out.append(Text("replay one with: kvdoctor repro <recipe file>"
-                    + (f" --logic {config.logic}" if config.logic != "installed" else "")))
-    return out
 
 
 def write_attachment(finding: Any, result: Any) -> str | None:

@@ -1,6 +1,6 @@
 """The `explore` application function: validate, search, write the findings, return plain data.
 
-Free of Typer and of formatting (the CLI renders `ExploreReport`); imports
+Free of Typer and of formatting (`kvdoctor.report.explore` formats `ExploreReport`); imports
 hypothesis and vLLM only when called.
 """
 
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdoctor import SCHEMA_VERSION, __version__
 from kvdoctor.engine import compat
 from kvdoctor.engine.memory import available_memory_bytes
 from kvdoctor.errors import ExitStatus, InternalError, KvdoctorError, UsageError
@@ -273,36 +272,3 @@ def nothing_tested(report: ExploreReport) -> str | None:
         return None
     return (f"explore: 0 examples ran in --time-budget {config.time_budget:g} s (after vLLM's import): "
             f"nothing was tested; give it a longer --time-budget")
-
-
-def explore_document(report: ExploreReport) -> dict[str, Any]:
-    """The `--json` document (stable keys, `schema_version`)."""
-    result, config, stats = report.result, report.result.config, report.result.stats
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kvdoctor_version": __version__,
-        "vllm_version": result.vllm_version,
-        "command": report.command or None,
-        "logic": config.logic,
-        "seed": config.seed,
-        "workers": config.workers,
-        "worker": config.worker,
-        "max_examples": config.max_examples,
-        "time_budget_s": config.time_budget,
-        "out": str(report.out_dir),
-        "examples": stats.examples,
-        "shrink_examples": stats.shrink_examples,
-        "invalid_examples": stats.invalid,
-        "excluded_runs": stats.excluded,  # failing runs through an --exclude-trigger bug's trigger, run past
-        "scheduler_steps": stats.scheduler_steps,
-        "elapsed_s": round(stats.elapsed, 3),
-        "wall_s": round(report.wall_s, 3),  # on the budget's clock: search, shrinking and triage
-        "steps_per_second": round(stats.steps_per_second, 1),
-        "findings": [finding.as_dict() for finding in report.findings],
-        "errors": list(result.errors),
-        "lost": list(result.lost),
-        "ray": config.ray,
-        "nodes": sorted({w.node for w in result.workers}),
-        # --coverage: the connector's line coverage per file and in total (null without --coverage)
-        "coverage": report.coverage.as_dict() if report.coverage is not None else None,
-    }

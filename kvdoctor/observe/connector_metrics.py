@@ -128,13 +128,15 @@ def _gauge_messages(name: str, value: Any, idle: bool) -> list[str]:
 
 def engine_idle(harness: Any) -> bool:
     """No request left in vLLM's scheduler and no transfer job in flight: the worker's, the connector's, and
-    a tiering manager's secondary-tier promotions and cascades (a cascade pins its CPU chunk while it writes)."""
+    a tiering manager's secondary-tier promotions and cascades (a cascade pins its CPU chunk while it writes);
+    and the connector itself says the engine may stop stepping (a tier's deferred release still pending keeps
+    vLLM's engine stepping, so its pinned chunk is work in flight, not a leak)."""
     if harness.scheduler.requests or harness.worker.in_flight:
         return False
     cs, api = harness.connector_scheduler, harness.api
     if cs is None:
         return True
-    if api.jobs(cs):
+    if api.jobs(cs) or api.connector_keeps_stepping(cs):
         return False
     tiering = api.tiering_manager_of(cs)
     return tiering is None or not api.tier_jobs(tiering)

@@ -9,11 +9,11 @@ assert (or a guarded `if`) whose test is one comparison, the values compared
 are recorded where the margin was closest, so a report can say how near the
 buggy side the run came.
 
-Tracing is scoped to the site's code object: `sys.monitoring` local events on
-3.12+; before that a `sys.settrace` whose global function returns a local
-tracer for that code object only. Either is removed on exit, even when the
-scenario raises, and a trace function already installed (a debugger, coverage)
-is restored and keeps seeing every other frame.
+Tracing is scoped to the site's code object (`LineTracer`): `sys.monitoring`
+local events on 3.12+; before that a `sys.settrace` whose global function
+returns a local tracer for that code object only. Either is removed on exit,
+even when the scenario raises, and a trace function already installed (a
+debugger, coverage) is chained, then restored: it keeps seeing every frame.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import builtins
 import linecache
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType, FunctionType
 from typing import Any
@@ -350,22 +350,64 @@ def _short(path: str) -> str:
 
 # -- counting -----------------------------------------------------------------------------------
 
-class SiteTracer:
-    """Counts the site's executions inside a `with` block; see the module docstring for how."""
+class LineTracer:
+    """Statement events of a few code objects inside `start()` .. `stop()`, at the least cost to the rest of
+    the run: `on_statement(frame, code, start)` each time one of their statements begins to execute
+    (`starts`: code -> line -> the first line of its statement), `on_call(code)` at each call of one.
 
-    def __init__(self, site: Site) -> None:
-        self.site = site
-        self.coverage = Coverage(site.function, site.statement, site.source, site.where, site.gone,
-                                 site.when_text)
-        self._codes = frozenset(site.codes)
+    3.12+: `sys.monitoring` local events on those code objects only. 3.11: a trace function is the only way
+    to see line events, and while one is set every call in the thread pays for it (3x a run, measured). So
+    where each class of `hooks` defines `function` as a plain function whose code objects are exactly the
+    traced ones, each gets, for the scope, a pass-through that turns tracing on around the call only; else
+    a global trace function traces those code objects for the whole scope. A trace function already
+    installed (a debugger, coverage) is chained: it keeps seeing every frame, the traced ones' lines too.
+    One implementation for the crash site (`SiteTracer`) and a hunt's whole function
+    (`observe.function_lines`)."""
+
+    def __init__(self, function: str, starts: dict[CodeType, dict[int, int]], hooks: tuple[type, ...],
+                 on_statement: Callable[[FrameType, CodeType, int], None],
+                 on_call: Callable[[CodeType], None] | None = None) -> None:
+        self.function = function
+        self._starts = starts
+        self._codes = frozenset(starts)
+        self._hooks = hooks
+        self._on_statement = on_statement
+        self._on_call = on_call
         self._last: dict[int, int] = {}  # id(frame) -> the statement start its last line event was in
         self._previous: Any = None
         self._tool: int | None = None
         self._hooked: list[tuple[type, Any]] = []
+        self._global = False
 
-    # one line event in a site code object (3.12+: sys.monitoring gives no per-frame state to keep it in)
+    def start(self) -> bool:
+        """Start tracing; False when nothing can be traced here (every sys.monitoring tool id taken)."""
+        if not self._codes:
+            return True
+        if sys.version_info >= (3, 12):
+            return self._start_monitoring()
+        if self._hooks_cover_codes():
+            self._start_per_call()
+        else:
+            self._previous = sys.gettrace()
+            sys.settrace(self._global_trace_function(self._previous))
+            self._global = True
+        return True
+
+    def stop(self) -> None:
+        """Remove what `start` installed (the previous trace function back in place)."""
+        if self._tool is not None:
+            self._stop_monitoring()
+        for klass, original in self._hooked:
+            setattr(klass, self.function, original)
+        self._hooked = []
+        if self._global:
+            sys.settrace(self._previous)
+            self._global = False
+        self._last.clear()
+
+    # one line event in a traced code object (3.12+: sys.monitoring gives no per-frame state to keep it in)
     def _line(self, frame: FrameType, code: CodeType, lineno: int) -> None:
-        start = self.site.starts[code].get(lineno)
+        start = self._starts[code].get(lineno)
         key = id(frame)
         if start is None:
             self._last.pop(key, None)
@@ -373,7 +415,108 @@ class SiteTracer:
         if self._last.get(key) == start:
             return  # another line of the statement being executed
         self._last[key] = start
-        self._hit(frame, code, start)
+        self._on_statement(frame, code, start)
+
+    def _hooks_cover_codes(self) -> bool:
+        name = self.function
+        return bool(self._hooks) and {klass.__dict__[name].__code__ for klass in self._hooks} == set(self._codes)
+
+    def _start_per_call(self) -> None:
+        import functools
+
+        global_trace = self._global_trace_function(None)
+        for klass in self._hooks:
+            original = klass.__dict__[self.function]
+
+            def traced(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
+                previous = sys.gettrace()
+                sys.settrace(global_trace if previous is None else self._global_trace_function(previous))
+                try:
+                    return __original(*args, **kwargs)
+                finally:
+                    sys.settrace(previous)
+
+            self._hooked.append((klass, original))
+            setattr(klass, self.function, functools.wraps(original)(traced))
+
+    def _global_trace_function(self, previous: Any) -> Any:
+        """A global trace function that gives each frame of a traced code object its own line tracer: one
+        closure per call, holding the statement it is in, so a line event outside the traced statements
+        costs one dict lookup (the tracer runs on every line of the traced function). `previous` (a trace
+        function installed before) gets every other frame, and its own tracer of the traced frames is
+        called beside ours."""
+        # keyed by id: a code object's own hash walks its constants, and this runs on every call
+        starts = {id(code): lines for code, lines in self._starts.items()}
+        hit, called = self._on_statement, self._on_call
+
+        def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
+            code = frame.f_code
+            lines = starts.get(id(code))
+            if lines is None:
+                return previous(frame, event, arg) if previous is not None else None
+            if called is not None:
+                called(code)
+            theirs = previous(frame, event, arg) if previous is not None else None
+            current: int | None = None  # first line of the traced statement this frame is in
+
+            def local(frame: FrameType, event: str, arg: Any) -> Any:
+                nonlocal current, theirs
+                if event == "line":
+                    start = lines.get(frame.f_lineno)
+                    if start is not None and start != current:
+                        hit(frame, code, start)
+                    current = start
+                if theirs is not None:  # a local tracer may replace itself, or stop (None), as it would alone
+                    theirs = theirs(frame, event, arg)
+                return local
+
+            return local
+
+        return global_trace
+
+    # 3.12+: LINE events on the traced code objects only
+    def _start_monitoring(self) -> bool:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
+        tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
+        if tool is None:  # every tool id taken: count nothing rather than disturb another tool
+            return False
+        monitoring.use_tool_id(tool, "kvdoctor-coverage")
+        self._tool = tool
+        on_line, called, last = self._line, self._on_call, self._last
+
+        def line_event(code: CodeType, lineno: int) -> Any:
+            on_line(sys._getframe(1), code, lineno)
+
+        def start_event(code: CodeType, offset: int) -> Any:
+            last.pop(id(sys._getframe(1)), None)  # a new call: a frame id may be reused
+            if called is not None:
+                called(code)
+
+        events = monitoring.events
+        monitoring.register_callback(tool, events.LINE, line_event)
+        monitoring.register_callback(tool, events.PY_START, start_event)
+        for code in self._codes:
+            monitoring.set_local_events(tool, code, events.LINE | events.PY_START)
+        return True
+
+    def _stop_monitoring(self) -> None:
+        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
+        for code in self._codes:
+            monitoring.set_local_events(self._tool, code, 0)
+        monitoring.register_callback(self._tool, monitoring.events.LINE, None)
+        monitoring.register_callback(self._tool, monitoring.events.PY_START, None)
+        monitoring.free_tool_id(self._tool)
+        self._tool = None
+
+
+class SiteTracer:
+    """Counts the site's executions inside a `with` block (traced by `LineTracer`, its statements only)."""
+
+    def __init__(self, site: Site) -> None:
+        self.site = site
+        self.coverage = Coverage(site.function, site.statement, site.source, site.where, site.gone,
+                                 site.when_text)
+        self._lines = LineTracer(site.function, site.starts, site.hooks, self._hit)
 
     # the site statement starting at `start` begins to execute in `frame`
     def _hit(self, frame: FrameType, code: CodeType, start: int) -> None:
@@ -407,122 +550,12 @@ class SiteTracer:
             self.coverage.closest = f"{left} {op} {right}"
 
     def __enter__(self) -> Coverage:
-        if not self._codes:
-            return self.coverage
-        if sys.version_info >= (3, 12):
-            self._start_monitoring()
-        elif self._hooks_cover_codes():
-            self._start_per_call()
-        else:
-            self._start_settrace()
+        if not self._lines.start():
+            self.coverage.measured = False
         return self.coverage
 
     def __exit__(self, *exc: Any) -> None:
-        if not self._codes:
-            return
-        if self._tool is not None:
-            self._stop_monitoring()
-        elif self._hooked:
-            for klass, original in self._hooked:
-                setattr(klass, self.site.function, original)
-            self._hooked = []
-        else:
-            sys.settrace(self._previous)
-        self._last.clear()
-
-    # 3.11: a trace function is the only way to see line events, and while one is set every call in the
-    # thread pays for it (3x a run, measured). So it is set only while the site's function runs: each
-    # class that defines it gets, for the scope, a pass-through that turns tracing on around the call.
-    def _hooks_cover_codes(self) -> bool:
-        name = self.site.function
-        return bool(self.site.hooks) and {klass.__dict__[name].__code__ for klass in self.site.hooks} == set(
-            self._codes)
-
-    def _start_per_call(self) -> None:
-        import functools
-
-        global_trace = self._global_trace_function(None)
-        for klass in self.site.hooks:
-            original = klass.__dict__[self.site.function]
-
-            def traced(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
-                previous = sys.gettrace()
-                sys.settrace(global_trace if previous is None else self._global_trace_function(previous))
-                try:
-                    return __original(*args, **kwargs)
-                finally:
-                    sys.settrace(previous)
-
-            self._hooked.append((klass, original))
-            setattr(klass, self.site.function, functools.wraps(original)(traced))
-
-    def _global_trace_function(self, previous: Any) -> Any:
-        """A global trace function that gives each frame of a site code object its own line tracer: one
-        closure per call, holding the statement it is in, so a line event outside the site costs one
-        dict lookup and no other call (the tracer runs on every line of the site's function)."""
-        # keyed by id: a code object's own hash walks its constants, and this runs on every call
-        starts = {id(code): lines for code, lines in self.site.starts.items()}
-        hit = self._hit
-
-        def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
-            code = frame.f_code
-            lines = starts.get(id(code))
-            if lines is None:
-                return previous(frame, event, arg) if previous is not None else None
-            current: int | None = None  # first line of the site statement this frame is in
-
-            def local(frame: FrameType, event: str, arg: Any) -> Any:
-                nonlocal current
-                if event == "line":
-                    start = lines.get(frame.f_lineno)
-                    if start is not None and start != current:
-                        hit(frame, code, start)
-                    current = start
-                return local
-
-            return local
-
-        return global_trace
-
-    # 3.11 where the site's function cannot be hooked (a staticmethod, a wrapped function): a global trace
-    # function that traces only the site's code objects, for the whole scope
-    def _start_settrace(self) -> None:
-        self._previous = sys.gettrace()
-        sys.settrace(self._global_trace_function(self._previous))
-
-    # 3.12+: LINE events on the site's code objects only
-    def _start_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
-        tool = next((t for t in range(5, -1, -1) if monitoring.get_tool(t) is None), None)
-        if tool is None:  # every tool id taken: count nothing rather than disturb another tool
-            self.coverage.measured = False
-            return
-        monitoring.use_tool_id(tool, "kvdoctor-coverage")
-        self._tool = tool
-        on_line = self._line
-
-        last = self._last
-
-        def line_event(code: CodeType, lineno: int) -> Any:
-            on_line(sys._getframe(1), code, lineno)
-
-        def start_event(code: CodeType, offset: int) -> Any:
-            last.pop(id(sys._getframe(1)), None)  # a new call: a frame id may be reused
-
-        events = monitoring.events
-        monitoring.register_callback(tool, events.LINE, line_event)
-        monitoring.register_callback(tool, events.PY_START, start_event)
-        for code in self._codes:
-            monitoring.set_local_events(tool, code, events.LINE | events.PY_START)
-
-    def _stop_monitoring(self) -> None:
-        monitoring = sys.monitoring  # type: ignore[attr-defined]  # 3.12+ only; mypy checks as 3.11
-        for code in self._codes:
-            monitoring.set_local_events(self._tool, code, 0)
-        monitoring.register_callback(self._tool, monitoring.events.LINE, None)
-        monitoring.register_callback(self._tool, monitoring.events.PY_START, None)
-        monitoring.free_tool_id(self._tool)
-        self._tool = None
+        self._lines.stop()
 
 
 _SITES: dict[tuple[Any, ...], Site] = {}

@@ -5,22 +5,21 @@ A hunt that does not reach its crash must say how near it came: the crash functi
 `observe.coverage`'s site counting widened from one statement to every statement of the function, over a
 scope that spans many runs (explore's search), with an example counter the caller supplies.
 
-Tracing is per call, as `coverage.SiteTracer` does on 3.11: for the scope, each vLLM class that defines
-the function gets a pass-through that turns a line tracer on around the call only (the rest of the search
-runs untraced), restored on exit even when the search raises. A function no class defines as a plain
-function (a staticmethod, a wrapped one) is not traced: `measured` says so.
+Tracing is `coverage.LineTracer`'s, the crash site's own, given every statement of the function in place of
+one: per call on 3.11 (for the scope, each vLLM class that defines the function gets a pass-through that turns
+a line tracer on around the call only; the rest of the search runs untraced), `sys.monitoring` on 3.12+;
+removed on exit even when the search raises, a trace function installed before chained. A function no class
+defines as a plain function (a staticmethod, a wrapped one) is not traced: `measured` says so.
 """
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import CodeType, FrameType, FunctionType
 from typing import Any
 
-from kvdoctor.observe.coverage import _module_classes, _normalize, _owners, _short, _statements
+from kvdoctor.observe.coverage import LineTracer, _module_classes, _normalize, _owners, _short, _statements
 
 
 @dataclass
@@ -77,8 +76,8 @@ class FunctionLines:
         self._example = example
         self._file = _tail(file)
         self._statement = _normalize(statement.removeprefix("assert ").strip()) if statement else ""
-        self._hooked: list[tuple[type, Any]] = []
-        self._starts: dict[int, dict[int, int]] = {}  # id(code) -> line -> its statement's first line
+        self._lines: LineTracer | None = None
+        self._first: CodeType | None = None  # lines are kept for the first owner's code (the one `statements` lists)
         self._seen_examples: set[int] = set()
         self._reached: set[int] = set()
 
@@ -92,65 +91,39 @@ class FunctionLines:
             self.reach.measured = False
             self.reach.why_not = f"no vLLM connector or scheduler class defines {name} as a plain function"
             return self.reach
-        first_klass, first_code = owners[0]
-        statements = _statements(first_code)
-        self.reach.where = f"{first_klass.__qualname__}.{name} ({_short(first_code.co_filename)}:" \
-                           f"{first_code.co_firstlineno})"
+        first_klass, self._first = owners[0]
+        statements = _statements(self._first)
+        self.reach.where = f"{first_klass.__qualname__}.{name} ({_short(self._first.co_filename)}:" \
+                           f"{self._first.co_firstlineno})"
         self.reach.statements = sorted({first for first, _, _, _ in statements})
         if self._statement:
             crash = [first for first, _, text, _ in statements if self._statement in text]
             self.reach.crash_line = crash[0] if crash else None
-        for klass, code in owners:
-            self._starts[id(code)] = {n: first for first, end, _, _ in _statements(code)
-                                      for n in range(first, end + 1)}
-            self._hook(klass, code)
+        starts = {code: {n: first for first, end, _, _ in _statements(code) for n in range(first, end + 1)}
+                  for _, code in owners}
+        self._lines = LineTracer(name, starts, tuple(klass for klass, _ in owners), self._statement_ran, self._called)
+        if not self._lines.start():
+            self._lines = None
+            self.reach.measured = False
+            self.reach.why_not = "no free sys.monitoring tool id"
         return self.reach
 
     def __exit__(self, *exc: Any) -> None:
-        for klass, original in self._hooked:
-            setattr(klass, self.reach.function, original)
-        self._hooked = []
+        if self._lines is not None:
+            self._lines.stop()
+            self._lines = None
         self.reach.reached = sorted(n for n in self._reached if n in set(self.reach.statements))
         self.reach.examples = len(self._seen_examples)
 
-    def _hook(self, klass: type, code: CodeType) -> None:
-        original = klass.__dict__[self.reach.function]
-        starts = self._starts[id(code)]
-        reach, seen, example = self.reach, self._seen_examples, self._example
-        first = not self._hooked  # lines are kept for the first owner's code (the one `statements` lists)
-        crash_line = reach.crash_line if first else None
-        reached = self._reached if first else set()
+    def _called(self, code: CodeType) -> None:
+        self.reach.calls += 1
+        self._seen_examples.add(self._example())
 
-        def global_trace(frame: FrameType, event: str, arg: Any) -> Any:
-            if frame.f_code is not code:
-                return None
-            current: int | None = None
-
-            def local(frame: FrameType, event: str, arg: Any) -> Any:
-                nonlocal current
-                if event == "line":
-                    start = starts.get(frame.f_lineno)
-                    if start is not None and start != current:
-                        reached.add(start)
-                        if start == crash_line:
-                            reach.crash_hits += 1
-                    current = start
-                return local
-
-            return local
-
-        def traced(*args: Any, __original: Any = original, **kwargs: Any) -> Any:
-            reach.calls += 1
-            seen.add(example())
-            previous = sys.gettrace()
-            sys.settrace(global_trace)
-            try:
-                return __original(*args, **kwargs)
-            finally:
-                sys.settrace(previous)
-
-        self._hooked.append((klass, original))
-        setattr(klass, self.reach.function, functools.wraps(original)(traced))
+    def _statement_ran(self, frame: FrameType, code: CodeType, start: int) -> None:
+        if code is self._first:
+            self._reached.add(start)
+            if start == self.reach.crash_line:
+                self.reach.crash_hits += 1
 
 
 def _tail(path: str) -> str:

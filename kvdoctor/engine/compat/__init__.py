@@ -578,6 +578,13 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         """Secondary-tier jobs (promotions and cascades) the tiering manager holds in flight now."""
         return len(names.get(manager, names.TIER_TRANSFER_JOBS, None) or {})
 
+    def connector_keeps_stepping(self, connector_scheduler: Any) -> bool:
+        """The connector's own answer to "must the engine keep stepping?" (`has_pending_push_work`: its
+        jobs, and its manager's pending work, e.g. a tier's deferred release not yet set). An engine is
+        idle only when this is False; False where the release has no such method (nothing to ask)."""
+        ask = getattr(connector_scheduler, "has_pending_push_work", None)
+        return bool(ask()) if callable(ask) else False
+
     def kv_cache_group_has_field(self, name: str) -> bool:
         cls = self.cls("kv_cache_interface", "KVCacheGroupSpec")
         return name in {f.name for f in dataclasses.fields(cls)}
