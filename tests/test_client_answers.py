@@ -156,3 +156,17 @@ def test_the_client_reads_token_ids_and_the_stop_token_it_was_told_of() -> None:
     body = json.dumps({"choices": [{"token_ids": [172, 5, 9], "finish_reason": "length", "stop_reason": None}]})
     assert completion_tokens(body) == [172, 5, 9]
     assert completion_tokens("not json") is None and completion_tokens('{"choices": [{}]}') is None
+
+
+def test_the_served_executor_reads_the_eos_schedule_the_client_sends() -> None:
+    """The stand-in executor (vLLM-only: exported scripts embed it) spells the EOS schedule's key and the stop
+    token itself; they must be the ones the serve level sends (names.py, step_loop.py)."""
+    import re
+    from pathlib import Path
+
+    from kvdoctor.engine.core.names import EOS_AFTER_ARG
+    from kvdoctor.engine.step_loop import EOS_TOKEN
+
+    source = (Path(__file__).parents[1] / "kvdoctor" / "engine" / "core" / "standin_executor.py").read_text()
+    assert re.search(rf'^EOS_AFTER_ARG = "{EOS_AFTER_ARG}"', source, re.M)
+    assert re.search(rf"^EOS_TOKEN = {EOS_TOKEN}\b", source, re.M)
