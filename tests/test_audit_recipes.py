@@ -244,6 +244,24 @@ def test_k4_async_stores_a_computed_slot(api):
     assert stores == K4_ASYNC_STORES[bug_present(api, K4)]
 
 
+def test_k4_under_async_at_max_tokens_reproduces_where_the_sync_recipe_does(api):
+    """vLLM's own K4 test (benchmarks/oracle_k4_final_token.py) stores the final token's chunk under async
+    scheduling too (0.26.0, 0.27.0: in EngineCore's step order). An EOS is unforeseen, so async computes its slot
+    in the step already in flight (above); a request ending at max_tokens gets no such step (the scheduler does
+    not schedule past max_tokens), so its last slot is never computed and K4 shows under async scheduling
+    exactly where the sync recipe reproduces (before PR #54288's clamp). Measured 2026-12-05: 0.26.0
+    reproduced (simulated and vLLM's worker); 0.29.0, 0.30.0, 0.34.0: see the commit."""
+    from .conftest import ROOT
+
+    recipe = ROOT / "tests" / "data" / "final-token-length-capped-async.toml"
+    run = app.repro(str(recipe), Overrides(), "installed").results[0]
+    assert run.outcome is (R if bug_present(api, K4) else N), (run.outcome, run.detail)
+    if run.outcome is R:
+        assert [v.invariant for v in run.violations][:1] == ["store-covers-computed-slots"], run.violations
+        a = next(r for r in run.requests if r.request == "A")
+        assert a.status == "FINISHED_LENGTH_CAPPED" and a.computed_tokens == 15, a
+
+
 def test_k4_fixed_release_builds_no_store(reports, release):
     run = result(reports, K4, False, "installed")
     if run.outcome is not N:
