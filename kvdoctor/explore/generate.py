@@ -226,8 +226,9 @@ MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
 SIZE_KINDS = ("tokens", "chunks", "pool", "tokens")
 TRANSFER_KINDS = (None, "store", "load")
-# A small CPU tier (evictions, stores that find no room) in 4 KiB pages: one page holds at
-# least one of these toy geometries' chunks on every release (0.33 aligns chunks to the page).
+# A small CPU tier (evictions, stores that find no room) in 4 KiB pages. Not every chunk fits one page
+# (eagle-pair, 8-token blocks, 3 a chunk: 6 KiB): under the tiering spec `decode_geometry` raises the tier
+# to one chunk (a zero-chunk tier fails its start-up); CPUOffloadingSpec builds with it (measured, 0.34.0).
 CPU_TIERS = (None, None, None, 4096, 8192, 16384, 32768)
 # TieringOffloadingSpec maps its whole CPU tier (a /dev/shm region) per scheduler: kvdoctor's roomy
 # default (64 MiB) would cost every build; a roomy tiering tier is 256 KiB.
@@ -370,7 +371,7 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
     if not byte & 1 or geometry.multi_connector or worker != "simulated":
         return geometry
     chunks = TIER_CPU_CHUNKS[byte >> 1 & 3]
-    chunk_bytes = -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
+    chunk_bytes = tier_chunk_bytes(geometry)
     if chunks is not None:
         cpu = chunks * chunk_bytes
     else:
@@ -397,6 +398,12 @@ def decode_kv_events(geometry: Geometry, byte: int, features: frozenset[str]) ->
         return geometry
     return dataclasses.replace(geometry, kv_events=True,
                                self_describing_kv_events=bool(byte >> 1 & 1) and SELF_DESCRIBING_DRAW in features)
+
+
+def tier_chunk_bytes(geometry: Geometry) -> int:
+    """One chunk of the geometry's KV in the tiering spec's CPU tier: padded to whole 4 KiB pages, as the
+    spec pads it."""
+    return -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
 
 
 def kv_bytes_per_token(geometry: Geometry) -> int:
@@ -486,15 +493,20 @@ def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None
         cpu = TIERING_ROOMY_TIER
     layout_name = layouts[layout % len(layouts)] if layouts else LAYOUTS[layout]
     bs = BLOCK_SIZES[block_size]
-    return Geometry(block_size=bs, blocks_per_chunk=1 + blocks_per_chunk,
-                    gpu_blocks=pool_blocks(MIN_GPU_BLOCKS + gpu_blocks, layout_name), max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
-                    async_scheduling=bool(is_async), cpu_bytes_to_use=cpu,
-                    offload_prompt_only=not decode_offload, spec_name=spec_name, layout=layout_name,
-                    sliding_window=bs * WINDOW_BLOCKS[layout_arg % len(WINDOW_BLOCKS)]
-                    if layout_name in WINDOWED_LAYOUTS else None,
-                    mamba_cache_mode=MAMBA_MODES[layout_arg % len(MAMBA_MODES)]
-                    if layout_name in MAMBA_LAYOUTS else None)
+    geometry = Geometry(block_size=bs, blocks_per_chunk=1 + blocks_per_chunk,
+                        gpu_blocks=pool_blocks(MIN_GPU_BLOCKS + gpu_blocks, layout_name), max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
+                        async_scheduling=bool(is_async), cpu_bytes_to_use=cpu,
+                        offload_prompt_only=not decode_offload, spec_name=spec_name, layout=layout_name,
+                        sliding_window=bs * WINDOW_BLOCKS[layout_arg % len(WINDOW_BLOCKS)]
+                        if layout_name in WINDOWED_LAYOUTS else None,
+                        mamba_cache_mode=MAMBA_MODES[layout_arg % len(MAMBA_MODES)]
+                        if layout_name in MAMBA_LAYOUTS else None)
+    if spec_name == TIERING and cpu is not None and cpu < tier_chunk_bytes(geometry):
+        # vLLM 0.34's tiering spec fails at start-up on a tier below one chunk (`TIER_CPU_CHUNKS`): a
+        # refusal, never a finding; the smallest tier it takes is one chunk
+        geometry = dataclasses.replace(geometry, cpu_bytes_to_use=tier_chunk_bytes(geometry))
+    return geometry
 
 
 def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[Any, ...], ...]:
