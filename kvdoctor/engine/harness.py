@@ -349,6 +349,16 @@ class Harness:
         raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
                          "loop does); play it with --engine core")
 
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None:
+        """Sleep mode is the engine's (EngineCore.sleep pauses its step loop and puts its executor to sleep): refused
+        by its need, as `pause` is; reaching here is a usage error."""
+        raise UsageError("sleep: kvdoctor's scheduler harness has no engine to put to sleep (EngineCore.sleep "
+                         "does); play it with --engine core")
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        raise UsageError("wake_up: kvdoctor's scheduler harness has no engine to wake (EngineCore.wake_up does); "
+                         "play it with --engine core")
+
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""
         self.worker.shutdown()

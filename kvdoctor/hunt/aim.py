@@ -34,10 +34,12 @@ UNEXPRESSED = {
                           "hashes are the nearest explore has",
     "hybrid KV layout": "no layout named or implied that kvdoctor ships (drawn at random: swa-full, mamba-hybrid, "
                         "eagle-pair)",
-    "sleep mode": "no sleep/wake step in explore's vocabulary",
+    "sleep mode": "explore plays kvdoctor's scheduler harness, where sleep/wake (the engine's: EngineCore.sleep / "
+                  "wake_up) is refused; a recipe plays it at --engine core (`sleep` / `wake_up` steps, "
+                  "tests/data/sleep-wake-*.toml)",
 }
 MTP_NOTE = "MTP: no MTP drafter of its own; speculative decoding is drawn as eagle or ngram"
-HYBRID_MTP_NOTE = "no shipped layout has a Mamba group + attention + an MTP drafter group"
+MTP_LAYOUT = "mamba-mtp-hybrid"  # Mamba + attention + an MTP drafter group (its Mamba spec's speculative blocks)
 
 # The KV layouts a log names or implies (`--force layout=NAME`, kvdoctor/models/): words of the log (a model's
 # name, its config, vLLM's spec classes) and of the crash statement -> the kinds of KV group it shows.
@@ -181,12 +183,14 @@ def aim_from_log(summary: LogSummary, match: MatchResult, target: str | None = N
     model = str(summary.serve_args.get("model") or "")
     hints = " ".join((text, model, *(f"{n.evidence}" for n in summary.features.values())))
     layouts, why = implied_layouts(hints, aim.statement)
+    if "mamba-hybrid" in layouts and any(f == "MTP" for f, _ in aim.unexpressed):
+        # a Mamba hybrid served with MTP plans the drafter's group beside its own (Qwen3-Next + MTP)
+        layouts = (MTP_LAYOUT, *(layout for layout in layouts if layout != "mamba-hybrid"))
+        why += " with MTP"
     if layouts and not forced_layouts(forced):
         forced |= {LAYOUT_PREFIX + layout for layout in layouts}
         aim.expressed.append(f"KV layout ({why}): forced to {', '.join(layouts)}")
         aim.unexpressed = [(f, why_not) for f, why_not in aim.unexpressed if not f.startswith("hybrid KV layout")]
-        if any("mamba" in layout for layout in layouts) and any(f == "MTP" for f, _ in aim.unexpressed):
-            aim.unexpressed.append(("hybrid KV layout + MTP", HYBRID_MTP_NOTE))
     if not include_known:
         from kvdoctor.recipes.builtins import all_builtins
 

@@ -35,7 +35,8 @@ class CoreHarness(Harness):
         self.setup = setup
         vllm_config, self.kv_plan, _, _, _ = _build_pieces(api, setup)
         layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
-        specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+        specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode,
+                                      kv_layout.speculative_blocks(setup))
         vllm_config.parallel_config.distributed_executor_backend = QUALNAME
         handoff = Handoff(specs=specs, admission_len=self.kv_plan.admission_len)
         HANDOFFS[id(vllm_config)] = handoff
@@ -97,6 +98,29 @@ class CoreHarness(Harness):
 
     def resume(self) -> None:
         self.core.resume_scheduler()
+
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None:
+        """EngineCore.sleep as an in-process client (`LLM.sleep`) calls it: the engine pauses its scheduler
+        (`mode`), at level >= 1 resets its caches (the connector's too unless `reset_connector` is false, where
+        the release takes it: a probe) and puts kvdoctor's executor to sleep. A reset connector forgets its jobs:
+        the worker's go with it, as with `reset_prefix_cache`."""
+        if self.api.engine_sleep_mode() is None:
+            raise UsageError("sleep: this vLLM's EngineCore has no sleep mode (sleep / wake_up / is_sleeping)")
+        kwargs: dict[str, Any] = {}
+        if reset_connector is not None:
+            if not self.api.engine_sleep_takes_reset_connector():
+                raise UsageError("sleep reset_connector: this vLLM's EngineCore.sleep always resets the connector "
+                                 "(it takes no reset_connector); leave the field out")
+            kwargs["reset_connector"] = reset_connector
+        self.core.sleep(level=level, mode=mode, **kwargs)
+        if level >= 1 and reset_connector is not False:
+            self.worker.forget()
+            if self.companion is not None:
+                self.companion.forget()
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """EngineCore.wake_up: the executor's tags wake; the scheduler resumes once none sleeps."""
+        self.core.wake_up(tags=list(tags) if tags is not None else None)
 
     def delay_block_hashes(self, req_id: str) -> None:
         """vLLM's engine hashes blocks with its own request_block_hasher: the core level refuses late hashes by
