@@ -52,6 +52,9 @@ _SLIDING_WORDS = ("sliding_window", "slidingwindow", "sliding window", "sliding-
 # sliding-window alignment branch of _build_store_jobs (alignment_chunk_count, read in the statement) runs only there
 _MIXED_WORDS = ("gemma4", "gemma-4", "gemma_4", "deepseek-v4", "deepseek_v4", "deepseekv4", "global_head_dim",
                 "alignment_chunk")
+# the full-attention chunk longer than the sliding-window one (DeepSeek V4; the alignment branch of
+# _build_store_jobs runs only there: vLLM sets alignment_chunk_count where the full chunk spans several)
+_ALIGNED_WORDS = ("deepseek-v4", "deepseek_v4", "deepseekv4", "alignment_chunk")
 _HYBRID_WORDS = ("hybridkvcache", "hybrid")
 WITHHELD = "withheld-hashes"  # `--force withheld-hashes`: every request's block hashes arrive late
 WITHHELD_BUGS = ("K6",)  # the known bug whose trigger withheld hashes are (its route is excluded unless known)
@@ -67,10 +70,14 @@ def implied_layouts(text: str, statement: str = "") -> tuple[tuple[str, ...], st
     mamba = any(word in lowered or word in where for word in _MAMBA_WORDS)
     sliding = any(word in lowered or word in where for word in _SLIDING_WORDS)
     mixed = any(word in lowered or word in where for word in _MIXED_WORDS) or "alignment" in where
+    aligned = any(word in lowered or word in where for word in _ALIGNED_WORDS) or "alignment" in where
     if mamba and sliding:
         return ("mamba-swa-hybrid",), "Mamba and sliding-window groups named"
     if mamba:
         return ("mamba-hybrid", "mamba-swa-hybrid"), "a Mamba group named"
+    if aligned:
+        return ("full-swa-mixed",), ("full-attention chunks spanning several sliding-window chunks named (vLLM's "
+                                     "alignment segments)")
     if mixed:
         return ("swa-full-mixed",), "sliding-window and full-attention groups of mixed block sizes named"
     if sliding:
