@@ -35,7 +35,7 @@ def test_sleep_pauses_resets_and_puts_the_executor_to_sleep_until_wake_up(api):
         harness.step()
         harness.sleep(1, "keep", None)
         assert harness.core.is_sleeping() and harness.executor.asleep == {"weights", "kv_cache"}
-        harness.add("B", list(range(10, 34)) + [99, 98], 4)
+        harness.add("B", [*range(10, 34), 99, 98], 4)
         assert harness.step().scheduled_tokens == {}
         harness.wake_up(["weights"])
         assert harness.core.is_sleeping() and harness.executor.asleep == {"kv_cache"}
@@ -65,7 +65,7 @@ def test_reset_connector_false_keeps_the_cpu_tier_where_the_release_takes_it(api
             harness.step()
         harness.sleep(1, "abort", False)
         harness.wake_up(None)
-        harness.add("B", list(range(10, 34)) + [99, 98], 4)
+        harness.add("B", [*range(10, 34), 99, 98], 4)
         scheduled = [harness.step().scheduled_tokens.get("B", 0) for _ in range(3)]
         assert 2 in scheduled and 26 not in scheduled, scheduled
     finally:
