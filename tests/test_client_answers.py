@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from kvdoctor.engine.tiny_model import FIRST_ANSWER_TOKEN, ContextKeys, answer_of, next_key, words_bytes
+from kvdoctor.engine.answer_key import FIRST_ANSWER_TOKEN, answer_of, next_key, words_bytes
+from kvdoctor.engine.tiny_model import ContextKeys
 from kvdoctor.explore.impact import LOST_HITS, WRONG_KV, impact_of
 from kvdoctor.matrix import data
 from kvdoctor.observe.verdict import compare_completions

@@ -5,7 +5,7 @@ No harness exists there: the stand-in executor's own stepping decides who sample
 (EOS where the client asked for it, `StandInExecutor.choose_token`); this side replaces every other
 sampled token and reports the KV transfers the OffloadingConnector issued:
 
-- the token: the stand-in model's answer (`tiny_model.answer_of`). With vLLM's worker
+- the token: the stand-in model's answer (`answer_key.answer_of`). With vLLM's worker
   (`KVDOCTOR_ENGINE_WORKER=vllm`: the worker-role OffloadingConnector on fingerprint KV tensors and
   kvdoctor's copy engine, as `--engine core` runs it) the toy model reads it from the KV bytes the
   request's attention reads; otherwise it is the tokens' own (`ContextKeys`: what right KV gives, the
