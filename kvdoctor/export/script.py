@@ -184,6 +184,12 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
         raise UsageError("--export-script --engine serve builds one OffloadingConnector on one full-attention KV "
                          "cache group (drop --model / [setup] layout / multi_connector)")
     setup = serve.serve_setup(setup)
+    planned = serve.executor_plan(recipe, setup)
+    if planned:
+        raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: its {planned[0]['action']} "
+                         f"at engine step {planned[0]['step']} is played by kvdoctor's executor (its copy engine "
+                         f"holds and fails transfers), which the script's stand-in does not have: run `kvdoctor "
+                         f"repro {recipe.name} --engine serve`")
     events = [dataclasses.asdict(event) for event in serve.plan_traffic(recipe, setup)]
     silent = bool(recipe.signature.invariant)
     return {"name": recipe.name, "serve_args": _script_args(setup), "events": events,

@@ -27,8 +27,12 @@ from kvdoctor.engine.workers.simulated import SimulatedTransfers
 
 
 class ServedSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, plan: list[dict[str, Any]] | None = None) -> None:
         self.api = compat.load()
+        # the recipe's transfer steps, played on its schedule (levels/serve.executor_plan): by engine step
+        self.plan = sorted((e for e in plan or () if e["action"] in ("hold", "complete", "fail")),
+                           key=lambda e: int(e["step"]))
+        self.names = {e["tag"]: e["request"] for e in plan or () if e.get("tag")}  # request id part -> recipe name
         self.connector = vllm_config.kv_transfer_config is not None
         self.tokens: dict[str, list[int]] = {}  # each request's tokens, as a model runner keeps them
         self.context_keys = ContextKeys()
@@ -67,6 +71,9 @@ class ServedSide:
                 dst_spec = getattr(job, "dst_spec", None)
                 jobs.append(Job(jid, job.req_id, "load", step, self.api.block_ids_of(dst_spec),
                                 dst_groups=self.api.block_ids_by_group(dst_spec), sync=self.api.load_is_sync(job)))
+            for job in jobs:  # the recipe's name for its request, as the plan's holds name it
+                job.req_id = next((name for tag, name in self.names.items() if tag in job.req_id), job.req_id)
+            self.play_plan(step)
             kv_output = self.worker.run_step(output, jobs, flush, step, sampled).kv_connector_output
         for req_id, tokens in sampled.items():
             if req_id in self.tokens:
@@ -74,6 +81,13 @@ class ServedSide:
         for req_id in output.finished_req_ids or ():
             self.tokens.pop(req_id, None)
         return kv_output
+
+    def play_plan(self, step: int) -> None:
+        """The plan's transfer steps due by this engine step, in order, as the recipe's steps play them on
+        kvdoctor's worker (`steps.py`: hold_transfers, complete_transfers, fail_transfers)."""
+        while self.plan and int(self.plan[0]["step"]) <= step:
+            entry = self.plan.pop(0)
+            getattr(self.worker, entry["action"])(entry["request"], entry["kind"])
 
     def shutdown(self) -> None:
         if self.worker is not None:
