@@ -155,6 +155,10 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
     played = Played()
     tasks: dict[str, asyncio.Task[tuple[int, str]]] = {}
     start = time.monotonic()
+    events = list(events)
+    # a request may stay open for the whole recipe (K11's A decodes through 150 engine steps): its client waits
+    # that long, and twice as long again for an engine whose steps lag the pacing on a loaded machine
+    request_limit = REQUEST_LIMIT_S + 2 * step_seconds * (sum(e["kind"] == "step" for e in events) + settle_steps)
 
     def note(text: str) -> None:
         played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
@@ -192,7 +196,7 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             if event.get("continues"):
                 before = event["continues"]
                 if before in tasks:  # the next turn waits for the answer it continues
-                    await asyncio.wait([tasks[before]], timeout=REQUEST_LIMIT_S)
+                    await asyncio.wait([tasks[before]], timeout=request_limit)
                     if tasks[before].done():
                         take(before, tasks.pop(before))
                 if before not in played.completions:
@@ -204,7 +208,7 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             body = {"model": model, "prompt": prompt, "max_tokens": event["max_tokens"], "ignore_eos": True,
                     "temperature": 0.0, "return_token_ids": True, **event.get("extra", {})}
             tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
-                                                   {"X-Request-Id": request_tag(name)}, REQUEST_LIMIT_S))
+                                                   {"X-Request-Id": request_tag(name)}, request_limit))
             note(f"{name} sent: {len(prompt)} prompt tokens, max_tokens {event['max_tokens']}")
         elif kind == "reset":
             query = "&".join(f"{key}={'true' if value else 'false'}" for key, value in event.get("extra", {}).items())

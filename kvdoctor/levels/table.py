@@ -44,7 +44,9 @@ class Level:
 
 _SCHEDULER_SIDE = ("an intervention inside the scheduler: vLLM's engine computes block hashes with its own "
                    "request_block_hasher and offers no way to withhold them")
-_NO_TRANSFER_CONTROL = "the served executor completes every transfer when issued"
+_NO_TRANSFER_CONTROL = ("a crash recipe's served executor (kvdoctor's simulated worker) completes every transfer "
+                        "when issued (a silent recipe's runs vLLM's worker on kvdoctor's copy engine and plays its "
+                        "transfer steps on the recipe's schedule)")
 
 LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
     Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need) - {Need.ENGINE_PAUSE},
@@ -79,9 +81,12 @@ HOW: dict[Need, str] = {
                       "engine step of waiting",
     Need.IN_FLIGHT_OUTPUT: "core and serve, sync scheduling: nothing is in flight between engine steps (a no-op)",
     Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request; serve: the client sends the EOS "
-                       "schedule with the request (vllm_xargs), so only a finish before the request's first "
-                       "engine step (a later one is not_applicable, named)",
-    Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs",
+                       "schedule with the request (vllm_xargs) before the request's first engine step; a "
+                       "later one: a silent recipe's executor samples EOS at the recipe's engine step (its plan), "
+                       "a crash recipe's is not_applicable, named",
+    Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs; serve, a silent "
+                           "recipe: the same, on the recipe's engine steps (the executor's plan, "
+                           "KVDOCTOR_ENGINE_PLAN)",
     Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache; serve: POST /reset_prefix_cache "
                          "(reset_running_requests, reset_external = the step's reset_connector; vLLM's development "
                          "endpoint, VLLM_SERVER_DEV_MODE=1 in the server child), between paced engine steps",
