@@ -203,3 +203,25 @@ def test_a_p2p_step_without_the_pair_is_a_usage_error(tmp_path):
     result = invoke("repro", str(path), "--logic", "installed")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "`p2p_add` drives the P2P pair: it needs [setup] p2p = true" in result.stderr, result.stderr
+
+
+# -- explore draws the pair (its own probe-gated branch) -------------------------------------------------------
+@needs_p2p
+def test_explore_finds_a_pinned_producer_and_writes_a_recipe_repro_replays(api, monkeypatch, tmp_path):
+    """vLLM's session mutated to lose finished stores: explore's P2P branch finds p2p-nothing-pinned and writes
+    the plan as a recipe file that reproduces it (the replay also on the mutated vLLM)."""
+    import time
+
+    from kvdoctor.explore.search import ExploreConfig, Stats, p2p_branch
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    _drop_stores(monkeypatch)
+    stats = Stats(phase="searching")
+    findings = p2p_branch(api, ExploreConfig(seed=1), 0, stats, 4, time.monotonic() + 300, time.monotonic())
+    assert stats.examples == 4
+    pinned = [f for f in findings if f.signature == f"invariant {inv.NOTHING_PINNED}"]
+    assert pinned, [f.signature for f in findings]
+    path = tmp_path / "found.toml"
+    path.write_text(recipe_to_toml(pinned[0].recipe))
+    result = _recipe_run(api, path)
+    assert result.outcome.value == "reproduced", (result.outcome, result.detail)
