@@ -42,7 +42,7 @@ P2P_TAIL = 12  # engine steps after the plan's last event, before vLLM's P2P clo
 def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
     """A P2P plan's fault fields from one byte: bits 0-1 the fabric's delay in polls, bit 2 failed transfers,
     bits 3-4 when the producer dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P. Zero (what
-    hypothesis shrinks towards) is the plain PD exchange. Not yet drawn by explore's search: the benchmark sweeps it."""
+    hypothesis shrinks towards) is the plain PD exchange. explore plays P2P_PLANS of them (`p2p_plan_bytes`)."""
     return {"delay_polls": byte & 3, "fail_transfers": bool(byte >> 2 & 1),
             "kill_producer_at": P2P_KILL_AT[byte >> 3 & 3], "abort_consumer_at": 4 if byte >> 5 & 1 else None,
             "symmetric": bool(byte >> 6 & 1)}
