@@ -7,6 +7,8 @@ coverage.py over the installed vLLM's `distributed/kv_transfer/kv_connector/v1/o
 - explore: `explore --coverage --seed S --time-budget T`, one worker (the search steered by coverage);
 - audit: `kvdoctor audit` (every built-in recipe);
 - explore + audit: the union of the two;
+- p2p: the P2P pair (kvdoctor/engine/p2p.py: two engines over in-memory transports) over --p2p-plans fault
+  plans (explore does not draw the pair yet), and all: explore + audit + p2p;
 - unit tests (only with --unit-tests DIR, a folder of vLLM's own connector tests you already have, e.g.
   from the release's sdist: nothing is downloaded): `pytest DIR` in this interpreter.
 
@@ -51,12 +53,19 @@ else:
                 cli(args=["audit", "--json"], prog_name="kvdoctor", standalone_mode=False)
             except SystemExit:
                 pass
+        elif what == "p2p":  # the P2P pair (engine/p2p.py) over every plan tier_draw.p2p_plan_fields decodes
+            from kvdoctor.engine.compat import load
+            from kvdoctor.engine.p2p import P2PPlan, run_pair
+            from kvdoctor.explore.tier_draw import p2p_plan_fields
+            api = load()
+            runs = [run_pair(api, P2PPlan(**p2p_plan_fields(byte))) for byte in range(int(args[0]))]
+            extra_p2p = {"examples": len(runs), "findings": sorted({v for r in runs for v in r.violations})}
         else:  # vLLM's unit tests
             import pytest
             pytest.main(["-q", "-p", "no:cacheprovider", *args])
     finally:
         lines.stop()
-    executed, extra = lines.executed(), {}
+    executed, extra = lines.executed(), (extra_p2p if what == "p2p" else {})
 with open(out, "w", encoding="utf-8") as handle:
     json.dump({"executed": executed, **extra}, handle)
 """
@@ -84,6 +93,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--unit-tests", type=Path, default=None,
                         help="a folder of vLLM's own connector unit tests to run under the same measurement")
+    parser.add_argument("--p2p-plans", type=int, default=128,
+                        help="P2P pair runs (engine/p2p.py) over the first N plans tier_draw.p2p_plan_fields decodes, "
+                             "measured in a process of their own (0: none; skipped where vLLM has no P2P tier)")
     parser.add_argument("--json", type=Path, default=None, help="also write the table as JSON to FILE")
     args = parser.parse_args()
 
@@ -101,6 +113,12 @@ def main() -> int:
             raise SystemExit(f"--unit-tests {args.unit_tests}: not a folder")
         runs["unit tests"], timings["unit tests"] = measure("pytest", str(args.unit_tests.resolve()))
         columns["unit tests"] = runs["unit tests"]["executed"]
+    from kvdoctor.engine.compat.p2p_transport import p2p_probe
+
+    if args.p2p_plans > 0 and p2p_probe() is None:
+        runs["p2p"], timings["p2p"] = measure("p2p", str(args.p2p_plans))
+        columns["p2p"] = runs["p2p"]["executed"]
+        columns["all"] = merge_executed([columns["explore+audit"], columns["p2p"]])
     reports = {name: report(executed) for name, executed in columns.items()}
 
     import vllm  # the release measured (imported after the children: this process measures nothing)
@@ -118,6 +136,9 @@ def main() -> int:
         print(f"{entry.file:<{width}}  {entry.statements:>5}  " + "  ".join(cells))
     print(f"{'total':<{width}}  {first.statements:>5}  "
           + "  ".join(f"{reports[n].percent:>12.1f}%" for n in names))
+    if "p2p" in runs:
+        print(f"p2p: {runs['p2p']['examples']} pair runs in {timings['p2p']:.0f} s wall; violations: "
+              + ("; ".join(runs["p2p"]["findings"]) or "none"))
     if runs["explore"].get("findings"):
         print("explore's findings: " + "; ".join(runs["explore"]["findings"]))
     if args.json is not None:

@@ -282,6 +282,23 @@ def test_signature_callers_are_validated_with_lines():
         load_recipe_text(bad, "bad.toml")
 
 
+
+def test_the_adapters_spellings_apply_to_a_known_bugs_function_and_callers():
+    """Issue 33: aliases apply to every crash-site field. A recipe naming `_lookup` with no `function_aliases` of
+    its own still knows the frame `_lookup_complete_chunks` (the adapter's names table: 0.28 moved the assert), and
+    a caller chain naming `_lookup` is met by frames spelling it `_lookup_complete_chunks`."""
+    from kvdoctor.diagnose.match import _in_order, known_bugs
+
+    text = (ROOT / "repros" / "withheld-hashes-lookup.toml").read_text()
+    plain = text.replace('function_aliases = ["_lookup_complete_chunks"]', "")
+    assert plain != text
+    known = known_bugs([load_recipe_text(plain, "plain.toml")], sites=[])
+    assert "_lookup_complete_chunks" in known[0].functions, known[0].functions
+    above = ["step", "schedule", "get_num_new_matched_tokens", "_lookup_complete_chunks"]
+    assert _in_order(("schedule", "_lookup"), above)
+    assert not _in_order(("_lookup", "schedule"), above)  # the order still counts
+    assert not _in_order(("schedule", "_build_store_jobs"), above)  # a name with no such spelling does not match
+
 # -- the command line (no vLLM import: --no-run, or nothing to run) -------------------------------------
 
 def test_cli_no_crash_exit_0(tmp_path):

@@ -30,6 +30,7 @@ from kvdoctor.diagnose.evidence import MENTIONED, Unit, balanced, traceback_unit
 from kvdoctor.diagnose.sites import load
 from kvdoctor.diagnose.statement import Likeness, compare, is_fragment, message_matches, tokenize
 from kvdoctor.diagnose.traceback import ELIDED, LogFrame, LogTraceback, display_path
+from kvdoctor.engine.compat.names import function_spellings
 from kvdoctor.recipes.model import Recipe, bug_order
 from kvdoctor.releases import KNOWN_RELEASES
 
@@ -150,7 +151,7 @@ def known_bugs(recipes: list[Recipe], sites: list[Any] | None = None) -> list[Kn
         groups.setdefault((recipe.bug or recipe.name, sig.exception, sig.function, sig.contains or ""), []).append(
             recipe)
     out = []
-    for (bug, exception, function, contains), members in groups.items():
+    for (bug, exception, _function, contains), members in groups.items():
         names = {r.name for r in members}
         mine = [s for s in sites if s.bug == bug and set(s.recipes) & names and s.exception == exception
                 and s.absent is None and s.statement]
@@ -161,7 +162,9 @@ def known_bugs(recipes: list[Recipe], sites: list[Any] | None = None) -> list[Kn
             wording.releases.append(site.release)
             wording.reached = wording.reached or site.reached
         callers = max((r.signature.callers for r in members), key=len)
-        out.append(Known(bug, members, exception, {function} | {s.function for s in mine},
+        # every spelling of the function (the recipes' aliases and the adapter's names table) and what was measured
+        spelled = {name for r in members for name in r.signature.functions()}
+        out.append(Known(bug, members, exception, spelled | {s.function for s in mine},
                          {_tail(s.file) for s in mine if s.file}, list(wordings.values()), contains or None, callers))
     return out
 
@@ -211,12 +214,15 @@ def _names_foreign(shown: str, known: Known) -> bool:
 
 
 def _in_order(wanted: tuple[str, ...], functions: list[str]) -> bool:
+    """`wanted` (callers, outermost first) appear in `functions` in that order, each under any of its spellings
+    (the adapter's names table: a caller vLLM renamed is the same caller)."""
     position = 0
     for name in wanted:
-        try:
-            position = functions.index(name, position) + 1
-        except ValueError:
+        spellings = function_spellings(name)
+        found = next((i for i in range(position, len(functions)) if functions[i] in spellings), None)
+        if found is None:
             return False
+        position = found + 1
     return True
 
 

@@ -199,7 +199,8 @@ def measure_release(site_packages: Path, recipes: list[Any], outcome_rows: list[
             continue
         groups.setdefault((recipe.bug or recipe.name, sig.exception, sig.function, sig.contains or ""), []).append(
             recipe.name)
-        aliases[sig.function] = aliases.get(sig.function, ()) + tuple(getattr(sig, "function_aliases", ()))
+        # its other spellings: the recipe's own aliases and the adapter's names table (`Signature.functions`)
+        aliases[sig.function] = tuple(dict.fromkeys((*aliases.get(sig.function, ()), *sig.functions()[1:])))
     sites: list[Site] = []
     for (bug, exception, function, contains), names in groups.items():
         matched = [(r, _SITE.match(r.failure_site or "")) for r in outcome_rows if r.recipe in names]

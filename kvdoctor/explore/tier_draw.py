@@ -23,3 +23,17 @@ def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str 
     if "scripted" not in kind:
         return kind, None, None
     return kind, TIER_SCRIPTS[byte >> 5 & 3], BACKPRESSURE_PATTERNS[byte >> 7 & 1]
+
+
+# -- the P2P pair (engine/p2p.py), where P2P_TIER_DRAW is a feature (probed: compat.p2p_transport.p2p_probe) ------
+P2P_TIER_DRAW = "p2p_tier"
+P2P_KILL_AT = (None, 1, 5, 8)  # the producer dies before the handshake, mid-round, after it (or never)
+
+
+def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
+    """A P2P plan's fault fields from one byte: bits 0-1 the fabric's delay in polls, bit 2 failed transfers,
+    bits 3-4 when the producer dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P. Zero (what
+    hypothesis shrinks towards) is the plain PD exchange. Not yet drawn by explore's search: the benchmark sweeps it."""
+    return {"delay_polls": byte & 3, "fail_transfers": bool(byte >> 2 & 1),
+            "kill_producer_at": P2P_KILL_AT[byte >> 3 & 3], "abort_consumer_at": 4 if byte >> 5 & 1 else None,
+            "symmetric": bool(byte >> 6 & 1)}
