@@ -92,15 +92,17 @@ def audit(command: str = "", overrides: Overrides | None = None,
     if overrides.spec_name:
         check_spec_name(api, recipes[0], next(s for s in setups if isinstance(s, Setup)), overrides)
     report = AuditReport(vllm_version=api.version_text, command=command, engine=engine)
-    for done, (recipe, setup) in enumerate(zip(recipes, setups, strict=True)):
-        progress(done, total, f"{recipe.bug or '-'} {recipe.name}")
+    jobs = []
+    for recipe, setup in zip(recipes, setups, strict=True):
         if isinstance(setup, UsageError):  # this recipe's needs exceed the user's settings; the rest run
             own = resolve_setup(recipe, Overrides(worker="simulated", engine=engine))
             installed, fixed = (RunResult(logic, Outcome.UNTESTED, detail=str(setup))
                                 for logic in ("installed", "fixed"))
             report.rows.append(AuditRow(recipe.bug or "-", recipe, own, installed, fixed, _fixed_in(recipe)))
-            continue
-        report.rows.append(level.audit_row(api, recipe, setup, _fixed_in(recipe)))
+        else:
+            jobs.append((recipe, setup, _fixed_in(recipe)))
+    # the level plays them (the serve level starts every recipe's servers at once)
+    report.rows += level.audit_rows(api, jobs, lambda done, _total, what: progress(done, total, what))
     report.rows.sort(key=lambda row: (bug_order(row.bug), row.recipe.name))
     for done, bug in enumerate(measured, len(recipes)):
         progress(done, total, f"{bug.bug} {bug.doing}")

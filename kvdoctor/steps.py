@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.expectation import unmet
 
@@ -273,10 +274,11 @@ def _validate_add(args: dict[str, Any], fail: Fail) -> None:
 
 
 def _serve_add(play: ConcreteStep) -> list[dict[str, Any]]:
-    """POST /v1/completions per request, token-id prompt (a fill: each of its requests)."""
-    extra = add_extras(play.args)
+    """POST /v1/completions per request, token-id prompt (a fill: each of its requests), stopping at kvdoctor's
+    EOS; `continues`: the client sends that request's prompt and the completion it received first."""
+    extra = {**add_extras(play.args), "stop_token_ids": [EOS_TOKEN]}
     return [{"kind": "add", "request": new.request, "prompt": list(new.prompt), "max_tokens": new.max_tokens,
-             "extra": extra} for new in play.requests]
+             "extra": extra, "continues": play.args.get("continues", "")} for new in play.requests]
 
 
 @step_kind("add", Need.ENGINE_INPUT, summary="admit a request (a fill admits several)", admits=True, fields={
@@ -354,8 +356,10 @@ def _schedule(target: StepTarget, step: ConcreteStep) -> StepEvents:
     return target.harness.step()
 
 
+# At serve (sync scheduling only, by its need): nothing is in flight between the engine's steps, nothing to send.
 @step_kind("drain", Need.IN_FLIGHT_OUTPUT, summary="apply the output still in flight, without scheduling",
-           fields={}, explore="drain", script="loop.drain()  # async: apply the output still in flight\n")
+           fields={}, explore="drain", serve=lambda play: [],
+           script="loop.drain()  # async: apply the output still in flight\n")
 def _drain(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.drain()
 
@@ -368,8 +372,11 @@ def _abort(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.abort(step.args["request"])
 
 
+# At serve the client sends the EOS with the request (its vllm_xargs, read by kvdoctor's executor): the serve
+# level folds a `finish` into the add before it, and refuses one that comes after the request was scheduled.
 @step_kind("finish", Need.MODEL_OUTPUT, summary="the request's next sampled token is EOS",
            fields={"request": f(str, required=True)}, explore="finish",
+           serve=lambda play: [{"kind": "finish", "request": play.args["request"]}],
            script='finish_next.add(args["request"])\n')
 def _finish(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.finish_by_eos(step.args["request"])
@@ -405,8 +412,15 @@ def _fail_transfers(target: StepTarget, step: ConcreteStep) -> None:
     several.fail(step.args.get("request"), step.args.get("kind"), worker=worker)
 
 
+def _serve_reset(play: ConcreteStep) -> list[dict[str, Any]]:
+    """POST /reset_prefix_cache (vLLM's development endpoint), its query as the step's fields."""
+    return [{"kind": "reset", "extra": {"reset_running_requests": bool(play.args.get("reset_running_requests", False)),
+                                        "reset_external": bool(play.args.get("reset_connector", False))}}]
+
+
 @step_kind("reset_prefix_cache", Need.ENGINE_UTILITY, summary="reset the prefix cache (and the connector's)",
-           fields={"reset_running_requests": f(bool), "reset_connector": f(bool)}, explore="reset", script="""
+           fields={"reset_running_requests": f(bool), "reset_connector": f(bool)}, explore="reset",
+           serve=_serve_reset, script="""
 scheduler.reset_prefix_cache(reset_running_requests=args.get("reset_running_requests", False),
                              reset_connector=args.get("reset_connector", False))
 if args.get("reset_connector", False):

@@ -115,3 +115,58 @@ def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
     answers = result["answers"]
     assert answers is not None and not answers["reproduced"]
     assert "moves no KV bytes (simulated worker: vLLM's worker does not drive MultiConnector" in answers["not_compared"]
+
+
+# -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------
+
+def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() -> None:
+    from kvdoctor import app
+    from kvdoctor.engine.core.names import EOS_AFTER_ARG
+    from kvdoctor.engine.step_loop import EOS_TOKEN
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve("final-token-slot-stored")
+    setup = serve.serve_setup(app.resolve_setup(recipe, worker_fallback=True))
+    assert serve.unplayable(recipe, setup, "the client") == []
+    events = serve.plan_traffic(recipe, setup)
+    adds = {e.request: e for e in events if e.kind == "add"}
+    assert adds["A"].extra["vllm_xargs"] == {EOS_AFTER_ARG: 0} and "vllm_xargs" not in adds["C"].extra
+    assert adds["A"].extra["stop_token_ids"] == [EOS_TOKEN] and adds["C"].continues == "A"
+    assert [e.kind for e in events].count("finish") == 0  # folded into A's request, never a silent skip
+
+
+def test_a_finish_after_its_request_ran_is_not_applicable_at_serve_naming_the_step() -> None:
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.model import Recipe, Signature, Step
+
+    steps = (Step("add", {"request": "A", "prompt_tokens": 4}, 1), Step("schedule", {}, 2),
+             Step("finish", {"request": "A"}, 3), Step("schedule", {}, 4))
+    recipe = Recipe("late-finish", "a finish after A ran", Signature(invariant="store-covers-computed-slots"), steps)
+    reasons = serve.unplayable(recipe, Setup(worker="simulated"), "the client")
+    assert len(reasons) == 1 and "(line 3) `finish` cannot be played through vllm serve" in reasons[0], reasons
+
+
+def test_the_client_reads_token_ids_and_the_stop_token_it_was_told_of() -> None:
+    from kvdoctor.levels.serve_client import completion_tokens
+
+    body = json.dumps({"choices": [{"token_ids": [], "finish_reason": "stop", "stop_reason": 2}]})
+    assert completion_tokens(body) == [2]  # the EOS the server names as the stop reason, as the client has it
+    body = json.dumps({"choices": [{"token_ids": [172, 5, 9], "finish_reason": "length", "stop_reason": None}]})
+    assert completion_tokens(body) == [172, 5, 9]
+    assert completion_tokens("not json") is None and completion_tokens('{"choices": [{}]}') is None
+
+
+def test_the_served_executor_reads_the_eos_schedule_the_client_sends() -> None:
+    """The stand-in executor (vLLM-only: exported scripts embed it) spells the EOS schedule's key and the stop
+    token itself; they must be the ones the serve level sends (names.py, step_loop.py)."""
+    import re
+    from pathlib import Path
+
+    from kvdoctor.engine.core.names import EOS_AFTER_ARG
+    from kvdoctor.engine.step_loop import EOS_TOKEN
+
+    source = (Path(__file__).parents[1] / "kvdoctor" / "engine" / "core" / "standin_executor.py").read_text()
+    assert re.search(rf'^EOS_AFTER_ARG = "{EOS_AFTER_ARG}"', source, re.M)
+    assert re.search(rf"^EOS_TOKEN = {EOS_TOKEN}\b", source, re.M)

@@ -46,11 +46,14 @@ def test_a_level_without_an_answer_for_a_need_is_kvdoctors_bug() -> None:
 
 
 def test_the_level_answers_follow_the_kinds_needs() -> None:
-    """core cannot intervene inside the scheduler; serve plays only requests and paced steps."""
+    """core cannot intervene inside the scheduler; serve plays what a client sends (requests, an EOS schedule, a
+    prefix-cache reset) and paced steps, a drain only under sync scheduling (nothing is in flight then)."""
     assert why_not("delay_block_hashes", "core") is not None and why_not("delay_block_hashes", "scheduler") is None
     assert why_not("hold_transfers", "core") is None and why_not("hold_transfers", "serve") is not None
+    client = {Need.ENGINE_INPUT, Need.ENGINE_STEP, Need.MODEL_OUTPUT, Need.ENGINE_UTILITY, Need.IN_FLIGHT_OUTPUT}
     playable = {kind for kind in REGISTRY if why_not(kind, "serve") is None}
-    assert playable == {k for k, kind in REGISTRY.items() if set(kind.needs) <= {Need.ENGINE_INPUT, Need.ENGINE_STEP}}
+    assert playable == {k for k, kind in REGISTRY.items() if set(kind.needs) <= client}
+    assert why_not("drain", "serve", async_scheduling=True) is not None
 
 
 def test_one_table_chooses_the_level() -> None:

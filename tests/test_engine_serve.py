@@ -1,8 +1,9 @@
 """`--engine serve`: a real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client.
 
-Slow (two `import vllm` in the child, minutes on a 2-core machine): one verdict run, compared with
-kvdoctor's measured release outcomes, and one interrupted run. After both, no child is left and the
-port is free.
+Slow (two `import vllm` in each child, minutes on a 2-core machine): one verdict run, compared with
+kvdoctor's measured release outcomes, one interrupted run, one that runs out of start-up time, and one
+`audit --engine serve` (every recipe a client can drive, their servers at once: the K4 answers, K8's
+crash). After each, no child is left and the ports are free.
 
 The platform plugin is an entry point of kvdoctor's distribution (pyproject.toml). An environment
 whose kvdoctor was installed before the entry point existed lacks it; the tests then put a
@@ -127,3 +128,46 @@ def test_a_server_that_is_not_ready_in_time_is_stopped_and_named(serve_env: dict
     assert _gone(pid), f"server process group {pid} still alive"
     assert _port_free(port)
     assert time.monotonic() - started < 120  # bounded: the limit, the stop, not the server's own start-up
+
+
+def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wrong_answer(
+        serve_env: dict[str, str]) -> None:
+    """`audit --engine serve`: every recipe a client can drive (their servers started at once) agrees with the
+    scheduler level's measurement on this release (release_outcomes.toml); every other recipe is
+    not_applicable naming the step or setup a server cannot express. K4 (silent): A's client asks for EOS as
+    its first token (vllm_xargs), C's client continues A's conversation, and C's completion is compared with
+    the same traffic on a second server with offloading off: C differs at token 0 exactly where the
+    scheduler level measured K4, completions equal elsewhere. No server or port is left."""
+    proc = subprocess.run([*KVDOCTOR, "audit", "--engine", "serve", "--json"], cwd=ROOT, env=serve_env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode == 3:
+        pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
+    children = [(int(pid), int(port)) for pid, port in PID_LINE.findall(proc.stderr)]
+    assert len(children) >= 4, proc.stderr[-3000:]  # queued-abort, K8, K4 with offloading on and off
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(_gone(pid) and _port_free(port) for pid, port in children):
+        time.sleep(0.5)
+    assert all(_gone(pid) and _port_free(port) for pid, port in children)
+    doc = json.loads(proc.stdout)
+    measured = {r.recipe: r.outcome for r in data.load() if r.release == doc["vllm_version"]}
+    if not measured:
+        pytest.skip(f"no measured rows for vLLM {doc['vllm_version']}")
+    rows = {row["recipe"]: row for row in doc["rows"]}
+    played = {name for name, row in rows.items() if row["outcome"] != "not_applicable"}
+    assert {"queued-abort", "final-token-slot-stored", "preempt-reload-same-step"} <= played, sorted(played)
+    for name, row in rows.items():
+        if name in played:
+            assert row["outcome"] == measured[name], (name, row)
+        else:
+            assert "cannot be played through vllm serve" in row["hint"] or "--engine core" in row["hint"], row
+    k4 = rows["final-token-slot-stored"]
+    answers = k4["answers"]
+    assert answers is not None and answers["not_compared"] is None, k4
+    by_request = {r["request"]: r for r in answers["requests"]}
+    assert set(by_request) == {"A", "C"} and by_request["A"]["position"] is None, answers
+    if measured["final-token-slot-stored"] == "reproduced":  # C's prefix read A's never-written slot
+        assert by_request["C"]["position"] == 0, answers
+        assert answers["line"].startswith("request C's completion differs from the reference (offloading off, a "
+                                          "second server) at token 0: "), answers
+    else:
+        assert by_request["C"]["got_tokens"] == by_request["C"]["expected_tokens"] == 3, answers

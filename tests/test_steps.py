@@ -264,9 +264,16 @@ def test_every_kind_is_played_exported_or_refused_at_every_level(kind: str, leve
             assert len(reasons) == 1 and reasons[0].startswith(named), reasons
             return
         assert reasons == []
-        events = [e.kind for e in serve.plan_traffic(recipe, setup)]
+        planned = serve.plan_traffic(recipe, setup)
+        events = [e.kind for e in planned]
         assert events[:2] == ["add", "add"] and events[-2:] == ["step", "abort"]
-        assert len(events) == 4 + len(declared.serve(_sample_step(kind)) if not declared.admits else [1])
+        sent = declared.serve(_sample_step(kind)) if not declared.admits else [{"kind": "add"}]
+        folded = [e for e in sent if e["kind"] == "finish"]  # travels with its request's add (vllm_xargs)
+        assert len(events) == 4 + len(sent) - len(folded)
+        if folded:
+            from kvdoctor.engine.core.names import EOS_AFTER_ARG
+
+            assert planned[0].extra["vllm_xargs"] == {EOS_AFTER_ARG: 0}
     elif level == "exported scheduler script":
         if isinstance(declared.script, Unsupported):
             with pytest.raises(UsageError, match=re.escape(f"--export-script cannot reproduce {named}: ")):

@@ -105,8 +105,9 @@ _ROWS = (
     ServeFlag("engine", "engine", "--engine", None, str,
               "scheduler (default): kvdoctor calls vLLM's scheduler itself, fastest | core: vLLM's "
               "EngineCore in-process calls it (requests, aborts and steps through the engine) | serve: a "
-              "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (queued-abort-shaped "
-              "recipes). A step a level cannot play makes the recipe not_applicable there, naming it.",
+              "real `vllm serve` child on 127.0.0.1, kvdoctor as its HTTP client (what a client can send; a "
+              "silent bug judged by the clients' answers against an offloading-off server). A step a level "
+              "cannot play makes the recipe not_applicable there, naming it.",
               panel=WORKER, show_default=False, check="engine"),
     # Not kvdoctor options: spelled in messages, the serve command and logs only. The CPU tier's size is
     # set through --kv-offloading-size or --kv-transfer-config, as with vllm serve.

@@ -190,8 +190,10 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     """A script that imports only vLLM and the standard library: it writes the two stand-ins beside itself,
     starts `vllm serve`, plays the recipe's clients and exits 1 when the engine dies, 0 when it survives."""
     if recipe.signature.invariant:
-        raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); a served engine "
-                         f"shows crashes only: attach `kvdoctor repro --report` instead")
+        raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); the exported serve "
+                         f"script's executor moves no KV bytes, so its clients cannot get a wrong answer: run "
+                         f"`kvdoctor repro {recipe.name} --engine serve` (the answers against an offloading-off "
+                         f"server), or attach `kvdoctor repro --report`")
     from kvdoctor import clean_exit
     from kvdoctor.levels import serve_client
 

@@ -85,6 +85,7 @@ def main() -> int:
     env["PYTHONPATH"] = folder + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({"KVREPRO_STANDIN": "1", "KVREPRO_STEP_SECONDS": str(RECIPE["step_seconds"]),
                 "KVREPRO_ADMISSION_LEN": str(RECIPE["admission_len"]), "VLLM_LOGGING_LEVEL": "INFO",
+                "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, where the recipe resets the cache
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     throwaway_paths(model_dir, env)  # the server's sockets, temp files and caches: removed below with the model
@@ -129,8 +130,8 @@ def main() -> int:
         print(f"not tested: {', '.join(missed)} was not aborted while queued (the executor's step log)")
         return 2
     if served:
-        print(f"the engine survived: {', '.join(RECIPE['aborted'])} aborted while queued; /health 200 and a "
-              f"fresh request served")
+        queued = f"{', '.join(RECIPE['aborted'])} aborted while queued; " if RECIPE["aborted"] else ""
+        print(f"the engine survived: {queued}/health 200 and a fresh request served")
         return 0
     print("the server stopped serving without an engine traceback; its log ends:\n" + "\n".join(lines[-20:]))
     return 2

@@ -114,14 +114,14 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
     """As the scheduler level runs it (`ScenarioRun`): the steps and setup this level cannot play are its
     `unplayable` reasons, judged there beside the release's probes (a probe's reason first)."""
-    reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + _setup_unexpressible(setup)
+    reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + setup_unexpressible(setup)
     result = CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons)).run()
     if answers_apply(recipe, result):  # a played verdict only: an unplayable run has no answers to compare
         result.answers = client_answers(api, recipe, setup, logic)
     return result
 
 
-def _setup_unexpressible(setup: Setup) -> list[str]:
+def setup_unexpressible(setup: Setup) -> list[str]:
     """Geometry the engine cannot build as the scheduler level does."""
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
     if any(layer.draft for layer in layout.layers):

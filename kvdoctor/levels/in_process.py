@@ -62,6 +62,15 @@ class InProcessLevel:
         fixed = self.judged_run(api, recipe, setup, "fixed")
         return AuditRow(recipe.bug or "-", recipe, with_model_runner(setup, [installed]), installed, fixed, fixed_in)
 
+    def audit_rows(self, api: VllmApi, jobs: list[tuple[Recipe, Setup, FixedIn | None]],
+                   progress: Progress) -> list[AuditRow]:
+        """One recipe after another, in this process."""
+        rows = []
+        for done, (recipe, setup, fixed_in) in enumerate(jobs):
+            progress(done, len(jobs), f"{recipe.bug or '-'} {recipe.name}")
+            rows.append(self.audit_row(api, recipe, setup, fixed_in))
+        return rows
+
 
 def with_model_runner(setup: Setup, results: list[RunResult]) -> Setup:
     """The setup as it ran: the model runner the harness resolved (the same for every variant)."""

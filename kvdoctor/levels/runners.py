@@ -41,6 +41,12 @@ class LevelRunner(Protocol):
         """`kvdoctor audit`'s row for one recipe: the installed and the fixed logic."""
         ...
 
+    def audit_rows(self, api: VllmApi, jobs: list[tuple[Recipe, Setup, FixedIn | None]],
+                   progress: Progress) -> list[AuditRow]:
+        """`kvdoctor audit`'s rows for these recipes, in their order (the serve level starts their servers at
+        once); `progress(done, total, what runs now)` as the level goes."""
+        ...
+
 
 RUNNERS: dict[str, LevelRunner] = {level.name: level for level in (SCHEDULER, CORE, SERVE)}
 

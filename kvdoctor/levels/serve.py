@@ -4,16 +4,20 @@ kvdoctor starts `python -m vllm.entrypoints.cli.main serve` (the installed vLLM)
 process group on a free loopback port, with kvdoctor's platform plugin switched on for that child
 only (`KVDOCTOR_ENGINE_PLATFORM=1`) and kvdoctor's executor (`--distributed-executor-backend`),
 which paces the engine (`KVDOCTOR_ENGINE_STEP_SECONDS`) so that each client event lands between
-the steps the recipe names. The recipe's steps become traffic: `add` is a `/v1/completions` request
-with a token-id prompt (its `X-Request-Id` names the recipe's request), `schedule` is one paced
-step of waiting, `abort` is the client closing its connection. `expect` is not played (the
-server's scheduler cannot be read from outside); what it guards is checked from the executor's
-step log instead: an aborted request must never have been scheduled before it finished.
+the steps the recipe names. The recipe's steps become traffic, each kind's as its declaration says
+(`serve` in `kvdoctor.steps`): `add` is a `/v1/completions` request with a token-id prompt (its
+`X-Request-Id` names the recipe's request; `continues`: the prompt and completion its client received
+first), `schedule` is one paced step of waiting, `abort` is the client closing its connection,
+`finish` travels with its request (an EOS schedule in its `vllm_xargs`). `expect` is not played (the
+server's scheduler cannot be read from outside).
 
-The verdict comes from what the server did: its log read with `diagnose`'s reader (exception,
-function, frames) matched against the recipe's signature, or, when it survived, `/health` and a
-fresh request served. The child is always stopped by its process group, bounded in time, also when
-kvdoctor fails or is interrupted.
+The verdict of a crash recipe comes from what the server did: its log read with `diagnose`'s reader
+(exception, function, frames) matched against the recipe's signature, or, when it survived, `/health`
+and a fresh request served; its precondition (an aborted request was never scheduled) from the
+executor's step log. A silent bug's verdict is what its clients received: the server's executor runs
+vLLM's worker on fingerprint KV and the stand-in model answers from the KV bytes it reads; each
+completion is compared with the same traffic's on a second server with offloading off. Each child is
+always stopped by its process group, bounded in time, also when kvdoctor fails or is interrupted.
 """
 
 from __future__ import annotations
@@ -33,23 +37,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.core.names import ADMISSION_ENV, EXECUTOR_QUALNAME, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import ADMISSION_ENV, EOS_AFTER_ARG, EXECUTOR_QUALNAME, STEP_SECONDS_ENV, WORKER_ENV
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import serve_command_flags
 from kvdoctor.engine.setup import Setup
+from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.engine.tiny_model import tiny_model_dir
 from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.installed import vllm_version
+from kvdoctor.levels.core import setup_unexpressible as core_setup_unexpressible
 from kvdoctor.levels.in_process import Progress
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.matrix.known import FixedIn
 from kvdoctor.observe.failure import Failure, Frame
-from kvdoctor.observe.verdict import Outcome, failure_verdict
+from kvdoctor.observe.verdict import ClientAnswers, Outcome, compare_completions, failure_verdict
 from kvdoctor.recipes.compile import compile_recipe
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import AuditRow, ReproReport, RunResult
-from kvdoctor.steps import REGISTRY, kind_of
+from kvdoctor.steps import kind_of
 
 if TYPE_CHECKING:
     from kvdoctor.diagnose.reader import LogSummary
@@ -67,22 +73,46 @@ class Event:
     request: str = ""
     prompt: list[int] = field(default_factory=list)
     max_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # the add's kv_transfer_params / priority, as a client sends
+    # the add's body fields as a client sends them: kv_transfer_params, priority, stop_token_ids, vllm_xargs
+    extra: dict[str, Any] = field(default_factory=dict)
+    continues: str = ""  # the add continues this request's conversation (its prompt and completion first)
+
+
+class Unexpressible(Exception):
+    """A step the serve client cannot send as the recipe schedules it (the recipe is not_applicable)."""
 
 
 def plan_traffic(recipe: Recipe, setup: Setup) -> list[Event]:
     """The recipe's steps as client events, each kind's as its declaration says (`serve` in `kvdoctor.steps`),
     compiled exactly as the scheduler level plays them (the same fill plan, prompts and repeats:
     `recipes.compile.compile_recipe`). A kind without serve events is refused first (`unplayable`); reaching
-    one here is kvdoctor's bug, never a step left out of the traffic."""
+    one here is kvdoctor's bug, never a step left out of the traffic. A `finish` travels with its request
+    (the EOS schedule in its vllm_xargs, read by kvdoctor's executor): only before the request's first
+    engine step, else `Unexpressible` names the step."""
     events: list[Event] = []
     for play in compile_recipe(recipe.steps, setup).steps:
         serve_events = kind_of(play.action).serve
         if serve_events is None:
             raise InternalError(f"step kind {play.action!r} (line {play.step.line}) has no serve events and was "
                                 f"not refused")
-        events += [Event(**event) for event in serve_events(play)]
+        for event in (Event(**e) for e in serve_events(play)):
+            if event.kind == "finish":
+                _send_eos_with_the_request(events, event.request, play.counter, play.step.line)
+            else:
+                events.append(event)
     return events
+
+
+def _send_eos_with_the_request(events: list[Event], request: str, counter: int, line: int) -> None:
+    """The add of `request` gets its EOS schedule (its first sampled token is EOS) when no engine step came
+    between them; else the client cannot tell the server when (`Unexpressible`)."""
+    adds = [i for i, e in enumerate(events) if e.kind == "add" and e.request == request]
+    if not adds or any(e.kind == "step" for e in events[adds[-1]:]):
+        raise Unexpressible(f"step {counter} (line {line}) `finish` cannot be played through vllm serve: a client "
+                            f"sends a request's EOS schedule with the request (vllm_xargs), so only a finish "
+                            f"before {request}'s first engine step can be expressed")
+    add = events[adds[-1]]
+    add.extra = {**add.extra, "vllm_xargs": {EOS_AFTER_ARG: 0}}
 
 
 def admission_len(setup: Setup) -> int:
@@ -95,14 +125,18 @@ def admission_len(setup: Setup) -> int:
 
 
 def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
-    extra = dataclasses.replace(setup, worker="simulated", device=None).kv_connector_extra_config()
-    kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra,
-                   **setup.kv_transfer_fields}
+    """The `vllm serve` command of a setup (offloading off: no --kv-transfer-config; vLLM's worker: kvdoctor's
+    copy-engine spec named in the connector's config, as `--engine core` runs it)."""
+    kv_flags: list[str] = []
+    if setup.offloading:
+        extra = dataclasses.replace(setup, device=None).kv_connector_extra_config()
+        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra, **setup.kv_transfer_fields}
+        kv_flags = ["--kv-transfer-config", json.dumps(kv_transfer)]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
             *serve_command_flags(setup),  # the geometry, from the one serve-flag table
-            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer),
-            "--distributed-executor-backend", EXECUTOR_QUALNAME]
+            "--enforce-eager", *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
 def serve_env(setup: Setup) -> dict[str, str]:
@@ -110,9 +144,10 @@ def serve_env(setup: Setup) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({PLATFORM_ENV: "1", STEP_SECONDS_ENV: str(STEP_SECONDS), ADMISSION_ENV:
-                str(admission_len(setup)), "KVDOCTOR_VERBOSE_IMPORT": "1", "VLLM_LOGGING_LEVEL": "INFO",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+                str(admission_len(setup)), WORKER_ENV: setup.worker, "KVDOCTOR_VERBOSE_IMPORT": "1",
+                "VLLM_LOGGING_LEVEL": "INFO", "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     return env
 
 
@@ -160,106 +195,267 @@ def _failure_from_log(crash: LogTraceback) -> Failure:
 
 def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     """Why this recipe cannot be played through `vllm serve` (empty: it can), for kvdoctor's serve level and
-    the exported serve script alike: the kinds without serve events, by their needs (`expect` sends nothing:
-    the client checks its own precondition, that an aborted request was still queued, from the executor's
-    step log, so a recipe without an abort is refused)."""
-    sending = frozenset(name for name, kind in REGISTRY.items() if kind.serve is not None)
-    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling, played_otherwise=sending)
-    if not reasons and not any(s.action == "abort" for s in recipe.steps):
-        reasons = [f"{client} verifies its precondition only for aborted requests (queued-abort shaped recipes)"]
+    the exported serve script alike: the kinds without serve events, by their needs; a step the client
+    cannot send as the recipe schedules it (`plan_traffic`). `expect` sends nothing (the server's scheduler
+    cannot be read from outside): a silent bug's verdict is what its clients received; a crash recipe's is
+    whether the engine died, and for an aborted request its client checks its own precondition, that the
+    request was still queued, from the executor's step log (`judge_run`)."""
+    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling,
+                            played_otherwise=frozenset({"expect"}))  # sends nothing (see above)
+    if not reasons:
+        try:
+            plan_traffic(recipe, setup)
+        except Unexpressible as exc:
+            reasons = [str(exc)]
     return reasons
 
 
-def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
-    """Play the recipe against a fresh server; returns (its result, the server's log text)."""
+def setup_unexpressible(setup: Setup) -> list[str]:
+    """Geometry the served engine does not build: `vllm serve` runs kvdoctor's tiny full-attention model (its
+    executor gives every decoder layer a full-attention spec), not another model's or a shipped layout."""
+    if setup.model is not None or setup.layout is not None:
+        return [f"the served engine runs kvdoctor's tiny full-attention model; {setup.model or setup.layout}'s KV "
+                f"layout is not built at --engine serve (play it with --engine core)"]
+    if setup.kv_events:
+        return ["kv_events: the served engine's KV events go to a ZMQ publisher kvdoctor's serve client does not "
+                "subscribe to, and no client's answer shows a lost event (play it with --engine core)"]
+    return []
+
+
+def answers_unexpressible(recipe: Recipe, setup: Setup) -> list[str]:
+    """Why a silent recipe's clients cannot get a wrong answer from this served setup (empty: they can)."""
+    if not recipe.signature.invariant:
+        return []
+    why = setup.vllm_worker_unsupported()
+    if why:
+        return [f"a silent bug is judged at serve by its clients' answers, which need vLLM's worker moving KV "
+                f"bytes in the server's executor: {why}"]
+    return core_setup_unexpressible(setup)
+
+
+@dataclass
+class Served:
+    """One server's run of the traffic: what its clients got, and its log."""
+
+    ready: bool
+    played: Any  # serve_client.Played
+    text: str
+    lines: list[str]
+    crash: LogTraceback | None
+    returncode: int | None
+
+
+def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
+    """Start a fresh server per (setup, traffic), all at once (their start-ups, mostly `import vllm`, and
+    their paced traffic overlap), play each its traffic, stop them all (each its process group, bounded),
+    also when kvdoctor fails or is interrupted."""
     # Deferred to a served run: the HTTP client (asyncio) and diagnose's log reader cost ~0.2 s that every
     # in-process repro would pay when `levels.runners` imports this module.
     import asyncio
 
     from kvdoctor.diagnose.reader import read_stream
-    from kvdoctor.levels.serve_client import (
-        Played,
-        Server,
-        aborted_while_queued,
-        ever_scheduled,
-        free_port,
-        play,
-        step_log,
-        wait_ready,
-    )
+    from kvdoctor.levels.serve_client import Played, Server, free_port, play, wait_ready
 
+    model = tiny_model_dir()
+    started: list[tuple[Server, int, Path]] = []
+    outcomes: list[tuple[bool, Any]] = [(False, Played()) for _ in runs]
+
+    async def one(index: int, server: Server, port: int, events: list[Event]) -> None:
+        ready = await wait_ready(port, server, STARTUP_LIMIT_S)
+        outcomes[index] = (ready, Played())
+        if ready:
+            outcomes[index] = (True, await play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
+
+    async def every(jobs: list[Any]) -> None:
+        await asyncio.gather(*jobs)
+
+    texts: list[str] = []
+    with _terminate_as_interrupt():
+        try:
+            ports: set[int] = set()
+            for setup, _events in runs:
+                workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
+                port = free_port()
+                while port in ports:
+                    port = free_port()
+                ports.add(port)
+                server = Server(serve_command(setup, model, port), serve_env(setup), str(workdir / "server.log"))
+                started.append((server, port, workdir))
+                print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
+                      f"group when the run ends)", file=sys.stderr, flush=True)
+            asyncio.run(every([one(i, server, port, runs[i][1]) for i, (server, port, _) in enumerate(started)]))
+            time.sleep(1.0)
+        finally:
+            for server, _port, workdir in started:
+                server.stop()
+                texts.append((workdir / "server.log").read_text(errors="replace"))
+                shutil.rmtree(workdir, ignore_errors=True)
+    served = []
+    for (server, _port, _workdir), text, (ready, played) in zip(started, texts, outcomes, strict=True):
+        summary = read_stream(io.BytesIO(text.encode()), "server.log")
+        served.append(Served(ready, played, text, text.splitlines(), engine_crash(summary), server.proc.returncode))
+    return served
+
+
+@dataclass
+class Planned:
+    """A recipe the serve client can play: its result so far, and the servers it needs (setup, traffic):
+    one, and for a silent bug a second with offloading off (its reference)."""
+
+    recipe: Recipe
+    result: RunResult
+    events: list[Event]
+    runs: list[tuple[Setup, list[Event]]]
+
+
+def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
+    """The recipe's servers and traffic, or its not_applicable result (no server started)."""
     result = RunResult(logic="installed", outcome=Outcome.NOT_REPRODUCED)
     result.worker = ("kvdoctor's simulated worker inside kvdoctor's executor in a `vllm serve` child "
                      "(EngineCoreProc's busy loop calls the scheduler); kvdoctor is its HTTP client")
-    reasons = unplayable(recipe, setup, "kvdoctor's serve client")
+    reasons = (unplayable(recipe, setup, "kvdoctor's serve client") or setup_unexpressible(setup)
+               or answers_unexpressible(recipe, setup))
     if reasons:
         result.outcome = Outcome.NOT_APPLICABLE
         result.detail = "; ".join(reasons)
         result.unplayable = True
-        return result, ""
-    check_plugin()
+        return result
+    silent = bool(recipe.signature.invariant)
+    if silent:
+        setup = dataclasses.replace(setup, worker="vllm", device=None, worker_fallback=None)
+        result.worker = ("vLLM's worker-role OffloadingConnector on fingerprint KV (kvdoctor's copy engine, the "
+                         "stand-in model reading each answer from the KV bytes) inside kvdoctor's executor in a "
+                         "`vllm serve` child (EngineCoreProc's busy loop calls the scheduler); kvdoctor is its "
+                         "HTTP client")
     events = plan_traffic(recipe, setup)
+    # a silent bug's reference: the same traffic on a server with offloading off, started beside it
+    return Planned(recipe, result, events, [(setup, events)] + ([(reference_setup(setup), events)] if silent else []))
+
+
+def run_many(items: list[tuple[Recipe, Setup]]) -> list[tuple[RunResult, str]]:
+    """Every recipe's servers started at once (`serve_all`: their start-ups and paced traffic overlap), each
+    judged from its own servers; returns (result, the offloading-on server's log text) per recipe."""
+    plans = [plan_run(recipe, setup) for recipe, setup in items]
+    runs = [run for plan in plans if isinstance(plan, Planned) for run in plan.runs]
+    if runs:
+        check_plugin()
+    served = serve_all(runs)
+    out: list[tuple[RunResult, str]] = []
+    for plan in plans:
+        if not isinstance(plan, Planned):
+            out.append((plan, ""))
+            continue
+        mine, served = served[:len(plan.runs)], served[len(plan.runs):]
+        out.append((judge_run(plan, mine), mine[0].text))
+    return out
+
+
+def run_serve(recipe: Recipe, setup: Setup) -> tuple[RunResult, str]:
+    """Play the recipe against fresh servers; returns (its result, the server's log text). A silent bug's
+    verdict is its clients' answers against a second server's with offloading off (`_judge_answers`)."""
+    return run_many([(recipe, setup)])[0]
+
+
+def judge_run(plan: Planned, servers: list[Served]) -> RunResult:
+    """The verdict from what the recipe's servers did (the first: offloading on)."""
+    from kvdoctor.levels.serve_client import aborted_while_queued, ever_scheduled, step_log
+
+    recipe, result, events = plan.recipe, plan.result, plan.events
+    served, *reference = servers
+    silent = bool(reference)
     aborted = [e.request for e in events if e.kind == "abort"]
-    workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
-    log_path = workdir / "server.log"
-    port = free_port()
-    model = tiny_model_dir()
-    played = Played()
-    ready = False
-    with _terminate_as_interrupt():
-        server = Server(serve_command(setup, model, port), serve_env(setup), str(log_path))
-        try:
-            print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
-                  f"group when the run ends)", file=sys.stderr, flush=True)
-            ready = asyncio.run(wait_ready(port, server, STARTUP_LIMIT_S))
-            if ready:
-                played = asyncio.run(play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
-                time.sleep(1.0)
-        finally:
-            server.stop()
-            text = log_path.read_text(errors="replace")
-            shutil.rmtree(workdir, ignore_errors=True)
-    lines = text.splitlines()
-    summary = read_stream(io.BytesIO(text.encode()), "server.log")
+    lines, played = served.lines, served.played
     engine_steps = len(step_log(lines))
-    crash = engine_crash(summary)
-    if not ready:
+    if not served.ready:
         result.outcome = Outcome.OTHER_FAILURE
         result.detail = (f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s (exit code "
-                         f"{server.proc.returncode}); its log: {_tail(lines)}")
-        if crash is not None:
-            result.failure = _failure_from_log(crash)
-        return result, text
+                         f"{served.returncode}); its log: {_tail(lines)}")
+        if served.crash is not None:
+            result.failure = _failure_from_log(served.crash)
+        return result
     queued = {name: aborted_while_queued(lines, name) for name in aborted}
-    if crash is not None:
-        failure = _failure_from_log(crash)
+    if served.crash is not None:
+        failure = _failure_from_log(served.crash)
         result.failure = failure
         result.failure_step = engine_steps + 1  # the engine step that raised (steps logged before it)
         # the server's traceback does not name the request: the signature's request cannot be checked
         result.outcome, why = failure_verdict(recipe.signature, failure, names_request=False)
-        if result.outcome is Outcome.REPRODUCED:
+        if result.outcome is Outcome.REPRODUCED and aborted:
             seen = ", ".join(f"{name} {'was scheduled before' if ever_scheduled(lines, name) else 'never scheduled'}"
                              for name in aborted)
             result.detail = (f"the engine died ({seen}, per the executor's step log; the server's traceback "
                              f"does not name the request)")
+        elif result.outcome is Outcome.REPRODUCED:
+            result.detail = (f"the engine died at its step {engine_steps + 1} (the server's traceback does not name "
+                             f"the request; the recipe's expect steps are not checked at serve)")
         else:
             result.detail = f"the engine died with {why}"
-        return result, text
-    if played.healthy and played.fresh_served:
-        missed = [name for name, was in queued.items() if not was]
-        if missed:
-            result.outcome = Outcome.NOT_REACHED
-            result.detail = (f"the server survived, but {', '.join(missed)} was not aborted while queued (the "
-                             f"executor's step log shows it scheduled first, or never finished): the run did not "
-                             f"test the bug")
-        else:
-            result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
-                             f"per the executor's step log); /health 200 and a fresh request served")
-        return result, text
-    result.outcome = Outcome.OTHER_FAILURE
-    result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
-                     + "; ".join(played.notes[-4:]))
-    return result, text
+        return result
+    if not (played.healthy and played.fresh_served):
+        result.outcome = Outcome.OTHER_FAILURE
+        result.detail = ("the server stopped serving without a traceback kvdoctor could read: "
+                         + "; ".join(played.notes[-4:]))
+        return result
+    if silent:
+        return _judge_answers(result, events, played, reference[0])
+    if not aborted:
+        result.detail = ("the server survived the recipe's traffic: /health 200 and a fresh request served (the "
+                         "recipe's expect steps are not checked at serve: a client cannot read the scheduler)")
+        return result
+    missed = [name for name, was in queued.items() if not was]
+    if missed:
+        result.outcome = Outcome.NOT_REACHED
+        result.detail = (f"the server survived, but {', '.join(missed)} was not aborted while queued (the "
+                         f"executor's step log shows it scheduled first, or never finished): the run did not "
+                         f"test the bug")
+    else:
+        result.detail = (f"the server survived: {', '.join(aborted)} aborted while queued (never scheduled, "
+                         f"per the executor's step log); /health 200 and a fresh request served")
+    return result
+
+
+REFERENCE = "offloading off, a second server"
+
+
+def reference_setup(setup: Setup) -> Setup:
+    """The run's own reference: the same geometry with offloading off (the engine computes every token's KV
+    itself; the stand-in model's answer is then the tokens' own), as `--engine core` makes it."""
+    return dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated", device=None)
+
+
+def _judge_answers(result: RunResult, events: list[Event], played: Any, reference: Served) -> RunResult:
+    """A silent bug at serve: reproduced when a client's completion differs from the one the same traffic gets
+    from a server with offloading off (the run's own reference; `verdict.compare_completions`, the
+    comparison `--engine core` makes). The recipe's `expect` steps are not checked (the server's scheduler
+    is not readable from outside): a run whose requests were not all answered did not test the bug."""
+    if not (reference.ready and reference.crash is None and reference.played.healthy):
+        result.outcome = Outcome.OTHER_FAILURE
+        result.answers = ClientAnswers(REFERENCE, not_compared="the reference server did not serve the traffic: "
+                                       + "; ".join(reference.played.notes[-3:] or [_tail(reference.lines)]))
+        result.detail = result.answers.line
+        return result
+
+    def answer(tokens: list[int]) -> list[int]:
+        return [t for t in tokens if t != EOS_TOKEN]  # the recipe's EOS is the recipe's, not the model's
+
+    answers = compare_completions({k: answer(v) for k, v in played.completions.items()},
+                                  {k: answer(v) for k, v in reference.played.completions.items()}, REFERENCE)
+    result.answers = answers
+    sent = [e.request for e in events if e.kind == "add"]
+    unanswered = [name for name in sent if name not in played.completions]
+    if answers.reproduced:
+        result.outcome = Outcome.REPRODUCED
+        result.detail = f"a client got another answer: {answers.line}"
+    elif unanswered or answers.missing:
+        result.outcome = Outcome.NOT_REACHED
+        result.detail = (f"not every request was answered (offloading on, unanswered: {', '.join(unanswered) or 'none'}"
+                         f"; answered by one server only: {', '.join(answers.missing) or 'none'}): the run did not "
+                         f"test the bug")
+    else:
+        result.outcome = Outcome.NOT_REPRODUCED
+        result.detail = f"no client got another answer: {answers.line}"
+    result.detail += " (the recipe's expect steps are not checked at serve: a client cannot read the scheduler)"
+    return result
 
 
 @contextlib.contextmanager
@@ -286,8 +482,11 @@ def _tail(lines: list[str], count: int = 5) -> str:
     return " | ".join(line.strip() for line in lines[-count:])
 
 
-def serve_setup(setup: Setup) -> Setup:
-    """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor."""
+def serve_setup(setup: Setup, recipe: Recipe | None = None) -> Setup:
+    """The setup as the serve level runs it: kvdoctor's simulated worker inside the server's executor; for a
+    silent recipe vLLM's worker on fingerprint KV (its clients' answers read the KV bytes), where it can run."""
+    if recipe is not None and recipe.signature.invariant and setup.vllm_worker_unsupported() is None:
+        return dataclasses.replace(setup, worker="vllm", device=None, model_runner=None, worker_fallback=None)
     return dataclasses.replace(setup, worker="simulated", device=None, model_runner=None,
                                worker_fallback=(None if setup.worker == "simulated" else
                                                 "the serve level runs kvdoctor's simulated worker inside the "
@@ -298,8 +497,8 @@ UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fix
 
 
 class ServeLevel:
-    """The served level: one `vllm serve` child per recipe, installed logic only (the server runs vLLM
-    unpatched); vLLM is not imported in this process to play it."""
+    """The served level: one `vllm serve` child per recipe (a silent recipe: two, offloading on and off),
+    installed logic only (the server runs vLLM unpatched); vLLM is not imported in this process to play it."""
 
     name = NAME
 
@@ -314,17 +513,27 @@ class ServeLevel:
     def repro(self, recipe: Recipe, setup: Setup, variants: list[str], *, overrides: Overrides, command: str,
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
-        setup = serve_setup(setup)
+        setup = serve_setup(setup, recipe)
         result, log_text = run_serve(recipe, setup)
         return ReproReport(recipe=recipe, setup=setup, vllm_version=vllm_version() or "?", command=command,
                            fixed_in=fixed_in, results=[result], server_log=log_text)
 
     def audit_row(self, api: VllmApi, recipe: Recipe, setup: Setup, fixed_in: FixedIn | None) -> AuditRow:
         """One recipe through a `vllm serve` child; the fixed logic cannot be played there."""
-        setup = serve_setup(setup)
-        installed, log_text = run_serve(recipe, setup)
-        fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
-        return AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text)
+        return self.audit_rows(api, [(recipe, setup, fixed_in)], lambda done, total, what: None)[0]
+
+    def audit_rows(self, api: VllmApi, jobs: list[tuple[Recipe, Setup, FixedIn | None]],
+                   progress: Progress) -> list[AuditRow]:
+        """Every recipe's servers at once (`run_many`): the audit costs about one server's start-up and the
+        longest traffic, not their sum; the fixed logic cannot be played there."""
+        setups = [serve_setup(setup, recipe) for recipe, setup, _ in jobs]
+        progress(0, len(jobs), f"{len(jobs)} recipes through `vllm serve` children started at once")
+        played = run_many([(recipe, setup) for (recipe, _, _), setup in zip(jobs, setups, strict=True)])
+        rows = []
+        for (recipe, _, fixed_in), setup, (installed, log_text) in zip(jobs, setups, played, strict=True):
+            fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
+            rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text))
+        return rows
 
 
 SERVE = ServeLevel()

@@ -108,15 +108,37 @@ async def wait_ready(port: int, server: Server, limit: float) -> bool:
 class Played:
     notes: list[str] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)
+    # request -> the token ids its client received (a stop token the server reports as the stop reason
+    # included: the client knows it), for each request the server answered with a completion
+    completions: dict[str, list[int]] = field(default_factory=dict)
+    prompts: dict[str, list[int]] = field(default_factory=dict)  # request -> the prompt its client sent
     healthy: bool = False
     fresh_served: bool = False
 
 
+def completion_tokens(body: str) -> list[int] | None:
+    """The token ids of a /v1/completions answer (sent with return_token_ids), a stop token the server
+    names as the stop reason appended where the ids leave it out; None when the body holds none."""
+    try:
+        choice = json.loads(body)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    tokens = choice.get("token_ids")
+    if not isinstance(tokens, list):
+        return None
+    tokens = [int(t) for t in tokens]
+    stop = choice.get("stop_reason")
+    if choice.get("finish_reason") == "stop" and isinstance(stop, int) and (not tokens or tokens[-1] != stop):
+        tokens.append(stop)
+    return tokens
+
+
 async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_seconds: float,
                echo: Callable[[str], None] | None = None) -> Played:
-    """The recipe's clients (events as dicts: kind add | step | abort, request, prompt, max_tokens, and
-    an add's `extra` body fields: kv_transfer_params, priority); then whether the server answers
-    /health and a fresh request. `echo` sees each note as it is taken."""
+    """The recipe's clients (events as dicts: kind add | step | abort | reset, request, prompt, max_tokens, an
+    add's `extra` body fields (kv_transfer_params, priority, stop_token_ids, vllm_xargs) and `continues`:
+    the request whose conversation it continues: its prompt and the completion its client received come
+    first); then whether the server answers /health and a fresh request. `echo` sees each note as taken."""
     played = Played()
     tasks: dict[str, asyncio.Task[tuple[int, str]]] = {}
     start = time.monotonic()
@@ -125,6 +147,19 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
         played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
         if echo is not None:
             echo(played.notes[-1])
+
+    def take(name: str, task: asyncio.Task[tuple[int, str]]) -> None:
+        try:
+            status, body = task.result()
+        except (TimeoutError, OSError) as exc:
+            played.answers[name] = type(exc).__name__
+            note(f"{name} failed: {type(exc).__name__}")
+            return
+        played.answers[name] = f"HTTP {status}"
+        tokens = completion_tokens(body) if status == 200 else None
+        if tokens is not None:
+            played.completions[name] = tokens
+        note(f"{name} answered HTTP {status}" + (f": tokens {tokens}" if tokens is not None else ""))
 
     pending_steps = 0
     for event in events:
@@ -137,11 +172,31 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             await asyncio.sleep(max(pending_steps, 2) * step_seconds)
             pending_steps = 0
         if kind == "add":
-            body = {"model": model, "prompt": event["prompt"], "max_tokens": event["max_tokens"], "ignore_eos": True,
-                    "temperature": 0.0, **event.get("extra", {})}
+            earlier: list[int] = []
+            if event.get("continues"):
+                before = event["continues"]
+                if before in tasks:  # the next turn waits for the answer it continues
+                    await asyncio.wait([tasks[before]], timeout=REQUEST_LIMIT_S)
+                    if tasks[before].done():
+                        take(before, tasks.pop(before))
+                if before not in played.completions:
+                    note(f"{name} not sent: {before} gave no completion to continue")
+                    continue
+                earlier = played.prompts[before] + played.completions[before]
+            prompt = earlier + list(event["prompt"])
+            played.prompts[name] = prompt
+            body = {"model": model, "prompt": prompt, "max_tokens": event["max_tokens"], "ignore_eos": True,
+                    "temperature": 0.0, "return_token_ids": True, **event.get("extra", {})}
             tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
                                                    {"X-Request-Id": request_tag(name)}, REQUEST_LIMIT_S))
-            note(f"{name} sent: {len(event['prompt'])} prompt tokens, max_tokens {event['max_tokens']}")
+            note(f"{name} sent: {len(prompt)} prompt tokens, max_tokens {event['max_tokens']}")
+        elif kind == "reset":
+            query = "&".join(f"{key}={'true' if value else 'false'}" for key, value in event.get("extra", {}).items())
+            try:
+                status, answer = await http(port, "POST", f"/reset_prefix_cache?{query}", timeout=30)
+                note(f"POST /reset_prefix_cache?{query}: HTTP {status} {answer.strip()[:80]}")
+            except (TimeoutError, OSError) as exc:
+                note(f"POST /reset_prefix_cache failed: {type(exc).__name__}")
         elif kind == "abort":
             task = tasks.pop(name, None)
             if task is not None:
@@ -149,18 +204,15 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
                 await asyncio.gather(task, return_exceptions=True)
             note(f"{name} disconnected (the API server aborts it)")
     await asyncio.sleep(max(pending_steps, 2) * step_seconds)
-    # The recipe ends here. Requests still open are the recipe's fillers: their clients disconnect (a
-    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
-    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
+    # The recipe ends here. Requests still open get a few more steps to finish; then their clients
+    # disconnect (a filler may never finish on a real server: the scheduler level stops driving it, the
+    # engine keeps it preempted in a pool it cannot fit), and the server must then be healthy and serve a
+    # fresh request.
+    if tasks:
+        await asyncio.wait(list(tasks.values()), timeout=4 * step_seconds)
     for name, task in tasks.items():
         if task.done():
-            try:
-                status, _ = task.result()
-                played.answers[name] = f"HTTP {status}"
-                note(f"{name} answered HTTP {status}")
-            except (TimeoutError, OSError) as exc:
-                played.answers[name] = type(exc).__name__
-                note(f"{name} failed: {type(exc).__name__}")
+            take(name, task)
             continue
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

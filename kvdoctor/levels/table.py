@@ -57,16 +57,14 @@ LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
                                             "(step_with_batch_queue); only its own steps apply it, a client "
                                             "cannot ask for that between steps"}),
     Level("serve", "vllm serve",
-          meets=frozenset({Need.ENGINE_INPUT, Need.ENGINE_STEP}),
+          meets=frozenset({Need.ENGINE_INPUT, Need.ENGINE_STEP, Need.MODEL_OUTPUT, Need.IN_FLIGHT_OUTPUT,
+                           Need.ENGINE_UTILITY}),
+          sync_only={Need.IN_FLIGHT_OUTPUT: "a client cannot apply the in-flight batch between engine steps"},
           cannot={
-              Need.IN_FLIGHT_OUTPUT: "a client cannot apply the in-flight batch between engine steps",
-              Need.MODEL_OUTPUT: "the served executor samples no EOS on request (only max_tokens ends a request)",
               Need.TRANSFER_CONTROL: _NO_TRANSFER_CONTROL,
               Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE,
               Need.ENGINE_PAUSE: "not played by kvdoctor's serve client (vllm serve pauses only in its "
                                  "development mode)",
-              Need.ENGINE_UTILITY: "not played by kvdoctor's serve client yet (POST /reset_prefix_cache races "
-                                   "with the busy loop)",
               Need.SCHEDULER_STATE: "the server's scheduler state cannot be read from outside the process (the "
                                     "serve client reads only whether an aborted request was still queued, from "
                                     "the executor's step log)",
@@ -79,10 +77,14 @@ HOW: dict[Need, str] = {
                        "/v1/completions with a token-id prompt, a client disconnect",
     Need.ENGINE_STEP: "core: the engine's step_fn (step / step_with_batch_queue) + post_step; serve: a paced "
                       "engine step of waiting",
-    Need.IN_FLIGHT_OUTPUT: "core, sync scheduling: nothing is in flight between engine steps (a no-op)",
-    Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request",
+    Need.IN_FLIGHT_OUTPUT: "core and serve, sync scheduling: nothing is in flight between engine steps (a no-op)",
+    Need.MODEL_OUTPUT: "core: kvdoctor's executor samples EOS for the request; serve: the client sends the EOS "
+                       "schedule with the request (vllm_xargs), so only a finish before the request's first "
+                       "engine step (a later one is not_applicable, named)",
     Need.TRANSFER_CONTROL: "core: kvdoctor's executor holds, releases or fails the worker's jobs",
-    Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache",
+    Need.ENGINE_UTILITY: "core: EngineCore.reset_prefix_cache; serve: POST /reset_prefix_cache "
+                         "(reset_running_requests, reset_external = the step's reset_connector; vLLM's development "
+                         "endpoint, VLLM_SERVER_DEV_MODE=1 in the server child), between paced engine steps",
     Need.SCHEDULER_STATE: "core: the engine's Scheduler, read between steps",
     Need.ENGINE_PAUSE: "core: EngineCore.pause_scheduler (mode, clear_cache) / resume_scheduler",
 }

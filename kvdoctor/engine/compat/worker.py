@@ -243,6 +243,25 @@ class WorkerGlue(AdapterBase):
                 return list(value)
         raise IncompatibleVllmError("KVCacheTensor has neither shared_by nor layers")
 
+    def served_scheduler_view(self, vllm_config: Any, kv_cache_config: Any) -> Any:
+        """What the vLLM worker reads of a scheduler (its configs; its connector's class, asked for a KV
+        layout), for the executor of a `vllm serve` child: the engine builds its scheduler after the
+        executor's KV caches, from the same configs."""
+        factory = _require(self.worker_mods()["connector_factory"], "KVConnectorFactory", "kv_connector.factory")
+        try:
+            connector_class: Any = factory.get_connector_class(vllm_config.kv_transfer_config)
+        except Exception:  # a release without the class lookup: no layout asked for
+            connector_class = object
+        return _SchedulerView(vllm_config, kv_cache_config, connector_class)
+
+    def served_model_runner(self, vllm_config: Any) -> str:
+        """The runner a served engine's scheduler shapes its output for: its config's (0.26-0.33:
+        VllmConfig.use_v2_model_runner), else what a GPU deployment of this release runs."""
+        choice = getattr(vllm_config, "use_v2_model_runner", None)
+        if isinstance(choice, bool):
+            return "v2" if choice else "v1"
+        return self.gpu_default_model_runner(vllm_config)
+
     def required_kv_cache_layout(self, scheduler: Any) -> str | None:
         """The KV cache layout the scheduler's connector asks for (0.33+), None where it asks none."""
         connector = getattr(scheduler, "connector", None)
@@ -379,3 +398,19 @@ def _shrink_spec(spec: Any, page: int) -> Any:
                                         f"(kvdoctor's fingerprint KV)")
         shrunk = dataclasses.replace(shrunk, page_size_padded=page)
     return shrunk
+
+
+class _SchedulerView:
+    """A scheduler's configs and its connector's class, where no scheduler exists yet (`served_scheduler_view`)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, connector_class: Any) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.connector = _class_probe(connector_class)
+
+
+def _class_probe(connector_class: Any) -> Any:
+    """An instance whose type answers `get_required_kvcache_layout` as the connector's class does."""
+    probe = getattr(connector_class, "get_required_kvcache_layout", None)
+    namespace = {"get_required_kvcache_layout": probe} if probe is not None else {}
+    return type("ConnectorClassProbe", (), namespace)()

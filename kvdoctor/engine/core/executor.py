@@ -10,8 +10,9 @@ embeds too); each scheduler output goes to a *worker side*:
   recipe's tokens and records the step's events, exactly as the scheduler-level harness does
   between `schedule()` and `update_from_output()`;
 - in a `vllm serve` child (`--engine serve`): no harness exists, so the stand-in's own stepping
-  runs (a decode token per request past its prefill, one log line per step) and kvdoctor's
-  simulated worker reports the transfers (each completes when issued).
+  runs (a token per request past its prefill, one log line per step) and `served_side.ServedSide`
+  chooses the tokens (the stand-in model's answers, EOS where the client asked) and runs the worker
+  (vLLM's worker on fingerprint KV, or the simulated one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from kvdoctor.engine.core.names import ADMISSION_ENV, STEP_SECONDS_ENV
 from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
-from kvdoctor.engine.core.simulated_side import SimulatedSide
+from kvdoctor.engine.core.served_side import ServedSide
 from kvdoctor.engine.core.standin_executor import StandInExecutor
 
 __all__ = ["ADMISSION_ENV", "HANDOFFS", "QUALNAME", "STEP_SECONDS_ENV", "Handoff", "KvdoctorExecutor"]
@@ -56,7 +57,7 @@ class KvdoctorExecutor(StandInExecutor):
         if self.handoff is not None:
             self.admission_len = self.handoff.admission_len
         self.kv_cache_config: Any = None
-        self.simulated: Any = None  # serve: the executor's own worker side
+        self.served: ServedSide | None = None  # serve: the executor's own worker side
 
     def attach(self, step: Callable[[Any], Any]) -> None:
         if self.handoff is None:
@@ -72,18 +73,20 @@ class KvdoctorExecutor(StandInExecutor):
         super().initialize_from_config(kv_cache_configs)
         self.kv_cache_config = kv_cache_configs[0]
         if self.handoff is None:  # a `vllm serve` child: the worker side lives here
-            self.simulated = SimulatedSide(self.vllm_config)
+            self.served = ServedSide(self.vllm_config, self.kv_cache_config)
 
     def shutdown(self) -> None:
-        if self.simulated is not None:
-            self.simulated.shutdown()
+        if self.served is not None:
+            self.served.shutdown()
 
     def step_output(self, scheduler_output: Any) -> Any:
         if self.handoff is not None and self.handoff.step is not None:
             return self.handoff.step(scheduler_output)
-        if self.simulated is None:
+        if self.served is None:
             raise RuntimeError("kvdoctor's executor ran a step before a worker side was attached")
+        self.served.admit(scheduler_output)
         return super().step_output(scheduler_output)
 
     def transfers(self, scheduler_output: Any, sampled: dict[str, list[int]]) -> Any:
-        return self.simulated.transfers(scheduler_output, sampled, self.steps)
+        assert self.served is not None
+        return self.served.transfers(scheduler_output, sampled, self.steps)

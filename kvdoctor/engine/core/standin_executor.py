@@ -12,11 +12,12 @@ ways, so the two can never drift apart:
   This file therefore imports only vLLM and the standard library (`tests/test_engine_export.py`).
 
 Standing alone it runs no model: one decode token is sampled per request that finished its prefill
-(no EOS: requests end at max_tokens), and every KV transfer the OffloadingConnector issues completes on
-the step it is issued. Everything on the scheduler side (the Scheduler, the connector's scheduler side,
-the CPU manager) is vLLM's own. Each step sleeps `STEP_SECONDS_ENV` seconds, so that client traffic
-lands between engine steps, and logs one line (`kvdoctor-engine step N: {...}`) saying what was
-scheduled and finished: the client reads it to tell whether an aborted request was still queued.
+(EOS only where the client's `vllm_xargs` asked for it, else requests end at max_tokens), and every
+KV transfer the OffloadingConnector issues completes on the step it is issued. Everything on the
+scheduler side (the Scheduler, the connector's scheduler side, the CPU manager) is vLLM's own. Each
+step sleeps `STEP_SECONDS_ENV` seconds, so that client traffic lands between engine steps, and logs
+one line (`kvdoctor-engine step N: {...}`) saying what was scheduled and finished: the client reads
+it to tell whether an aborted request was still queued.
 As vLLM's GPU model runner, `execute_model` returns None when tokens were scheduled and the output
 comes from `sample_tokens`: `EngineCore.step` and `step_with_batch_queue` rely on that.
 """
@@ -40,6 +41,8 @@ from kvdoctor.engine.compat.portable import default_kv_cache_layouts, runner_out
 logger = init_logger("vllm.kvrepro.executor")  # under "vllm": the server's own log handler
 STEP_LOG_PREFIX = "kvdoctor-engine step"  # the serve client reads it (serve_client.py; tests check both agree)
 DECODE_TOKEN = 7
+EOS_TOKEN = 2  # kvdoctor's stop token (step_loop.EOS_TOKEN): its clients send it as their stop_token_ids
+EOS_AFTER_ARG = "kvdoctor_eos_after"  # a request's vllm_xargs: its (N+1)-th sampled token is EOS (names.py)
 
 
 def _done(value: Any) -> Future[Any]:
@@ -72,6 +75,8 @@ class StandInExecutor(Executor):
         self.original_len: int | None = None
         self.to_sample: deque[Any] = deque()
         self.num_tokens: dict[str, int] = {}
+        self.eos_after: dict[str, int] = {}  # request -> sampled tokens before its EOS (its client's vllm_xargs)
+        self.num_sampled: dict[str, int] = {}
         self.steps = 0
 
     # -- start-up ---------------------------------------------------------------------------
@@ -167,6 +172,9 @@ class StandInExecutor(Executor):
             tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
             self.num_tokens[new.req_id] = len(tokens)
             computed[new.req_id] = new.num_computed_tokens
+            extra = getattr(getattr(new, "sampling_params", None), "extra_args", None) or {}
+            if EOS_AFTER_ARG in extra:
+                self.eos_after[new.req_id] = int(extra[EOS_AFTER_ARG])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
@@ -177,11 +185,12 @@ class StandInExecutor(Executor):
             known = self.num_tokens.get(req_id, after)
             if after >= known:  # prefill done: one token sampled
                 self.num_tokens[req_id] = known + 1
-                sampled[req_id] = [DECODE_TOKEN]
+                sampled[req_id] = [self.choose_token(req_id)]
             else:
                 sampled[req_id] = []
         for req_id in so.finished_req_ids or ():
-            self.num_tokens.pop(req_id, None)
+            for table in (self.num_tokens, self.eos_after, self.num_sampled):
+                table.pop(req_id, None)
         kv_output = self.transfers(so, sampled)
         logger.info("%s %d: %s", STEP_LOG_PREFIX, self.steps, json.dumps({
             "scheduled": dict(so.num_scheduled_tokens), "finished": sorted(so.finished_req_ids or ())}))
@@ -190,6 +199,14 @@ class StandInExecutor(Executor):
         if runner_output_takes_req_id_to_index(ModelRunnerOutput):
             kwargs["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
         return ModelRunnerOutput(**kwargs)
+
+    def choose_token(self, req_id: str) -> int:
+        """The token a request samples once its prefill is done: EOS where its client asked for it
+        (`EOS_AFTER_ARG`), else DECODE_TOKEN (kvdoctor's executor replaces it by the stand-in model's answer
+        in `transfers`)."""
+        count = self.num_sampled.get(req_id, 0)
+        self.num_sampled[req_id] = count + 1
+        return EOS_TOKEN if self.eos_after.get(req_id) == count else DECODE_TOKEN
 
     def transfers(self, so: Any, sampled: dict[str, list[int]]) -> Any:
         """What the worker-role OffloadingConnector reports when every transfer finishes at once."""
