@@ -25,6 +25,10 @@ import time
 from pathlib import Path
 
 PREFIX = "(EngineCore pid=1) ERROR 12-05 12:00:00 [core.py:1332] "
+# The model architecture each shipped layout stands for (its config.json's, or the model it imitates)
+LAYOUT_MODELS = {"swa-full": "GptOssForCausalLM", "swa-full-mixed": "Gemma4ForCausalLM",
+                 "mamba-hybrid": "NemotronHForCausalLM", "mamba-swa-hybrid": "Phi4FlashForCausalLM",
+                 "eagle-pair": "LlamaForCausalLM with an EAGLE drafter"}
 
 
 def crash_text(api, recipe) -> str | None:
@@ -43,9 +47,12 @@ def crash_text(api, recipe) -> str | None:
         named.append("--async-scheduling")
     if setup.get("spec_name"):
         named.append(f"kv_connector_extra_config spec_name {setup['spec_name']}")
-    if "mamba" in str(setup.get("layout") or ""):
+    layout = str(setup.get("layout") or "")
+    if layout:  # a real log names its model: the architecture the shipped layout stands for
+        named.append(f"model {LAYOUT_MODELS.get(layout, layout)}")
+    if "mamba" in layout:
         named.append("model MambaHybrid")
-    if "swa" in str(setup.get("layout") or ""):
+    if "swa" in layout:
         named.append("a SlidingWindowSpec group")
     if setup.get("multi_connector"):
         named.append("MultiConnector")
@@ -84,6 +91,7 @@ def main() -> int:
     logging.getLogger("vllm").setLevel(logging.CRITICAL)
     wanted = [n for n in args.recipes.split(",") if n]
     recipes = [r for r in all_builtins() if r.signature.exception and (not wanted or r.name in wanted)]
+    recipes.sort(key=lambda r: wanted.index(r.name) if r.name in wanted else 0)  # in the order --recipes names
     work = args.keep or Path(tempfile.mkdtemp(prefix="kvdoctor-bench-hunt-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"hunt table on vLLM {api.version_text}, {args.budget:g} s per recipe, seed {args.seed}, one worker, "
@@ -99,7 +107,7 @@ def main() -> int:
         log = work / f"{recipe.name}.log"
         log.write_text(text, encoding="utf-8")
         summary = read_log(str(log))
-        aim = aim_from_log(summary, match_log(summary, all_builtins()), include_known=True)
+        aim = aim_from_log(summary, match_log(summary, all_builtins()), include_known=True, text=text)
         report = hunt(aim, work / recipe.name, args.budget, seed=args.seed, triage=False, source=str(log))
         first = min(report.at_site, key=lambda f: f.elapsed_s) if report.at_site else None
         found += first is not None
@@ -107,8 +115,8 @@ def main() -> int:
         print(f"{recipe.name:34} {recipe.bug or '-':4} {'yes' if first else 'no':6} "
               f"{(f'{first.elapsed_s:.1f}' if first else '-'):>8} {(first.steps if first else '-'):>5} "
               f"{report.examples:>8} {(reach.examples if reach and reach.measured else '?'):>10}  "
-              f"{aim.exception} in {aim.function}" + (f" via {first.path}" if first and first.path else ""),
-              flush=True)
+              f"{aim.exception} in {aim.function}" + (f" via {first.path}" if first and first.path else "")
+              + (f" [forced: {', '.join(sorted(aim.force))}]" if aim.force else ""), flush=True)
     print(f"found {found} of {len(recipes)} crashing recipes within {args.budget:g} s each", flush=True)
     return 0
 

@@ -24,12 +24,49 @@ K1_ASSERT = "assert len(offload_keys) == len(offload_block_ids)"
     (["--target", "nope"], "--target must be EXCEPTION:FUNCTION"),
     (["--target", "AssertionError:not a name"], "--target must be EXCEPTION:FUNCTION"),
     (["--force", "bogus"], "--force: unknown feature 'bogus'"),
+    (["--force", "layout=nope"], "--force: unknown layout 'nope'; one of default, eagle-pair, mamba-hybrid"),
     (["--exclude-trigger", "K99"], "--exclude-trigger: 'K99' is no known bug"),
     (["--exclude-trigger", ","], "--exclude-trigger: name known bugs"),
 ])
 def test_bad_hunt_flags_are_one_line_exit_2(flags, says):
     proc = invoke("explore", *flags, "--time-budget", "5")
     assert proc.returncode == 2 and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_forced_layout_is_the_only_layout_drawn():
+    """`--force layout=NAME` maps the layout field onto the forced layouts (no vLLM: the decoding alone), the
+    sliding window and Mamba mode following the layout; without it, the random draw never gives the forced-only
+    layouts (so a release's seeds stay as they were)."""
+    import random
+
+    from kvdoctor.explore.generate import GEOMETRY_RANGES, Example
+
+    rng = random.Random(0)
+    drawn = set()
+    for _ in range(300):
+        geometry = bytes(rng.randrange(256) for _ in GEOMETRY_RANGES)
+        raw = (geometry, [bytes(rng.randrange(256) for _ in range(4))])
+        mixed = Example.decode(raw, layouts=("swa-full-mixed", "mamba-swa-hybrid")).geometry
+        assert mixed.layout in ("swa-full-mixed", "mamba-swa-hybrid") and mixed.sliding_window
+        assert (mixed.mamba_cache_mode == "align") == (mixed.layout == "mamba-swa-hybrid")
+        assert Example.decode(raw, layouts=(None,)).geometry.layout is None
+        drawn.add(Example.decode(raw).geometry.layout)
+    assert drawn == {None, "swa-full", "mamba-hybrid", "eagle-pair"}
+
+
+def test_force_layout_draws_only_that_layout_through_the_search(api):
+    """The search itself (vLLM's planner and scheduler, the probe of the layout) with `--force
+    layout=swa-full-mixed`: every example it runs is that layout. A handful of examples (seconds)."""
+    from kvdoctor.explore.search import ExploreConfig, layout_refusal, worker_search
+
+    if layout_refusal(api, "swa-full-mixed") is not None:
+        pytest.skip(f"vLLM {api.version_text} does not build swa-full-mixed: {layout_refusal(api, 'swa-full-mixed')}")
+    trace: list = []
+    config = ExploreConfig(seed=3, max_examples=12, time_budget=20, triage=False,
+                           force=frozenset({"layout=swa-full-mixed"}))
+    _, stats = worker_search(api, config, trace=trace)
+    assert stats.examples > 0 and trace
+    assert {recipe.setup.get("layout") for recipe, _, _ in trace} == {"swa-full-mixed"}
 
 
 def _obs() -> Observation:

@@ -60,8 +60,53 @@ def test_the_aim_forces_what_the_log_names_and_says_what_it_cannot_express(tmp_p
     assert _aim(log, target="KeyError:prepare_store").target == "KeyError:prepare_store"
 
 
+LOOKUP = "\n".join(PREFIX + line for line in (
+    "EngineCore encountered a fatal error.",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.12/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/offloading/'
+    'scheduler.py", line 582, in _lookup',
+    "    len(offload_keys) >= req_status.req.num_tokens // tokens_per_chunk",
+    "AssertionError",
+)) + "\n"
+
+
+@pytest.mark.parametrize(("header", "layouts"), [
+    ("# model: Phi4FlashForCausalLM (Mamba + sliding window)\n", {"mamba-swa-hybrid"}),
+    ("# model: nvidia/NVIDIA-Nemotron-Nano-9B-v2 (NemotronH)\n", {"mamba-hybrid", "mamba-swa-hybrid"}),
+    ("# model: google/gemma-4-27b\n", {"swa-full-mixed"}),
+    ("# hf_config sliding_window=4096\n", {"swa-full", "swa-full-mixed", "mamba-swa-hybrid"}),
+    ("# model: meta-llama/Llama-3.1-8B, swap_blocks\n", set()),  # no KV group named: the random draw
+])
+def test_the_aim_forces_the_layouts_the_log_names_or_implies(tmp_path, header, layouts):
+    log = tmp_path / "hybrid.log"
+    log.write_text(header + UNKNOWN)
+    summary = read_log(str(log))
+    aim = aim_from_log(summary, match_log(summary, all_builtins()), text=log.read_text())
+    assert {f.removeprefix("layout=") for f in aim.force if f.startswith("layout=")} == layouts
+    assert any("KV layout" in line for line in aim.expressed) == bool(layouts)
+    assert not any(f.startswith("hybrid KV layout") and "no layout" in why for f, why in aim.unexpressed) or \
+        not layouts
+    forced = aim_from_log(summary, match_log(summary, all_builtins()), force=["layout=swa-full"],
+                          text=log.read_text())
+    assert {f for f in forced.force if f.startswith("layout=")} == {"layout=swa-full"}  # --force wins
+
+
+def test_a_statement_comparing_keys_with_tokens_forces_withheld_hashes(tmp_path):
+    """K6's `_lookup` assert compares a request's offload keys with its tokens: withheld block hashes are forced,
+    unless K6's trigger is excluded (the default: a route through it is K6), where it is said not expressed."""
+    log = tmp_path / "lookup.log"
+    log.write_text(LOOKUP)
+    included = _aim(log, include_known=True)
+    assert included.function == "_lookup" and "withheld-hashes" in included.force
+    excluded = _aim(log)
+    assert "K6" in excluded.exclude and "withheld-hashes" not in excluded.force
+    assert any(f == "offload keys lagging tokens" for f, _ in excluded.unexpressed)
+    assert "withheld-hashes" not in _aim(K1_LOG, include_known=True).force  # keys vs blocks: K1's, not lagging keys
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["/nonexistent/vllm.log"], "/nonexistent/vllm.log"),
+    ([str(K1_LOG), "--force", "layout=nope"], "--force: unknown layout 'nope'"),
     ([str(K1_LOG), "--target", "nope"], "--target must be EXCEPTION:FUNCTION"),
     ([str(K1_LOG), "--target", "AssertionError:"], "--target must name the function too"),
     ([str(K1_LOG), "--force", "bogus"], "--force: unknown feature 'bogus'"),

@@ -171,3 +171,32 @@ def test_a_tiered_draw_never_has_a_cpu_tier_below_one_chunk(api):
     geometry = decode_tier(Geometry(16, 3, 4, 16, 256, False, layout="swa-full", sliding_window=64), 1)
     assert geometry.cpu_bytes_to_use > 4096
     Harness(api, Setup(**geometry.setup_dict()).validate()).shutdown()
+
+
+def test_the_base_draw_never_gives_the_tiering_spec_a_cpu_tier_below_one_chunk(api):
+    """Regression: `explore --seed 1` (0.34.0, 600 s and 420 s with --coverage) reported "ValueError in
+    __init__" (vllm/v1/kv_offload/cpu/shared_offload_region.py:144, "range() arg 3 must not be zero"): the
+    base geometry drew TieringOffloadingSpec with its 4 KiB CPU tier under eagle-pair's 6 KiB chunks (8-token
+    blocks, 3 a chunk), a zero-chunk tier vLLM refuses at start-up (EngineCore too), never a finding.
+    The base draw now sizes such a tier to one chunk: the drawn example builds and runs."""
+    if not api.has_offloading_spec(TIERING):
+        pytest.skip("this vLLM has no TieringOffloadingSpec")
+    from kvdoctor.explore.generate import (
+        BLOCK_SIZES,
+        CPU_TIERS,
+        LAYOUTS,
+        SPECS,
+        Example,
+        decode_geometry,
+        tier_chunk_bytes,
+        to_recipe,
+    )
+    from kvdoctor.explore.runner import observe
+
+    fields = (BLOCK_SIZES.index(8), 2, 0, 0, 0, 0, CPU_TIERS.index(4096), 0, SPECS.index(TIERING),
+              LAYOUTS.index("eagle-pair"), 0)
+    geometry = decode_geometry(fields)
+    assert (geometry.layout, geometry.block_size, geometry.blocks_per_chunk) == ("eagle-pair", 8, 3)
+    assert 4096 < tier_chunk_bytes(geometry) == geometry.cpu_bytes_to_use
+    obs = observe(api, to_recipe(Example(geometry, (("schedule", 2),))), "installed")
+    assert obs.signature is None, obs.detail

@@ -24,8 +24,8 @@ Target = Annotated[str | None, typer.Option(
     "--target", help="EXC:FUNCTION to hunt for, over the log's own (needed when the traceback is cut before its "
                      "exception and function).", rich_help_panel=AIM)]
 Force = Annotated[list[str] | None, typer.Option(
-    "--force", help="A feature to force besides those the log names: speculative | fs-tier | workers "
-                    "(repeatable).", rich_help_panel=AIM)]
+    "--force", help="A feature to force besides those the log names: speculative | fs-tier | workers | "
+                    "withheld-hashes | layout=NAME (a shipped KV layout or default; repeatable).", rich_help_panel=AIM)]
 IncludeKnown = Annotated[bool, typer.Option(
     "--include-known", help="Count routes through known bugs' triggers too (by default a route through K1's or "
                             "K6's trigger is that bug, not this crash, and is run past).", rich_help_panel=AIM)]

@@ -1,5 +1,9 @@
 """The hunt's aim, from explore's public flags: `--target EXC:FUNCTION`, `--force FEATURE`, `--exclude-trigger`.
 
+`--force layout=NAME` (repeatable) draws only the named KV layouts (a shipped one, `kvdoctor/models/`, or
+`default`: one full-attention group), whatever explore's random draw favours; the search keeps those the
+installed vLLM plans (`explore.search.available_layouts`, a probe).
+
 Checked before vLLM is imported (a bad value is a usage error, one line); the result is the
 `ExploreConfig` fields `target`, `force` and `exclude_triggers` (see `explore.search`).
 """
@@ -12,8 +16,23 @@ from typing import Any
 from kvdoctor.errors import UsageError
 
 # kept in step with explore.search.FORCEABLE (which names the draws; importing it here would import hypothesis)
-FORCE_NAMES = ("speculative", "fs-tier", "workers")
+FORCE_NAMES = ("speculative", "fs-tier", "workers", "withheld-hashes")
+LAYOUT_PREFIX = "layout="  # `--force layout=NAME`: kept in the force set as "layout=NAME"
+DEFAULT_LAYOUT_NAME = "default"  # one full-attention group (no shipped layout)
 _NAME = re.compile(r"^[A-Za-z_][\w.]*$")
+
+
+def layout_names() -> tuple[str, ...]:
+    """The layouts `--force layout=NAME` takes: `default` and the shipped ones (no vLLM import)."""
+    from kvdoctor.engine.kv_layout import shipped_layouts
+
+    return (DEFAULT_LAYOUT_NAME, *shipped_layouts())
+
+
+def forced_layouts(force: frozenset[str] | set[str]) -> tuple[str | None, ...]:
+    """The layouts a force set names, in a stable order (None: `default`, one full-attention group)."""
+    names = sorted(n.removeprefix(LAYOUT_PREFIX) for n in force if n.startswith(LAYOUT_PREFIX))
+    return tuple(None if n == DEFAULT_LAYOUT_NAME else n for n in names)
 
 
 def parse_aim(target: str | None, force: list[str], exclude: str | None) -> dict[str, Any]:
@@ -25,9 +44,15 @@ def parse_aim(target: str | None, force: list[str], exclude: str | None) -> dict
                              f"{target[:80]!r}")
         aim["target"] = (exception.rsplit(".", 1)[-1], function)
     names = [n.strip() for item in force for n in item.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FORCE_NAMES]
+    unknown = [n for n in names if n not in FORCE_NAMES and not n.startswith(LAYOUT_PREFIX)]
     if unknown:
-        raise UsageError(f"--force: unknown feature {unknown[0][:40]!r}; one of {', '.join(FORCE_NAMES)}")
+        raise UsageError(f"--force: unknown feature {unknown[0][:40]!r}; one of {', '.join(FORCE_NAMES)}, "
+                         f"{LAYOUT_PREFIX}NAME")
+    layouts = layout_names()
+    bad = [n for n in names if n.startswith(LAYOUT_PREFIX) and n.removeprefix(LAYOUT_PREFIX) not in layouts]
+    if bad:
+        raise UsageError(f"--force: unknown layout {bad[0].removeprefix(LAYOUT_PREFIX)[:40]!r}; one of "
+                         f"{', '.join(layouts)}")
     if names:
         aim["force"] = frozenset(names)
     if exclude is not None:

@@ -144,7 +144,7 @@ class Geometry:
     @property
     def groups(self) -> int:
         """KV cache groups sharing the pool (the layouts kvdoctor ships make at most two)."""
-        return 2 if self.layout in ("swa-full", "mamba-hybrid") else 1
+        return LAYOUT_GROUPS.get(self.layout or "", 1)
 
     @property
     def max_model_len(self) -> int:
@@ -226,8 +226,9 @@ MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
 SIZE_KINDS = ("tokens", "chunks", "pool", "tokens")
 TRANSFER_KINDS = (None, "store", "load")
-# A small CPU tier (evictions, stores that find no room) in 4 KiB pages: one page holds at
-# least one of these toy geometries' chunks on every release (0.33 aligns chunks to the page).
+# A small CPU tier (evictions, stores that find no room) in 4 KiB pages. Not every chunk fits one page
+# (eagle-pair, 8-token blocks, 3 a chunk: 6 KiB): under the tiering spec `decode_geometry` raises the tier
+# to one chunk (a zero-chunk tier fails its start-up); CPUOffloadingSpec builds with it (measured, 0.34.0).
 CPU_TIERS = (None, None, None, 4096, 8192, 16384, 32768)
 # TieringOffloadingSpec maps its whole CPU tier (a /dev/shm region) per scheduler: kvdoctor's roomy
 # default (64 MiB) would cost every build; a roomy tiering tier is 256 KiB.
@@ -236,6 +237,14 @@ TIERING = "TieringOffloadingSpec"
 SPECS = (None, None, TIERING)  # specs a release lacks are drawn as the default (see `decode`)
 # Hybrid layouts (kvdoctor/models/): rarer than the single group most known bugs need.
 LAYOUTS = (None, None, None, None, None, "swa-full", "mamba-hybrid", "eagle-pair")
+# Layouts drawn only where forced (`--force layout=NAME`; a hunt forces them from the log): the mixed-granularity
+# swa-full-mixed (its sliding-window block is 4x the full one) and the three-group mamba-swa-hybrid. Not in
+# LAYOUTS, so a release's random draws (and its measured seeds) stay as they were.
+# KV cache groups sharing the pool, per layout (the model length is what a request's blocks in all fit).
+LAYOUT_GROUPS = {"swa-full": 2, "mamba-hybrid": 2, "swa-full-mixed": 2, "mamba-swa-hybrid": 3}
+SCALED_POOL_LAYOUTS = ("swa-full-mixed", "mamba-swa-hybrid")  # forced only: the pool holds the drawn blocks per group
+WINDOWED_LAYOUTS = ("swa-full", "swa-full-mixed", "mamba-swa-hybrid")  # a drawn window (WINDOW_BLOCKS)
+MAMBA_LAYOUTS = ("mamba-hybrid", "mamba-swa-hybrid")
 WINDOW_BLOCKS = (4, 3, 6, 8, 2)  # swa-full's sliding window, in GPU blocks (unaligned to chunks too)
 # Only "align": in "none"/"all" the Mamba group's block is the whole model length, and the connector
 # refuses groups of different block sizes at start-up (a server would not start).
@@ -259,7 +268,8 @@ SECOND_GATE = LOAD_CAPS
 CAPS = (None, None, None, 0, "block", "chunk-1", "chunk", "chunk+1")
 PRIORITIES = (0, 1, -1, 2)  # an add's priority under the priority policy (lower is served first)
 RETENTION_CHUNKS = (None, 1, 2, None)  # prefix_cache_retention_interval in chunks
-RETAINING_LAYOUTS = ("swa-full", "mamba-hybrid")  # vLLM refuses a positive interval without such a group
+# vLLM refuses a positive interval without such a group
+RETAINING_LAYOUTS = ("swa-full", "mamba-hybrid", "swa-full-mixed", "mamba-swa-hybrid")
 # The sync-load budget: none, one chunk's KV (a hit beyond it loads asynchronously), or everything.
 SYNC_BUDGETS = (None, "chunk", "all", None)
 ALL_BYTES = 1 << 40
@@ -277,6 +287,23 @@ NO_LOOKAHEAD_HASHES = "disable_lookahead_block_hashes"  # a SpeculativeConfig fi
 SPECULATIVE_METHODS = (None, "eagle", "ngram", "eagle")
 # Accepted drafts per verification, cycled (None: every draft accepted): rejections roll a request back.
 DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
+
+
+# Withheld block hashes on every request (`--force withheld-hashes`): each add is followed by a `delay` of that
+# request's block hashes (its offload keys lag its tokens from then on: K6's mechanism, P/D decode nodes, lookahead
+# hashes), so a crash whose statement compares offload keys with tokens is drawn towards; no byte of its own (the
+# draws of a release, and its seeds, stay as they were where it is not forced).
+WITHHELD_DRAW = "withheld_hashes"
+
+
+def withhold_every_request(events: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
+    """The events with a `delay` of each added request's block hashes right after its add."""
+    out: list[tuple[Any, ...]] = []
+    for event in events:
+        out.append(event)
+        if event[0] == "add":
+            out.append(("delay", 0))
+    return tuple(out)
 
 
 def decode_speculative(geometry: Geometry, byte: int, worker: str = "simulated",
@@ -344,7 +371,7 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
     if not byte & 1 or geometry.multi_connector or worker != "simulated":
         return geometry
     chunks = TIER_CPU_CHUNKS[byte >> 1 & 3]
-    chunk_bytes = -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
+    chunk_bytes = tier_chunk_bytes(geometry)
     if chunks is not None:
         cpu = chunks * chunk_bytes
     else:
@@ -371,6 +398,12 @@ def decode_kv_events(geometry: Geometry, byte: int, features: frozenset[str]) ->
         return geometry
     return dataclasses.replace(geometry, kv_events=True,
                                self_describing_kv_events=bool(byte >> 1 & 1) and SELF_DESCRIBING_DRAW in features)
+
+
+def tier_chunk_bytes(geometry: Geometry) -> int:
+    """One chunk of the geometry's KV in the tiering spec's CPU tier: padded to whole 4 KiB pages, as the
+    spec pads it."""
+    return -(-kv_bytes_per_token(geometry) * geometry.chunk_tokens // 4096) * 4096
 
 
 def kv_bytes_per_token(geometry: Geometry) -> int:
@@ -432,8 +465,23 @@ def cap_tokens(geometry: Geometry, choice: str | int | None) -> int | None:
             "chunk+1": chunk + 1}[choice]
 
 
-def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None) -> Geometry:
-    """`specs`: the offloading specs the installed vLLM has (None: every one drawn is taken)."""
+def pool_blocks(drawn: int, layout: str | None) -> int:
+    """The GPU pool of a drawn size: the forced-only layouts' hold the drawn usable blocks for each of their groups
+    (as `--model` pools are planned), so their requests are as long, against the pool, as a one-group layout's.
+    Three groups in 4-24 blocks left requests of at most 7 blocks, no longer than most drawn sliding windows (0
+    of 7,788 examples reached K7's diverged hit in a 600 s hunt); swa-full-mixed's prompts stayed under two of
+    its sliding-window chunks, so no hit could end inside a stored sliding-window chunk past the first (K3's and
+    K12's case; measured: 19 of 6,120 examples reached prepare_load). The other layouts keep the drawn pool
+    (their examples, as measured, stay as they were)."""
+    if layout not in SCALED_POOL_LAYOUTS:
+        return drawn
+    return (drawn - 1) * LAYOUT_GROUPS[layout] + 1
+
+
+def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None,
+                    layouts: tuple[str | None, ...] = ()) -> Geometry:
+    """`specs`: the offloading specs the installed vLLM has (None: every one drawn is taken); `layouts`: the
+    forced layouts (`--force layout=NAME`; the layout field then picks one of them), () the random draw."""
     (block_size, blocks_per_chunk, gpu_blocks, seqs, batched, is_async, cpu_tier, decode_offload,
      spec, layout, layout_arg) = fields
     max_num_seqs = MAX_NUM_SEQS[seqs]
@@ -443,17 +491,22 @@ def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None
     cpu = CPU_TIERS[cpu_tier]
     if spec_name == TIERING and cpu is None:
         cpu = TIERING_ROOMY_TIER
-    layout_name = LAYOUTS[layout]
+    layout_name = layouts[layout % len(layouts)] if layouts else LAYOUTS[layout]
     bs = BLOCK_SIZES[block_size]
-    return Geometry(block_size=bs, blocks_per_chunk=1 + blocks_per_chunk,
-                    gpu_blocks=MIN_GPU_BLOCKS + gpu_blocks, max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
-                    async_scheduling=bool(is_async), cpu_bytes_to_use=cpu,
-                    offload_prompt_only=not decode_offload, spec_name=spec_name, layout=layout_name,
-                    sliding_window=bs * WINDOW_BLOCKS[layout_arg % len(WINDOW_BLOCKS)]
-                    if layout_name == "swa-full" else None,
-                    mamba_cache_mode=MAMBA_MODES[layout_arg % len(MAMBA_MODES)]
-                    if layout_name == "mamba-hybrid" else None)
+    geometry = Geometry(block_size=bs, blocks_per_chunk=1 + blocks_per_chunk,
+                        gpu_blocks=pool_blocks(MIN_GPU_BLOCKS + gpu_blocks, layout_name), max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max(BATCHED_TOKENS[batched], max_num_seqs),
+                        async_scheduling=bool(is_async), cpu_bytes_to_use=cpu,
+                        offload_prompt_only=not decode_offload, spec_name=spec_name, layout=layout_name,
+                        sliding_window=bs * WINDOW_BLOCKS[layout_arg % len(WINDOW_BLOCKS)]
+                        if layout_name in WINDOWED_LAYOUTS else None,
+                        mamba_cache_mode=MAMBA_MODES[layout_arg % len(MAMBA_MODES)]
+                        if layout_name in MAMBA_LAYOUTS else None)
+    if spec_name == TIERING and cpu is not None and cpu < tier_chunk_bytes(geometry):
+        # vLLM 0.34's tiering spec fails at start-up on a tier below one chunk (`TIER_CPU_CHUNKS`): a
+        # refusal, never a finding; the smallest tier it takes is one chunk
+        geometry = dataclasses.replace(geometry, cpu_bytes_to_use=tier_chunk_bytes(geometry))
+    return geometry
 
 
 def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[Any, ...], ...]:
@@ -546,7 +599,7 @@ class Example:
 
     @classmethod
     def decode(cls, raw: Any, specs: frozenset[str] | None = None, worker: str = "simulated",
-               features: frozenset[str] = frozenset()) -> Example:
+               features: frozenset[str] = frozenset(), layouts: tuple[str | None, ...] = ()) -> Example:
         """The example hypothesis drew (`raw_examples`; an extension byte after the geometry's where
         `features` holds the gate)."""
         geometry, events = raw
@@ -558,16 +611,17 @@ class Example:
         extension = extra[0] if extra else 0
         second = extra[1] if len(extra) > 1 else 0
         return cls.from_fields(geometry_fields(geometry), [event_fields(event) for event in events], specs, worker,
-                               features, extension, second, speculative, workers, tier, events_byte)
+                               features, extension, second, speculative, workers, tier, events_byte, layouts)
 
     @classmethod
     def from_fields(cls, geometry: tuple[int, ...], events: list[tuple[int, ...]],
                     specs: frozenset[str] | None = None, worker: str = "simulated",
                     features: frozenset[str] = frozenset(), extension: int = 0, second: int = 0,
-                    speculative: int = 0, workers: int = 0, tier: int = 0, events_byte: int = 0) -> Example:
+                    speculative: int = 0, workers: int = 0, tier: int = 0, events_byte: int = 0,
+                    layouts: tuple[str | None, ...] = ()) -> Example:
         """The example of these field values (`decode_geometry`'s, `decode_extension`'s,
         `decode_second_extension`'s, `decode_speculative`'s and `decode_event`'s)."""
-        decoded_geometry = decode_geometry(geometry, specs)
+        decoded_geometry = decode_geometry(geometry, specs, layouts)
         if worker != "simulated":
             decoded_geometry = dataclasses.replace(decoded_geometry, worker=worker)
         if extension:
@@ -585,6 +639,8 @@ class Example:
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
+        if WITHHELD_DRAW in features:
+            decoded = withhold_every_request(decoded)
         if any(event[0] == "delay" for event in decoded):
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
         return cls(decoded_geometry, decoded)

@@ -32,8 +32,9 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.compat.speculative import EAGLE_BLOCK_DROP, LOOKAHEAD_BLOCK_HASHES
 from kvdoctor.engine.harness import BuildCache, Harness
 from kvdoctor.engine.setup import Setup
-from kvdoctor.errors import InternalError
+from kvdoctor.errors import InternalError, UsageError
 from kvdoctor.explore import DEFAULT_MAX_EVENTS, DEFAULT_MAX_EXAMPLES, DEFAULT_SEED, DEFAULT_TIME_BUDGET
+from kvdoctor.explore.aim import DEFAULT_LAYOUT_NAME, forced_layouts
 from kvdoctor.explore.findings import (
     Finding,
     finding_key,
@@ -47,6 +48,7 @@ from kvdoctor.explore.generate import (
     ARC,
     EVENTS_DRAW,
     EXTENSION_GATE,
+    GEOMETRY_RANGES,
     LOAD_CAPS,
     NO_LOOKAHEAD_HASHES,
     PREFIX_MATCH_UNIT,
@@ -59,6 +61,7 @@ from kvdoctor.explore.generate import (
     SPECULATIVE_DRAW,
     SYNC_LOADS,
     TIER_DRAW,
+    WITHHELD_DRAW,
     WORKERS_DRAW,
     Example,
     examples,
@@ -111,7 +114,8 @@ class ExploreConfig:
 
 
 # `--force NAME` -> the draw it turns on (generate's feature names); explore.aim.FORCE_NAMES lists the same names.
-FORCEABLE = {"speculative": SPECULATIVE_DRAW, "fs-tier": TIER_DRAW, "workers": WORKERS_DRAW}
+FORCEABLE = {"speculative": SPECULATIVE_DRAW, "fs-tier": TIER_DRAW, "workers": WORKERS_DRAW,
+             "withheld-hashes": WITHHELD_DRAW}
 
 
 def wanted(config: ExploreConfig, obs: Observation) -> bool:
@@ -221,7 +225,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     features = available_features(api)
     if config.speculative is not None:
         features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
-    features = features | {FORCEABLE[name] for name in config.force}
+    features = features | {FORCEABLE[name] for name in config.force if name in FORCEABLE}
+    layouts = drawn_layouts(api, config.force)
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
                         speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
                         tier=TIER_DRAW in features, events=EVENTS_DRAW in features)
@@ -271,7 +276,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
             runs: list[tuple[Any, Observation]] = []
             if meter is not None:
                 meter.begin_example()
-            for example in mode_variants(Example.decode(raw, specs, config.worker, features), config.both_modes):
+            decoded = Example.decode(raw, specs, config.worker, features, layouts)
+            for example in mode_variants(decoded, config.both_modes):
                 recipe = to_recipe(example)
                 t0 = time.perf_counter()
                 try:
@@ -367,6 +373,39 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 def available_specs(api: Any) -> frozenset[str]:
     """The drawable offloading specs this vLLM registers (others are drawn as the default spec)."""
     return frozenset(name for name in SPECS if name is not None and api.has_offloading_spec(name))
+
+
+_layout_probes: dict[tuple[int, str | None], str | None] = {}
+
+
+def layout_refusal(api: Any, layout: str | None) -> str | None:
+    """Why the installed vLLM cannot run `layout` (None: it builds). A probe, not a version check: an empty
+    example of that layout (explore's simplest geometry) is built as every example is (vLLM's planner, its
+    specs, the scheduler and connector); its refusal is the answer. Once per process and layout."""
+    key = (id(api), layout)
+    if key not in _layout_probes:
+        fields = [0] * len(GEOMETRY_RANGES)
+        fields[2] = GEOMETRY_RANGES[2] - 1  # the largest pool: every group of a three-group layout fits a request
+        example = Example.from_fields(tuple(fields), [], layouts=(layout,))
+        try:
+            Harness(api, setup_of(to_recipe(example))).shutdown()
+            _layout_probes[key] = None
+        except Exception as exc:  # any refusal at build time is the probe's answer
+            _layout_probes[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return _layout_probes[key]
+
+
+def drawn_layouts(api: Any, force: frozenset[str]) -> tuple[str | None, ...]:
+    """The forced layouts (`--force layout=NAME`) the installed vLLM builds (`layout_refusal`); () where none is
+    forced (the random draw). Forced layouts that all fail the probe are a usage error (one line)."""
+    forced = forced_layouts(force)
+    if not forced:
+        return ()
+    usable = tuple(layout for layout in forced if layout_refusal(api, layout) is None)
+    if not usable:
+        name = forced[0] or DEFAULT_LAYOUT_NAME
+        raise UsageError(f"--force layout={name}: this vLLM cannot build it ({layout_refusal(api, forced[0])})")
+    return usable
 
 
 def available_features(api: Any) -> frozenset[str]:

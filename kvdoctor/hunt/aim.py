@@ -13,7 +13,7 @@ from kvdoctor.diagnose.match import MatchResult, innermost_vllm
 from kvdoctor.diagnose.reader import LogSummary
 from kvdoctor.diagnose.traceback import display_path
 from kvdoctor.errors import UsageError
-from kvdoctor.explore.aim import parse_aim
+from kvdoctor.explore.aim import LAYOUT_PREFIX, forced_layouts, parse_aim
 
 # A feature the log names (diagnose.features) -> the explore draw that expresses it (`--force` name), or None
 # with how explore stands in for it, or why it cannot.
@@ -32,11 +32,50 @@ UNEXPRESSED = {
                       "reads sync_load_budget_bytes (the extension byte)",
     "P/D disaggregation": "no P/D decode stand-in (remote-prefill loads and their failures); withheld block "
                           "hashes are the nearest explore has",
-    "hybrid KV layout": "not forceable: drawn at random (swa-full, mamba-hybrid, eagle-pair); no layout has a Mamba "
-                        "group + attention + an MTP drafter group",
+    "hybrid KV layout": "no layout named or implied that kvdoctor ships (drawn at random: swa-full, mamba-hybrid, "
+                        "eagle-pair)",
     "sleep mode": "no sleep/wake step in explore's vocabulary",
 }
 MTP_NOTE = "MTP: no MTP drafter of its own; speculative decoding is drawn as eagle or ngram"
+HYBRID_MTP_NOTE = "no shipped layout has a Mamba group + attention + an MTP drafter group"
+
+# The KV layouts a log names or implies (`--force layout=NAME`, kvdoctor/models/): words of the log (a model's
+# name, its config, vLLM's spec classes) and of the crash statement -> the kinds of KV group it shows.
+_MAMBA_WORDS = ("mamba", "nemotron_h", "nemotron-h", "nemotronh", "qwen3-next", "qwen3_next", "qwen3next", "jamba",
+                "granitemoehybrid", "granite-4", "falcon-h1", "falconh1", "sambay", "phi-4-mini-flash", "phi4flash",
+                "bamba", "mamba_cache_mode", "linear_attention")
+_SLIDING_WORDS = ("sliding_window", "slidingwindow", "sliding window", "sliding-window", "gpt-oss", "gpt_oss",
+                  "gemma", "sambay", "phi-4-mini-flash", "phi4flash", "local_attention", "swa_", "_swa", " swa ")
+# mixed block sizes (the sliding-window group's block grown to the full one's page): Gemma 4, DeepSeek V4; the
+# sliding-window alignment branch of _build_store_jobs (alignment_chunk_count, read in the statement) runs only there
+_MIXED_WORDS = ("gemma4", "gemma-4", "gemma_4", "deepseek-v4", "deepseek_v4", "deepseekv4", "global_head_dim",
+                "alignment_chunk")
+_HYBRID_WORDS = ("hybridkvcache", "hybrid")
+WITHHELD = "withheld-hashes"  # `--force withheld-hashes`: every request's block hashes arrive late
+WITHHELD_BUGS = ("K6",)  # the known bug whose trigger withheld hashes are (its route is excluded unless known)
+MAX_SCAN_BYTES = 32 << 20  # the log text scanned for layout words (a log larger than this: its start)
+
+
+def implied_layouts(text: str, statement: str = "") -> tuple[tuple[str, ...], str]:
+    """The shipped layouts that can reach a crash whose log (`text`) and statement name these KV groups, and why
+    (() and "": nothing named; the layout is drawn at random). Mamba and a sliding window: mamba-swa-hybrid;
+    Mamba alone: mamba-hybrid, mamba-swa-hybrid; a sliding window: swa-full, swa-full-mixed, mamba-swa-hybrid
+    (swa-full-mixed alone where mixed block sizes or the alignment branch are named); "hybrid" alone: all four."""
+    lowered, where = text.lower(), statement.lower()
+    mamba = any(word in lowered or word in where for word in _MAMBA_WORDS)
+    sliding = any(word in lowered or word in where for word in _SLIDING_WORDS)
+    mixed = any(word in lowered or word in where for word in _MIXED_WORDS) or "alignment" in where
+    if mamba and sliding:
+        return ("mamba-swa-hybrid",), "Mamba and sliding-window groups named"
+    if mamba:
+        return ("mamba-hybrid", "mamba-swa-hybrid"), "a Mamba group named"
+    if mixed:
+        return ("swa-full-mixed",), "sliding-window and full-attention groups of mixed block sizes named"
+    if sliding:
+        return ("swa-full", "swa-full-mixed", "mamba-swa-hybrid"), "a sliding-window group named"
+    if any(word in lowered for word in _HYBRID_WORDS):
+        return ("swa-full", "swa-full-mixed", "mamba-hybrid", "mamba-swa-hybrid"), "a hybrid KV cache named"
+    return (), ""
 
 
 @dataclass
@@ -103,10 +142,11 @@ def _site_from_log(summary: LogSummary) -> tuple[str, str, str, str, int | None,
 
 
 def aim_from_log(summary: LogSummary, match: MatchResult, target: str | None = None, force: list[str] | None = None,
-                 include_known: bool = False) -> HuntAim:
+                 include_known: bool = False, text: str = "") -> HuntAim:
     """The hunt's aim: `--target EXC:FUNCTION` over the log's own site; the features the log names and `force`
-    forced; the known bugs that fail at the same site excluded unless `include_known`. A log with no crash
-    site and no `--target` is a usage error (nothing to aim at)."""
+    forced; the layouts the log's `text` (and the crash statement) name or imply forced (`implied_layouts`) unless
+    `force` names a layout; the known bugs that fail at the same site excluded unless `include_known`. A log
+    with no crash site and no `--target` is a usage error (nothing to aim at)."""
     flags = parse_aim(target, force or [], None)
     found = _site_from_log(summary)
     if "target" in flags:
@@ -138,10 +178,34 @@ def aim_from_log(summary: LogSummary, match: MatchResult, target: str | None = N
             aim.unexpressed.append((shown, UNEXPRESSED[name]))
         if name == "speculative decoding" and "mtp" in named.detail.lower():
             aim.unexpressed.append(("MTP", MTP_NOTE))
-    aim.force = frozenset(forced)
+    model = str(summary.serve_args.get("model") or "")
+    hints = " ".join((text, model, *(f"{n.evidence}" for n in summary.features.values())))
+    layouts, why = implied_layouts(hints, aim.statement)
+    if layouts and not forced_layouts(forced):
+        forced |= {LAYOUT_PREFIX + layout for layout in layouts}
+        aim.expressed.append(f"KV layout ({why}): forced to {', '.join(layouts)}")
+        aim.unexpressed = [(f, why_not) for f, why_not in aim.unexpressed if not f.startswith("hybrid KV layout")]
+        if any("mamba" in layout for layout in layouts) and any(f == "MTP" for f, _ in aim.unexpressed):
+            aim.unexpressed.append(("hybrid KV layout + MTP", HYBRID_MTP_NOTE))
     if not include_known:
         from kvdoctor.recipes.builtins import all_builtins
 
         aim.exclude = frozenset(r.bug for r in all_builtins() if r.bug and r.signature.exception == aim.exception
                                 and aim.function in r.signature.functions())
+    if keys_lag_tokens(aim.statement):
+        if any(bug in aim.exclude for bug in WITHHELD_BUGS):
+            aim.unexpressed.append(("offload keys lagging tokens", "withheld block hashes not forced: their route "
+                                    "is a known bug's trigger here (excluded; --include-known counts it)"))
+        else:
+            forced.add(WITHHELD)
+            aim.expressed.append("offload keys lagging tokens (the crash statement compares offload keys with the "
+                                 "request's tokens): withheld block hashes forced on every request")
+    aim.force = frozenset(forced)
     return aim
+
+
+def keys_lag_tokens(statement: str) -> bool:
+    """Whether a crash statement compares a request's offload keys with its tokens (not with its blocks): keys
+    that lag the tokens (block hashes that arrive late) are what can break it."""
+    return "offload_keys" in statement and ("num_tokens" in statement or "num_keyed_tokens" in statement)
+

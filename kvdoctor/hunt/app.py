@@ -17,7 +17,7 @@ from typing import IO, Any
 from kvdoctor.diagnose.match import match_log
 from kvdoctor.diagnose.reader import read_log
 from kvdoctor.errors import ExitStatus, UsageError
-from kvdoctor.hunt.aim import HuntAim, aim_from_log
+from kvdoctor.hunt.aim import MAX_SCAN_BYTES, HuntAim, aim_from_log
 
 
 @dataclass
@@ -85,7 +85,37 @@ def read_aim(log: str, target: str | None = None, force: list[str] | None = None
     summary = read_log(log, stdin=stdin)
     from kvdoctor.recipes.builtins import all_builtins
 
-    return aim_from_log(summary, match_log(summary, all_builtins()), target, force, include_known)
+    return aim_from_log(summary, match_log(summary, all_builtins()), target, force, include_known, _log_text(log))
+
+
+def _log_text(log: str) -> str:
+    """The log's text for the layout words (`hunt.aim.implied_layouts`): a file's first MAX_SCAN_BYTES
+    (decompressed as `diagnose` reads it), pasted text itself; "" for stdin (read once, by `read_log`)."""
+    if log == "-":
+        return ""
+    path = Path(log)
+    if not path.is_file():
+        return log
+    from kvdoctor.diagnose.reader import open_log_stream
+
+    try:
+        with path.open("rb") as handle:
+            return open_log_stream(handle, log).read(MAX_SCAN_BYTES).decode("utf-8", errors="replace")
+    except (OSError, UsageError, EOFError, ValueError):
+        return ""
+
+
+def keep_buildable_layouts(api: Any, aim: HuntAim) -> None:
+    """Drop from the aim's forced layouts those this vLLM cannot build (a probe: `explore.search.layout_refusal`),
+    saying so with the features not expressed; none left: the layout is drawn at random."""
+    from kvdoctor.explore.aim import LAYOUT_PREFIX, forced_layouts
+    from kvdoctor.explore.search import layout_refusal
+
+    for layout in forced_layouts(aim.force):
+        refusal = layout_refusal(api, layout)
+        if refusal is not None:
+            aim.force = aim.force - {LAYOUT_PREFIX + (layout or "default")}
+            aim.unexpressed.append((f"layout {layout}", f"not expressed: this vLLM does not build it ({refusal})"))
 
 
 def validate(time_budget: float, max_events: int) -> None:
@@ -111,6 +141,7 @@ def hunt(aim: HuntAim, out_dir: Path, time_budget: float, seed: int = 0, max_eve
     start = time.monotonic()
     api = compat.load()
     warm_up(api)  # vLLM's first build before the lines are counted and the clock starts
+    keep_buildable_layouts(api, aim)
     config = ExploreConfig(seed=seed, max_events=max_events or DEFAULT_MAX_EVENTS, time_budget=time_budget,
                            workers=1, triage=triage, target=(aim.exception, aim.function), force=aim.force,
                            exclude_triggers=aim.exclude)

@@ -451,8 +451,8 @@ def _problem(ok: bool, message: str, *needs: Need) -> Problem | None:
 _SETUP_REQUIREMENTS = {
     "sync_scheduling": lambda s, r: _problem(
         not s.async_scheduling,
-        "the trigger needs synchronous scheduling: under --async-scheduling the step already in flight "
-        "computes the last sampled token's KV slot, so the final store is legitimate",
+        "the trigger as this recipe plays it needs synchronous scheduling: under --async-scheduling the next "
+        "step is scheduled before this step's output is applied, which changes what the trigger sets up",
         Need("async_scheduling", False, "==")),
     "one_chunk_cpu_tier": lambda s, r: _problem(
         cpu_tier_chunks(s) == 1,

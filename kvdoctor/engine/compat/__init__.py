@@ -973,6 +973,12 @@ def import_vllm() -> VllmApi:
     _quiet_environment()
     with _silenced_stderr():
         mods = {key: _import(name) for key, name in _MODULES.items()}
+    # vLLM's modules live as long as the process: their ~590k objects leave the collector's generations, so
+    # each full collection (the harness's gc.collect after a run on KV tensors, the automatic ones) scans only
+    # what the runs create. Measured on 0.26.0: gc.collect() 0.35-0.38 s CPU after the import, 0.00 s after.
+    import gc
+
+    gc.freeze()
     version_text = getattr(mods["vllm"], "__version__", declared)
     version = check_supported(version_text)
     if not os.environ.get("KVDOCTOR_VERBOSE_IMPORT"):
