@@ -30,8 +30,14 @@ Measured 2026-12-05 (each /work/main env; offset -2 passes every column on every
     0.28.0   all pass          sync -1, async -1 FAIL       async -1 FAIL
     0.29.0   all pass          sync -1, async -1 FAIL       async -1 FAIL
     0.30.0   all pass          all pass                     all pass
+    0.31.0   all pass          all pass                     all pass
+    0.32.0   all pass          all pass                     all pass
+    0.33.0   all pass          all pass                     all pass
     0.34.0   all pass          all pass                     all pass
-    (0.31.0-0.33.0 not measured in time: a release took 4-10 min on a machine at load 12)
+    (0.31.0: 74 s, 0.32.0: 277 s, 0.33.0: 312 s at load 2-10, `timeout 900` each, exit 0.) The releases where it
+    fails are the ones release_outcomes.toml records K4 reproduced (sync: final-token-slot-stored; async:
+    tests/data/final-token-length-capped-async.toml): 0.26.0-0.29.0; from 0.30.0 every case passes and K4 is
+    not reproduced, sync and async: no row contradicts the oracle.
 
 Upstream's loop never schedules after the request finished (it leaves scheduler.requests at once), so its final
 store is never built there; it is built at the next schedule() (0.26.0 async: only in the engine's order, as
