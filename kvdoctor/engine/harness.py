@@ -23,7 +23,7 @@ from kvdoctor.engine.tiny_model import ContextKeys, tiny_draft_dir, tiny_model_d
 from kvdoctor.engine.worker import Job
 from kvdoctor.engine.workers.multi import SeveralWorkers
 from kvdoctor.engine.workers.simulated import SimulatedTransfers
-from kvdoctor.errors import UsageError
+from kvdoctor.errors import InternalError, UsageError
 
 _MODEL_CONFIGS: dict[tuple[str, int], Any] = {}
 
@@ -361,6 +361,11 @@ class Harness:
     def resume(self) -> None:
         raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
                          "loop does); play it with --engine core")
+
+    def p2p(self, action: str, args: dict[str, Any]) -> None:
+        """A `p2p_*` step: only the P2P pair's harness (engine/p2p.py, [setup] p2p = true) plays it; the levels
+        refuse such a step without the pair before anything is played, so reaching here is kvdoctor's bug."""
+        raise InternalError(f"p2p_{action} played on a harness without the P2P pair ([setup] p2p = true)")
 
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""

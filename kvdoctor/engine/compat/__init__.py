@@ -708,7 +708,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
     @staticmethod
     def resumed_req_ids(cached_requests: Any) -> set[str]:
         """Cached requests resumed after a preemption (`CachedRequestData.resumed_req_ids`)."""
-        return set(getattr(cached_requests, "resumed_req_ids", ()) or ())
+        return portable.resumed_req_ids(cached_requests)
 
     @staticmethod
     def all_token_ids(cached_requests: Any) -> dict[str, list[int]]:
