@@ -39,6 +39,14 @@ Measured 2026-12-05 (each /work/main env; offset -2 passes every column on every
     tests/data/final-token-length-capped-async.toml): 0.26.0-0.29.0; from 0.30.0 every case passes and K4 is
     not reproduced, sync and async: no row contradicts the oracle.
 
+The built-in recipe ending at max_tokens instead of an EOS (max_tokens = 1, no finish step, the sync requirement
+dropped), played by `kvdoctor.app.repro(PATH, logic="all", default_worker="vllm")` on each of the ten envs
+(2026-12-05): reproduced under every logic, sync and async, on 0.26.0-0.29.0; not_reproduced, sync and async, on
+0.30.0-0.34.0 - the sync verdicts of the EOS recipe on every release, and async reproduces exactly where sync
+does (the EOS recipe under async: untested on 0.26.0-0.29.0, not_reproduced from 0.30.0). Coverage and failure
+sites were not compared, and the recipe is unchanged: its release rows are re-measured only by a whole
+`matrix --audit --write-data` over the ten envs.
+
 Upstream's loop never schedules after the request finished (it leaves scheduler.requests at once), so its final
 store is never built there; it is built at the next schedule() (0.26.0 async: only in the engine's order, as
 upstream's loop applied the in-flight step's output first, which completed the prefill store and released the
