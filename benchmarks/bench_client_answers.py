@@ -59,10 +59,12 @@ def serve_table(paths: list[str]) -> None:
                 steps = sorted(set(re.findall(r"`(\w+)` cannot be played", hint)))
                 why = ("steps " + ", ".join(f"`{step}`" for step in steps)) if steps else hint.replace("|", "/")
                 cells.append(f"{scheduler} / not_applicable ({why})")
-            elif served != scheduler and _loses_hits_only(name) and served != "reproduced":
+            elif served != scheduler and _loses_hits_only(name) and served == "not_reproduced":
                 # the bug's harm is lost prefix hits: no client's answer differs, whatever the release
                 what = (row["answers"] or {}).get("line") or (row["hint"] or "").replace("|", "/")
                 cells.append(f"{scheduler} / {served} (lost prefix hits: no client answer differs; {what})")
+            elif served == "other_failure":  # kvdoctor's own failure (or the server's): nothing compared
+                cells.append(f"{scheduler} / other_failure (not compared: {(row['hint'] or '').replace('|', '/')})")
             else:
                 agree = "agrees" if served == scheduler else "DISAGREES"
                 cells.append(f"{scheduler} / {served} ({agree})")
