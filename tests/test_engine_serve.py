@@ -56,7 +56,7 @@ def _port_free(port: int) -> bool:
 
 def test_queued_abort_serve_verdict_from_the_servers_log(serve_env: dict[str, str]) -> None:
     proc = subprocess.run([*KVDOCTOR, "repro", "queued-abort", "--engine", "serve", "--json"], cwd=ROOT,
-                          env=serve_env, capture_output=True, text=True, timeout=900)
+                          env=serve_env, capture_output=True, text=True, timeout=1500)
     if proc.returncode == 3:
         pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
     match = PID_LINE.search(proc.stderr)
@@ -150,7 +150,7 @@ def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wron
     the same traffic on a second server with offloading off: C differs at token 0 exactly where the
     scheduler level measured K4, completions equal elsewhere. No server or port is left."""
     proc = subprocess.run([*KVDOCTOR, "audit", "--engine", "serve", "--json"], cwd=ROOT, env=serve_env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1500)
     if proc.returncode == 3:
         pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
     children = [(int(pid), int(port)) for pid, port in PID_LINE.findall(proc.stderr)]
