@@ -52,6 +52,7 @@ class Need(str, Enum):
     ENGINE_UTILITY = "engine_utility"
     SCHEDULER_STATE = "scheduler_state"
     ENGINE_PAUSE = "engine_pause"
+    P2P_PAIR = "p2p_pair"
 
     @property
     def meaning(self) -> str:
@@ -71,6 +72,8 @@ _MEANINGS = {
     Need.SCHEDULER_STATE: "read the scheduler's and connector's per-request state (a precondition)",
     Need.ENGINE_PAUSE: "the engine pauses and resumes its scheduler (EngineCore.pause_scheduler / "
                        "resume_scheduler: requests queue while paused, caches optionally cleared)",
+    Need.P2P_PAIR: "a second engine beside the recipe's, both on vLLM's P2P tier over kvdoctor's in-memory "
+                   "fabric ([setup] p2p = true): drive the producer, the fabric, a peer's death",
 }
 
 
@@ -107,6 +110,8 @@ class Harness(Protocol):
     def pause(self, mode: str, clear_cache: bool) -> None: ...  # ENGINE_PAUSE
 
     def resume(self) -> None: ...  # ENGINE_PAUSE
+
+    def p2p(self, action: str, args: dict[str, Any]) -> None: ...  # P2P_PAIR
 
 
 class StateReader(Protocol):
@@ -508,6 +513,72 @@ def _pause(target: StepTarget, step: ConcreteStep) -> None:
            fields={}, script=_ENGINE_PAUSE, explore=_NOT_DRAWN_PAUSE)
 def _resume(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.resume()
+
+
+# -- the P2P pair (issue 36): [setup] p2p = true plays the recipe's engine as the consumer (decode) of a
+# producer (prefill) engine beside it, both on vLLM's P2P tier over kvdoctor's in-memory fabric
+# (engine/p2p.py). `schedule` steps both engines; these kinds drive what only the pair has.
+P2P_SIDES = ("producer", "consumer")
+P2P_ROLES = ("pd", "symmetric", "none")  # how the request names its peer (kv_transfer_params)
+_P2P_SCRIPT = Unsupported("the exported script drives one scheduler; the P2P pair is two engines on kvdoctor's "
+                          "in-memory fabric: attach `kvdoctor repro --report`")
+_P2P_EXPLORE = Unsupported("explore draws the P2P pair as a whole plan from its probe-gated branch "
+                           "(explore/tier_draw.p2p_plan_fields), not as single events")
+
+
+def _validate_p2p_fabric(args: dict[str, Any], fail: Fail) -> None:
+    drop = args.get("drop", [])
+    if not all(isinstance(kind, str) and kind for kind in drop):
+        raise fail("drop", f"drop must be an array of P2P control message types (e.g. \"fetch\"), got {shown(drop)}")
+
+
+def _validate_p2p_add(args: dict[str, Any], fail: Fail) -> None:
+    if ("shared_prefix_with" in args) != ("shared_prefix_tokens" in args):
+        raise fail(None, "needs both 'shared_prefix_with' and 'shared_prefix_tokens', or neither")
+
+
+# the prompt is the compiler's (distinct per request, or sharing `shared_prefix_tokens` with another's: the
+# consumer's request shares the producer's prefix to fetch it)
+@step_kind("p2p_add", Need.P2P_PAIR, summary="admit a request on the producer or the consumer of the P2P pair",
+           admits=True, fields={"side": f(str, required=True, choices=P2P_SIDES), "request": f(str, required=True),
+                                "prompt_tokens": f(int, required=True, minimum=1, maximum=TOKENS_BOUND),
+                                "max_tokens": f(int, minimum=1, maximum=TOKENS_BOUND),
+                                "shared_prefix_with": f(str),
+                                "shared_prefix_tokens": f(int, minimum=1, maximum=TOKENS_BOUND),
+                                "role": f(str, choices=P2P_ROLES), "kv_request_id": f(str)},
+           validate=_validate_p2p_add, script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
+def _p2p_add(target: StepTarget, step: ConcreteStep) -> None:
+    for request in step.requests:
+        target.harness.p2p("add", {**step.args, "request": request.request, "prompt": list(request.prompt),
+                                   "max_tokens": request.max_tokens})
+
+
+@step_kind("p2p_abort", Need.P2P_PAIR, summary="abort a request on one side of the P2P pair",
+           fields={"side": f(str, required=True, choices=P2P_SIDES), "request": f(str, required=True)},
+           script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
+def _p2p_abort(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.p2p("abort", step.args)
+
+
+@step_kind("p2p_kill", Need.P2P_PAIR, summary="the P2P producer dies (its connections read dead at the next poll)",
+           fields={"side": f(str, required=True, choices=("producer",))}, script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
+def _p2p_kill(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.p2p("kill", step.args)
+
+
+@step_kind("p2p_fabric", Need.P2P_PAIR, summary="the fabric's faults from now on: dropped message types, delays, "
+                                               "failed transfers",
+           fields={"drop": f(list), "delay_polls": f(int, minimum=0, maximum=1000), "fail_transfers": f(bool)},
+           validate=_validate_p2p_fabric, script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
+def _p2p_fabric(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.p2p("fabric", step.args)
+
+
+@step_kind("p2p_clock", Need.P2P_PAIR, summary="advance the clock vLLM's P2P tier reads (its timeouts) by seconds",
+           fields={"advance_s": f(int, required=True, minimum=1, maximum=3600)}, script=_P2P_SCRIPT,
+           explore=_P2P_EXPLORE)
+def _p2p_clock(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.p2p("clock", step.args)
 
 
 def markdown_table() -> str:

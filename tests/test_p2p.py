@@ -1,20 +1,27 @@
 """vLLM's P2P tier between two in-process engines (issue 36): the PD exchange over kvdoctor's in-memory
-transports, its faults, and the four P2P invariants. Each invariant is shown to fire on a mutated vLLM method
-(patched with monkeypatch: restored after the test, even when it fails) and to hold on the real one. Skips
-with the probe's reason where the installed vLLM has no P2P tier (0.26.0 to 0.33.0)."""
+transports, its faults, and the four P2P invariants, as plans (engine/p2p.py `P2PPlan`) and as recipe files
+(tests/data/p2p-*.toml, `[setup] p2p = true`). Each invariant is shown to fire on a mutated vLLM method
+(patched with monkeypatch: restored after the test, even when it fails) and to hold on the real one. Where the
+installed vLLM has no P2P tier kvdoctor can stand in for (0.26.0 to 0.33.0), the runs skip with the probe's
+reason, and the recipe files are shown unplayable there (exit 6, the probe's reason)."""
 
 from __future__ import annotations
 
 import importlib
 import threading
+from pathlib import Path
 
 import pytest
 
 from kvdoctor.engine.compat.p2p_transport import FABRICS, p2p_probe
 from kvdoctor.observe import p2p_invariants as inv
 
+from .cli_runner import invoke
+
 _missing = p2p_probe()
-pytestmark = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+needs_p2p = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+DATA = Path(__file__).resolve().parent / "data"
+EXCHANGE, ABORT_THEN_DEATH = DATA / "p2p-pd-exchange.toml", DATA / "p2p-abort-then-producer-dies.toml"
 
 
 def _p2p(module: str):
@@ -32,6 +39,7 @@ def _fired(run, name: str) -> list[str]:
 
 
 # -- the exchange on the real vLLM ----------------------------------------------------------------------------
+@needs_p2p
 def test_pd_exchange_moves_the_producers_bytes(api):
     """The consumer's prefix comes from the producer: one load, reported successful, its bytes compared; the
     handshake, fetch and transfer_done crossed the fabric; nothing is left behind."""
@@ -43,6 +51,7 @@ def test_pd_exchange_moves_the_producers_bytes(api):
     assert not FABRICS  # the pair gave its fabric back
 
 
+@needs_p2p
 def test_symmetric_p2p_probes_then_fetches(api):
     """remote_kv_source: after a warm-up request opened the session, the consumer's lookup is a LookupMsg the
     producer answers from its own CPU tier (ParentManager), then the hit is fetched with the producer's bytes."""
@@ -59,6 +68,7 @@ def test_symmetric_p2p_probes_then_fetches(api):
     assert (run.loads, run.loads_ok, run.loads_checked) == (1, 1, 1)
 
 
+@needs_p2p
 @pytest.mark.parametrize("plan", [
     dict(delay_polls=2),
     dict(fail_transfers=True),
@@ -80,6 +90,7 @@ def test_faults_end_every_round_with_nothing_left(api, plan):
         assert run.loads_ok == 0
 
 
+@needs_p2p
 def test_a_dead_session_sets_the_deferred_release(api):
     """The consumer aborts mid-round (AbortFetch sent, the load failed with a deferred release); the producer
     dies before its AbortAck: the session's close is the release point, and it sets the event."""
@@ -97,30 +108,43 @@ def test_a_dead_session_sets_the_deferred_release(api):
     assert ("kvdoctor-p2p:2", "kvdoctor-p2p:1", "abort_fetch") in pair.fabric.sent
 
 
-# -- each invariant fires on a mutated vLLM method -----------------------------------------------------------
-def test_round_ends_fires_when_sessions_lose_load_results(api, monkeypatch):
-    """P2PSession.poll mutated to drop every finished load: the consumer's round never ends."""
+# -- the pair from a recipe file ---------------------------------------------------------------------------
+def _recipe_run(api, path: Path):
+    from kvdoctor.app import resolve_setup
+    from kvdoctor.engine.overrides import Overrides
+    from kvdoctor.levels.scheduler import run_scenario
+    from kvdoctor.recipes.loader import load_recipe_file
+
+    recipe = load_recipe_file(path)
+    return run_scenario(api, recipe, resolve_setup(recipe, Overrides()), "installed")
+
+
+def _fired_in(result) -> list[str]:
+    return [v.invariant for v in result.violations]
+
+
+@needs_p2p
+@pytest.mark.parametrize("path", [EXCHANGE, ABORT_THEN_DEATH], ids=lambda p: p.stem)
+def test_the_recipes_hold_on_the_real_vllm(api, path):
+    """Both recipes play to the end on the real tier: no P2P invariant fires, the checks hold."""
+    result = _recipe_run(api, path)
+    assert result.outcome.value == "not_reproduced", (result.outcome, result.detail)
+    assert all(check.passed for check in result.checks)
+
+
+def _drop_loads(monkeypatch):
     session_cls = _p2p("session.session").P2PSession
     real = session_cls.poll
     monkeypatch.setattr(session_cls, "poll", lambda self: real(self)._replace(loads=[]))
-    run = _run(api, max_steps=15)
-    assert _fired(run, inv.ROUND_ENDS) and not run.at_rest
 
 
-def test_nothing_pinned_fires_when_store_results_are_lost(api, monkeypatch):
-    """P2PSession.poll mutated to drop finished stores: the producer's cascade job (pinning its primary
-    chunks) never ends, though the consumer's round did."""
+def _drop_stores(monkeypatch):
     session_cls = _p2p("session.session").P2PSession
     real = session_cls.poll
     monkeypatch.setattr(session_cls, "poll", lambda self: real(self)._replace(stores=[]))
-    run = _run(api, max_steps=15)
-    assert run.loads_ok == 1 and run.at_rest
-    assert _fired(run, inv.NOTHING_PINNED) and not _fired(run, inv.ROUND_ENDS), run.violations
 
 
-def test_bytes_equal_fires_when_the_producer_serves_other_chunks(api, monkeypatch):
-    """P2PSecondaryTierManager.submit_store mutated to pair each key with another key's chunk: the consumer's
-    load succeeds with the wrong bytes."""
+def _cross_chunks(monkeypatch):
     manager_cls = _p2p("manager").P2PSecondaryTierManager
     real = manager_cls.submit_store
 
@@ -129,21 +153,75 @@ def test_bytes_equal_fires_when_the_producer_serves_other_chunks(api, monkeypatc
         return real(self, job_metadata)
 
     monkeypatch.setattr(manager_cls, "submit_store", crossed)
-    run = _run(api)
-    assert _fired(run, inv.BYTES_EQUAL) and run.loads_ok == 1
 
 
-def test_deferred_release_fires_when_close_forgets_it(api, monkeypatch):
-    """ClientRole.close mutated to release nothing: the aborted load's deferred release stays unset after its
-    session died."""
+def _close_without_release(monkeypatch):
     client_cls = _p2p("session.client").ClientRole
     real = client_cls.close
 
-    def close_without_release(self):  # vLLM's close, with every Event.set it makes a no-op
+    def close(self):
         with monkeypatch.context() as inner:
             inner.setattr(threading.Event, "set", lambda event: None)
             return real(self)
 
-    monkeypatch.setattr(client_cls, "close", close_without_release)
-    run = _run(api, delay_polls=1, abort_consumer_at=5, kill_producer_at=6)
-    assert _fired(run, inv.DEFERRED_SET), run.violations
+    monkeypatch.setattr(client_cls, "close", close)
+
+
+@needs_p2p
+@pytest.mark.parametrize(("mutate", "path", "name"), [
+    (_drop_loads, EXCHANGE, inv.ROUND_ENDS),  # judged once vLLM's clock is past its timeouts (the p2p_clock step)
+    (_drop_stores, EXCHANGE, inv.NOTHING_PINNED),
+    (_cross_chunks, EXCHANGE, inv.BYTES_EQUAL),
+    (_close_without_release, ABORT_THEN_DEATH, inv.DEFERRED_SET),
+], ids=["round-ends", "nothing-pinned", "bytes-equal", "deferred-release-set"])
+def test_each_invariant_fires_from_a_recipe_on_a_mutated_vllm(api, monkeypatch, mutate, path, name):
+    """The same recipe files, one vLLM method mutated: the invariant that method breaks is the first to fire."""
+    mutate(monkeypatch)
+    result = _recipe_run(api, path)
+    assert _fired_in(result)[:1] == [name], (result.outcome, result.detail)
+
+
+def test_without_the_probe_the_recipe_is_unplayable_with_its_reason():
+    """On a release whose probe finds no P2P tier kvdoctor can stand in for: exit 6 (not tested), the probe's
+    reason in one line. Where it finds one, `--engine core` refuses the pair by name (exit 6): two EngineCores
+    on one fabric are not built."""
+    if _missing is not None:
+        result = invoke("repro", str(EXCHANGE), "--logic", "installed")
+        assert result.returncode == 6, result.stdout + result.stderr
+        assert f"[setup] p2p: {_missing}" in result.stdout.replace("\n", " ") or _missing[:40] in result.stdout
+        return
+    result = invoke("repro", str(EXCHANGE), "--logic", "installed", "--engine", "core")
+    assert result.returncode == 6, result.stdout + result.stderr
+    assert "two EngineCores" in " ".join(result.stdout.split()), result.stdout
+
+
+def test_a_p2p_step_without_the_pair_is_a_usage_error(tmp_path):
+    """A `p2p_*` step in a recipe without `[setup] p2p = true`: one line naming the step's line, exit 2."""
+    text = EXCHANGE.read_text().replace("p2p = true\n", "")
+    path = tmp_path / "no-pair.toml"
+    path.write_text(text)
+    result = invoke("repro", str(path), "--logic", "installed")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "`p2p_add` drives the P2P pair: it needs [setup] p2p = true" in result.stderr, result.stderr
+
+
+# -- explore draws the pair (its own probe-gated branch) -------------------------------------------------------
+@needs_p2p
+def test_explore_finds_a_pinned_producer_and_writes_a_recipe_repro_replays(api, monkeypatch, tmp_path):
+    """vLLM's session mutated to lose finished stores: explore's P2P branch finds p2p-nothing-pinned and writes
+    the plan as a recipe file that reproduces it (the replay also on the mutated vLLM)."""
+    import time
+
+    from kvdoctor.explore.search import ExploreConfig, Stats, p2p_branch
+    from kvdoctor.recipes.writer import recipe_to_toml
+
+    _drop_stores(monkeypatch)
+    stats = Stats(phase="searching")
+    findings = p2p_branch(api, ExploreConfig(seed=1), 0, stats, 4, time.monotonic() + 300, time.monotonic())
+    assert stats.examples == 4
+    pinned = [f for f in findings if f.signature == f"invariant {inv.NOTHING_PINNED}"]
+    assert pinned, [f.signature for f in findings]
+    path = tmp_path / "found.toml"
+    path.write_text(recipe_to_toml(pinned[0].recipe))
+    result = _recipe_run(api, path)
+    assert result.outcome.value == "reproduced", (result.outcome, result.detail)

@@ -75,7 +75,7 @@ class _Recorder:
         "hold": Need.TRANSFER_CONTROL, "complete": Need.TRANSFER_CONTROL, "fail": Need.TRANSFER_CONTROL,
         "delay_block_hashes": Need.SCHEDULER_CONTROL, "release_block_hashes": Need.SCHEDULER_CONTROL,
         "reset_prefix_cache": Need.ENGINE_UTILITY, "pause": Need.ENGINE_PAUSE, "resume": Need.ENGINE_PAUSE,
-        "snapshot": Need.SCHEDULER_STATE,
+        "snapshot": Need.SCHEDULER_STATE, "p2p": Need.P2P_PAIR,
     }
 
     def __init__(self, used: list[Need]) -> None:
@@ -96,7 +96,7 @@ class _Recorder:
 
 def _sample_step(kind: str) -> ConcreteStep:
     args = {key: ("A" if spec.types[0] is str else 1) for key, spec in REGISTRY[kind].fields.items() if spec.required}
-    requests = (NewRequest("A", (1, 2, 3), 8),) if kind == "add" else ()
+    requests = (NewRequest("A", (1, 2, 3), 8),) if REGISTRY[kind].admits else ()
     return ConcreteStep(1, 0, Step(kind, args, 7), requests)
 
 

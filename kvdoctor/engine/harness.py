@@ -23,7 +23,7 @@ from kvdoctor.engine.tiny_model import ContextKeys, tiny_draft_dir, tiny_model_d
 from kvdoctor.engine.worker import Job
 from kvdoctor.engine.workers.multi import SeveralWorkers
 from kvdoctor.engine.workers.simulated import SimulatedTransfers
-from kvdoctor.errors import UsageError
+from kvdoctor.errors import InternalError, UsageError
 
 _MODEL_CONFIGS: dict[tuple[str, int], Any] = {}
 
@@ -139,6 +139,19 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     kv_plan, kv_cache_config, block_size, hash_block_size = kv_layout.plan(api, vllm_config, setup)
     _chunk_in_blocks_for_mixed_groups(vllm_config, kv_plan, setup)
     return vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size
+
+
+def trigger_groups_missing(api: VllmApi, setup: Setup) -> str | None:
+    """Why a `--model` that replaced the recipe's own layout (`Setup.layout_replaced`) cannot hold its trigger:
+    the model's KV cache groups, as vLLM plans them at this setup's config, lack a kind the recipe's layout
+    gets (`kv_layout.missing_trigger_groups`); None where they hold every kind, or no layout was replaced."""
+    if setup.layout_replaced is None:
+        return None
+    try:
+        _build_pieces(api, setup)
+    except kv_layout.TriggerGroupsMissing as exc:
+        return str(exc)
+    return None
 
 
 def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
@@ -349,6 +362,11 @@ class Harness:
     def resume(self) -> None:
         raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
                          "loop does); play it with --engine core")
+
+    def p2p(self, action: str, args: dict[str, Any]) -> None:
+        """A `p2p_*` step: only the P2P pair's harness (engine/p2p.py, [setup] p2p = true) plays it; the levels
+        refuse such a step without the pair before anything is played, so reaching here is kvdoctor's bug."""
+        raise InternalError(f"p2p_{action} played on a harness without the P2P pair ([setup] p2p = true)")
 
     def shutdown(self) -> None:
         """Release what the connector holds (the tiering spec maps a file in /dev/shm)."""

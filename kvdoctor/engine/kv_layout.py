@@ -359,9 +359,9 @@ class KvPlan:
 
 
 def resolve_layout(model: str | None, layout: str | None, sliding_window: int | None = None) -> KvLayout:
-    """The layout a setup names: `--model DIR`, a shipped `layout`, or the single-group default."""
-    if model is not None and layout is not None:
-        raise UsageError("--model and a recipe's [setup] layout both name a model: give one")
+    """The layout a setup names: `--model DIR` (over a recipe's own layout: the run then measures that the
+    model's groups hold the kinds the trigger needs, `missing_trigger_groups`), a shipped `layout`, or the
+    single-group default."""
     if model is not None:
         return read_layout(model, None, sliding_window)
     if layout is not None:
@@ -424,6 +424,12 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
     pool = setup.gpu_blocks
     try:
+        if setup.layout_replaced is not None:
+            missing = missing_trigger_groups(api, vllm_config, setup, specs, drafts)
+            if missing is not None:
+                raise TriggerGroupsMissing(missing)
+            notes.append(f"--model {setup.model} replaces the recipe's own layout {setup.layout_replaced!r}: vLLM "
+                         f"plans the model's groups with every kind the trigger needs")
         if setup.model and "gpu_blocks" not in setup.fixed:
             pool, note = _pool_for_groups(api, vllm_config, specs, setup.gpu_blocks, drafts,
                                           getattr(setup, "mamba_fill_requests", None))
@@ -453,6 +459,61 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes,
                    admission_len),
             scheduler_config, block_size, hash_block_size)
+
+
+class TriggerGroupsMissing(Exception):
+    """The `--model` given for a recipe with its own layout plans no KV cache group of a kind the trigger needs
+    (measured through vLLM's planner): the run is untested, and the message says both groupings."""
+
+
+_GROUP_WORDS = {"full_attention": "full-attention", "sliding_window": "sliding-window",
+                "mamba": "Mamba/linear-attention", "MLAAttentionSpec": "MLA attention"}
+
+
+def _group_kind(group: dict[str, Any]) -> str:
+    """A planned group's kind, in words: an EAGLE drafter group is its own kind (vLLM flags it is_eagle_group)."""
+    return "EAGLE drafter" if group["eagle"] else _GROUP_WORDS.get(group["kind"], group["kind"])
+
+
+def _planned_groups(api: Any, vllm_config: Any, specs: dict[str, Any], drafts: set[str]) -> list[dict[str, Any]]:
+    """The KV cache groups vLLM's planner makes of `specs` (its grouping alone: a recipe's hash unit that suits
+    its own layout's groups is judged by the real plan, not here)."""
+    return [api.describe_group(i, g) for i, g in enumerate(api.kv_cache_groups(vllm_config, specs, drafts))]
+
+
+def describe_groups(groups: list[dict[str, Any]]) -> str:
+    """"7 groups: sliding-window x52 layers (6 groups), full-attention x10 layers": groups of a kind together."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for group in groups:
+        kinds.setdefault(_group_kind(group), []).append(group)
+    parts = []
+    for kind, same in kinds.items():
+        layers = sum(len(g["layers"]) for g in same)
+        parts.append(f"{kind} x{layers} layer{'s' if layers != 1 else ''}"
+                     + (f" ({len(same)} groups)" if len(same) > 1 else ""))
+    return f"{len(groups)} group{'s' if len(groups) != 1 else ''}: {', '.join(parts)}"
+
+
+def missing_trigger_groups(api: Any, vllm_config: Any, setup: Any, model_specs: dict[str, Any],
+                           model_drafts: set[str]) -> str | None:
+    """Why the `--model`'s layout cannot hold the trigger of a recipe scripted at its own layout
+    (`Setup.layout_replaced`), or None where it can: both layouts are grouped by vLLM's planner at the run's
+    config, and every kind of group the recipe's layout gets (sliding window, Mamba, an EAGLE drafter group,
+    full attention) must be among the model's. Measured at run time, never read from the config's words."""
+    own = resolve_layout(None, setup.layout_replaced, setup.sliding_window)
+    own_specs = layer_specs(api, own, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+    own_drafts = {name for name, layer in zip(own.layer_names(), own.layers, strict=True) if layer.draft}
+    needed = _planned_groups(api, vllm_config, own_specs, own_drafts)
+    planned = _planned_groups(api, vllm_config, model_specs, model_drafts)
+    have = {_group_kind(g) for g in planned}
+    lacking = list(dict.fromkeys(_group_kind(g) for g in needed if _group_kind(g) not in have))
+    if not lacking:
+        return None
+    model = Path(setup.model).name or str(setup.model)
+    needs = " and ".join(f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind} KV group" for kind in lacking)
+    return (f"the trigger needs {needs} (it is scripted at layout "
+            f"{setup.layout_replaced!r}, which vLLM plans as {describe_groups(needed)}); {model} plans "
+            f"{describe_groups(planned)}")
 
 
 # Blocks a request holds in a Mamba group of vLLM's `align` cache mode: the running state and the state of the

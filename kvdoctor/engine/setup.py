@@ -54,6 +54,10 @@ class Setup:
     # --model: a local model directory whose config.json gives the KV layout (recipes name a `layout`)
     model: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     layout: str | None = None  # a layout kvdoctor ships (kvdoctor/models/<name>); recipes name these
+    # Set by kvdoctor, never by a recipe: the recipe's own [setup] layout where --model replaced it. Its KV cache
+    # groups (as vLLM plans them) are the kinds the trigger needs; the model's groups must hold them
+    # (`kv_layout.missing_trigger_groups`), else the run is untested, naming both.
+    layout_replaced: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     sliding_window: int | None = None  # overrides the config's sliding_window (tokens)
     mamba_cache_mode: str | None = None  # CacheConfig.mamba_cache_mode for Mamba layouts (None: vLLM's default)
     # CacheConfig.prefix_match_unit: the block-hash granularity (tokens) of a hybrid layout's groups,
@@ -168,6 +172,11 @@ class Setup:
         if problem:
             raise UsageError(f"object_store: {problem}")
 
+    # vLLM's P2P tier between two engines (issue 36, engine/p2p.py): the recipe's engine is the consumer (decode)
+    # of a producer (prefill) engine beside it, both on TieringOffloadingSpec with vLLM's P2P tier as their only
+    # secondary tier, over kvdoctor's in-memory transports; `p2p_*` steps drive the pair, `schedule` steps both.
+    p2p: bool = False
+
     @property
     def offloaded_block_size(self) -> int:
         return self.block_size * self.blocks_per_chunk
@@ -213,6 +222,9 @@ class Setup:
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
+        if self.p2p and self.device != "cuda":
+            return ("p2p: vLLM's P2P tier writes the producer's bytes into the consumer's shared /dev/shm CPU region, "
+                    "which kvdoctor's CPU copy engine does not read (its CPU tier lives in tensors of its own)")
         if (self.secondary_tier is not None or self.object_store is not None) and self.device != "cuda":
             return ("secondary_tier / object_store: vLLM's tiering spec moves a secondary tier's bytes through its "
                     "shared /dev/shm CPU region, and kvdoctor's CPU copy engine keeps the CPU tier in tensors of its "
@@ -296,6 +308,9 @@ class Setup:
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
         self._validate_scripted_tier()
         self._validate_object_store()
+        if self.p2p and (self.secondary_tier is not None or self.multi_connector or not self.offloading):
+            raise UsageError("p2p = true: the pair's tier is vLLM's P2P tier alone (TieringOffloadingSpec); it takes "
+                             "no secondary_tier, multi_connector or offloading = false")
         refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "

@@ -6,6 +6,9 @@ upper part (what hypothesis shrinks towards) is the fs tier alone, as before."""
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 SCRIPTED_TIER_DRAW = "scripted_tier"
 # bits 3-4: the tiers (fs alone as before, the scripted tier alone, or both, fs first)
 TIER_KINDS = ("fs", "scripted", "fs+scripted", "scripted")
@@ -26,14 +29,20 @@ def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str 
 
 
 # -- the P2P pair (engine/p2p.py), where P2P_TIER_DRAW is a feature (probed: compat.p2p_transport.p2p_probe) ------
+# explore draws it in a branch of its own (explore/search.py `p2p_branch`): P2P_PLANS plan bytes per worker, in an
+# order the seed draws, each played as a `[setup] p2p = true` recipe (`p2p_recipe`). Where the feature is absent
+# the branch does not run, so a release's examples and their draws stay as they were.
 P2P_TIER_DRAW = "p2p_tier"
 P2P_KILL_AT = (None, 1, 5, 8)  # the producer dies before the handshake, mid-round, after it (or never)
+P2P_PLANS = 16
+P2P_SETUP = {"block_size": 4, "gpu_blocks": 32, "max_model_len": 128, "worker": "simulated", "p2p": True}
+P2P_TAIL = 12  # engine steps after the plan's last event, before vLLM's P2P clock moves past its timeouts
 
 
 def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
     """A P2P plan's fault fields from one byte: bits 0-1 the fabric's delay in polls, bit 2 failed transfers,
     bits 3-4 when the producer dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P. Zero (what
-    hypothesis shrinks towards) is the plain PD exchange. Not yet drawn by explore's search: the benchmark sweeps it."""
+    hypothesis shrinks towards) is the plain PD exchange. explore plays P2P_PLANS of them (`p2p_plan_bytes`)."""
     return {"delay_polls": byte & 3, "fail_transfers": bool(byte >> 2 & 1),
             "kill_producer_at": P2P_KILL_AT[byte >> 3 & 3], "abort_consumer_at": 4 if byte >> 5 & 1 else None,
             "symmetric": bool(byte >> 6 & 1)}
@@ -54,3 +63,41 @@ def objstore_fields(byte: int, features: frozenset[str]) -> str | None:
     if OBJSTORE_DRAW not in features or byte >> 3 & 3 or not byte >> 5 & 1:
         return None
     return OBJSTORE_SCRIPTS[byte >> 6 & 3]
+
+def p2p_plan_bytes(seed: int, worker: int) -> list[int]:
+    """The plan bytes a worker plays, in the order its seed draws (0, the plain exchange, among them)."""
+    order = list(range(128))
+    random.Random(seed * 1_000_003 + worker).shuffle(order)
+    return order[:P2P_PLANS]
+
+
+def p2p_steps(byte: int) -> list[tuple[str, dict[str, Any]]]:
+    """The recipe steps (action, fields) of plan `byte`, as engine/p2p.P2PPair plays the plan: the producer's
+    32-token prompt, the consumer's (its prefix plus one token) at step 2 (symmetric: a warm-up request at 2,
+    the request at 6), the producer's death and the consumer's abort at their steps; then `P2P_TAIL` steps and
+    vLLM's P2P clock a minute on (past its load and AbortAck timeouts), and a few steps more."""
+    plan = p2p_plan_fields(byte)
+    symmetric = bool(plan["symmetric"])
+    role = "symmetric" if symmetric else "pd"
+    at: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    if symmetric:
+        at.setdefault(2, []).append(("p2p_add", {"side": "consumer", "request": "W", "prompt_tokens": 8,
+                                                 "max_tokens": 1, "role": role, "kv_request_id": "warm-up"}))
+    at.setdefault(6 if symmetric else 2, []).append(("p2p_add", {
+        "side": "consumer", "request": "D", "prompt_tokens": 33, "shared_prefix_with": "P",
+        "shared_prefix_tokens": 32, "max_tokens": 3, "role": role}))
+    if plan["kill_producer_at"] is not None:
+        at.setdefault(int(plan["kill_producer_at"]), []).append(("p2p_kill", {"side": "producer"}))
+    if plan["abort_consumer_at"] is not None:
+        at.setdefault(int(plan["abort_consumer_at"]), []).append(("p2p_abort", {"side": "consumer", "request": "D"}))
+    steps: list[tuple[str, dict[str, Any]]] = []
+    if plan["delay_polls"] or plan["fail_transfers"]:
+        steps.append(("p2p_fabric", {"delay_polls": plan["delay_polls"], "fail_transfers": plan["fail_transfers"]}))
+    steps.append(("p2p_add", {"side": "producer", "request": "P", "prompt_tokens": 32, "max_tokens": 1,
+                              "role": "none" if symmetric else "pd"}))
+    last = max(at)
+    for index in range(last + 1):
+        steps += at.get(index, [])
+        steps.append(("schedule", {}))
+    steps += [("schedule", {"count": P2P_TAIL}), ("p2p_clock", {"advance_s": 60}), ("schedule", {"count": 5})]
+    return steps

@@ -123,6 +123,9 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
 
 def setup_unexpressible(setup: Setup) -> list[str]:
     """Geometry the engine cannot build as the scheduler level does."""
+    if setup.p2p:
+        return ["[setup] p2p: kvdoctor builds the P2P pair from two of its scheduler harnesses (engine/p2p.py); two "
+                "EngineCores on one in-memory fabric are not built yet: play it at --engine scheduler"]
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
     if any(layer.draft for layer in layout.layers):
         return [f"{layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "

@@ -2,7 +2,9 @@
 `update_from_output()` itself, in this process, on its own harness (`engine.harness.Harness`).
 
 A step whose needs this level does not meet (the engine's own pause) makes the recipe
-`not_applicable`, naming the step (`table.unexpressible`)."""
+`not_applicable`, naming the step (`table.unexpressible`). `[setup] p2p = true` plays the recipe on the
+P2P pair's harness (engine/p2p.py), where the installed vLLM's probe finds the P2P tier; elsewhere the
+recipe is unplayable with the probe's reason (exit 6: the pair was not tested)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from typing import Any
 
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.setup import Setup
+from kvdoctor.errors import UsageError
 from kvdoctor.levels.in_process import InProcessLevel
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import RunResult
 from kvdoctor.scenario import ScenarioRun
+from kvdoctor.steps import Need, kinds_needing
 
 NAME = "scheduler"
 
@@ -25,9 +29,30 @@ def run_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_
     """One recipe under one logic variant on kvdoctor's scheduler harness. `timeline_at`: step counters
     (1-based, schedule repeats counted) whose entry is recorded even when `record_timeline` is off.
     `build_cache`: a `harness.BuildCache` (explore's)."""
-    unplayable = tuple(unexpressible(recipe.steps, NAME, setup.async_scheduling))
-    return ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at, build_cache,
-                       unplayable=unplayable).run()
+    unplayable = tuple(unexpressible(recipe.steps, NAME, setup.async_scheduling)) + p2p_unplayable(recipe, setup)
+    run = ScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at, build_cache,
+                      unplayable=unplayable)
+    if setup.p2p:
+        from kvdoctor.engine.p2p import P2PHarness
+
+        run.harness_class = P2PHarness
+    return run.run()
+
+
+def p2p_unplayable(recipe: Recipe, setup: Setup) -> tuple[str, ...]:
+    """A `p2p_*` step without the pair is a usage error (one line naming it); the pair where the installed
+    vLLM's probe finds no P2P tier kvdoctor can stand the transports in for: the probe's reason."""
+    pair_kinds = kinds_needing(Need.P2P_PAIR)
+    if not setup.p2p:
+        step = next((s for s in recipe.steps if s.action in pair_kinds), None)
+        if step is not None:
+            raise UsageError(f"{recipe.source or recipe.name}:{step.line}: `{step.action}` drives the P2P pair: "
+                             f"it needs [setup] p2p = true")
+        return ()
+    from kvdoctor.engine.compat.p2p_transport import p2p_probe
+
+    why = p2p_probe()
+    return (f"[setup] p2p: {why}",) if why else ()
 
 
 class SchedulerLevel(InProcessLevel):

@@ -14,12 +14,22 @@ Each is a promise vLLM's P2P tier makes in its own words (0.34, `vllm/v1/kv_offl
   ended: by the peer's AbortAck or, when the session died, by the session's close ("the end of the session is
   the release point for every load already reported failed", ClientRole.close; `drain_jobs`' contract).
 The checks read plain records (the tier's journal, counts the pair read through compat), never vLLM objects.
+
+A recipe plays them through `P2P_CHECKS` (observe/invariants.py registers them with the others), after every
+step of a `[setup] p2p = true` run, on what its harness reports (`PairState`); elsewhere they return nothing.
+A recipe decides when the pair comes to rest, so the at-rest checks run at every step where it is *settled*:
+neither side has an unfinished request, the consumer has no open load and nothing is in flight on the fabric,
+after `SETTLE_STEPS` steps in a row (the connector finalizes a finished request on the next step, and the
+tiers report their last jobs). A round that never ends keeps its request waiting, so the pair never settles:
+`p2p-fetch-round-ends` also fires on a load still open `ROUND_BOUND_S` seconds of vLLM's P2P clock after the
+tier was given it (vLLM's own bound: its 30 s load timeout, then 10 s for the AbortAck, 0.33-0.34's
+`session/client.py`; a recipe reaches it with a `p2p_clock` step).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +38,8 @@ NOTHING_PINNED = "p2p-nothing-pinned"
 BYTES_EQUAL = "p2p-consumer-bytes-equal"
 DEFERRED_SET = "p2p-deferred-release-set"
 P2P_INVARIANTS = (ROUND_ENDS, NOTHING_PINNED, BYTES_EQUAL, DEFERRED_SET)
+SETTLE_STEPS = 3  # steps in a row with nothing in flight before a pair at rest is judged settled
+ROUND_BOUND_S = 45.0  # vLLM's load timeout (30 s) + AbortAck timeout (10 s) + a margin, on vLLM's P2P clock
 
 
 @dataclass(frozen=True)
@@ -85,3 +97,76 @@ def nothing_pinned(sides: Iterable[SideAtRest]) -> list[str]:
             found.append(f"{NOTHING_PINNED}: the {side.name} still holds " + ", ".join(held)
                          + " after its requests finished and the rounds ended")
     return found
+
+
+def open_loads(journal: Any) -> list[int]:
+    """The load jobs the tier was given that have no result yet."""
+    reported = {job for job, _ok, _event in journal.results}
+    return sorted(set(journal.loads) - reported)
+
+
+@dataclass(frozen=True)
+class PairState:
+    """What a P2P pair's harness reports after a step (engine/p2p.py `P2PHarness.pair_state`)."""
+
+    journals: tuple[Any, ...]  # every tier's journal on the fabric
+    consumer: Any  # the consumer tier's journal
+    open_for_s: dict[int, float]  # each open load: seconds of vLLM's P2P clock since the tier was given it
+    requests_done: bool  # neither live side has an unfinished request
+    rest_steps: int  # steps in a row after which the fabric was quiet, requests done and no load open
+    sides: Callable[[], list[SideAtRest]]  # what each live side's tiering manager still holds
+
+    @property
+    def settled(self) -> bool:
+        return self.rest_steps >= SETTLE_STEPS
+
+
+def _state(ctx: Any) -> PairState | None:
+    report = getattr(ctx.harness, "pair_state", None)
+    return report() if report is not None else None
+
+
+def _round_ends(ctx: Any) -> list[str]:
+    state = _state(ctx)
+    if state is None:
+        return []
+    found = [v for journal in state.journals for v in double_results(journal)]
+    stuck = sorted(job for job, age in state.open_for_s.items() if age >= ROUND_BOUND_S)
+    if stuck:
+        found.append(f"{ROUND_ENDS}: {state.consumer.local_id}'s load job(s) {stuck} have no result "
+                     f"{max(state.open_for_s[j] for j in stuck):.0f} s (vLLM's P2P clock) after the tier was given "
+                     f"them, past vLLM's load and AbortAck timeouts")
+    return found
+
+
+def _bytes_equal(ctx: Any) -> list[str]:
+    state = _state(ctx)
+    return [v for journal in state.journals for v in bytes_equal(journal)] if state is not None else []
+
+
+def _nothing_pinned(ctx: Any) -> list[str]:
+    state = _state(ctx)
+    return nothing_pinned(state.sides()) if state is not None and state.settled else []
+
+
+def _deferred_released(ctx: Any) -> list[str]:
+    state = _state(ctx)
+    return deferred_released(state.consumer) if state is not None and state.settled else []
+
+
+def _strip(check: Callable[[Any], list[str]], name: str) -> Callable[[Any], list[str]]:
+    """A check whose messages drop their own invariant's name (a Violation carries it)."""
+    return lambda ctx: [m.removeprefix(f"{name}: ") for m in check(ctx)]
+
+
+# name -> (summary, check(StepContext) -> messages)
+P2P_CHECKS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {
+    ROUND_ENDS: ("every load the P2P consumer's tier is given ends with exactly one result",
+                 _strip(_round_ends, ROUND_ENDS)),
+    NOTHING_PINNED: ("once the P2P pair has settled, neither tiering manager holds a P2P job, request state or "
+                     "P2P work in flight", _strip(_nothing_pinned, NOTHING_PINNED)),
+    BYTES_EQUAL: ("a P2P load reported successful left the producer's bytes for its keys in the consumer's chunks",
+                  _strip(_bytes_equal, BYTES_EQUAL)),
+    DEFERRED_SET: ("every deferred release the P2P tier handed out is set once its round ended",
+                   _strip(_deferred_released, DEFERRED_SET)),
+}
