@@ -363,6 +363,15 @@ class Harness:
         raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
                          "loop does); play it with --engine core")
 
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None:
+        """Sleep mode is the engine's (EngineCore.sleep pauses its step loop and puts its executor to sleep): refused
+        by its need, as `pause` is; reaching here is a usage error."""
+        raise UsageError("sleep: kvdoctor's scheduler harness has no engine to put to sleep (EngineCore.sleep "
+                         "does); play it with --engine core")
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        raise UsageError("wake_up: kvdoctor's scheduler harness has no engine to wake (EngineCore.wake_up does); "
+                         "play it with --engine core")
     def p2p(self, action: str, args: dict[str, Any]) -> None:
         """A `p2p_*` step: only the P2P pair's harness (engine/p2p.py, [setup] p2p = true) plays it; the levels
         refuse such a step without the pair before anything is played, so reaching here is kvdoctor's bug."""

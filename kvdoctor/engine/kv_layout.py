@@ -369,15 +369,23 @@ def resolve_layout(model: str | None, layout: str | None, sliding_window: int | 
     return DEFAULT_LAYOUT
 
 
+def speculative_blocks(setup: Any) -> int:
+    """The speculative blocks vLLM gives each Mamba layer's spec under a speculative config
+    (`MambaBase.get_kv_cache_spec`: `num_speculative_blocks = num_speculative_tokens`, 0 without one;
+    0.34's ReplaySSM, which kvdoctor does not set, gives 0)."""
+    return int(setup.num_speculative_tokens) if getattr(setup, "speculative_method", None) else 0
+
+
 def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
-                mamba_cache_mode: str | None) -> dict[str, Any]:
+                mamba_cache_mode: str | None, num_speculative_blocks: int = 0) -> dict[str, Any]:
     """Per-layer KV specs, as a model runner's `get_kv_cache_spec()` returns them.
 
     Attention layers: float16 K/V of the config's KV heads and head size.
     Mamba layers: a conv + SSM state padded to the attention page (vLLM pads
     the smaller page to the larger one when it unifies page sizes); in `align`
     mode one state per block of `block_size` tokens, otherwise one state per
-    request (block size = max model length), as vLLM's runner sizes them.
+    request (block size = max model length), as vLLM's runner sizes them; under a speculative config
+    `num_speculative_blocks` more state blocks a request (`speculative_blocks`), as vLLM sets them.
     """
     import torch
 
@@ -406,7 +414,9 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
             conv = max(1, state // 4)
             spec = spec_class("MambaSpec")(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
                                            block_size=block_size if mode == "align" else max_model_len,
-                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
+                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode,
+                                           **({"num_speculative_blocks": num_speculative_blocks}
+                                              if num_speculative_blocks else {}))
         specs[name] = spec
     return specs
 
@@ -419,7 +429,8 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     note = api.enable_hybrid_kv_cache_manager(vllm_config)
     if note:
         notes.append(note)
-    specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+    specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode,
+                        speculative_blocks(setup))
     names = layout.layer_names()
     drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
     pool = setup.gpu_blocks

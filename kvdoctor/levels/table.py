@@ -52,8 +52,8 @@ _NO_P2P_PAIR = ("kvdoctor builds the P2P pair from two of its scheduler harnesse
 
 LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
     Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need) - {Need.ENGINE_PAUSE},
-          cannot={Need.ENGINE_PAUSE: "pausing is the engine's (EngineCore.pause_scheduler gates its own step "
-                                     "loop and clears its caches); play it with --engine core"}),
+          cannot={Need.ENGINE_PAUSE: "pausing and sleep mode are the engine's (EngineCore.pause_scheduler / "
+                                     "sleep gate its own step loop and clear its caches); play it with --engine core"}),
     Level("core", "vLLM's EngineCore",
           meets=frozenset(Need) - {Need.SCHEDULER_CONTROL, Need.P2P_PAIR},
           cannot={Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE, Need.P2P_PAIR: _NO_P2P_PAIR},
@@ -95,7 +95,9 @@ HOW: dict[Need, str] = {
                          "(reset_running_requests, reset_external = the step's reset_connector; vLLM's development "
                          "endpoint, VLLM_SERVER_DEV_MODE=1 in the server child), between paced engine steps",
     Need.SCHEDULER_STATE: "core: the engine's Scheduler, read between steps",
-    Need.ENGINE_PAUSE: "core: EngineCore.pause_scheduler (mode, clear_cache) / resume_scheduler",
+    Need.ENGINE_PAUSE: "core: EngineCore.pause_scheduler (mode, clear_cache) / resume_scheduler; EngineCore.sleep "
+                       "(level, mode, reset_connector where the release takes it) / wake_up (tags), kvdoctor's "
+                       "executor standing in for the workers' sleep",
     Need.P2P_PAIR: "scheduler: a producer harness beside the recipe's (the consumer), both on vLLM's P2P tier over "
                    "kvdoctor's in-memory transports (engine/p2p.py)",
 }

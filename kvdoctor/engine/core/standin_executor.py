@@ -92,6 +92,7 @@ class StandInExecutor(Executor):
         self.eos_after: dict[str, int] = {}  # request -> sampled tokens before its EOS (its client's vllm_xargs)
         self.num_sampled: dict[str, int] = {}
         self.steps = 0
+        self.asleep: set[str] = set()  # sleep mode: what a GPU worker would have released ("weights", "kv_cache")
         self.kv: StandInKv | None = None
         transfer = self.vllm_config.kv_transfer_config
         if os.environ.get(self.KV_ANSWERS_ENV) == "1":
@@ -158,8 +159,27 @@ class StandInExecutor(Executor):
     def rpc_extensible_kv_cache_unsupported_reason(self) -> list[str]:
         return [self.NO_MEMORY_REASON]  # 0.34: the extensible KV cache stays off
 
+    def rpc_sleep(self, level: int = 1) -> list[None]:
+        """vLLM's sleep mode (`Executor.sleep` asks every worker): a GPU worker offloads (level 1) or drops (2) its
+        weights and discards its KV cache. The stand-in holds no weights and no KV (it stands in for the model):
+        it records what a worker would have released; vLLM's Executor keeps its own sleeping tags."""
+        self.asleep = {"weights", "kv_cache"}
+        return [None]
+
+    def rpc_wake_up(self, tags: list[str] | None = None) -> list[None]:
+        """The worker's memory back (all of it, or the `tags` named)."""
+        self.asleep = set() if tags is None else self.asleep - set(tags)
+        return [None]
+
     # -- one step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if self.asleep and scheduler_output.total_num_scheduled_tokens > 0:
+            released = ", ".join(sorted(self.asleep))
+            exc = RuntimeError(f"the engine scheduled a step while its executor sleeps ({released} released): a GPU "
+                               f"worker has no weights or KV cache to run it with")
+            if non_block:
+                return _failed(exc)
+            raise exc
         try:
             output = self.run_step(scheduler_output)
         except Exception as exc:  # the engine sees it where a GPU worker's error surfaces
