@@ -239,9 +239,10 @@ class Harness:
         api, setup = self.api, self.setup
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
         self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
-        # Setup.secondary_tier: the tiering manager whose tiers settle in each step's forward window
+        # Setup.secondary_tier / object_store: the tiering manager whose tiers settle in each step's forward window
         self._tiering = (api.tiering_manager_of(self.connector_scheduler)
-                         if setup.secondary_tier and self.connector_scheduler is not None else None)
+                         if (setup.secondary_tier or setup.object_store is not None)
+                         and self.connector_scheduler is not None else None)
         self.model_runner = self._choose_model_runner()
         # Setup.kv_events: what vLLM's Scheduler publishes, recorded where its publisher stands
         self.kv_event_recorder = api.record_kv_events(self.scheduler) if setup.kv_events else None

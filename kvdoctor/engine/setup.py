@@ -146,6 +146,32 @@ class Setup:
     # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
     # (0: drop the cascade). None: no backpressure.
     backpressure_pattern: str | None = None
+    # vLLM's object-store secondary tier (`type = "obj"`, loaded as kvdoctor's RecordedObjTier through
+    # `module_path`: vLLM's ObjectStoreSecondaryTierManager on a fake NIXL agent with an in-memory bucket,
+    # engine/compat/objstore_tier.py), placed first among the secondary tiers; its value is the agent's fault
+    # script, "<stores>/<loads>" cycled ("ok,fail/late": compat/objstore_agent.OUTCOMES; "" all succeed).
+    # None: no object-store tier. Needs spec_name = "TieringOffloadingSpec".
+    object_store: str | None = None
+
+    def _objstore_tiers(self) -> list[dict[str, Any]]:
+        """The object-store tier's `secondary_tiers` entry (none without `object_store`)."""
+        if self.object_store is None:
+            return []
+        return [{"type": "RecordedObjTier", "module_path": "kvdoctor.engine.compat.objstore_tier",
+                 "script": self.object_store}]
+
+    def _validate_object_store(self) -> None:
+        if self.object_store is None:
+            return
+        from kvdoctor.engine.compat.objstore_agent import check_objstore_script
+
+        if self.spec_name != "TieringOffloadingSpec":
+            raise UsageError(f"object_store needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec owns "
+                             f"secondary tiers), got spec_name {self.spec_name!r}")
+        problem = check_objstore_script(self.object_store)
+        if problem:
+            raise UsageError(f"object_store: {problem}")
+
     # vLLM's P2P tier between two engines (issue 36, engine/p2p.py): the recipe's engine is the consumer (decode)
     # of a producer (prefill) engine beside it, both on TieringOffloadingSpec with vLLM's P2P tier as their only
     # secondary tier, over kvdoctor's in-memory transports; `p2p_*` steps drive the pair, `schedule` steps both.
@@ -163,8 +189,10 @@ class Setup:
         cfg["offload_prompt_only"] = self.offload_prompt_only
         if self.spec_name:
             cfg["spec_name"] = self.spec_name
-        if self.secondary_tier:
-            cfg["secondary_tiers"] = tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
+        if self.secondary_tier or self.object_store is not None:
+            cfg["secondary_tiers"] = self._objstore_tiers() + (
+                tier_configs(self.secondary_tier, self.tier_script, self.backpressure_pattern)
+                if self.secondary_tier else [])
         if self.self_describing_kv_events:
             cfg["self_describing_kv_events"] = True
         if self.worker == "vllm" and self.device != "cuda":
@@ -197,10 +225,11 @@ class Setup:
         if self.p2p and self.device != "cuda":
             return ("p2p: vLLM's P2P tier writes the producer's bytes into the consumer's shared /dev/shm CPU region, "
                     "which kvdoctor's CPU copy engine does not read (its CPU tier lives in tensors of its own)")
-        if self.secondary_tier is not None and self.device != "cuda":
-            return ("secondary_tier: vLLM's tiering spec moves the fs tier's bytes through its shared /dev/shm CPU "
-                    "region, and kvdoctor's CPU copy engine keeps the CPU tier in tensors of its own, so promoted "
-                    "chunks would read as stale KV (measured: a false reads-see-their-tokens violation)")
+        if (self.secondary_tier is not None or self.object_store is not None) and self.device != "cuda":
+            return ("secondary_tier / object_store: vLLM's tiering spec moves a secondary tier's bytes through its "
+                    "shared /dev/shm CPU region, and kvdoctor's CPU copy engine keeps the CPU tier in tensors of its "
+                    "own, so promoted chunks would read as stale KV (measured: a false reads-see-their-tokens "
+                    "violation)")
         if self.speculative_method is not None:
             return ("speculative decoding: kvdoctor's stand-in drafter runs beside the simulated worker only "
                     "(vLLM's model runner would need a real drafter)")
@@ -278,6 +307,7 @@ class Setup:
                 raise UsageError(f"secondary_tier needs spec_name = \"TieringOffloadingSpec\" (vLLM's tiering spec "
                                  f"owns secondary tiers), got spec_name {self.spec_name!r}")
         self._validate_scripted_tier()
+        self._validate_object_store()
         if self.p2p and (self.secondary_tier is not None or self.multi_connector or not self.offloading):
             raise UsageError("p2p = true: the pair's tier is vLLM's P2P tier alone (TieringOffloadingSpec); it takes "
                              "no secondary_tier, multi_connector or offloading = false")

@@ -140,6 +140,7 @@ class Geometry:
     self_describing_kv_events: bool = False
     tier_script: str | None = None
     backpressure_pattern: str | None = None
+    object_store: str | None = None  # vLLM's object-store tier's fault script (tier_draw.objstore_fields)
 
     @property
     def groups(self) -> int:
@@ -199,6 +200,7 @@ class Geometry:
             **({"self_describing_kv_events": True} if self.self_describing_kv_events else {}),
             **({"tier_script": self.tier_script} if self.tier_script else {}),
             **({"backpressure_pattern": self.backpressure_pattern} if self.backpressure_pattern else {}),
+            **({"object_store": self.object_store} if self.object_store is not None else {}),
             # Always named: `kvdoctor repro FILE` defaults to vLLM's worker, whose transfer timing
             # differs, and a finding must replay as it was found.
             "worker": self.worker,
@@ -384,11 +386,12 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
     else:
         own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
         cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
-    from kvdoctor.explore.tier_draw import scripted_tier_fields  # bits 3-7, where SCRIPTED_TIER_DRAW is a feature
+    from kvdoctor.explore.tier_draw import objstore_fields, scripted_tier_fields  # bits 3-7, probed features
 
     tiers, script, pattern = scripted_tier_fields(byte, features)
     return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier=tiers,
-                               tier_script=script, backpressure_pattern=pattern)
+                               tier_script=script, backpressure_pattern=pattern,
+                               object_store=objstore_fields(byte, features))
 
 
 # KV events (`decode_kv_events`): one more geometry byte, the last (after the tier byte), drawn where the connector

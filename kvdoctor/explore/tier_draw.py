@@ -48,6 +48,22 @@ def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
             "symmetric": bool(byte >> 6 & 1)}
 
 
+# -- vLLM's object-store tier (compat/objstore_tier.py), where OBJSTORE_DRAW is a feature (probed:
+# compat.objstore_agent.objstore_probe) -----------------------------------------------------------------------
+OBJSTORE_DRAW = "objstore_tier"
+# bits 6-7: the fake NIXL agent's fault script, "<stores>/<loads>" cycled (compat/objstore_agent.OUTCOMES)
+OBJSTORE_SCRIPTS = ("", "late,fail,ok,notel/ok,late", "err,ok,noreg,norel/fail,ok", "ok,noprep,leak,noxfer/raise,ok")
+
+
+def objstore_fields(byte: int, features: frozenset[str]) -> str | None:
+    """The object-store tier's fault script (`Setup.object_store`), or None for no object-store tier. Read only
+    where the scripted-tier bits (3-4) say "fs" alone, whose bits 5-7 nothing else reads: bit 5 adds the
+    object-store tier (first, before fs), bits 6-7 its script. Elsewhere, and where the feature is absent, None:
+    a release's examples stay as they were, and zero upper bits stay the fs tier alone."""
+    if OBJSTORE_DRAW not in features or byte >> 3 & 3 or not byte >> 5 & 1:
+        return None
+    return OBJSTORE_SCRIPTS[byte >> 6 & 3]
+
 def p2p_plan_bytes(seed: int, worker: int) -> list[int]:
     """The plan bytes a worker plays, in the order its seed draws (0, the plain exchange, among them)."""
     order = list(range(128))
