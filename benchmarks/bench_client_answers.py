@@ -59,10 +59,22 @@ def serve_table(paths: list[str]) -> None:
                 steps = sorted(set(re.findall(r"`(\w+)` cannot be played", hint)))
                 why = ("steps " + ", ".join(f"`{step}`" for step in steps)) if steps else hint.replace("|", "/")
                 cells.append(f"{scheduler} / not_applicable ({why})")
+            elif served != scheduler and _loses_hits_only(name) and served != "reproduced":
+                # the bug's harm is lost prefix hits: no client's answer differs, whatever the release
+                what = (row["answers"] or {}).get("line") or (row["hint"] or "").replace("|", "/")
+                cells.append(f"{scheduler} / {served} (lost prefix hits: no client answer differs; {what})")
             else:
                 agree = "agrees" if served == scheduler else "DISAGREES"
                 cells.append(f"{scheduler} / {served} ({agree})")
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def _loses_hits_only(name: str) -> bool:
+    """A silent bug whose harm is lost prefix hits (`explore.impact`): its clients' answers are all equal."""
+    from kvdoctor.explore.impact import LOST_HITS, impact_of
+
+    invariant = builtins.resolve(name).signature.invariant
+    return invariant is not None and impact_of("invariant", invariant, "").kind == LOST_HITS
 
 
 if __name__ == "__main__":

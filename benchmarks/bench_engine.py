@@ -11,8 +11,10 @@
         `kvdoctor repro queued-abort --engine serve --json` (the whole command: server start-up, the
         paced traffic, the verdict from the server's log, the stop); prints each wall time and the
         verdict (target: a verdict within 90 s on the 2-core machine).
-    PYTHONPATH=. python benchmarks/bench_engine.py export
-        `--export-script FILE --engine serve` for queued-abort, then the script run with this Python
+    PYTHONPATH=. python benchmarks/bench_engine.py export [RECIPE]
+        `--export-script FILE --engine serve` for RECIPE (default queued-abort; a silent one, e.g.
+        final-token-slot-stored, compares its clients' answers with an offloading-off server), then the
+        script run with this Python
         (no kvdoctor on its path); prints its exit code, wall time and the exit kvdoctor's measured
         outcome for this release implies (reproduced: 1, not_reproduced: 0).
     PYTHONPATH=. python benchmarks/bench_engine.py compare [RECIPE ...]
@@ -102,7 +104,7 @@ def serve(repeat: int) -> int:
     return 0
 
 
-def export() -> int:
+def export(recipe: str) -> int:
     import tempfile
 
     from kvdoctor.engine.compat import installed_vllm_version
@@ -110,8 +112,8 @@ def export() -> int:
 
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with tempfile.TemporaryDirectory(prefix="kvdoctor-bench-export-") as folder:
-        script = os.path.join(folder, "queued_abort_serve.py")
-        subprocess.run([sys.executable, "-m", "kvdoctor", "repro", "queued-abort", "--engine", "serve",
+        script = os.path.join(folder, recipe.replace("-", "_") + "_serve.py")
+        subprocess.run([sys.executable, "-m", "kvdoctor", "repro", recipe, "--engine", "serve",
                         "--export-script", script], cwd=ROOT, env=env, check=True, capture_output=True)
         plain = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the script runs without kvdoctor
         start = time.perf_counter()
@@ -119,9 +121,9 @@ def export() -> int:
                               timeout=900)
         elapsed = time.perf_counter() - start
     release = installed_vllm_version()
-    rows = [r for r in data.load() if r.release == release and r.recipe == "queued-abort"]
+    rows = [r for r in data.load() if r.release == release and r.recipe == recipe]
     expected = {"reproduced": 1, "not_reproduced": 0}.get(rows[0].outcome) if rows else None
-    print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:])
+    print(proc.stdout.strip()[-1500:] if proc.stdout.strip() else proc.stderr[-300:])
     print(f"vLLM {release}: exported serve script exit {proc.returncode} in {elapsed:.1f} s; kvdoctor's "
           f"measurement implies {expected if expected is not None else '(no row)'}"
           f"{'' if expected is None else ' (agrees)' if expected == proc.returncode else ' (DISAGREES)'}")
@@ -170,7 +172,8 @@ def main() -> int:
     i.add_argument("--repeat", type=int, default=3)
     sv = sub.add_parser("serve")
     sv.add_argument("--repeat", type=int, default=1)
-    sub.add_parser("export")
+    e = sub.add_parser("export")
+    e.add_argument("recipe", nargs="?", default="queued-abort")
     c = sub.add_parser("compare")
     c.add_argument("recipes", nargs="*")
     args = parser.parse_args()
@@ -179,7 +182,7 @@ def main() -> int:
     if args.mode == "serve":
         return serve(args.repeat)
     if args.mode == "export":
-        return export()
+        return export(args.recipe)
     return inproc(args.repeat) if args.mode == "inproc" else compare(args.recipes)
 
 

@@ -20,6 +20,40 @@ start). It imports only vLLM and the standard library.
 Prints one line per (scheduling, offset): the stored block indices, PASS (only block 0) or FAIL (upstream's
 loop), the same after one more schedule(), and (async) with that schedule() before the in-flight step's output
 is applied (EngineCore's order); exit 0 when every case passes upstream's loop, 1 otherwise.
+
+Measured 2026-12-05 (each /work/main env; offset -2 passes every column on every release measured):
+
+    release  upstream's loop   one more schedule()          engine's order (async)
+    0.26.0   all pass          sync -1 FAIL (block 1)       async -1 FAIL (block 1)
+    0.27.0   all pass          sync -1, async -1 FAIL       async -1 FAIL
+    0.27.1   all pass          sync -1, async -1 FAIL       async -1 FAIL
+    0.28.0   all pass          sync -1, async -1 FAIL       async -1 FAIL
+    0.29.0   all pass          sync -1, async -1 FAIL       async -1 FAIL
+    0.30.0   all pass          all pass                     all pass
+    0.31.0   all pass          all pass                     all pass
+    0.32.0   all pass          all pass                     all pass
+    0.33.0   all pass          all pass                     all pass
+    0.34.0   all pass          all pass                     all pass
+    (0.31.0: 74 s, 0.32.0: 277 s, 0.33.0: 312 s at load 2-10, `timeout 900` each, exit 0.) The releases where it
+    fails are the ones release_outcomes.toml records K4 reproduced (sync: final-token-slot-stored; async:
+    tests/data/final-token-length-capped-async.toml): 0.26.0-0.29.0; from 0.30.0 every case passes and K4 is
+    not reproduced, sync and async: no row contradicts the oracle.
+
+The built-in recipe ending at max_tokens instead of an EOS (max_tokens = 1, no finish step, the sync requirement
+dropped), played by `kvdoctor.app.repro(PATH, logic="all", default_worker="vllm")` on each of the ten envs
+(2026-12-05): reproduced under every logic, sync and async, on 0.26.0-0.29.0; not_reproduced, sync and async, on
+0.30.0-0.34.0 - the sync verdicts of the EOS recipe on every release, and async reproduces exactly where sync
+does (the EOS recipe under async: untested on 0.26.0-0.29.0, not_reproduced from 0.30.0). Coverage and failure
+sites were not compared, and the recipe is unchanged: its release rows are re-measured only by a whole
+`matrix --audit --write-data` over the ten envs.
+
+Upstream's loop never schedules after the request finished (it leaves scheduler.requests at once), so its final
+store is never built there; it is built at the next schedule() (0.26.0 async: only in the engine's order, as
+upstream's loop applied the in-flight step's output first, which completed the prefill store and released the
+request's connector state). Under async scheduling the stored block 1 ends at an EOS whose slot the step in
+flight did compute: the oracle fails by upstream's rule (never store a block ending at the final sampled token),
+kvdoctor's K4 recipe (an EOS too) measures not_reproduced there; a request ending at max_tokens gets no step in
+flight and reproduces K4 under async (tests/data/final-token-length-capped-async.toml).
 """
 
 from __future__ import annotations
@@ -28,6 +62,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -170,8 +205,11 @@ def play(async_scheduling: bool, offset: int, model_dir: str,
 
 
 def main() -> int:
-    model_dir = tempfile.mkdtemp(prefix="k4-oracle-model-")
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(model_dir, "vllm-cache"))  # leave ~/.cache/vllm alone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still removes the temp dir
+    root = tempfile.mkdtemp(prefix="k4-oracle-")
+    model_dir = os.path.join(root, "model")  # the model directory holds config.json alone (0.30 validates it)
+    os.makedirs(model_dir)
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "vllm-cache"))  # leave ~/.cache/vllm alone
     import vllm
 
     try:
@@ -194,7 +232,7 @@ def main() -> int:
                 mode = "async" if async_scheduling else "sync"
                 print(f"vllm {vllm.__version__} {mode:5} prompt_offset={offset}: {verdict} ({detail})", flush=True)
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return 0 if all(v == "PASS" for v in rows) else 1
 
 

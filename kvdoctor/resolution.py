@@ -117,6 +117,8 @@ def resolve_setup(recipe: Recipe, overrides: Overrides = NOTHING_GIVEN, worker_f
     if overrides.extra_connector_config is not None:
         given["extra_connector_config"] = {**setup.extra_connector_config, **overrides.extra_connector_config}
     setup = setup.with_overrides(**given)
+    if setup.model is not None and setup.layout is not None:  # the model's own layout: played where its groups
+        setup = dataclasses.replace(setup, layout=None, layout_replaced=setup.layout)  # hold the trigger's kinds
     offloaded = overrides.offloaded_block_size
     if offloaded is not None:
         if overrides.blocks_per_chunk is not None:

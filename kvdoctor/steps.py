@@ -71,7 +71,8 @@ _MEANINGS = {
     Need.ENGINE_UTILITY: "one of the engine's utility calls (reset_prefix_cache)",
     Need.SCHEDULER_STATE: "read the scheduler's and connector's per-request state (a precondition)",
     Need.ENGINE_PAUSE: "the engine pauses and resumes its scheduler (EngineCore.pause_scheduler / "
-                       "resume_scheduler: requests queue while paused, caches optionally cleared)",
+                       "resume_scheduler: requests queue while paused, caches optionally cleared; its sleep mode, "
+                       "EngineCore.sleep / wake_up, pauses it the same way and puts the executor to sleep)",
     Need.P2P_PAIR: "a second engine beside the recipe's, both on vLLM's P2P tier over kvdoctor's in-memory "
                    "fabric ([setup] p2p = true): drive the producer, the fabric, a peer's death",
 }
@@ -111,6 +112,9 @@ class Harness(Protocol):
 
     def resume(self) -> None: ...  # ENGINE_PAUSE
 
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None: ...  # ENGINE_PAUSE
+
+    def wake_up(self, tags: list[str] | None) -> None: ...  # ENGINE_PAUSE
     def p2p(self, action: str, args: dict[str, Any]) -> None: ...  # P2P_PAIR
 
 
@@ -515,6 +519,35 @@ def _resume(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.resume()
 
 
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what EngineCore.wake_up takes ("scheduling": level 0)
+
+
+def _validate_wake_up(args: dict[str, Any], fail: Fail) -> None:
+    tags = args.get("tags")
+    if tags is not None and (not tags or not all(isinstance(t, str) and t in SLEEP_TAGS for t in tags)):
+        raise fail("tags", f"tags must be a non-empty array of {', '.join(SLEEP_TAGS)}, got {shown(tags)}")
+
+
+_NOT_DRAWN_SLEEP = Unsupported("explore plays the scheduler level, where sleep mode is refused (the engine's)")
+
+
+# vLLM's sleep mode (EngineCore.sleep): the scheduler is paused as `pause` pauses it ("abort" by default, as vLLM's);
+# level >= 1 also resets the prefix cache and the connector's (reset_connector = false keeps the connector's where
+# the release's sleep takes it: a probe) and puts the executor to sleep (kvdoctor's executor stands in for the
+# model's memory: it records the sleep and answers the next step as a woken one); wake_up resumes the scheduler once
+# the executor is fully awake (a partial wake, `tags`, keeps it paused)
+@step_kind("sleep", Need.ENGINE_PAUSE,
+           summary="put the engine to sleep (level 0: pause; 1-2: also reset the caches, the executor sleeps)",
+           fields={"level": f(int, minimum=0, maximum=2), "mode": f(str, choices=PAUSE_MODES),
+                   "reset_connector": f(bool)}, script=_ENGINE_PAUSE, explore=_NOT_DRAWN_SLEEP)
+def _sleep(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.sleep(step.args.get("level", 1), step.args.get("mode", "abort"), step.args.get("reset_connector"))
+
+
+@step_kind("wake_up", Need.ENGINE_PAUSE, summary="wake the engine (EngineCore.wake_up; all of it unless `tags`)",
+           fields={"tags": f(list)}, validate=_validate_wake_up, script=_ENGINE_PAUSE, explore=_NOT_DRAWN_SLEEP)
+def _wake_up(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.wake_up(step.args.get("tags"))
 # -- the P2P pair (issue 36): [setup] p2p = true plays the recipe's engine as the consumer (decode) of a
 # producer (prefill) engine beside it, both on vLLM's P2P tier over kvdoctor's in-memory fabric
 # (engine/p2p.py). `schedule` steps both engines; these kinds drive what only the pair has.

@@ -16,7 +16,8 @@ import json
 
 import pytest
 
-from kvdoctor.engine.tiny_model import FIRST_ANSWER_TOKEN, ContextKeys, answer_of, next_key, words_bytes
+from kvdoctor.engine.answer_key import FIRST_ANSWER_TOKEN, answer_of, next_key, words_bytes
+from kvdoctor.engine.tiny_model import ContextKeys
 from kvdoctor.explore.impact import LOST_HITS, WRONG_KV, impact_of
 from kvdoctor.matrix import data
 from kvdoctor.observe.verdict import compare_completions
@@ -136,16 +137,47 @@ def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() 
     assert [e.kind for e in events].count("finish") == 0  # folded into A's request, never a silent skip
 
 
-def test_a_finish_after_its_request_ran_is_not_applicable_at_serve_naming_the_step() -> None:
+def test_a_late_finish_is_the_executors_plan_for_a_silent_recipe_and_not_applicable_for_a_crash() -> None:
     from kvdoctor.engine.setup import Setup
     from kvdoctor.levels import serve
     from kvdoctor.recipes.model import Recipe, Signature, Step
 
     steps = (Step("add", {"request": "A", "prompt_tokens": 4}, 1), Step("schedule", {}, 2),
              Step("finish", {"request": "A"}, 3), Step("schedule", {}, 4))
-    recipe = Recipe("late-finish", "a finish after A ran", Signature(invariant="store-covers-computed-slots"), steps)
-    reasons = serve.unplayable(recipe, Setup(worker="simulated"), "the client")
+    silent = Recipe("late-finish", "a finish after A ran", Signature(invariant="store-covers-computed-slots"), steps)
+    assert serve.unplayable(silent, Setup(worker="simulated"), "the client") == []
+    assert serve.executor_plan(silent, Setup(worker="simulated")) == [
+        {"step": 2, "action": "eos", "request": "A", "tag": "kvdoctor-A-r", "kind": None}]  # A's 2nd engine step
+    crash = Recipe("late-finish", "a finish after A ran", Signature(exception="AssertionError", function="f"), steps)
+    reasons = serve.unplayable(crash, Setup(worker="simulated"), "the client")
     assert len(reasons) == 1 and "(line 3) `finish` cannot be played through vllm serve" in reasons[0], reasons
+
+
+def test_k11s_transfer_hold_and_late_finish_are_the_served_executors_plan_by_engine_step() -> None:
+    """K11 at serve: B's stores held from its arrival (engine step 4, after three), A's EOS at engine step 148
+    (3 + 3 + 1 + 140 steps before it); the exported script (no copy engine) refuses it, naming the step."""
+    from kvdoctor import app
+    from kvdoctor.errors import UsageError
+    from kvdoctor.export.script import serve_recipe_data
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve("readmitted-stale-store-cursor")
+    setup = serve.serve_setup(app.resolve_setup(recipe, worker_fallback=True), recipe)
+    assert serve.unplayable(recipe, setup, "the client") == []
+    assert serve.executor_plan(recipe, setup) == [
+        {"step": 4, "action": "hold", "request": "B", "tag": "kvdoctor-B-r", "kind": "store"},
+        {"step": 148, "action": "eos", "request": "A", "tag": "kvdoctor-A-r", "kind": None}]
+    with pytest.raises(UsageError, match="its hold at engine step 4 is played by kvdoctor's executor"):
+        serve_recipe_data(recipe, setup)
+
+
+def test_the_client_reads_its_prefix_hits_from_the_usage() -> None:
+    from kvdoctor.levels.serve_client import cached_tokens
+
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 16}}})
+    assert cached_tokens(body) == 16
+    assert cached_tokens(json.dumps({"usage": {"prompt_tokens_details": None}})) is None
 
 
 def test_the_client_reads_token_ids_and_the_stop_token_it_was_told_of() -> None:

@@ -10,6 +10,7 @@ standard library, and they carry kvdoctor's own serve-level flags and traffic.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import sys
 
@@ -84,7 +85,8 @@ def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     assert data["aborted"] == ["B"]
     assert "--distributed-executor-backend" not in data["serve_args"] and "--port" not in data["serve_args"]
     assert data["serve_args"][data["serve_args"].index("--num-gpu-blocks-override") + 1] == str(setup.gpu_blocks)
-    assert data["signature"] == {"exception": "AssertionError", "function": "_build_store_jobs"}
+    assert data["signature"] == {"exception": "AssertionError", "function": "_build_store_jobs", "invariant": None}
+    assert data["reference_args"] is None  # a crash: one server
 
 
 @pytest.mark.parametrize("args, words", [
@@ -97,3 +99,31 @@ def test_an_unexportable_level_is_one_line_exit_2(tmp_path, args, words) -> None
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and words in lines[0], proc.stderr
     assert not (tmp_path / "x.py").exists()
+
+
+def test_a_silent_bugs_script_compares_its_clients_answers_with_an_offloading_off_server(tmp_path) -> None:
+    """K4's script: the same serve-level flags with and without the connector, and the executor's KV keys and
+    answer (kvdoctor's one definition, copied in). Measured by running it (`benchmarks/bench_engine.py export
+    final-token-slot-stored`): exit 1 on vLLM 0.26.0 (C differs at token 0), 0 on 0.34.0, no process or socket left."""
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
+
+    path = tmp_path / "k4_serve.py"
+    proc = run_cli("repro", "final-token-slot-stored", "--engine", "serve", "--export-script", str(path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tree = ast.parse(path.read_text())
+    assert _imports(tree) <= set(sys.stdlib_module_names)
+    data = json.loads(next(node for node in tree.body if isinstance(node, ast.Assign)
+                           and getattr(node.targets[0], "id", "") == "RECIPE").value.args[0].value)
+    recipe = resolve("final-token-slot-stored")
+    setup = serve.serve_setup(resolve_setup(recipe, Overrides(engine="serve")))
+    assert "--kv-transfer-config" in data["serve_args"] and "--kv-transfer-config" not in data["reference_args"]
+    assert [a for a in data["serve_args"] if a != "--kv-transfer-config" and not a.startswith("{")] == \
+        data["reference_args"]
+    assert [e["request"] for e in data["events"] if e["kind"] == "add"] == ["A", "C"]
+    assert data["events"] == [dataclasses.asdict(e) for e in serve.plan_traffic(recipe, setup)]
+    executor = ast.parse(_assigned(tree, "EXECUTOR_SOURCE"))
+    assert _imports(executor) <= ALLOWED
+    defined = {node.name for node in executor.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+    assert {"StandInExecutor", "StandInKv", "answer_of", "next_key", "spec_block_ids"} <= defined

@@ -74,6 +74,10 @@ LOOKUP = "\n".join(PREFIX + line for line in (
     ("# model: Phi4FlashForCausalLM (Mamba + sliding window)\n", {"mamba-swa-hybrid"}),
     ("# model: nvidia/NVIDIA-Nemotron-Nano-9B-v2 (NemotronH)\n", {"mamba-hybrid", "mamba-swa-hybrid"}),
     ("# model: google/gemma-4-27b\n", {"swa-full-mixed"}),
+    ("# model: deepseek-ai/DeepSeek-V4-Flash\n", {"full-swa-mixed"}),  # full chunks span sliding-window ones
+    # a Mamba hybrid served with MTP: its drafter's group beside its own (the MTP layout replaces mamba-hybrid)
+    ("# model: Qwen/Qwen3-Next-80B-A3B (Qwen3NextForCausalLM), speculative_config method='qwen3_next_mtp'\n",
+     {"mamba-mtp-hybrid", "mamba-swa-hybrid"}),
     ("# hf_config sliding_window=4096\n", {"swa-full", "swa-full-mixed", "mamba-swa-hybrid"}),
     ("# model: meta-llama/Llama-3.1-8B, swap_blocks\n", set()),  # no KV group named: the random draw
 ])
@@ -160,3 +164,58 @@ def test_a_site_no_example_reaches_is_inconclusive(api, tmp_path):
     doc = json.loads(proc.stdout)
     assert proc.returncode == 6 and not doc["found"] and doc["inconclusive_reason"], doc
     assert "hunt inconclusive" in proc.stderr
+
+
+def test_a_sleep_mode_log_says_where_sleep_is_played(tmp_path):
+    """A log of a server in sleep mode (#45268's `--enable-sleep-mode`): explore cannot play the engine's sleep (it
+    plays the scheduler level); the hunt says so and names the recipe steps that play it at --engine core."""
+    log = tmp_path / "sleep.log"
+    log.write_text("# vllm serve nvidia/Nemotron-H --enable-sleep-mode\n" + UNKNOWN)
+    aim = _aim(log)
+    why = dict(aim.unexpressed).get("sleep mode", "")
+    assert "--engine core" in why and "`sleep` / `wake_up`" in why, aim.unexpressed
+
+
+def test_the_hybrid_mtp_and_aligned_layouts_are_forced_only_and_planned_as_vllm_plans_them(api):
+    """mamba-mtp-hybrid and full-swa-mixed are drawn only where forced (the Mamba mode and the window follow the
+    layout). Planned by vLLM: mamba-mtp-hybrid is three groups (Mamba, attention, the MTP drafter's, flagged as
+    vLLM flags a drafter's) and, under a speculative config, its Mamba spec holds num_speculative_tokens speculative
+    blocks (0 without one), as vLLM's MambaBase sets them; full-swa-mixed's full-attention chunk spans 4
+    sliding-window chunks, so vLLM's offloading scheduler sets the alignment segment (alignment_chunk_count) that
+    the swa-full-mixed layout never gets (measured on 0.26.0)."""
+    import random
+
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.setup import Setup
+    from kvdoctor.explore.generate import GEOMETRY_RANGES, Example
+
+    rng = random.Random(1)
+    for _ in range(100):
+        raw = (bytes(rng.randrange(256) for _ in GEOMETRY_RANGES), [bytes(rng.randrange(256) for _ in range(4))])
+        forced = Example.decode(raw, layouts=("mamba-mtp-hybrid", "full-swa-mixed")).geometry
+        assert (forced.mamba_cache_mode == "align") == (forced.layout == "mamba-mtp-hybrid")
+        assert bool(forced.sliding_window) == (forced.layout == "full-swa-mixed")
+        assert Example.decode(raw).geometry.layout not in ("mamba-mtp-hybrid", "full-swa-mixed")
+    blocks = {}
+    for method in (None, "eagle"):
+        harness = Harness(api, Setup(block_size=4, gpu_blocks=46, max_model_len=64, layout="mamba-mtp-hybrid",
+                                     mamba_cache_mode="align", worker="simulated", speculative_method=method,
+                                     num_speculative_tokens=2))
+        try:
+            groups = [(g.kind, g.eagle) for g in harness.kv_plan.groups]
+            assert groups == [("mamba", False), ("full_attention", False), ("full_attention", True)], groups
+            config = api.kv_cache_config_of(harness.scheduler)
+            blocks[method] = [g.kv_cache_spec.num_speculative_blocks for g in config.kv_cache_groups
+                              if hasattr(g.kv_cache_spec, "num_speculative_blocks")]
+        finally:
+            harness.shutdown()
+    assert blocks == {None: [0], "eagle": [2]}, blocks
+    counts = {}
+    for layout in ("full-swa-mixed", "swa-full-mixed"):
+        harness = Harness(api, Setup(block_size=4, gpu_blocks=41, max_model_len=128, layout=layout, sliding_window=8,
+                                     worker="simulated"))
+        try:
+            counts[layout] = [g.alignment_chunk_count for g in harness.connector_scheduler.config.kv_group_configs]
+        finally:
+            harness.shutdown()
+    assert counts["full-swa-mixed"][0] == 4 and not any(counts["swa-full-mixed"]), counts

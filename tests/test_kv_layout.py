@@ -58,9 +58,11 @@ def test_bad_configs_are_usage_errors(tmp_path: Path, config: dict, message: str
         kv_layout.read_layout(write_config(tmp_path, config))
 
 
-def test_model_and_layout_are_exclusive(tmp_path: Path) -> None:
-    with pytest.raises(UsageError, match="give one"):
-        kv_layout.resolve_layout(str(tmp_path), "swa-full")
+def test_a_model_replaces_a_recipes_own_layout(tmp_path: Path) -> None:
+    """--model over a recipe's [setup] layout: the model's layout is played (whether its groups hold the
+    trigger's kinds is measured at run time: test_model_configs)."""
+    model = write_config(tmp_path, {"num_hidden_layers": 3})
+    assert kv_layout.resolve_layout(str(model), "swa-full") == kv_layout.read_layout(model)
     with pytest.raises(UsageError, match="unknown layout 'nope'"):
         kv_layout.resolve_layout(None, "nope")
 

@@ -107,8 +107,9 @@ def note_untested_level(result: Any, engine: str) -> None:
 
     steps = list(dict.fromkeys(re.findall(r"`([a-z_]+)`", result.detail or "")))
     what = f"its {', '.join(steps)} step(s)" if steps else "its setup"
+    other = "core (vLLM's EngineCore)" if engine == "scheduler" else "scheduler, the default"
     note(f"kvdoctor: not tested: --engine {engine} cannot play {what}; the bug may still be in this vLLM "
-         f"(run it at --engine scheduler, the default)")
+         f"(run it at --engine {other})")
 
 
 def show_result(command: str, result: Any, output_format: str, document: Any, renderables: Any,

@@ -141,6 +141,19 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     return vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size
 
 
+def trigger_groups_missing(api: VllmApi, setup: Setup) -> str | None:
+    """Why a `--model` that replaced the recipe's own layout (`Setup.layout_replaced`) cannot hold its trigger:
+    the model's KV cache groups, as vLLM plans them at this setup's config, lack a kind the recipe's layout
+    gets (`kv_layout.missing_trigger_groups`); None where they hold every kind, or no layout was replaced."""
+    if setup.layout_replaced is None:
+        return None
+    try:
+        _build_pieces(api, setup)
+    except kv_layout.TriggerGroupsMissing as exc:
+        return str(exc)
+    return None
+
+
 def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
     """Groups of different block sizes (the planner grew one group's block to unify page sizes): the
     connector refuses a chunk given in tokens (`block_size`), so it gets the chunk in GPU blocks
@@ -349,6 +362,15 @@ class Harness:
         raise UsageError("resume: kvdoctor's scheduler harness cannot resume an engine (the engine's own step "
                          "loop does); play it with --engine core")
 
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None:
+        """Sleep mode is the engine's (EngineCore.sleep pauses its step loop and puts its executor to sleep): refused
+        by its need, as `pause` is; reaching here is a usage error."""
+        raise UsageError("sleep: kvdoctor's scheduler harness has no engine to put to sleep (EngineCore.sleep "
+                         "does); play it with --engine core")
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        raise UsageError("wake_up: kvdoctor's scheduler harness has no engine to wake (EngineCore.wake_up does); "
+                         "play it with --engine core")
     def p2p(self, action: str, args: dict[str, Any]) -> None:
         """A `p2p_*` step: only the P2P pair's harness (engine/p2p.py, [setup] p2p = true) plays it; the levels
         refuse such a step without the pair before anything is played, so reaching here is kvdoctor's bug."""

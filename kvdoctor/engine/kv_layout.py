@@ -359,9 +359,9 @@ class KvPlan:
 
 
 def resolve_layout(model: str | None, layout: str | None, sliding_window: int | None = None) -> KvLayout:
-    """The layout a setup names: `--model DIR`, a shipped `layout`, or the single-group default."""
-    if model is not None and layout is not None:
-        raise UsageError("--model and a recipe's [setup] layout both name a model: give one")
+    """The layout a setup names: `--model DIR` (over a recipe's own layout: the run then measures that the
+    model's groups hold the kinds the trigger needs, `missing_trigger_groups`), a shipped `layout`, or the
+    single-group default."""
     if model is not None:
         return read_layout(model, None, sliding_window)
     if layout is not None:
@@ -369,15 +369,23 @@ def resolve_layout(model: str | None, layout: str | None, sliding_window: int | 
     return DEFAULT_LAYOUT
 
 
+def speculative_blocks(setup: Any) -> int:
+    """The speculative blocks vLLM gives each Mamba layer's spec under a speculative config
+    (`MambaBase.get_kv_cache_spec`: `num_speculative_blocks = num_speculative_tokens`, 0 without one;
+    0.34's ReplaySSM, which kvdoctor does not set, gives 0)."""
+    return int(setup.num_speculative_tokens) if getattr(setup, "speculative_method", None) else 0
+
+
 def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
-                mamba_cache_mode: str | None) -> dict[str, Any]:
+                mamba_cache_mode: str | None, num_speculative_blocks: int = 0) -> dict[str, Any]:
     """Per-layer KV specs, as a model runner's `get_kv_cache_spec()` returns them.
 
     Attention layers: float16 K/V of the config's KV heads and head size.
     Mamba layers: a conv + SSM state padded to the attention page (vLLM pads
     the smaller page to the larger one when it unifies page sizes); in `align`
     mode one state per block of `block_size` tokens, otherwise one state per
-    request (block size = max model length), as vLLM's runner sizes them.
+    request (block size = max model length), as vLLM's runner sizes them; under a speculative config
+    `num_speculative_blocks` more state blocks a request (`speculative_blocks`), as vLLM sets them.
     """
     import torch
 
@@ -406,7 +414,9 @@ def layer_specs(api: Any, layout: KvLayout, block_size: int, max_model_len: int,
             conv = max(1, state // 4)
             spec = spec_class("MambaSpec")(shapes=((1, conv), (1, state - conv)), dtypes=(dtype, dtype),
                                            block_size=block_size if mode == "align" else max_model_len,
-                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode)
+                                           page_size_padded=full.page_size_bytes, mamba_cache_mode=mode,
+                                           **({"num_speculative_blocks": num_speculative_blocks}
+                                              if num_speculative_blocks else {}))
         specs[name] = spec
     return specs
 
@@ -419,11 +429,18 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     note = api.enable_hybrid_kv_cache_manager(vllm_config)
     if note:
         notes.append(note)
-    specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+    specs = layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode,
+                        speculative_blocks(setup))
     names = layout.layer_names()
     drafts = {name for name, layer in zip(names, layout.layers, strict=True) if layer.draft}
     pool = setup.gpu_blocks
     try:
+        if setup.layout_replaced is not None:
+            missing = missing_trigger_groups(api, vllm_config, setup, specs, drafts)
+            if missing is not None:
+                raise TriggerGroupsMissing(missing)
+            notes.append(f"--model {setup.model} replaces the recipe's own layout {setup.layout_replaced!r}: vLLM "
+                         f"plans the model's groups with every kind the trigger needs")
         if setup.model and "gpu_blocks" not in setup.fixed:
             pool, note = _pool_for_groups(api, vllm_config, specs, setup.gpu_blocks, drafts,
                                           getattr(setup, "mamba_fill_requests", None))
@@ -453,6 +470,61 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
     return (KvPlan(layout, groups, int(scheduler_config.num_blocks), block_size, hash_block_size, planner, notes,
                    admission_len),
             scheduler_config, block_size, hash_block_size)
+
+
+class TriggerGroupsMissing(Exception):
+    """The `--model` given for a recipe with its own layout plans no KV cache group of a kind the trigger needs
+    (measured through vLLM's planner): the run is untested, and the message says both groupings."""
+
+
+_GROUP_WORDS = {"full_attention": "full-attention", "sliding_window": "sliding-window",
+                "mamba": "Mamba/linear-attention", "MLAAttentionSpec": "MLA attention"}
+
+
+def _group_kind(group: dict[str, Any]) -> str:
+    """A planned group's kind, in words: an EAGLE drafter group is its own kind (vLLM flags it is_eagle_group)."""
+    return "EAGLE drafter" if group["eagle"] else _GROUP_WORDS.get(group["kind"], group["kind"])
+
+
+def _planned_groups(api: Any, vllm_config: Any, specs: dict[str, Any], drafts: set[str]) -> list[dict[str, Any]]:
+    """The KV cache groups vLLM's planner makes of `specs` (its grouping alone: a recipe's hash unit that suits
+    its own layout's groups is judged by the real plan, not here)."""
+    return [api.describe_group(i, g) for i, g in enumerate(api.kv_cache_groups(vllm_config, specs, drafts))]
+
+
+def describe_groups(groups: list[dict[str, Any]]) -> str:
+    """"7 groups: sliding-window x52 layers (6 groups), full-attention x10 layers": groups of a kind together."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for group in groups:
+        kinds.setdefault(_group_kind(group), []).append(group)
+    parts = []
+    for kind, same in kinds.items():
+        layers = sum(len(g["layers"]) for g in same)
+        parts.append(f"{kind} x{layers} layer{'s' if layers != 1 else ''}"
+                     + (f" ({len(same)} groups)" if len(same) > 1 else ""))
+    return f"{len(groups)} group{'s' if len(groups) != 1 else ''}: {', '.join(parts)}"
+
+
+def missing_trigger_groups(api: Any, vllm_config: Any, setup: Any, model_specs: dict[str, Any],
+                           model_drafts: set[str]) -> str | None:
+    """Why the `--model`'s layout cannot hold the trigger of a recipe scripted at its own layout
+    (`Setup.layout_replaced`), or None where it can: both layouts are grouped by vLLM's planner at the run's
+    config, and every kind of group the recipe's layout gets (sliding window, Mamba, an EAGLE drafter group,
+    full attention) must be among the model's. Measured at run time, never read from the config's words."""
+    own = resolve_layout(None, setup.layout_replaced, setup.sliding_window)
+    own_specs = layer_specs(api, own, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+    own_drafts = {name for name, layer in zip(own.layer_names(), own.layers, strict=True) if layer.draft}
+    needed = _planned_groups(api, vllm_config, own_specs, own_drafts)
+    planned = _planned_groups(api, vllm_config, model_specs, model_drafts)
+    have = {_group_kind(g) for g in planned}
+    lacking = list(dict.fromkeys(_group_kind(g) for g in needed if _group_kind(g) not in have))
+    if not lacking:
+        return None
+    model = Path(setup.model).name or str(setup.model)
+    needs = " and ".join(f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind} KV group" for kind in lacking)
+    return (f"the trigger needs {needs} (it is scripted at layout "
+            f"{setup.layout_replaced!r}, which vLLM plans as {describe_groups(needed)}); {model} plans "
+            f"{describe_groups(planned)}")
 
 
 # Blocks a request holds in a Mamba group of vLLM's `align` cache mode: the running state and the state of the

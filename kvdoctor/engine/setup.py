@@ -54,6 +54,10 @@ class Setup:
     # --model: a local model directory whose config.json gives the KV layout (recipes name a `layout`)
     model: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     layout: str | None = None  # a layout kvdoctor ships (kvdoctor/models/<name>); recipes name these
+    # Set by kvdoctor, never by a recipe: the recipe's own [setup] layout where --model replaced it. Its KV cache
+    # groups (as vLLM plans them) are the kinds the trigger needs; the model's groups must hold them
+    # (`kv_layout.missing_trigger_groups`), else the run is untested, naming both.
+    layout_replaced: str | None = field(default=None, metadata=_NOT_A_RECIPE_KEY)
     sliding_window: int | None = None  # overrides the config's sliding_window (tokens)
     mamba_cache_mode: str | None = None  # CacheConfig.mamba_cache_mode for Mamba layouts (None: vLLM's default)
     # CacheConfig.prefix_match_unit: the block-hash granularity (tokens) of a hybrid layout's groups,

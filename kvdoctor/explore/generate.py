@@ -240,11 +240,17 @@ LAYOUTS = (None, None, None, None, None, "swa-full", "mamba-hybrid", "eagle-pair
 # Layouts drawn only where forced (`--force layout=NAME`; a hunt forces them from the log): the mixed-granularity
 # swa-full-mixed (its sliding-window block is 4x the full one) and the three-group mamba-swa-hybrid. Not in
 # LAYOUTS, so a release's random draws (and its measured seeds) stay as they were.
+# Forced only too: mamba-mtp-hybrid (Qwen3-Next with MTP: Mamba + attention + an MTP drafter group) and
+# full-swa-mixed (the full-attention block 4x the sliding-window one: vLLM's alignment segments, DeepSeek V4's case).
 # KV cache groups sharing the pool, per layout (the model length is what a request's blocks in all fit).
-LAYOUT_GROUPS = {"swa-full": 2, "mamba-hybrid": 2, "swa-full-mixed": 2, "mamba-swa-hybrid": 3}
-SCALED_POOL_LAYOUTS = ("swa-full-mixed", "mamba-swa-hybrid")  # forced only: the pool holds the drawn blocks per group
-WINDOWED_LAYOUTS = ("swa-full", "swa-full-mixed", "mamba-swa-hybrid")  # a drawn window (WINDOW_BLOCKS)
-MAMBA_LAYOUTS = ("mamba-hybrid", "mamba-swa-hybrid")
+LAYOUT_GROUPS = {"swa-full": 2, "mamba-hybrid": 2, "swa-full-mixed": 2, "mamba-swa-hybrid": 3, "mamba-mtp-hybrid": 3,
+                 "full-swa-mixed": 2}
+# forced only: the pool holds the drawn blocks per group
+SCALED_POOL_LAYOUTS = ("swa-full-mixed", "mamba-swa-hybrid", "mamba-mtp-hybrid", "full-swa-mixed")
+# a drawn window (WINDOW_BLOCKS)
+WINDOWED_LAYOUTS = ("swa-full", "swa-full-mixed", "mamba-swa-hybrid", "full-swa-mixed")
+MAMBA_LAYOUTS = ("mamba-hybrid", "mamba-swa-hybrid", "mamba-mtp-hybrid")
+DRAFTER_LAYOUTS = ("eagle-pair", "mamba-mtp-hybrid")  # a drafter with KV layers of its own (draft/config.json)
 WINDOW_BLOCKS = (4, 3, 6, 8, 2)  # swa-full's sliding window, in GPU blocks (unaligned to chunks too)
 # Only "align": in "none"/"all" the Mamba group's block is the whole model length, and the connector
 # refuses groups of different block sizes at start-up (a server would not start).
@@ -269,7 +275,8 @@ CAPS = (None, None, None, 0, "block", "chunk-1", "chunk", "chunk+1")
 PRIORITIES = (0, 1, -1, 2)  # an add's priority under the priority policy (lower is served first)
 RETENTION_CHUNKS = (None, 1, 2, None)  # prefix_cache_retention_interval in chunks
 # vLLM refuses a positive interval without such a group
-RETAINING_LAYOUTS = ("swa-full", "mamba-hybrid", "swa-full-mixed", "mamba-swa-hybrid")
+RETAINING_LAYOUTS = ("swa-full", "mamba-hybrid", "swa-full-mixed", "mamba-swa-hybrid", "mamba-mtp-hybrid",
+                     "full-swa-mixed")
 # The sync-load budget: none, one chunk's KV (a hit beyond it loads asynchronously), or everything.
 SYNC_BUDGETS = (None, "chunk", "all", None)
 ALL_BYTES = 1 << 40
@@ -315,7 +322,7 @@ def decode_speculative(geometry: Geometry, byte: int, worker: str = "simulated",
     method = SPECULATIVE_METHODS[byte & 3]
     if method is None or worker != "simulated":
         return geometry
-    if geometry.layout == "eagle-pair":  # a drafter with KV layers of its own is an EAGLE drafter
+    if geometry.layout in DRAFTER_LAYOUTS:  # a drafter with KV layers of its own: EAGLE (MTP is use_eagle() too)
         method = "eagle"
     return dataclasses.replace(geometry, speculative_method=method, num_speculative_tokens=1 + (byte >> 2 & 3),
                                draft_acceptance=DRAFT_ACCEPTANCE[byte >> 4 & 7],

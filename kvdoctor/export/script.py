@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdoctor import clean_exit, expectation
-from kvdoctor.engine import step_loop, worker
+from kvdoctor.engine import answer_key, step_loop, worker
 from kvdoctor.engine.compat import inline_portable
 from kvdoctor.engine.serve_args import exported_setup
 from kvdoctor.engine.setup import Setup
@@ -162,8 +162,19 @@ def register():
 """
 
 
+def _script_args(setup: Setup) -> list[str]:
+    """The serve level's `vllm serve` flags for `setup`, less those the script gives itself."""
+    command = serve.serve_command(setup, "MODEL", 0)
+    args = command[command.index("MODEL") + 1:]
+    for flag in ("--host", "--port", "--distributed-executor-backend"):  # the script gives its own
+        at = args.index(flag)
+        del args[at:at + 2]
+    return args
+
+
 def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
-    """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing."""
+    """What the exported serve script plays: kvdoctor's own serve level's flags, traffic and pacing; for a
+    silent bug also the reference's flags (the same geometry with offloading off, `serve.reference_setup`)."""
     import dataclasses
 
     reasons = serve.unplayable(recipe, setup, "the serve script")
@@ -173,27 +184,29 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
         raise UsageError("--export-script --engine serve builds one OffloadingConnector on one full-attention KV "
                          "cache group (drop --model / [setup] layout / multi_connector)")
     setup = serve.serve_setup(setup)
-    command = serve.serve_command(setup, "MODEL", 0)
-    start = command.index("MODEL")
-    args = command[start + 1:]
-    for flag in ("--host", "--port", "--distributed-executor-backend"):  # the script gives its own
-        at = args.index(flag)
-        del args[at:at + 2]
+    planned = serve.executor_plan(recipe, setup)
+    if planned:
+        raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: its {planned[0]['action']} "
+                         f"at engine step {planned[0]['step']} is played by kvdoctor's executor (its copy engine "
+                         f"holds and fails transfers), which the script's stand-in does not have: run `kvdoctor "
+                         f"repro {recipe.name} --engine serve`")
     events = [dataclasses.asdict(event) for event in serve.plan_traffic(recipe, setup)]
-    return {"name": recipe.name, "serve_args": args, "events": events,
+    silent = bool(recipe.signature.invariant)
+    return {"name": recipe.name, "serve_args": _script_args(setup), "events": events,
             "aborted": [e["request"] for e in events if e["kind"] == "abort"],
             "step_seconds": serve.STEP_SECONDS, "admission_len": serve.admission_len(setup),
-            "signature": {"exception": recipe.signature.exception, "function": recipe.signature.function}}
+            "signature": {"exception": recipe.signature.exception, "function": recipe.signature.function,
+                          "invariant": recipe.signature.invariant},
+            # a silent bug: its clients' answers against the same traffic's on a server with offloading off
+            "reference_args": _script_args(serve.reference_setup(setup)) if silent else None}
 
 
 def export_serve_script(recipe: Recipe, setup: Setup) -> str:
     """A script that imports only vLLM and the standard library: it writes the two stand-ins beside itself,
-    starts `vllm serve`, plays the recipe's clients and exits 1 when the engine dies, 0 when it survives."""
-    if recipe.signature.invariant:
-        raise UsageError(f"{recipe.name} is a silent bug (invariant {recipe.signature.invariant}); the exported serve "
-                         f"script's executor moves no KV bytes, so its clients cannot get a wrong answer: run "
-                         f"`kvdoctor repro {recipe.name} --engine serve` (the answers against an offloading-off "
-                         f"server), or attach `kvdoctor repro --report`")
+    starts `vllm serve`, plays the recipe's clients and exits 1 when the engine dies, 0 when it survives; for
+    a silent bug it starts a second server with offloading off, the stand-in executor answering from the KV
+    it keeps (`StandInKv`), and exits 1 when a client's completion differs from the reference's, 0 when
+    every completion equals it."""
     from kvdoctor import clean_exit
     from kvdoctor.levels import serve_client
 
@@ -204,7 +217,7 @@ def export_serve_script(recipe: Recipe, setup: Setup) -> str:
         if line not in template:  # pragma: no cover - guards the template itself
             raise RuntimeError(f"standalone serve template lost its {key} line")
     platform = (_CORE / "cpu_platform.py").read_text()
-    executor = inline_portable((_CORE / "standin_executor.py").read_text())
+    executor = inline_portable(inline_portable((_CORE / "standin_executor.py").read_text()), answer_key)
     payload = json.dumps(data, indent=1)
     text = (template.replace(_SERVE_LINES["recipe"], f'RECIPE = json.loads(r"""{payload}""")')
             .replace(_SERVE_LINES["platform"], _raw("PLATFORM_SOURCE", platform.rstrip("\n") + _REGISTER))

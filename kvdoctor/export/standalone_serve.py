@@ -13,6 +13,15 @@ the server by its process group, bounded in time, also on failure and Ctrl-C.
 Exit status: 1 when the engine died (the server's traceback is printed), 0 when it
 survived (/health answers and a fresh request is served), 2 when the run could not tell
 (the server did not start, or an aborted request was not still queued when aborted).
+
+A silent bug (the recipe's `signature.invariant`: no crash, wrong KV) is judged by what its
+clients receive: the executor keeps KV as kvdoctor's toy model does (one 64-bit key of the
+token prefix a slot; the connector's loads and stores copy slots) and answers each request
+from the slots it reads, so a never-written or stale slot gives another token. The script
+starts a second server with offloading off (the reference) beside the first, sends both the
+same requests, prints each request's completion from both and the first differing token,
+and exits 1 when a completion differs, 0 when every completion is equal, 2 when not every
+request was answered by both.
 """
 
 import asyncio
@@ -22,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import Any
 
 # Nothing left behind, SIGTERM answered as Ctrl-C, the prompt back once the output is out; an export copies
 # kvdoctor's one definition in here.
@@ -38,6 +48,7 @@ EXECUTOR_SOURCE = r'''"""replaced on export"""'''
 STANDIN = "kvrepro_standin"
 STARTUP_LIMIT_S = float(os.environ.get("KVREPRO_STARTUP_S", "420"))
 CONFIG_JSON = r'''{}'''  # kvdoctor's tiny model config.json, replaced on export
+EOS_TOKEN = 2  # kvdoctor's stop token (the executor's EOS_TOKEN): a recipe's finish, not the model's answer
 
 
 def write_standins(folder: str) -> None:
@@ -73,63 +84,128 @@ def engine_traceback(lines: list[str]) -> list[str]:
     return []
 
 
-def main() -> int:
-    folder = os.path.abspath(__file__) + ".standin"
-    write_standins(folder)
-    model_dir = tempfile.mkdtemp(prefix="kvrepro-model-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        f.write(CONFIG_JSON)
-    log_path = os.path.join(model_dir, "server.log")
+def start_server(folder: str, model_dir: str, args: list[str], label: str) -> tuple[Server, int, str]:
+    """`vllm serve` with the stand-ins on a free 127.0.0.1 port, logging to `label`.log in `model_dir`."""
+    log_path = os.path.join(model_dir, f"{label}.log")
     port = free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = folder + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update({"KVREPRO_STANDIN": "1", "KVREPRO_STEP_SECONDS": str(RECIPE["step_seconds"]),
                 "KVREPRO_ADMISSION_LEN": str(RECIPE["admission_len"]), "VLLM_LOGGING_LEVEL": "INFO",
                 "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, where the recipe resets the cache
+                "KVREPRO_KV_ANSWERS": "1" if RECIPE.get("reference_args") else "0",  # answers from the KV kept
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     throwaway_paths(model_dir, env)  # the server's sockets, temp files and caches: removed below with the model
     command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
-               "--port", str(port), *RECIPE["serve_args"],
-               "--distributed-executor-backend", f"{STANDIN}.executor.StandInExecutor"]
-    print(f"recipe {RECIPE['name']}: starting vllm serve on 127.0.0.1:{port} (stand-ins in {folder})", flush=True)
+               "--port", str(port), *args, "--distributed-executor-backend", f"{STANDIN}.executor.StandInExecutor"]
+    print(f"recipe {RECIPE['name']}: starting vllm serve ({label}) on 127.0.0.1:{port} (stand-ins in {folder})",
+          flush=True)
+    return Server(command, env, log_path), port, log_path
 
-    ready = served = False
-    server = None
+
+def read_log(log_path: str) -> list[str]:
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path, errors="replace") as f:
+        return f.read().splitlines()
+
+
+async def serve_both(servers: list[tuple[Server, int, str]], model_dir: str, labels: list[str]) -> list[Any]:
+    """Each server its start-up and the recipe's traffic, all at once; None for a server not ready in time."""
+    async def one(server: Server, port: int, label: str) -> Any:
+        if not await wait_ready(port, server, STARTUP_LIMIT_S):
+            return None
+        return await play(port, model_dir, RECIPE["events"], RECIPE["step_seconds"],
+                          echo=lambda note: print(f"  [{label}] {note}", flush=True))
+
+    return list(await asyncio.gather(*[one(server, port, label)
+                                       for (server, port, _), label in zip(servers, labels, strict=True)]))
+
+
+def first_difference(got: list[int], reference: list[int]) -> int | None:
+    """The first position where the two completions differ (one ending early counts), None when equal."""
+    for position, (a, b) in enumerate(zip(got, reference, strict=False)):
+        if a != b:
+            return position
+    return None if len(got) == len(reference) else min(len(got), len(reference))
+
+
+def judge_answers(played: Any, reference: Any) -> int:
+    """Each request's completion from both servers; 1 when one differs, 0 when all are equal, 2 when not
+    every request was answered by both (the recipe's EOS is the recipe's, not the model's: left out)."""
+    sent = [e["request"] for e in RECIPE["events"] if e["kind"] == "add"]
+    differs, missing = [], []
+    print("\neach request's completion (token ids), offloading on / off (the reference):")
+    for name in sent:
+        got = [t for t in played.completions.get(name, []) if t != EOS_TOKEN]
+        ref = [t for t in reference.completions.get(name, []) if t != EOS_TOKEN]
+        if name not in played.completions or name not in reference.completions:
+            missing.append(name)
+            print(f"  {name}: not answered by {'both' if name not in reference.completions else 'offloading on'}")
+            continue
+        at = first_difference(got, ref)
+        print(f"  {name}: on {got} / off {ref}")
+        if at is not None:
+            differs.append(name)
+            print(f"    differs at token {at}: {got[at] if at < len(got) else 'none'} where the reference has "
+                  f"{ref[at] if at < len(ref) else 'none'}")
+    if differs:
+        invariant = RECIPE["signature"]["invariant"]
+        print(f"\na client got another answer: {', '.join(differs)} (the recipe's silent bug: {invariant})")
+        return 1
+    if missing:
+        print(f"\nnot tested: {', '.join(missing)} not answered by both servers")
+        return 2
+    print("\nevery completion equals the reference (offloading off)")
+    return 0
+
+
+def main() -> int:
+    folder = os.path.abspath(__file__) + ".standin"
+    write_standins(folder)
+    model_dir = tempfile.mkdtemp(prefix="kvrepro-model-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        f.write(CONFIG_JSON)
+    runs = [("offloading on", RECIPE["serve_args"])]
+    if RECIPE.get("reference_args"):
+        runs.append(("offloading off", RECIPE["reference_args"]))
+    servers: list[tuple[Server, int, str]] = []
+    outcomes: list[Any] = [None] * len(runs)
+    logs: list[list[str]] = []
     try:
-        server = Server(command, env, log_path)
-        ready = asyncio.run(wait_ready(port, server, STARTUP_LIMIT_S))
-        if ready:
-            played = asyncio.run(play(port, model_dir, RECIPE["events"], RECIPE["step_seconds"],
-                                      echo=lambda note: print(f"  {note}", flush=True)))
-            served = played.healthy and played.fresh_served
-            time.sleep(1.0)
+        for label, args in runs:
+            servers.append(start_server(folder, model_dir, args, label.replace(" ", "-")))
+        outcomes = asyncio.run(serve_both(servers, model_dir, [label for label, _ in runs]))
+        time.sleep(1.0)
     finally:
-        if server is not None:
+        for server, _, _ in servers:
             server.stop()
-        lines = []
-        if os.path.exists(log_path):
-            with open(log_path, errors="replace") as f:
-                lines = f.read().splitlines()
+        logs = [read_log(log_path) for _, _, log_path in servers]
         shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
-    crash = engine_traceback(lines)
-    if crash:
-        print("\nthe engine died; the server's log:\n" + "\n".join(crash))
-        where = RECIPE["signature"].get("function")
-        if where:
-            print(f"\nthe recipe's signature: {RECIPE['signature'].get('exception')} in {where} "
-                  f"({'matched' if any(where in line for line in crash) else 'NOT matched'} above)")
-        return 1
-    if not ready:
-        print(f"the server did not become ready within {STARTUP_LIMIT_S:.0f} s; its log ends:\n"
-              + "\n".join(lines[-20:]))
-        return 2
+    for (label, _), lines in zip(runs, logs, strict=True):
+        crash = engine_traceback(lines)
+        if crash:
+            print(f"\nthe engine died ({label}); the server's log:\n" + "\n".join(crash))
+            where = RECIPE["signature"].get("function")
+            if where and not RECIPE.get("reference_args"):
+                print(f"\nthe recipe's signature: {RECIPE['signature'].get('exception')} in {where} "
+                      f"({'matched' if any(where in line for line in crash) else 'NOT matched'} above)")
+            return 1 if label == "offloading on" else 2
+    for (label, _), lines, played in zip(runs, logs, outcomes, strict=True):
+        if played is None:
+            print(f"the server ({label}) did not become ready within {STARTUP_LIMIT_S:.0f} s; its log ends:\n"
+                  + "\n".join(lines[-20:]))
+            return 2
+    lines, played = logs[0], outcomes[0]
+    if RECIPE.get("reference_args"):
+        return judge_answers(played, outcomes[1])
     missed = [name for name in RECIPE["aborted"] if not aborted_while_queued(lines, name)]
     if missed:
         print(f"not tested: {', '.join(missed)} was not aborted while queued (the executor's step log)")
         return 2
-    if served:
+    if played.healthy and played.fresh_served:
         queued = f"{', '.join(RECIPE['aborted'])} aborted while queued; " if RECIPE["aborted"] else ""
         print(f"the engine survived: {queued}/health 200 and a fresh request served")
         return 0

@@ -34,10 +34,12 @@ UNEXPRESSED = {
                           "hashes are the nearest explore has",
     "hybrid KV layout": "no layout named or implied that kvdoctor ships (drawn at random: swa-full, mamba-hybrid, "
                         "eagle-pair)",
-    "sleep mode": "no sleep/wake step in explore's vocabulary",
+    "sleep mode": "explore plays kvdoctor's scheduler harness, where sleep/wake (the engine's: EngineCore.sleep / "
+                  "wake_up) is refused; a recipe plays it at --engine core (`sleep` / `wake_up` steps, "
+                  "tests/data/sleep-wake-*.toml)",
 }
 MTP_NOTE = "MTP: no MTP drafter of its own; speculative decoding is drawn as eagle or ngram"
-HYBRID_MTP_NOTE = "no shipped layout has a Mamba group + attention + an MTP drafter group"
+MTP_LAYOUT = "mamba-mtp-hybrid"  # Mamba + attention + an MTP drafter group (its Mamba spec's speculative blocks)
 
 # The KV layouts a log names or implies (`--force layout=NAME`, kvdoctor/models/): words of the log (a model's
 # name, its config, vLLM's spec classes) and of the crash statement -> the kinds of KV group it shows.
@@ -50,6 +52,9 @@ _SLIDING_WORDS = ("sliding_window", "slidingwindow", "sliding window", "sliding-
 # sliding-window alignment branch of _build_store_jobs (alignment_chunk_count, read in the statement) runs only there
 _MIXED_WORDS = ("gemma4", "gemma-4", "gemma_4", "deepseek-v4", "deepseek_v4", "deepseekv4", "global_head_dim",
                 "alignment_chunk")
+# the full-attention chunk longer than the sliding-window one (DeepSeek V4; the alignment branch of
+# _build_store_jobs runs only there: vLLM sets alignment_chunk_count where the full chunk spans several)
+_ALIGNED_WORDS = ("deepseek-v4", "deepseek_v4", "deepseekv4", "alignment_chunk")
 _HYBRID_WORDS = ("hybridkvcache", "hybrid")
 WITHHELD = "withheld-hashes"  # `--force withheld-hashes`: every request's block hashes arrive late
 WITHHELD_BUGS = ("K6",)  # the known bug whose trigger withheld hashes are (its route is excluded unless known)
@@ -65,10 +70,14 @@ def implied_layouts(text: str, statement: str = "") -> tuple[tuple[str, ...], st
     mamba = any(word in lowered or word in where for word in _MAMBA_WORDS)
     sliding = any(word in lowered or word in where for word in _SLIDING_WORDS)
     mixed = any(word in lowered or word in where for word in _MIXED_WORDS) or "alignment" in where
+    aligned = any(word in lowered or word in where for word in _ALIGNED_WORDS) or "alignment" in where
     if mamba and sliding:
         return ("mamba-swa-hybrid",), "Mamba and sliding-window groups named"
     if mamba:
         return ("mamba-hybrid", "mamba-swa-hybrid"), "a Mamba group named"
+    if aligned:
+        return ("full-swa-mixed",), ("full-attention chunks spanning several sliding-window chunks named (vLLM's "
+                                     "alignment segments)")
     if mixed:
         return ("swa-full-mixed",), "sliding-window and full-attention groups of mixed block sizes named"
     if sliding:
@@ -181,12 +190,14 @@ def aim_from_log(summary: LogSummary, match: MatchResult, target: str | None = N
     model = str(summary.serve_args.get("model") or "")
     hints = " ".join((text, model, *(f"{n.evidence}" for n in summary.features.values())))
     layouts, why = implied_layouts(hints, aim.statement)
+    if "mamba-hybrid" in layouts and any(f == "MTP" for f, _ in aim.unexpressed):
+        # a Mamba hybrid served with MTP plans the drafter's group beside its own (Qwen3-Next + MTP)
+        layouts = (MTP_LAYOUT, *(layout for layout in layouts if layout != "mamba-hybrid"))
+        why += " with MTP"
     if layouts and not forced_layouts(forced):
         forced |= {LAYOUT_PREFIX + layout for layout in layouts}
         aim.expressed.append(f"KV layout ({why}): forced to {', '.join(layouts)}")
         aim.unexpressed = [(f, why_not) for f, why_not in aim.unexpressed if not f.startswith("hybrid KV layout")]
-        if any("mamba" in layout for layout in layouts) and any(f == "MTP" for f, _ in aim.unexpressed):
-            aim.unexpressed.append(("hybrid KV layout + MTP", HYBRID_MTP_NOTE))
     if not include_known:
         from kvdoctor.recipes.builtins import all_builtins
 

@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.core.names import ADMISSION_ENV, EOS_AFTER_ARG, EXECUTOR_QUALNAME, STEP_SECONDS_ENV, WORKER_ENV
+from kvdoctor.engine.core.names import (
+    ADMISSION_ENV,
+    EOS_AFTER_ARG,
+    EXECUTOR_QUALNAME,
+    PLAN_ENV,
+    STEP_SECONDS_ENV,
+    UNANSWERED_LOG_PREFIX,
+    WORKER_ENV,
+)
 from kvdoctor.engine.core.platform import ENV as PLATFORM_ENV
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.serve_args import serve_command_flags
@@ -82,37 +90,72 @@ class Unexpressible(Exception):
     """A step the serve client cannot send as the recipe schedules it (the recipe is not_applicable)."""
 
 
+# Steps the executor inside the server plays on the recipe's schedule (its plan, `executor_plan`), where the
+# server runs vLLM's worker on kvdoctor's copy engine (a silent recipe): transfer holds, completions, failures.
+EXECUTOR_PLAYED = frozenset({"hold_transfers", "complete_transfers", "fail_transfers"})
+
+
 def plan_traffic(recipe: Recipe, setup: Setup) -> list[Event]:
     """The recipe's steps as client events, each kind's as its declaration says (`serve` in `kvdoctor.steps`),
     compiled exactly as the scheduler level plays them (the same fill plan, prompts and repeats:
     `recipes.compile.compile_recipe`). A kind without serve events is refused first (`unplayable`); reaching
     one here is kvdoctor's bug, never a step left out of the traffic. A `finish` travels with its request
-    (the EOS schedule in its vllm_xargs, read by kvdoctor's executor): only before the request's first
-    engine step, else `Unexpressible` names the step."""
+    (the EOS schedule in its vllm_xargs, read by kvdoctor's executor) before the request's first engine step;
+    a later one, and the transfer steps, are the executor's plan (`executor_plan`)."""
+    return _plan(recipe, setup)[0]
+
+
+def executor_plan(recipe: Recipe, setup: Setup) -> list[dict[str, Any]]:
+    """What kvdoctor's executor inside the server plays itself, keyed by its engine step (1: the step the
+    first request arrives in; the client's events are paced to the same count): {"step": N, "action":
+    "hold" | "complete" | "fail" | "eos", "request": the recipe's name or None, "tag": what the server's request
+    id holds for it (`serve_client.request_tag`), "kind": store | load | None}."""
+    return _plan(recipe, setup)[1]
+
+
+def _plan(recipe: Recipe, setup: Setup) -> tuple[list[Event], list[dict[str, Any]]]:
+    from kvdoctor.levels.serve_client import request_tag  # deferred with the HTTP client (see serve_all)
+
     events: list[Event] = []
+    plan: list[dict[str, Any]] = []
     for play in compile_recipe(recipe.steps, setup).steps:
+        step = sum(1 for e in events if e.kind == "step") + 1  # the engine step the next one lands in
+        if play.action in EXECUTOR_PLAYED:
+            if play.args.get("worker") is not None:
+                raise Unexpressible(f"step {play.counter} (line {play.step.line}) `{play.action}` worker = "
+                                    f"{play.args['worker']}: the served executor runs one worker")
+            request = play.args.get("request")
+            plan.append({"step": step, "action": play.action.split("_")[0], "request": request,
+                         "tag": request_tag(request) if request else None, "kind": play.args.get("kind")})
+            continue
         serve_events = kind_of(play.action).serve
         if serve_events is None:
             raise InternalError(f"step kind {play.action!r} (line {play.step.line}) has no serve events and was "
                                 f"not refused")
         for event in (Event(**e) for e in serve_events(play)):
-            if event.kind == "finish":
-                _send_eos_with_the_request(events, event.request, play.counter, play.step.line)
-            else:
+            if event.kind != "finish":
                 events.append(event)
-    return events
+            elif not _send_eos_with_the_request(events, event.request):
+                if not recipe.signature.invariant:
+                    raise Unexpressible(f"step {play.counter} (line {play.step.line}) `finish` cannot be played "
+                                        f"through vllm serve: a client sends a request's EOS schedule with the "
+                                        f"request (vllm_xargs), so only a finish before {event.request}'s first "
+                                        f"engine step can be expressed (a silent recipe's executor plays a later "
+                                        f"one on its schedule)")
+                plan.append({"step": step, "action": "eos", "request": event.request,
+                             "tag": request_tag(event.request), "kind": None})
+    return events, plan
 
 
-def _send_eos_with_the_request(events: list[Event], request: str, counter: int, line: int) -> None:
+def _send_eos_with_the_request(events: list[Event], request: str) -> bool:
     """The add of `request` gets its EOS schedule (its first sampled token is EOS) when no engine step came
-    between them; else the client cannot tell the server when (`Unexpressible`)."""
+    between them (True); else False: the client cannot tell the server when."""
     adds = [i for i, e in enumerate(events) if e.kind == "add" and e.request == request]
     if not adds or any(e.kind == "step" for e in events[adds[-1]:]):
-        raise Unexpressible(f"step {counter} (line {line}) `finish` cannot be played through vllm serve: a client "
-                            f"sends a request's EOS schedule with the request (vllm_xargs), so only a finish "
-                            f"before {request}'s first engine step can be expressed")
+        return False
     add = events[adds[-1]]
     add.extra = {**add.extra, "vllm_xargs": {EOS_AFTER_ARG: 0}}
+    return True
 
 
 def admission_len(setup: Setup) -> int:
@@ -136,10 +179,11 @@ def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--dtype", "float16", "--seed", "0",
             *serve_command_flags(setup),  # the geometry, from the one serve-flag table
-            "--enforce-eager", *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
+            "--enforce-eager", "--enable-prompt-tokens-details",  # a client sees its prefix hits (cached_tokens)
+            *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
-def serve_env(setup: Setup) -> dict[str, str]:
+def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -147,7 +191,8 @@ def serve_env(setup: Setup) -> dict[str, str]:
                 str(admission_len(setup)), WORKER_ENV: setup.worker, "KVDOCTOR_VERBOSE_IMPORT": "1",
                 "VLLM_LOGGING_LEVEL": "INFO", "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+                PLAN_ENV: json.dumps(plan or [])})  # the executor's own steps (`executor_plan`)
     return env
 
 
@@ -199,9 +244,11 @@ def unplayable(recipe: Recipe, setup: Setup, client: str) -> list[str]:
     cannot send as the recipe schedules it (`plan_traffic`). `expect` sends nothing (the server's scheduler
     cannot be read from outside): a silent bug's verdict is what its clients received; a crash recipe's is
     whether the engine died, and for an aborted request its client checks its own precondition, that the
-    request was still queued, from the executor's step log (`judge_run`)."""
-    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling,
-                            played_otherwise=frozenset({"expect"}))  # sends nothing (see above)
+    request was still queued, from the executor's step log (`judge_run`). A silent recipe's transfer steps and
+    late finishes are the executor's plan (`executor_plan`: its server runs vLLM's worker on kvdoctor's copy
+    engine, which holds, completes and fails jobs)."""
+    otherwise = frozenset({"expect"}) | (EXECUTOR_PLAYED if recipe.signature.invariant else frozenset())
+    reasons = unexpressible(list(recipe.steps), "serve", setup.async_scheduling, played_otherwise=otherwise)
     if not reasons:
         try:
             plan_traffic(recipe, setup)
@@ -245,7 +292,10 @@ class Served:
     returncode: int | None
 
 
-def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
+Run = tuple[Setup, list[Event], list[dict[str, Any]]]  # a server's setup, its clients' traffic, its executor's plan
+
+
+def serve_all(runs: list[Run]) -> list[Served]:
     """Start a fresh server per (setup, traffic), all at once (their start-ups, mostly `import vllm`, and
     their paced traffic overlap), play each its traffic, stop them all (each its process group, bounded),
     also when kvdoctor fails or is interrupted."""
@@ -260,11 +310,14 @@ def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
     started: list[tuple[Server, int, Path]] = []
     outcomes: list[tuple[bool, Any]] = [(False, Played()) for _ in runs]
 
-    async def one(index: int, server: Server, port: int, events: list[Event]) -> None:
+    async def one(index: int, server: Server, port: int, events: list[Event], plan: list[dict[str, Any]]) -> None:
         ready = await wait_ready(port, server, STARTUP_LIMIT_S)
         outcomes[index] = (ready, Played())
-        if ready:
-            outcomes[index] = (True, await play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS))
+        if ready:  # a plan's engine steps lag the client's clock on a loaded machine (measured ~25% over 150
+            # steps at load 10): its requests get half the recipe's steps more to finish (ends when they have)
+            settle = 30 + sum(e.kind == "step" for e in events) // 2 if plan else 4
+            outcomes[index] = (True, await play(port, model, [dataclasses.asdict(e) for e in events], STEP_SECONDS,
+                                                settle_steps=settle))
 
     async def every(jobs: list[Any]) -> None:
         await asyncio.gather(*jobs)
@@ -273,17 +326,18 @@ def serve_all(runs: list[tuple[Setup, list[Event]]]) -> list[Served]:
     with _terminate_as_interrupt():
         try:
             ports: set[int] = set()
-            for setup, _events in runs:
+            for setup, _events, plan in runs:
                 workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
                 port = free_port()
                 while port in ports:
                     port = free_port()
                 ports.add(port)
-                server = Server(serve_command(setup, model, port), serve_env(setup), str(workdir / "server.log"))
+                server = Server(serve_command(setup, model, port), serve_env(setup, plan), str(workdir / "server.log"))
                 started.append((server, port, workdir))
                 print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                       f"group when the run ends)", file=sys.stderr, flush=True)
-            asyncio.run(every([one(i, server, port, runs[i][1]) for i, (server, port, _) in enumerate(started)]))
+            asyncio.run(every([one(i, server, port, runs[i][1], runs[i][2])
+                               for i, (server, port, _) in enumerate(started)]))
             time.sleep(1.0)
         finally:
             for server, _port, workdir in started:
@@ -305,7 +359,7 @@ class Planned:
     recipe: Recipe
     result: RunResult
     events: list[Event]
-    runs: list[tuple[Setup, list[Event]]]
+    runs: list[Run]
 
 
 def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
@@ -327,9 +381,10 @@ def plan_run(recipe: Recipe, setup: Setup) -> Planned | RunResult:
                          "stand-in model reading each answer from the KV bytes) inside kvdoctor's executor in a "
                          "`vllm serve` child (EngineCoreProc's busy loop calls the scheduler); kvdoctor is its "
                          "HTTP client")
-    events = plan_traffic(recipe, setup)
-    # a silent bug's reference: the same traffic on a server with offloading off, started beside it
-    return Planned(recipe, result, events, [(setup, events)] + ([(reference_setup(setup), events)] if silent else []))
+    events, plan = _plan(recipe, setup)
+    # a silent bug's reference: the same traffic (and the same finishes) on a server with offloading off
+    return Planned(recipe, result, events,
+                   [(setup, events, plan)] + ([(reference_setup(setup), events, plan)] if silent else []))
 
 
 def run_many(items: list[tuple[Recipe, Setup]]) -> list[tuple[RunResult, str]]:
@@ -397,6 +452,13 @@ def judge_run(plan: Planned, servers: list[Served]) -> RunResult:
                          + "; ".join(played.notes[-4:]))
         return result
     if silent:
+        unanswered = [line.strip() for line in lines if UNANSWERED_LOG_PREFIX in line]
+        if unanswered:  # kvdoctor's stand-in gave no answer: the comparison is void, never a vLLM finding
+            result.outcome = Outcome.OTHER_FAILURE
+            result.detail = (f"kvdoctor's stand-in model gave no answer for a sampled token (kvdoctor's bug, not a "
+                             f"client's wrong answer; the comparison is void): "
+                             f"{unanswered[0].split(UNANSWERED_LOG_PREFIX, 1)[1].strip()} (engine step: requests)")
+            return result
         return _judge_answers(result, events, played, reference[0])
     if not aborted:
         result.detail = ("the server survived the recipe's traffic: /health 200 and a fresh request served (the "
@@ -454,8 +516,21 @@ def _judge_answers(result: RunResult, events: list[Event], played: Any, referenc
     else:
         result.outcome = Outcome.NOT_REPRODUCED
         result.detail = f"no client got another answer: {answers.line}"
+    cached = cached_tokens_line(played, reference.played)
+    if cached:
+        result.detail += f"; {cached}"
     result.detail += " (the recipe's expect steps are not checked at serve: a client cannot read the scheduler)"
     return result
+
+
+def cached_tokens_line(played: Any, reference: Any) -> str:
+    """What each client saw of its prefix hits: usage.prompt_tokens_details.cached_tokens, offloading on / off
+    (the reference computes from its GPU prefix cache only): a hole in the CPU tier shows as fewer."""
+    names = [name for name in played.cached_tokens if name in reference.cached_tokens]
+    if not names:
+        return ""
+    return "cached prompt tokens (offloading on / off): " + ", ".join(
+        f"{name} {played.cached_tokens[name]} / {reference.cached_tokens[name]}" for name in names)
 
 
 @contextlib.contextmanager

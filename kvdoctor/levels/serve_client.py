@@ -112,8 +112,20 @@ class Played:
     # included: the client knows it), for each request the server answered with a completion
     completions: dict[str, list[int]] = field(default_factory=dict)
     prompts: dict[str, list[int]] = field(default_factory=dict)  # request -> the prompt its client sent
+    # request -> its prompt tokens the server found cached (usage.prompt_tokens_details.cached_tokens, where
+    # the server runs with --enable-prompt-tokens-details): a client's view of its prefix hits
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     healthy: bool = False
     fresh_served: bool = False
+
+
+def cached_tokens(body: str) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a /v1/completions answer (None where the body has none)."""
+    try:
+        details = json.loads(body)["usage"]["prompt_tokens_details"]
+        return int(details["cached_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def completion_tokens(body: str) -> list[int] | None:
@@ -134,14 +146,19 @@ def completion_tokens(body: str) -> list[int] | None:
 
 
 async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_seconds: float,
-               echo: Callable[[str], None] | None = None) -> Played:
+               echo: Callable[[str], None] | None = None, settle_steps: int = 4) -> Played:
     """The recipe's clients (events as dicts: kind add | step | abort | reset, request, prompt, max_tokens, an
     add's `extra` body fields (kv_transfer_params, priority, stop_token_ids, vllm_xargs) and `continues`:
     the request whose conversation it continues: its prompt and the completion its client received come
-    first); then whether the server answers /health and a fresh request. `echo` sees each note as taken."""
+    first); then whether the server answers /health and a fresh request. `echo` sees each note as taken;
+    requests still open at the recipe's end get `settle_steps` paced steps to finish."""
     played = Played()
     tasks: dict[str, asyncio.Task[tuple[int, str]]] = {}
     start = time.monotonic()
+    events = list(events)
+    # a request may stay open for the whole recipe (K11's A decodes through 150 engine steps): its client waits
+    # that long, and twice as long again for an engine whose steps lag the pacing on a loaded machine
+    request_limit = REQUEST_LIMIT_S + 2 * step_seconds * (sum(e["kind"] == "step" for e in events) + settle_steps)
 
     def note(text: str) -> None:
         played.notes.append(f"[{time.monotonic() - start:6.1f}s] {text}")
@@ -159,6 +176,9 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
         tokens = completion_tokens(body) if status == 200 else None
         if tokens is not None:
             played.completions[name] = tokens
+            cached = cached_tokens(body)
+            if cached is not None:
+                played.cached_tokens[name] = cached
         note(f"{name} answered HTTP {status}" + (f": tokens {tokens}" if tokens is not None else ""))
 
     pending_steps = 0
@@ -176,7 +196,7 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             if event.get("continues"):
                 before = event["continues"]
                 if before in tasks:  # the next turn waits for the answer it continues
-                    await asyncio.wait([tasks[before]], timeout=REQUEST_LIMIT_S)
+                    await asyncio.wait([tasks[before]], timeout=request_limit)
                     if tasks[before].done():
                         take(before, tasks.pop(before))
                 if before not in played.completions:
@@ -188,7 +208,7 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
             body = {"model": model, "prompt": prompt, "max_tokens": event["max_tokens"], "ignore_eos": True,
                     "temperature": 0.0, "return_token_ids": True, **event.get("extra", {})}
             tasks[name] = asyncio.create_task(http(port, "POST", "/v1/completions", body,
-                                                   {"X-Request-Id": request_tag(name)}, REQUEST_LIMIT_S))
+                                                   {"X-Request-Id": request_tag(name)}, request_limit))
             note(f"{name} sent: {len(prompt)} prompt tokens, max_tokens {event['max_tokens']}")
         elif kind == "reset":
             query = "&".join(f"{key}={'true' if value else 'false'}" for key, value in event.get("extra", {}).items())
@@ -209,7 +229,7 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
     # engine keeps it preempted in a pool it cannot fit), and the server must then be healthy and serve a
     # fresh request.
     if tasks:
-        await asyncio.wait(list(tasks.values()), timeout=4 * step_seconds)
+        await asyncio.wait(list(tasks.values()), timeout=settle_steps * step_seconds)
     for name, task in tasks.items():
         if task.done():
             take(name, task)

@@ -708,7 +708,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
     @staticmethod
     def resumed_req_ids(cached_requests: Any) -> set[str]:
         """Cached requests resumed after a preemption (`CachedRequestData.resumed_req_ids`)."""
-        return set(getattr(cached_requests, "resumed_req_ids", ()) or ())
+        return portable.resumed_req_ids(cached_requests)
 
     @staticmethod
     def all_token_ids(cached_requests: Any) -> dict[str, list[int]]:
@@ -812,15 +812,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
             planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
         except ImportError:
             planning = None
-        # Releases that resolve the KV cache layout once in the engine core (0.30+: feature probe)
-        # need it resolved before planning, whichever planner they have.
-        backend_utils = importlib.import_module("vllm.v1.attention.backends.utils")
-        resolve_kv_cache_layout = getattr(backend_utils, "resolve_kv_cache_layout", None)
-        if resolve_kv_cache_layout is not None:
-            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-
-            wanted = OffloadingConnector.get_required_kvcache_layout(vllm_config)
-            resolve_kv_cache_layout(vllm_config, [[wanted, "LBNHC"]], list(specs.values()))
+        self._resolve_kv_cache_layout(vllm_config, specs)
         if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
             def configs() -> list[Any]:
                 groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
@@ -848,6 +840,34 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
                 config.hash_block_size = hash_block_size
                 config.cache_hit_alignment_tokens = align
         return planned[0], scheduler_config, int(block_size), int(hash_block_size), planner, checked_len
+
+    @staticmethod
+    def _resolve_kv_cache_layout(vllm_config: Any, specs: dict[str, Any]) -> None:
+        """Releases that resolve the KV cache layout once in the engine core (0.30+: feature probe) need it
+        resolved before planning or grouping, whichever planner they have."""
+        backend_utils = importlib.import_module("vllm.v1.attention.backends.utils")
+        resolve_kv_cache_layout = getattr(backend_utils, "resolve_kv_cache_layout", None)
+        if resolve_kv_cache_layout is not None:
+            from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+            wanted = OffloadingConnector.get_required_kvcache_layout(vllm_config)
+            resolve_kv_cache_layout(vllm_config, [[wanted, "LBNHC"]], list(specs.values()))
+
+    def kv_cache_groups(self, vllm_config: Any, specs: dict[str, Any], draft_layers: set[str]) -> list[Any]:
+        """vLLM's grouping of per-layer specs alone (KVCacheGroupSpecs), before any pool is placed, so before the
+        block-size and hash-unit checks `plan_kv_cache` runs. 0.33+: `kv_cache_planning.get_global_kv_cache_groups`;
+        earlier: `kv_cache_utils.get_kv_cache_groups` (a feature probe)."""
+        try:
+            planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
+        except ImportError:
+            planning = None
+        self._resolve_kv_cache_layout(vllm_config, specs)
+        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
+            groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
+        else:
+            groups = self.mods["kv_cache_utils"].get_kv_cache_groups(vllm_config, specs)
+        self._mark_eagle_groups(groups, draft_layers)
+        return list(groups)
 
     @staticmethod
     def _mark_eagle_groups(groups: list[Any], draft_layers: set[str]) -> None:

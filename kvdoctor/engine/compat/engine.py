@@ -45,6 +45,21 @@ class EngineGlue(AdapterBase):
         fields = set(getattr(cls, "__struct_fields__", ()) or wanted)
         return cls(**{k: v for k, v in wanted.items() if k in fields})
 
+    def engine_sleep_mode(self) -> str | None:
+        """vLLM's sleep mode on the engine, as this release has it (a feature probe): EngineCore.sleep's
+        parameters ("level, mode" on 0.26, "level, mode, reset_connector" on 0.34), or None where EngineCore
+        has no sleep / wake_up / is_sleeping."""
+        import inspect
+
+        core = self.engine_core_class()
+        if not all(callable(getattr(core, name, None)) for name in ("sleep", "wake_up", "is_sleeping")):
+            return None
+        return ", ".join(p for p in inspect.signature(core.sleep).parameters if p != "self")
+
+    def engine_sleep_takes_reset_connector(self) -> bool:
+        """Whether EngineCore.sleep takes `reset_connector` (0.34 does; 0.26's level >= 1 always resets it)."""
+        return "reset_connector" in (self.engine_sleep_mode() or "").split(", ")
+
     @staticmethod
     def engine_step_fn_name(core: Any) -> str:
         """`step` or `step_with_batch_queue` (async scheduling / pipeline parallelism): the one the engine uses."""

@@ -67,3 +67,15 @@ def aliased_kv_cache_tensors(kv_cache_tensor_cls: Any, group_layers: list[list[s
         return [kv_cache_tensor_cls(size=region * columns, layers=list(layers), layer_stride=region,
                                     block_stride=page_bytes) for layers in group_layers]
     raise TypeError(f"KVCacheTensor has unknown fields {sorted(names)}")
+
+
+def resumed_req_ids(cached_requests: Any) -> set[str]:
+    """Cached requests resumed after a preemption (`CachedRequestData.resumed_req_ids`; a release without it
+    sends a resumed request among the new ones): their `new_block_ids` replace the request's blocks."""
+    return set(getattr(cached_requests, "resumed_req_ids", ()) or ())
+
+
+def spec_block_ids(spec: Any) -> list[int]:
+    """Block ids of a Load/StoreSpec (GPU block ids, or the CPU tier's chunk ids; a numpy array in vLLM)."""
+    ids = getattr(spec, "block_ids", None)
+    return [int(b) for b in ids] if ids is not None else []

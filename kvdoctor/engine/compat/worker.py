@@ -45,8 +45,7 @@ class WorkerGlue(AdapterBase):
     @staticmethod
     def block_ids_of(spec: Any) -> tuple[int, ...]:
         """Block ids of a GPULoadStoreSpec (a numpy array in vLLM)."""
-        ids = getattr(spec, "block_ids", None)
-        return tuple(int(b) for b in ids) if ids is not None else ()
+        return tuple(portable.spec_block_ids(spec))
 
     def worker_mods(self) -> dict[str, Any]:
         """The worker-side modules, imported once (added to `self.mods`)."""

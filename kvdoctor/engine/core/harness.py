@@ -16,6 +16,8 @@ config, same connector config); vLLM's engine plans the KV cache itself from the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvdoctor.engine import kv_layout
@@ -23,6 +25,21 @@ from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
+
+PAUSE_DRAIN_STEPS = 200  # engine steps a sleep's drain may take (kvdoctor's pools drain in a few dozen)
+
+
+def sleep_arguments(api: VllmApi, reset_connector: bool | None) -> dict[str, Any]:
+    """EngineCore.sleep's keyword arguments past level and mode, as this release takes them (a probe); a release
+    without sleep mode, or a reset_connector its sleep does not take, is a usage error in one line."""
+    if api.engine_sleep_mode() is None:
+        raise UsageError("sleep: this vLLM's EngineCore has no sleep mode (sleep / wake_up / is_sleeping)")
+    if reset_connector is None:
+        return {}
+    if not api.engine_sleep_takes_reset_connector():
+        raise UsageError("sleep reset_connector: this vLLM's EngineCore.sleep always resets the connector at level "
+                         ">= 1 (it takes no reset_connector); leave the field out")
+    return {"reset_connector": reset_connector}
 
 
 class CoreHarness(Harness):
@@ -35,7 +52,8 @@ class CoreHarness(Harness):
         self.setup = setup
         vllm_config, self.kv_plan, _, _, _ = _build_pieces(api, setup)
         layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
-        specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode)
+        specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode,
+                                      kv_layout.speculative_blocks(setup))
         vllm_config.parallel_config.distributed_executor_backend = QUALNAME
         handoff = Handoff(specs=specs, admission_len=self.kv_plan.admission_len)
         HANDOFFS[id(vllm_config)] = handoff
@@ -97,6 +115,47 @@ class CoreHarness(Harness):
 
     def resume(self) -> None:
         self.core.resume_scheduler()
+
+    def sleep(self, level: int, mode: str, reset_connector: bool | None) -> None:
+        """EngineCore.sleep as an in-process client (`LLM.sleep`) calls it: the engine pauses its scheduler
+        (`mode`), at level >= 1 resets its caches (the connector's too unless `reset_connector` is false, where
+        the release takes it: a probe) and puts kvdoctor's executor to sleep. A reset connector forgets its jobs:
+        the worker's go with it, as with `reset_prefix_cache`."""
+        with self._bounded_pause_drain():
+            self.core.sleep(level=level, mode=mode, **sleep_arguments(self.api, reset_connector))
+        if level >= 1 and reset_connector is not False:
+            self.worker.forget()
+            if self.companion is not None:
+                self.companion.forget()
+
+    @contextmanager
+    def _bounded_pause_drain(self) -> Iterator[None]:
+        """A sleep that keeps the connector's cache (0.34's reset_connector = false) steps the engine until nothing
+        is pending (its stores read the KV the sleep discards). A transfer kvdoctor holds never finishes there:
+        past `PAUSE_DRAIN_STEPS` steps the sleep is stopped as a usage error (the recipe's hold, not vLLM's bug).
+        The engine's own step function is wrapped, never changed, and put back on exit, also when it raised."""
+        core = self.core
+        original = core.step_fn
+        steps = 0
+
+        def counted() -> Any:
+            nonlocal steps
+            steps += 1
+            if steps > PAUSE_DRAIN_STEPS:
+                raise UsageError(f"sleep: vLLM's engine still had pending work after {PAUSE_DRAIN_STEPS} steps of its "
+                                 f"pause (it waits for the connector's stores when reset_connector is false); "
+                                 f"complete the held transfers before the sleep")
+            return original()
+
+        core.step_fn = counted
+        try:
+            yield
+        finally:
+            core.step_fn = original
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        """EngineCore.wake_up: the executor's tags wake; the scheduler resumes once none sleeps."""
+        self.core.wake_up(tags=list(tags) if tags is not None else None)
 
     def delay_block_hashes(self, req_id: str) -> None:
         """vLLM's engine hashes blocks with its own request_block_hasher: the core level refuses late hashes by

@@ -5,3 +5,5 @@ STEP_SECONDS_ENV = "KVDOCTOR_ENGINE_STEP_SECONDS"  # serve: pace the steps so cl
 ADMISSION_ENV = "KVDOCTOR_ENGINE_ADMISSION_LEN"  # serve: the max_model_len of the start-up admission check
 WORKER_ENV = "KVDOCTOR_ENGINE_WORKER"  # serve: "vllm" runs vLLM's worker-role connector on fingerprint KV
 EOS_AFTER_ARG = "kvdoctor_eos_after"  # serve: a request's vllm_xargs: its (N+1)-th sampled token is EOS
+PLAN_ENV = "KVDOCTOR_ENGINE_PLAN"  # serve: the executor's own steps (JSON: holds, completions, failures, EOS)
+UNANSWERED_LOG_PREFIX = "kvdoctor-engine unanswered"  # serve: the stand-in model gave no answer (kvdoctor's bug)

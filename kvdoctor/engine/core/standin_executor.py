@@ -13,7 +13,12 @@ ways, so the two can never drift apart:
 
 Standing alone it runs no model: one decode token is sampled per request that finished its prefill
 (EOS only where the client's `vllm_xargs` asked for it, else requests end at max_tokens), and every
-KV transfer the OffloadingConnector issues completes on the step it is issued. Everything on the
+KV transfer the OffloadingConnector issues completes on the step it is issued. With `KV_ANSWERS_ENV=1`
+(an exported script's silent recipe) it keeps KV as the toy model does, one 64-bit key a slot
+(`StandInKv`): each step writes its scheduled tokens' keys, the connector's loads and stores copy slots
+between the blocks and the CPU tier's chunks their jobs name, and each sampled token is the stand-in
+model's answer read from the request's slots (`answer_key.answer_of`): a never-written, stale or
+foreign slot gives another token, as it does at `--engine core`. Everything on the
 scheduler side (the Scheduler, the connector's scheduler side, the CPU manager) is vLLM's own. Each
 step sleeps `STEP_SECONDS_ENV` seconds, so that client traffic lands between engine steps, and logs
 one line (`kvdoctor-engine step N: {...}`) saying what was scheduled and finished: the client reads
@@ -35,8 +40,16 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+# The stand-in model's keys and answer (standard library only); an export copies their one definition in here.
+from kvdoctor.engine.answer_key import POISON_WORD, answer_of, next_key, words_bytes
+
 # The adapter's vLLM-only reads and feature probes; an export copies their one definition in here.
-from kvdoctor.engine.compat.portable import default_kv_cache_layouts, runner_output_takes_req_id_to_index
+from kvdoctor.engine.compat.portable import (
+    default_kv_cache_layouts,
+    resumed_req_ids,
+    runner_output_takes_req_id_to_index,
+    spec_block_ids,
+)
 
 logger = init_logger("vllm.kvrepro.executor")  # under "vllm": the server's own log handler
 STEP_LOG_PREFIX = "kvdoctor-engine step"  # the serve client reads it (serve_client.py; tests check both agree)
@@ -62,6 +75,7 @@ class StandInExecutor(Executor):
     supports_pp = False
     STEP_SECONDS_ENV = "KVREPRO_STEP_SECONDS"  # pace the steps so client events land between them
     ADMISSION_ENV = "KVREPRO_ADMISSION_LEN"  # the max_model_len of the start-up admission check
+    KV_ANSWERS_ENV = "KVREPRO_KV_ANSWERS"  # "1": keep KV keys and answer from them (`StandInKv`)
     NO_MEMORY_REASON = "the stand-in executor measures no device memory"
 
     @classmethod
@@ -78,6 +92,13 @@ class StandInExecutor(Executor):
         self.eos_after: dict[str, int] = {}  # request -> sampled tokens before its EOS (its client's vllm_xargs)
         self.num_sampled: dict[str, int] = {}
         self.steps = 0
+        self.asleep: set[str] = set()  # sleep mode: what a GPU worker would have released ("weights", "kv_cache")
+        self.kv: StandInKv | None = None
+        transfer = self.vllm_config.kv_transfer_config
+        if os.environ.get(self.KV_ANSWERS_ENV) == "1":
+            block_size = int(self.vllm_config.cache_config.block_size)
+            extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {}) if transfer else {}
+            self.kv = StandInKv(block_size, max(1, int(extra.get("block_size", block_size)) // block_size))
 
     # -- start-up ---------------------------------------------------------------------------
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
@@ -138,8 +159,27 @@ class StandInExecutor(Executor):
     def rpc_extensible_kv_cache_unsupported_reason(self) -> list[str]:
         return [self.NO_MEMORY_REASON]  # 0.34: the extensible KV cache stays off
 
+    def rpc_sleep(self, level: int = 1) -> list[None]:
+        """vLLM's sleep mode (`Executor.sleep` asks every worker): a GPU worker offloads (level 1) or drops (2) its
+        weights and discards its KV cache. The stand-in holds no weights and no KV (it stands in for the model):
+        it records what a worker would have released; vLLM's Executor keeps its own sleeping tags."""
+        self.asleep = {"weights", "kv_cache"}
+        return [None]
+
+    def rpc_wake_up(self, tags: list[str] | None = None) -> list[None]:
+        """The worker's memory back (all of it, or the `tags` named)."""
+        self.asleep = set() if tags is None else self.asleep - set(tags)
+        return [None]
+
     # -- one step ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if self.asleep and scheduler_output.total_num_scheduled_tokens > 0:
+            released = ", ".join(sorted(self.asleep))
+            exc = RuntimeError(f"the engine scheduled a step while its executor sleeps ({released} released): a GPU "
+                               f"worker has no weights or KV cache to run it with")
+            if non_block:
+                return _failed(exc)
+            raise exc
         try:
             output = self.run_step(scheduler_output)
         except Exception as exc:  # the engine sees it where a GPU worker's error surfaces
@@ -191,6 +231,8 @@ class StandInExecutor(Executor):
         for req_id in so.finished_req_ids or ():
             for table in (self.num_tokens, self.eos_after, self.num_sampled):
                 table.pop(req_id, None)
+        if self.kv is not None:
+            self.kv.step(so, sampled)
         kv_output = self.transfers(so, sampled)
         logger.info("%s %d: %s", STEP_LOG_PREFIX, self.steps, json.dumps({
             "scheduled": dict(so.num_scheduled_tokens), "finished": sorted(so.finished_req_ids or ())}))
@@ -220,3 +262,81 @@ class StandInExecutor(Executor):
             worker_meta.mark_completed(job_id)
         finished_recving = {job.req_id for job in load_jobs.values()}
         return KVConnectorOutput(finished_recving=finished_recving or None, kv_connector_worker_meta=worker_meta)
+
+
+class StandInKv:
+    """KV as the toy model keeps it, without tensors: one 64-bit key a slot (the key of its token prefix,
+    `answer_key.next_key`), in `block_size`-slot blocks and the CPU tier's chunks of `blocks_per_chunk`
+    blocks. A slot never written holds POISON_WORD. Loads copy chunks into the blocks their job names before
+    the step's forward, the forward writes its scheduled tokens' keys, a sampled token is the stand-in's
+    answer from the slots the request's last position reads, stores copy blocks into chunks after it."""
+
+    def __init__(self, block_size: int, blocks_per_chunk: int) -> None:
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.blocks: dict[int, list[int]] = {}  # GPU block -> its slots' keys
+        self.chunks: dict[tuple[int, int], list[int]] = {}  # (CPU chunk, block in it) -> its slots' keys
+        self.tokens: dict[str, list[int]] = {}
+        self.keys: dict[str, list[int]] = {}  # each request's prefix keys, from its tokens (what right KV holds)
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def step(self, so: Any, sampled: dict[str, list[int]]) -> None:
+        self.admit(so)
+        meta = getattr(so, "kv_connector_metadata", None)
+        for job in dict(getattr(meta, "load_jobs", None) or {}).values():
+            for block, chunk in self.pairs(spec_block_ids(job.dst_spec), spec_block_ids(job.src_spec)):
+                self.blocks[block] = list(self.chunks.get(chunk) or [POISON_WORD] * self.block_size)
+        for req_id, count in so.num_scheduled_tokens.items():
+            self.forward(req_id, int(count), sampled.get(req_id))
+        for job in dict(getattr(meta, "store_jobs", None) or {}).values():
+            for block, chunk in self.pairs(spec_block_ids(job.src_spec), spec_block_ids(job.dst_spec)):
+                self.chunks[chunk] = list(self.blocks.get(block) or [POISON_WORD] * self.block_size)
+        for req_id in so.finished_req_ids or ():
+            for table in (self.tokens, self.keys, self.tables, self.computed):
+                table.pop(req_id, None)
+
+    def admit(self, so: Any) -> None:
+        """The step's requests: tokens and block tables, as a model runner keeps them."""
+        for new in so.scheduled_new_reqs:
+            prompt = list(getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ())
+            known = self.tokens.get(new.req_id, [])
+            if not (len(known) > len(prompt) and known[:len(prompt)] == prompt):  # a resumed request keeps its own
+                self.tokens[new.req_id], self.keys[new.req_id] = prompt, []
+            self.tables[new.req_id] = list(new.block_ids[0]) if new.block_ids else []
+            self.computed[new.req_id] = int(new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                self.tables[req_id] = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                self.tables.setdefault(req_id, []).extend(new_ids[0])
+            self.computed[req_id] = int(cached.num_computed_tokens[i])
+
+    def pairs(self, blocks: list[int], chunks: list[int]) -> list[tuple[int, tuple[int, int]]]:
+        """(GPU block, (CPU chunk, block in it)) of one job; a job of fewer blocks than its chunks hold
+        covers the last ones (the first chunk's leading blocks are already on the GPU)."""
+        subs = [(chunk, j) for chunk in chunks for j in range(self.blocks_per_chunk)]
+        return list(zip(blocks, subs[len(subs) - len(blocks):] if len(blocks) <= len(subs) else subs, strict=False))
+
+    def forward(self, req_id: str, count: int, out: list[int] | None) -> None:
+        tokens, table = self.tokens.get(req_id), self.tables.get(req_id, [])
+        if tokens is None:
+            return
+        start = self.computed.get(req_id, 0)
+        end = min(start + count, len(tokens))
+        keys = self.keys.setdefault(req_id, [])
+        while len(keys) < end:
+            keys.append(next_key(keys[-1] if keys else 0, tokens[len(keys)]))
+        size = self.block_size
+        for position in range(start, end):
+            if position // size < len(table):
+                self.blocks.setdefault(table[position // size], [POISON_WORD] * size)[position % size] = keys[position]
+        if out and out[-1] != EOS_TOKEN and end == start + count:
+            words = [self.blocks.get(table[p // size], [POISON_WORD] * size)[p % size] if p // size < len(table)
+                     else POISON_WORD for p in range(end)]
+            out[-1] = answer_of(words_bytes(words))[0]
+        tokens.extend(out or ())
+        self.computed[req_id] = start + count

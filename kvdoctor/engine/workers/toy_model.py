@@ -8,7 +8,7 @@ start with), or it holds another position's bytes ("stale: bytes of request X po
 P"). This is a stand-in for the model's attention, and says so; the bytes move only
 through vLLM's worker connector and the copy engine.
 
-The token a request samples is read from those bytes too (`tiny_model.answer_of` over word 0 of every
+The token a request samples is read from those bytes too (`answer_key.answer_of` over word 0 of every
 slot its last position attends to, in its full-attention layers): wrong KV gives a different answer.
 
 A token's slot is the toy model's layout of a page: page bytes [off*slot, (off+1)*slot)
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.engine.answer_key import POISON_WORD, answer_of, next_key, words_bytes
 from kvdoctor.engine.step_loop import EOS_TOKEN
-from kvdoctor.engine.tiny_model import POISON_WORD, answer_of, next_key, words_bytes
 from kvdoctor.errors import UsageError
 
 MAX_FINDINGS_PER_CHECK = 3  # first few slots per (request, layer): enough to name the bug
@@ -190,7 +190,7 @@ class ToyModel:
 
     def answer(self, state: RequestKv, end: int) -> tuple[int, float]:
         """The stand-in's next token for a request whose last computed position is `end - 1`: a digest of
-        word 0 of every slot it attends to, read from the KV bytes (`tiny_model.answer_of`). A slot that does
+        word 0 of every slot it attends to, read from the KV bytes (`answer_key.answer_of`). A slot that does
         not hold its tokens' KV in some full-attention layer (poison, another prefix, another layer's tag)
         reads as a word that differs from its key; where every layer is sliding-window, the answer is the
         tokens' own (nothing reads the whole context)."""

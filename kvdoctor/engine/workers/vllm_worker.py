@@ -16,7 +16,7 @@ import contextlib
 import itertools
 from typing import Any
 
-from kvdoctor.engine.tiny_model import POISON_BYTE
+from kvdoctor.engine.answer_key import POISON_BYTE
 from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.copy_engine import TransferControl
