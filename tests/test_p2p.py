@@ -212,15 +212,16 @@ def test_explore_finds_a_pinned_producer_and_writes_a_recipe_repro_replays(api, 
     the plan as a recipe file that reproduces it (the replay also on the mutated vLLM)."""
     import time
 
-    from kvdoctor.explore.search import ExploreConfig, Stats, p2p_branch
+    from kvdoctor.explore.search import ExploreConfig, P2PBranch, Stats
     from kvdoctor.recipes.writer import recipe_to_toml
 
     _drop_stores(monkeypatch)
     stats = Stats(phase="searching")
-    findings = p2p_branch(api, ExploreConfig(seed=1), 0, stats, 4, time.monotonic() + 300, time.monotonic())
-    assert stats.examples == 4
-    pinned = [f for f in findings if f.signature == f"invariant {inv.NOTHING_PINNED}"]
-    assert pinned, [f.signature for f in findings]
+    branch = P2PBranch(api, ExploreConfig(seed=1), 0, time.monotonic())
+    findings = [branch.play_next(stats) for _ in range(3)]
+    assert stats.runs == 3 and stats.examples == 0  # plans are not the search's examples
+    pinned = [f for f in findings if f is not None and f.signature == f"invariant {inv.NOTHING_PINNED}"]
+    assert pinned, [f.signature for f in findings if f is not None]
     path = tmp_path / "found.toml"
     path.write_text(recipe_to_toml(pinned[0].recipe))
     result = _recipe_run(api, path)

@@ -29,12 +29,13 @@ def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str 
 
 
 # -- the P2P pair (engine/p2p.py), where P2P_TIER_DRAW is a feature (probed: compat.p2p_transport.p2p_probe) ------
-# explore draws it in a branch of its own (explore/search.py `p2p_branch`): P2P_PLANS plan bytes per worker, in an
-# order the seed draws, each played as a `[setup] p2p = true` recipe (`p2p_recipe`). Where the feature is absent
-# the branch does not run, so a release's examples and their draws stay as they were.
+# explore draws it in a branch of its own (explore/search.py `P2PBranch`): after every P2P_EVERY generated examples,
+# the next of the 128 plan bytes in an order the worker's seed draws, played as a `[setup] p2p = true` recipe
+# (`p2p_steps`). It draws nothing from hypothesis, so the search's examples stay as they were (and where the
+# feature is absent the branch does not run at all).
 P2P_TIER_DRAW = "p2p_tier"
 P2P_KILL_AT = (None, 1, 5, 8)  # the producer dies before the handshake, mid-round, after it (or never)
-P2P_PLANS = 16
+P2P_EVERY = 8
 P2P_SETUP = {"block_size": 4, "gpu_blocks": 32, "max_model_len": 128, "worker": "simulated", "p2p": True}
 P2P_TAIL = 12  # engine steps after the plan's last event, before vLLM's P2P clock moves past its timeouts
 
@@ -42,7 +43,7 @@ P2P_TAIL = 12  # engine steps after the plan's last event, before vLLM's P2P clo
 def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
     """A P2P plan's fault fields from one byte: bits 0-1 the fabric's delay in polls, bit 2 failed transfers,
     bits 3-4 when the producer dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P. Zero (what
-    hypothesis shrinks towards) is the plain PD exchange. explore plays P2P_PLANS of them (`p2p_plan_bytes`)."""
+    hypothesis shrinks towards) is the plain PD exchange. explore plays them in `p2p_plan_bytes`' order."""
     return {"delay_polls": byte & 3, "fail_transfers": bool(byte >> 2 & 1),
             "kill_producer_at": P2P_KILL_AT[byte >> 3 & 3], "abort_consumer_at": 4 if byte >> 5 & 1 else None,
             "symmetric": bool(byte >> 6 & 1)}
@@ -65,10 +66,10 @@ def objstore_fields(byte: int, features: frozenset[str]) -> str | None:
     return OBJSTORE_SCRIPTS[byte >> 6 & 3]
 
 def p2p_plan_bytes(seed: int, worker: int) -> list[int]:
-    """The plan bytes a worker plays, in the order its seed draws (0, the plain exchange, among them)."""
+    """The plan bytes a worker plays, in the order its seed draws (all 128: 0, the plain exchange, among them)."""
     order = list(range(128))
     random.Random(seed * 1_000_003 + worker).shuffle(order)
-    return order[:P2P_PLANS]
+    return order
 
 
 def p2p_steps(byte: int) -> list[tuple[str, dict[str, Any]]]:
