@@ -12,7 +12,6 @@ only vLLM's loader and kvdoctor's tests import it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.tiering.obj.manager import ObjectStoreSecondaryTierManager
 
+from kvdoctor.engine.compat.chunk_stamps import stamp_chunks, unstamped_chunks
 from kvdoctor.engine.compat.objstore_agent import OBJ_MANAGER_MODULE, FakeObjAgent, object_store
 
 TIER_CLASS = "RecordedObjTier"
@@ -45,12 +45,6 @@ def objstore_agent_scope(script: str, bucket: str) -> Iterator[None]:
         for name, value in saved.items():
             setattr(manager, name, value)
 
-
-def key_stamp(key: Any, size: int, dtype: Any = np.uint8) -> np.ndarray:
-    """The bytes a chunk holding `key` carries here: sha256 of the key, repeated to the chunk's size."""
-    digest = hashlib.sha256(bytes(key) if isinstance(key, (bytes, bytearray)) else repr(key).encode()).digest()
-    reps = -(-size // len(digest))
-    return np.frombuffer((digest * reps)[:size], dtype=np.uint8).view(dtype)
 
 
 @dataclass
@@ -101,9 +95,7 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
 
     def submit_store(self, job_metadata: Any) -> None:
         keys, chunks = tuple(job_metadata.keys), self._chunks(job_metadata)
-        size = self.kvdoctor_region.shape[1]
-        for key, chunk in zip(keys, chunks, strict=True):  # the copy engine's bytes (see the docstring)
-            self.kvdoctor_region[chunk] = key_stamp(key, size, self.kvdoctor_region.dtype)
+        stamp_chunks(self.kvdoctor_region, keys, chunks)  # the copy engine's bytes (see the docstring)
         self.journal.stores[job_metadata.job_id] = (keys, chunks)
         self.kvdoctor_agent.begin("WRITE")
         super().submit_store(job_metadata)
@@ -115,7 +107,6 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[Any]:
         results = list(super().get_finished_jobs())
-        size = self.kvdoctor_region.shape[1]
         for result in results:
             self.journal.results.append((result.job_id, bool(result.success)))
             load = self.journal.loads.pop(result.job_id, None)
@@ -123,9 +114,8 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
             if load is None or not result.success:
                 continue
             self.journal.loads_checked += 1
-            for key, chunk in zip(*load, strict=True):
-                if not np.array_equal(self.kvdoctor_region[chunk], key_stamp(key, size, self.kvdoctor_region.dtype)):
-                    self.journal.byte_mismatches.append((result.job_id, key, chunk))
+            self.journal.byte_mismatches += [(result.job_id, key, chunk)
+                                             for key, chunk in unstamped_chunks(self.kvdoctor_region, *load)]
         return results
 
     def kvdoctor_untracked_jobs(self) -> list[int]:

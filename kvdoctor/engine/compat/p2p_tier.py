@@ -13,7 +13,6 @@ pair (engine/p2p.py) import it.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 
+from kvdoctor.engine.compat.chunk_stamps import stamp_chunks, unstamped_chunks
 from kvdoctor.engine.compat.p2p_transport import FABRICS, Fabric, p2p_transports
 
 TIER_CLASS = "RecordedP2PTier"
@@ -33,13 +33,6 @@ def _chunk_ids(job: Any) -> tuple[int, ...]:
     ids = job.chunk_ids if hasattr(job, "chunk_ids") else job.block_ids
     return tuple(int(c) for c in np.asarray(ids).tolist())
 
-
-def key_stamp(key: Any, size: int, dtype: Any = np.uint8) -> np.ndarray:
-    """The bytes a chunk holding `key` carries here: sha256 of the key, repeated to the chunk's size (as the
-    region's dtype: vLLM's shared region is int8)."""
-    digest = hashlib.sha256(bytes(key) if isinstance(key, (bytes, bytearray)) else repr(key).encode()).digest()
-    reps = -(-size // len(digest))
-    return np.frombuffer((digest * reps)[:size], dtype=np.uint8).view(dtype)
 
 
 @dataclass
@@ -73,9 +66,7 @@ class RecordedP2PTier(P2PSecondaryTierManager):
     def submit_store(self, job_metadata: Any) -> None:
         keys = tuple(job_metadata.keys)
         chunks = _chunk_ids(job_metadata)
-        size = self.kvdoctor_region.shape[1]
-        for key, chunk in zip(keys, chunks, strict=True):  # the copy engine's bytes (see the docstring)
-            self.kvdoctor_region[chunk] = key_stamp(key, size, self.kvdoctor_region.dtype)
+        stamp_chunks(self.kvdoctor_region, keys, chunks)  # the copy engine's bytes (see the docstring)
         self.journal.stores[job_metadata.job_id] = (keys, chunks)
         super().submit_store(job_metadata)
 
@@ -87,7 +78,6 @@ class RecordedP2PTier(P2PSecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[Any]:
         results = list(super().get_finished_jobs())
-        size = self.kvdoctor_region.shape[1]
         for result in results:
             # deferred releases: 0.34 (absent before: a failed load's chunks are released at once)
             self.journal.results.append((result.job_id, bool(result.success),
@@ -96,7 +86,6 @@ class RecordedP2PTier(P2PSecondaryTierManager):
             if load is None or not result.success:
                 continue
             self.journal.loads_checked += 1
-            for key, chunk in zip(*load, strict=True):
-                if not np.array_equal(self.kvdoctor_region[chunk], key_stamp(key, size, self.kvdoctor_region.dtype)):
-                    self.journal.byte_mismatches.append((result.job_id, key, chunk))
+            self.journal.byte_mismatches += [(result.job_id, key, chunk)
+                                             for key, chunk in unstamped_chunks(self.kvdoctor_region, *load)]
         return results
