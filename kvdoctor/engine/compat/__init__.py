@@ -808,12 +808,9 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         kcu = self.mods["kv_cache_utils"]
         vllm_config.cache_config.num_gpu_blocks_override = num_blocks
         memory = [1 << 40]  # the override decides the block count
-        try:
-            planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
-        except ImportError:
-            planning = None
+        planning = self._kv_cache_planning()
         self._resolve_kv_cache_layout(vllm_config, specs)
-        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
+        if planning is not None:
             def configs() -> list[Any]:
                 groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
                 self._mark_eagle_groups(groups, draft_layers)
@@ -842,6 +839,16 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         return planned[0], scheduler_config, int(block_size), int(hash_block_size), planner, checked_len
 
     @staticmethod
+    def _kv_cache_planning() -> Any:
+        """0.33+'s `kv_cache_planning` (groups planned once for every worker), or None where the release plans
+        in `kv_cache_utils` (a feature probe)."""
+        try:
+            planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
+        except ImportError:
+            return None
+        return planning if hasattr(planning, "get_global_kv_cache_groups") else None
+
+    @staticmethod
     def _resolve_kv_cache_layout(vllm_config: Any, specs: dict[str, Any]) -> None:
         """Releases that resolve the KV cache layout once in the engine core (0.30+: feature probe) need it
         resolved before planning or grouping, whichever planner they have."""
@@ -857,12 +864,9 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         """vLLM's grouping of per-layer specs alone (KVCacheGroupSpecs), before any pool is placed, so before the
         block-size and hash-unit checks `plan_kv_cache` runs. 0.33+: `kv_cache_planning.get_global_kv_cache_groups`;
         earlier: `kv_cache_utils.get_kv_cache_groups` (a feature probe)."""
-        try:
-            planning = importlib.import_module("vllm.v1.core.kv_cache_planning")
-        except ImportError:
-            planning = None
+        planning = self._kv_cache_planning()
         self._resolve_kv_cache_layout(vllm_config, specs)
-        if planning is not None and hasattr(planning, "get_global_kv_cache_groups"):
+        if planning is not None:
             groups = planning.get_global_kv_cache_groups(vllm_config, [specs])
         else:
             groups = self.mods["kv_cache_utils"].get_kv_cache_groups(vllm_config, specs)
