@@ -276,7 +276,7 @@ def answers_unexpressible(recipe: Recipe, setup: Setup) -> list[str]:
     why = setup.vllm_worker_unsupported()
     if why:
         return [f"a silent bug is judged at serve by its clients' answers, which need vLLM's worker moving KV "
-                f"bytes in the server's executor: {why}"]
+                f"bytes in the server's executor: {why} (play it with --engine core)"]
     return core_setup_unexpressible(setup)
 
 
