@@ -24,7 +24,8 @@ K1_ASSERT = "assert len(offload_keys) == len(offload_block_ids)"
     (["--target", "nope"], "--target must be EXCEPTION:FUNCTION"),
     (["--target", "AssertionError:not a name"], "--target must be EXCEPTION:FUNCTION"),
     (["--force", "bogus"], "--force: unknown feature 'bogus'"),
-    (["--force", "layout=nope"], "--force: unknown layout 'nope'; one of default, eagle-pair, mamba-hybrid"),
+    (["--force", "layout=nope"], "--force: unknown layout 'nope'; one of default, eagle-pair, full-swa-mixed, "
+                                 "mamba-hybrid, mamba-mtp-hybrid, mamba-swa-hybrid, swa-full, swa-full-mixed\n"),
     (["--exclude-trigger", "K99"], "--exclude-trigger: 'K99' is no known bug"),
     (["--exclude-trigger", ","], "--exclude-trigger: name known bugs"),
 ])

@@ -501,9 +501,7 @@ def available_features(api: Any) -> frozenset[str]:
     # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
     probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
     # and vLLM's object-store tier on kvdoctor's fake NIXL agent, where vLLM builds its agent by the names stood in for
-    from kvdoctor.engine.compat.objstore_agent import objstore_probe
-
-    probes[OBJSTORE_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and objstore_probe() is None
+    probes[OBJSTORE_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.objstore_unavailable() is None
     # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)
     probes[ARC] = ARC in api.eviction_policies()
     # The P2P pair (its own branch, `p2p_branch`) where kvdoctor can stand in for the P2P tier's transports

@@ -512,6 +512,12 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
                     raise TimeoutError(f"the {tier.tier_type} tier's lookups did not answer within {timeout_s} s")
                 time.sleep(0.0005)
 
+    def objstore_unavailable(self) -> str | None:
+        """Why kvdoctor cannot stand in for the object-store tier's NIXL agent here, in one line (None: it can)."""
+        from kvdoctor.engine.compat.objstore_agent import objstore_probe
+
+        return objstore_probe()
+
     def has_scripted_tier(self) -> bool:
         """Whether vLLM's tiering spec loads an out-of-tree secondary tier from a tier spec's `module_path`
         and takes a failed promotion's `deferred_release` (what kvdoctor's scripted tier reports): the

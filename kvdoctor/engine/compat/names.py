@@ -123,12 +123,26 @@ DEFAULT_LAYOUT_PREFERENCE = VllmName(BACKEND_UTILS_MODULE, None, ("_DEFAULT_LAYO
 CPU_CACHE_POLICY = VllmName(CPU_MANAGER_MODULE, "CPUOffloadingManager", ("_policy",),
                             absent="connector_tier_keys: the tier is not read, its residency not compared")
 
+# -- the object-store tier kvdoctor records (compat/objstore_tier.py: its jobs, agent and object names) -----------
+OBJ_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.obj.manager"
+_OBJ_ABSENT = "objstore_unavailable: no object-store tier, nothing recorded"
+OBJ_AGENT = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_agent",), absent=_OBJ_ABSENT)
+OBJ_FILE_MAPPER = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_file_mapper",),
+                           absent=_OBJ_ABSENT)
+OBJ_TRANSFERS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_transfers",), absent=_OBJ_ABSENT)
+OBJ_PENDING_RESULTS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_pending_results",),
+                               absent=_OBJ_ABSENT)
+OBJ_STORE_JOBS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_store_jobs",), absent=_OBJ_ABSENT)
+OBJ_LOAD_JOB_KEYS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_load_job_keys",),
+                             absent=_OBJ_ABSENT)
+
 TABLE: tuple[VllmName, ...] = (
     REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, RESET_CACHE, SUB_CONNECTORS,
     SPEC_REGISTRY, SECONDARY_TIER_REGISTRY, TIER_TRANSFER_JOBS, TIER_LOOKUP_MANAGER, LOOKUP_STATE, LOOKUP_BATCH,
     PRIMARY_POLICY, PRIMARY_FREE_LIST, TIER_REQUEST_STATE,
     KV_CONNECTOR_AGENT, GET_KV_CONNECTOR_OUTPUT, PROCESS_INPUT_QUEUE, IS_DEFAULT_V2_RUNNER_MODEL,
     V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE, CPU_CACHE_POLICY,
+    OBJ_AGENT, OBJ_FILE_MAPPER, OBJ_TRANSFERS, OBJ_PENDING_RESULTS, OBJ_STORE_JOBS, OBJ_LOAD_JOB_KEYS,
 )
 
 _MISSING = object()

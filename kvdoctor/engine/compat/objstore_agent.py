@@ -16,7 +16,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-OBJ_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.obj.manager"
+from kvdoctor.engine.compat.names import OBJ_MANAGER_MODULE
+
 REPLACED = ("nixl_agent", "nixl_agent_config")  # the names vLLM's obj manager builds its agent with
 # A transfer's scripted outcome:
 OUTCOMES = {

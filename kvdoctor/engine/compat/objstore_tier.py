@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.tiering.obj.manager import ObjectStoreSecondaryTierManager
 
+from kvdoctor.engine.compat import names
 from kvdoctor.engine.compat.chunk_stamps import stamp_chunks, unstamped_chunks
-from kvdoctor.engine.compat.objstore_agent import OBJ_MANAGER_MODULE, FakeObjAgent, object_store
+from kvdoctor.engine.compat.names import OBJ_MANAGER_MODULE
+from kvdoctor.engine.compat.objstore_agent import FakeObjAgent, object_store
 
 TIER_CLASS = "RecordedObjTier"
 TIER_MODULE = __name__
@@ -77,7 +79,7 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
         object_store(config["bucket"]).objects.clear()  # a new engine: an earlier build's objects are no hits
         with objstore_agent_scope(script, config["bucket"]):
             super().__init__(offloading_spec, primary_kv_view, tier_type=tier_type, store_config=config, **kwargs)
-        self.kvdoctor_agent: FakeObjAgent = self._agent
+        self.kvdoctor_agent: FakeObjAgent = names.get(self, names.OBJ_AGENT)
         self.kvdoctor_region = np.asarray(primary_kv_view)
         self.journal = ObjJournal()
 
@@ -88,7 +90,7 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
         result = super().lookup(key, req_context)
         if result.name == "HIT":
             self.journal.hits += 1
-            name = self._file_mapper.get_file_name(key)
+            name = names.get(self, names.OBJ_FILE_MAPPER).get_file_name(key)
             if name not in self.kvdoctor_agent.store.objects:
                 self.journal.phantom_hits.append((key, name))
         return result
@@ -121,11 +123,12 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
     def kvdoctor_untracked_jobs(self) -> list[int]:
         """Jobs vLLM's manager still tracks (`_store_jobs`, `_load_job_keys`) that will never be reported: neither
         in flight (`_transfers`) nor with a result waiting (`_pending_results`)."""
-        reportable = set(self._transfers) | {r.job_id for r in self._pending_results}
-        tracked = set(self._store_jobs) | set(self._load_job_keys)
+        reportable = set(names.get(self, names.OBJ_TRANSFERS)) | {
+            r.job_id for r in names.get(self, names.OBJ_PENDING_RESULTS)}
+        tracked = set(names.get(self, names.OBJ_STORE_JOBS)) | set(names.get(self, names.OBJ_LOAD_JOB_KEYS))
         return sorted(tracked - reportable)
 
     def kvdoctor_orphan_handles(self) -> int:
         """Transfer handles the agent holds that belong to no transfer vLLM still tracks (released nowhere)."""
-        active = {id(entry.xfer_handle) for entry in self._transfers.values()}
+        active = {id(entry.xfer_handle) for entry in names.get(self, names.OBJ_TRANSFERS).values()}
         return sum(id(x) not in active for x in self.kvdoctor_agent.live_xfers)
