@@ -35,9 +35,28 @@ class Terminated(BaseException):
     does not swallow it, and every `finally` on the way out runs."""
 
 
+_terminated = False  # a SIGTERM arrived: kept, in case a library's handler swallowed its `Terminated`
+
+
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    global _terminated
+    _terminated = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the clean-up short
     raise Terminated
+
+
+def raise_if_terminated() -> None:
+    """Raise `Terminated` again if a SIGTERM arrived: its first `Terminated` can land inside a library that
+    catches it (measured once at load ~10: SIGTERM during vLLM's config parsing ended in vLLM's "Error parsing
+    config ..., retrying" and the run went on to its verdict, exit 1). Called between engine steps and before
+    the process ends, so the run still stops and exits 143."""
+    if _terminated:
+        raise Terminated
+
+
+def sigterm_arrived() -> bool:
+    """Whether a SIGTERM arrived (its `Terminated` may have been swallowed on the way)."""
+    return _terminated
 
 
 def raise_on_sigterm() -> None:

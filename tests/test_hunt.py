@@ -218,7 +218,14 @@ def test_the_hybrid_mtp_and_aligned_layouts_are_forced_only_and_planned_as_vllm_
         harness = Harness(api, Setup(block_size=4, gpu_blocks=41, max_model_len=128, layout=layout, sliding_window=8,
                                      worker="simulated"))
         try:
-            counts[layout] = [g.alignment_chunk_count for g in harness.connector_scheduler.config.kv_group_configs]
+            configs = harness.connector_scheduler.config.kv_group_configs
+            if not all(hasattr(g, "alignment_chunk_count") for g in configs):
+                counts.clear()
+                break
+            counts[layout] = [g.alignment_chunk_count for g in configs]
         finally:
             harness.shutdown()
+    if not counts:  # measured on 0.34.0: the group configs carry no alignment segment
+        pytest.skip("this vLLM's offloading GroupOffloadConfig has no alignment_chunk_count (the MTP/Mamba part "
+                    "above held)")
     assert counts["full-swa-mixed"][0] == 4 and not any(counts["swa-full-mixed"]), counts

@@ -126,7 +126,7 @@ def main() -> None:
     """The console script: caches in a scratch folder kvdoctor removes, SIGTERM answered as Ctrl-C is,
     and the prompt back as soon as the output is flushed (see `kvdoctor.cli.teardown`); in-process
     callers use `app`."""
-    from kvdoctor.clean_exit import Terminated, exit_now
+    from kvdoctor.clean_exit import TERMINATED_EXIT, Terminated, exit_now, sigterm_arrived
     from kvdoctor.cli.streams import guard_process_streams
     from kvdoctor.cli.teardown import prepare, remove_scratch, terminated
 
@@ -144,6 +144,8 @@ def main() -> None:
     except BaseException:  # not one of kvdoctor's outcomes: Python's own report, but no scratch left
         remove_scratch()
         raise
+    if sigterm_arrived() and code != TERMINATED_EXIT:  # its Terminated swallowed on the way: still stopped
+        code = terminated()
     exit_now(code)
 
 

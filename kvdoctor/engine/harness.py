@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdoctor.clean_exit import raise_if_terminated
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.secondary_tier import empty_tier_directory
@@ -390,6 +391,7 @@ class Harness:
     # -- one engine step ------------------------------------------------
     def step(self) -> StepEvents:
         """schedule(), the worker's output, update_from_output(); async applies it one step late."""
+        raise_if_terminated()  # a SIGTERM whose Terminated a library swallowed still stops the run
         self.step_index += 1
         events = StepEvents()
 

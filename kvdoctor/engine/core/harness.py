@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvdoctor.clean_exit import raise_if_terminated
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
@@ -182,6 +183,7 @@ class CoreHarness(Harness):
     # -- one engine step ---------------------------------------------------------------------------
     def step(self) -> StepEvents:
         """The engine's own step function; the executor reports what the scheduled step did."""
+        raise_if_terminated()  # a SIGTERM whose Terminated a library swallowed still stops the run
         self.step_index += 1
         self._events = StepEvents()
         events = self._events
