@@ -10,6 +10,12 @@ from typing import Any
 import numpy as np
 
 
+def job_chunk_ids(job: Any) -> tuple[int, ...]:
+    """A tier job's primary chunk ids (`TransferJob.chunk_ids`; `JobMetadata.block_ids` before 0.34)."""
+    ids = job.chunk_ids if hasattr(job, "chunk_ids") else job.block_ids
+    return tuple(int(c) for c in np.asarray(ids).tolist())
+
+
 def key_stamp(key: Any, size: int, dtype: Any = np.uint8) -> np.ndarray:
     """The bytes a chunk holding `key` carries here: sha256 of the key, repeated to the chunk's size (as the
     region's dtype: vLLM's shared region is int8)."""

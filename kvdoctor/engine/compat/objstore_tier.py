@@ -21,7 +21,7 @@ import numpy as np
 from vllm.v1.kv_offload.tiering.obj.manager import ObjectStoreSecondaryTierManager
 
 from kvdoctor.engine.compat import names
-from kvdoctor.engine.compat.chunk_stamps import stamp_chunks, unstamped_chunks
+from kvdoctor.engine.compat.chunk_stamps import job_chunk_ids, stamp_chunks, unstamped_chunks
 from kvdoctor.engine.compat.names import OBJ_MANAGER_MODULE
 from kvdoctor.engine.compat.objstore_agent import FakeObjAgent, object_store
 
@@ -83,9 +83,6 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
         self.kvdoctor_region = np.asarray(primary_kv_view)
         self.journal = ObjJournal()
 
-    def _chunks(self, job: Any) -> tuple[int, ...]:
-        return tuple(int(c) for c in np.asarray(job.chunk_ids).tolist())
-
     def lookup(self, key: Any, req_context: Any) -> Any:
         result = super().lookup(key, req_context)
         if result.name == "HIT":
@@ -96,14 +93,14 @@ class RecordedObjTier(ObjectStoreSecondaryTierManager):
         return result
 
     def submit_store(self, job_metadata: Any) -> None:
-        keys, chunks = tuple(job_metadata.keys), self._chunks(job_metadata)
+        keys, chunks = tuple(job_metadata.keys), job_chunk_ids(job_metadata)
         stamp_chunks(self.kvdoctor_region, keys, chunks)  # the copy engine's bytes (see the docstring)
         self.journal.stores[job_metadata.job_id] = (keys, chunks)
         self.kvdoctor_agent.begin("WRITE")
         super().submit_store(job_metadata)
 
     def submit_load(self, job_metadata: Any) -> None:
-        self.journal.loads[job_metadata.job_id] = (tuple(job_metadata.keys), self._chunks(job_metadata))
+        self.journal.loads[job_metadata.job_id] = (tuple(job_metadata.keys), job_chunk_ids(job_metadata))
         self.kvdoctor_agent.begin("READ")
         super().submit_load(job_metadata)
 

@@ -21,17 +21,12 @@ from typing import Any
 import numpy as np
 from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager
 
-from kvdoctor.engine.compat.chunk_stamps import stamp_chunks, unstamped_chunks
+from kvdoctor.engine.compat.chunk_stamps import job_chunk_ids, stamp_chunks, unstamped_chunks
 from kvdoctor.engine.compat.p2p_transport import FABRICS, Fabric, p2p_transports
 
 TIER_CLASS = "RecordedP2PTier"
 TIER_MODULE = __name__
 
-
-def _chunk_ids(job: Any) -> tuple[int, ...]:
-    """A tier job's primary chunk ids (`TransferJob.chunk_ids`; `JobMetadata.block_ids` before 0.34)."""
-    ids = job.chunk_ids if hasattr(job, "chunk_ids") else job.block_ids
-    return tuple(int(c) for c in np.asarray(ids).tolist())
 
 
 
@@ -65,14 +60,14 @@ class RecordedP2PTier(P2PSecondaryTierManager):
 
     def submit_store(self, job_metadata: Any) -> None:
         keys = tuple(job_metadata.keys)
-        chunks = _chunk_ids(job_metadata)
+        chunks = job_chunk_ids(job_metadata)
         stamp_chunks(self.kvdoctor_region, keys, chunks)  # the copy engine's bytes (see the docstring)
         self.journal.stores[job_metadata.job_id] = (keys, chunks)
         super().submit_store(job_metadata)
 
     def submit_load(self, job_metadata: Any) -> None:
         keys = tuple(job_metadata.keys)
-        chunks = _chunk_ids(job_metadata)
+        chunks = job_chunk_ids(job_metadata)
         self.journal.loads[job_metadata.job_id] = (keys, chunks)
         super().submit_load(job_metadata)
 
