@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,24 @@ SCRIPT = shutil.which("kvdoctor", path=str(Path(sys.executable).parent)) or "kvd
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
 def test_help_and_version_are_instant(flag):
-    best = min(_timed([SCRIPT, flag]) for _ in range(3))
-    assert best < 0.5, f"kvdoctor {flag} took {best:.2f}s"
+    """CPU seconds, not wall: CI runs this beside workers importing vLLM at full load.
+
+    Measured: 0.15 s wall on an idle machine, 0.68 s wall in CI at 0.34.0 beside
+    two xdist workers; the CPU the command itself spends does not grow with load.
+    """
+    best = min(_cpu_seconds([SCRIPT, flag]) for _ in range(3))
+    assert best < 0.5, f"kvdoctor {flag} spent {best:.2f} CPU-s"
 
 
-def _timed(cmd):
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    elapsed = time.perf_counter() - start
-    assert proc.returncode == 0, proc.stderr
-    return elapsed
+def _cpu_seconds(cmd):
+    """User + system CPU of the one child process (os.wait4 reads only its usage)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    out, err = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, err
+    assert out, "no help or version printed"
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_cli_import_does_not_import_vllm():
