@@ -22,9 +22,12 @@ from typing import Any
 
 # Setup.secondary_tier values: vLLM's fs tier, kvdoctor's scripted tier (compat/scripted_tier.py, loaded by vLLM
 # through the tier spec's `module_path`), or both at once (fs first, then scripted: vLLM cascades to every tier
-# and promotes from the first that hits). All run in-process on a CPU (no network).
-SECONDARY_TIERS = ("fs", "scripted", "fs+scripted")
+# and promotes from the first that hits); vLLM's own in-memory example tier (`tiering/example/manager.py`, loaded
+# through `module_path` as kvdoctor's recording subclass, compat/example_tier.py), alone or after fs. All run
+# in-process on a CPU (no network).
+SECONDARY_TIERS = ("fs", "scripted", "fs+scripted", "example", "fs+example")
 SCRIPTED_MODULE = "kvdoctor.engine.compat.scripted_tier"
+EXAMPLE_TIER = {"type": "RecordedExampleTier", "module_path": "kvdoctor.engine.compat.example_tier"}
 SCRIPTED_CLASS = "ScriptedSecondaryTier"  # vLLM's factory reads the class named by `type` from `module_path`
 
 _directory: str | None = None
@@ -52,6 +55,9 @@ def tier_configs(secondary_tier: str, tier_script: str | None = None,
     detector and policy (vLLM's factory imports them by their dotted names)."""
     configs: list[dict[str, Any]] = []
     for kind in secondary_tier.split("+"):
+        if kind == "example":
+            configs.append(dict(EXAMPLE_TIER))
+            continue
         if kind != "scripted":
             configs.append(tier_config(kind))
             continue

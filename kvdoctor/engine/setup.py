@@ -133,7 +133,8 @@ class Setup:
     # file system tier in a throw-away directory kvdoctor removes (kvdoctor/engine/secondary_tier.py);
     # None: the CPU tier only. "scripted": kvdoctor's scripted tier (engine/compat/scripted_tier.py) whose job
     # outcomes follow `tier_script` ("ok,late/defer,partial": store outcomes / promotion outcomes, cycled);
-    # "fs+scripted": both. Needs spec_name = "TieringOffloadingSpec".
+    # "fs+scripted": both. "example" / "fs+example": vLLM's own in-memory example tier (compat/example_tier.py).
+    # Needs spec_name = "TieringOffloadingSpec".
     secondary_tier: str | None = None
     # vLLM's KV cache events (`--kv-events-config '{"enable_kv_cache_events": true}'`): the Scheduler publishes
     # its KV cache manager's and its connector's BlockStored / BlockRemoved / AllBlocksCleared each step; kvdoctor

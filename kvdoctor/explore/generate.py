@@ -386,9 +386,10 @@ def decode_tier(geometry: Geometry, byte: int, worker: str = "simulated",
     else:
         own = geometry.cpu_bytes_to_use if geometry.spec_name == TIERING else None
         cpu = max(own or TIERING_ROOMY_TIER, chunk_bytes)
-    from kvdoctor.explore.tier_draw import objstore_fields, scripted_tier_fields  # bits 3-7, probed features
+    from kvdoctor.explore.tier_draw import example_tier_kind, objstore_fields, scripted_tier_fields  # bits 3-7
 
     tiers, script, pattern = scripted_tier_fields(byte, features)
+    tiers = example_tier_kind(byte, features, tiers)
     return dataclasses.replace(geometry, spec_name=TIERING, cpu_bytes_to_use=cpu, secondary_tier=tiers,
                                tier_script=script, backpressure_pattern=pattern,
                                object_store=objstore_fields(byte, features))

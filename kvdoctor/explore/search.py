@@ -69,7 +69,14 @@ from kvdoctor.explore.generate import (
     to_recipe,
 )
 from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
-from kvdoctor.explore.tier_draw import OBJSTORE_DRAW, P2P_EVERY, P2P_SETUP, P2P_TIER_DRAW, SCRIPTED_TIER_DRAW
+from kvdoctor.explore.tier_draw import (
+    EXAMPLE_TIER_DRAW,
+    OBJSTORE_DRAW,
+    P2P_EVERY,
+    P2P_SETUP,
+    P2P_TIER_DRAW,
+    SCRIPTED_TIER_DRAW,
+)
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.line_coverage import Executed, LineCoverage, merge_executed
 
@@ -502,6 +509,8 @@ def available_features(api: Any) -> frozenset[str]:
     probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
     # and vLLM's object-store tier on kvdoctor's fake NIXL agent, where vLLM builds its agent by the names stood in for
     probes[OBJSTORE_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.objstore_unavailable() is None
+    # and vLLM's own in-memory example tier, loaded through module_path (bits the object store leaves spare)
+    probes[EXAMPLE_TIER_DRAW] = probes[OBJSTORE_DRAW] and api.has_example_tier()
     # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)
     probes[ARC] = ARC in api.eviction_policies()
     # The P2P pair (its own branch, `p2p_branch`) where kvdoctor can stand in for the P2P tier's transports

@@ -65,6 +65,23 @@ def objstore_fields(byte: int, features: frozenset[str]) -> str | None:
         return None
     return OBJSTORE_SCRIPTS[byte >> 6 & 3]
 
+
+# -- vLLM's example tier (compat/example_tier.py), where EXAMPLE_TIER_DRAW is a feature (probed:
+# VllmApi.has_example_tier, with the object-store draw's probe: the two share the byte) ---------------------------
+EXAMPLE_TIER_DRAW = "example_tier"
+# bits 6-7 where bits 3-5 are zero (the fs tier alone, no object store): nothing else reads them there
+EXAMPLE_TIER_KINDS = ("fs", "example", "fs+example", "example")
+
+
+def example_tier_kind(byte: int, features: frozenset[str], kind: str) -> str:
+    """The secondary tiers with vLLM's example tier drawn in: bits 6-7 of the tier byte, read only where the
+    scripted-tier bits (3-4) and the object-store bit (5) are zero, whose bits 6-7 nothing else reads, and where
+    the feature is present; elsewhere `kind` unchanged (a release's examples stay as they were)."""
+    if EXAMPLE_TIER_DRAW not in features or byte >> 3 & 7:
+        return kind
+    return EXAMPLE_TIER_KINDS[byte >> 6 & 3]
+
+
 def p2p_plan_bytes(seed: int, worker: int) -> list[int]:
     """The plan bytes a worker plays, in the order its seed draws (all 128: 0, the plain exchange, among them)."""
     order = list(range(128))

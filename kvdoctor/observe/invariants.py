@@ -14,6 +14,7 @@ from typing import Any
 
 from kvdoctor.logic.patch import StorableCall
 from kvdoctor.observe import connector_metrics, kv_events
+from kvdoctor.observe.example_tier_invariants import EXAMPLE_TIER_CHECKS
 from kvdoctor.observe.objstore_invariants import OBJSTORE_CHECKS
 from kvdoctor.observe.p2p_invariants import P2P_CHECKS
 from kvdoctor.observe.tier_invariants import TIER_CHECKS
@@ -243,5 +244,6 @@ def check_all(names: list[str], ctx: StepContext) -> list[Violation]:
 # The tiering manager's invariants, read through kvdoctor's scripted secondary tier (a module of their own)
 INVARIANTS.update(TIER_CHECKS)
 INVARIANTS.update(OBJSTORE_CHECKS)  # vLLM's object-store tier, read through kvdoctor's recording tier
+INVARIANTS.update(EXAMPLE_TIER_CHECKS)  # vLLM's example tier, read through kvdoctor's recording tier
 # vLLM's P2P tier's promises, read on a `[setup] p2p = true` pair (observe/p2p_invariants.py)
 INVARIANTS.update(P2P_CHECKS)

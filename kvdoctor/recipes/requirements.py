@@ -41,6 +41,9 @@ def missing(api: VllmApi, requirements: tuple[str, ...]) -> list[str]:
         elif kind == "secondary_tier" and value == "scripted":
             if not api.has_scripted_tier():
                 reasons.append("this vLLM's tiering spec loads no scripted (out-of-tree, deferred-release) tier")
+        elif kind == "secondary_tier" and value == "example":
+            if not api.has_example_tier():
+                reasons.append("this vLLM's tiering spec cannot load its example tier through module_path")
         elif kind == "secondary_tier" and not api.has_secondary_tier(value):
             reasons.append(f"this vLLM's tiering spec has no secondary tier {value!r}")
     return reasons

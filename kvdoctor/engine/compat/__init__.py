@@ -536,6 +536,14 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         result = getattr(_import(names.TIER_BASE_MODULE), "JobResult", None)
         return result is not None and "deferred_release" in {f.name for f in dataclasses.fields(result)}
 
+    def has_example_tier(self) -> bool:
+        """Whether vLLM ships its in-memory example secondary tier and its tiering spec loads a tier through
+        `module_path` (how kvdoctor's recording subclass of it is loaded)."""
+        import importlib.util
+
+        return (self.has_scripted_tier() and importlib.util.find_spec(names.EXAMPLE_TIER_MODULE) is not None
+                and hasattr(_import(names.EXAMPLE_TIER_MODULE), "ExampleSecondaryTierManager"))
+
     def has_tier_backpressure(self) -> bool:
         """Whether a tier's `backpressure` dict builds a detector by `backpressure_cls` (the factory reads
         it) with vLLM's drop-accounting policy (what kvdoctor's scripted policy extends)."""

@@ -28,6 +28,7 @@ MULTI_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_con
 SPEC_FACTORY_MODULE = "vllm.v1.kv_offload.factory"
 TIERING_PACKAGE = "vllm.v1.kv_offload.tiering"
 TIER_FACTORY_MODULE = "vllm.v1.kv_offload.tiering.factory"
+EXAMPLE_TIER_MODULE = "vllm.v1.kv_offload.tiering.example.manager"  # vLLM's in-memory example tier (issue 36)
 TIERING_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.manager"
 ASYNC_LOOKUP_MODULE = "vllm.v1.kv_offload.tiering.async_lookup"
 FS_TIER_MODULE = "vllm.v1.kv_offload.tiering.fs.manager"
