@@ -593,8 +593,10 @@ def _p2p_abort(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.p2p("abort", step.args)
 
 
-@step_kind("p2p_kill", Need.P2P_PAIR, summary="the P2P producer dies (its connections read dead at the next poll)",
-           fields={"side": f(str, required=True, choices=("producer",))}, script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
+@step_kind("p2p_kill", Need.P2P_PAIR,
+           summary="a side of the P2P pair dies (its connections read dead at the next poll; the consumer's engine "
+                   "steps on, its P2P tier cut off)",
+           fields={"side": f(str, required=True, choices=P2P_SIDES)}, script=_P2P_SCRIPT, explore=_P2P_EXPLORE)
 def _p2p_kill(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.p2p("kill", step.args)
 

@@ -226,3 +226,18 @@ def test_explore_finds_a_pinned_producer_and_writes_a_recipe_repro_replays(api, 
     path.write_text(recipe_to_toml(pinned[0].recipe))
     result = _recipe_run(api, path)
     assert result.outcome.value == "reproduced", (result.outcome, result.detail)
+
+
+def test_lossy_plans_drop_a_message_type_and_kill_the_consumer():
+    """Bit 7 of a plan byte: a dropped control message type (bits 0-1) instead of a delay, and the death of bits 3-4
+    is the consumer's endpoint; plans below 128 read as before."""
+    from kvdoctor.explore.tier_draw import P2P_PLANS, p2p_plan_fields, p2p_steps
+
+    assert p2p_plan_fields(0b0000_1001)["kill_producer_at"] == 1 and p2p_plan_fields(9)["drop"] == ()
+    lossy = p2p_plan_fields(0b1000_1001)
+    assert (lossy["drop"], lossy["delay_polls"], lossy["kill_consumer_at"], lossy["kill_producer_at"]) == (
+        ("fetch",), 0, 1, None)
+    steps = p2p_steps(0b1000_1001)
+    assert ("p2p_fabric", {"delay_polls": 0, "fail_transfers": False, "drop": ["fetch"]}) in steps
+    assert ("p2p_kill", {"side": "consumer"}) in steps
+    assert P2P_PLANS == 256

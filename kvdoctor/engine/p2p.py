@@ -83,6 +83,7 @@ class P2PHarness(Harness):
         self.producer_id = f"{P2P_HOST}:{PRODUCER_PORT}"
         self.consumer_id = f"{P2P_HOST}:{CONSUMER_PORT}"
         self.producer_dead = False
+        self.consumer_dead = False  # its P2P endpoint killed (`p2p_kill` side = "consumer"): no longer judged at rest
         self.quiet_steps = 0  # steps in a row after which nothing was in flight on the fabric
         self.rest_steps = 0  # steps in a row after which, besides, no request was unfinished and no load open
         self.load_seen: dict[int, float] = {}  # load job -> vLLM's P2P clock when a step first saw it
@@ -106,7 +107,12 @@ class P2PHarness(Harness):
         self.quiet_steps = self.quiet_steps + 1 if self.fabric.quiet() else 0
         for job in inv.open_loads(self._journal()):
             self.load_seen.setdefault(job, self.clock.now())
-        at_rest = self.quiet_steps and self.requests_done() and not inv.open_loads(self._journal())
+        # a producer's store parked for a fetch still to come is vLLM's bounded wait (its unbound-store timeout
+        # reaps it), not rest: the at-rest checks wait for it (a dropped fetch with the consumer's request aborted
+        # came to rest with it parked, and p2p-nothing-pinned fired before vLLM's timeout: kvdoctor's own error)
+        parked = not self.producer_dead and self.api.p2p_parked_stores(self.tier(self._producer()))
+        at_rest = (self.quiet_steps and self.requests_done() and not inv.open_loads(self._journal())
+                   and not parked)
         self.rest_steps = self.rest_steps + 1 if at_rest else 0
         return events
 
@@ -125,6 +131,13 @@ class P2PHarness(Harness):
             harness = self.side(args["side"])
             if args["request"] in harness.scheduler.requests:  # a finished request is gone: nothing to abort
                 harness.abort(args["request"])
+        elif action == "kill" and args.get("side") == "consumer":
+            # the consumer's P2P endpoint dies: the producer sees the consumer die (its connections read dead at
+            # the next poll, nothing arrives from it, its data agent is gone); the recipe's own engine keeps
+            # stepping with its P2P tier cut off (kvdoctor does not stop the engine the recipe observes), and what
+            # its cut-off tier still holds is not judged: a dead consumer's state dies with it
+            self.fabric.kill(self.consumer_id)
+            self.consumer_dead = True
         elif action == "kill":
             self.fabric.kill(self.producer_id)
             self.producer_dead = True
@@ -141,7 +154,8 @@ class P2PHarness(Harness):
         return not any(harness.scheduler.get_num_unfinished_requests() for harness in sides)
 
     def sides_at_rest(self) -> list[inv.SideAtRest]:
-        sides = [("consumer", self)] + ([] if self.producer_dead else [("producer", self._producer())])
+        sides = (([] if self.consumer_dead else [("consumer", self)])
+                 + ([] if self.producer_dead else [("producer", self._producer())]))
         out = []
         for name, harness in sides:
             manager = self.api.tiering_manager_of(harness.connector_scheduler)
@@ -155,7 +169,7 @@ class P2PHarness(Harness):
         now = self.clock.now()
         ages = {job: now - self.load_seen.get(job, now) for job in inv.open_loads(self._journal())}
         return inv.PairState(tuple(self.fabric.journals.values()), self._journal(), ages, self.requests_done(),
-                             self.rest_steps, self.sides_at_rest)
+                             self.rest_steps, self.sides_at_rest, not self.consumer_dead)
 
     def _release(self) -> None:
         with contextlib.suppress(Exception):
@@ -176,7 +190,8 @@ class P2PPlan:
     """One PD exchange: the producer prefills `prompt_tokens`; the consumer's request (the prompt plus one
     token) arrives at step `consumer_at` (symmetric: `SYMMETRIC_LAG` steps later) and decodes `decode_tokens`.
     Faults: `drop` (control message types dropped), `delay_polls`, `fail_transfers`; `kill_producer_at` (the
-    producer dies at that step); `abort_consumer_at` (the consumer's request is aborted at that step)."""
+    producer dies at that step); `kill_consumer_at` (the consumer's P2P endpoint dies at that step: see
+    `P2PHarness.p2p`); `abort_consumer_at` (the consumer's request is aborted at that step)."""
 
     prompt_tokens: int = 32
     decode_tokens: int = 3
@@ -185,6 +200,7 @@ class P2PPlan:
     delay_polls: int = 0
     fail_transfers: bool = False
     kill_producer_at: int | None = None
+    kill_consumer_at: int | None = None
     abort_consumer_at: int | None = None
     max_steps: int = 40
     # symmetric P2P (`remote_kv_source`): the producer's request is an ordinary one (its chunks stay in its CPU
@@ -229,6 +245,8 @@ class P2PPair:
         role = "symmetric" if plan.symmetric else "pd"
         if index == plan.kill_producer_at:
             harness.p2p("kill", {"side": "producer"})
+        if index == plan.kill_consumer_at:
+            harness.p2p("kill", {"side": "consumer"})
         if plan.symmetric and index == plan.consumer_at:  # opens the session; its own prefix is not the producer's
             harness.p2p("add", {"side": "consumer", "request": "W", "prompt": [1000 + t for t in range(8)],
                                 "role": role, "kv_request_id": "warm-up"})
@@ -251,7 +269,8 @@ class P2PPair:
                             "role": "none" if plan.symmetric else "pd"})
         violations: list[str] = []
         index = 0
-        last_event = max(x for x in (self.consumer_request_at, plan.kill_producer_at, plan.abort_consumer_at)
+        last_event = max(x for x in (self.consumer_request_at, plan.kill_producer_at, plan.kill_consumer_at,
+                                             plan.abort_consumer_at)
                          if x is not None)
         rest = False
         for index in range(plan.max_steps):
@@ -269,7 +288,8 @@ class P2PPair:
                 violations += [v for v in self._step_checks() if v not in violations]
         state = harness.pair_state()
         if rest:
-            violations += inv.rounds_ended(state.consumer) + inv.deferred_released(state.consumer)
+            violations += inv.rounds_ended(state.consumer) + (
+                inv.deferred_released(state.consumer) if state.consumer_alive else [])
             violations += inv.nothing_pinned(state.sides())
         else:
             violations += inv.rounds_ended(state.consumer) or [

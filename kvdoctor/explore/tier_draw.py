@@ -40,13 +40,23 @@ P2P_SETUP = {"block_size": 4, "gpu_blocks": 32, "max_model_len": 128, "worker": 
 P2P_TAIL = 12  # engine steps after the plan's last event, before vLLM's P2P clock moves past its timeouts
 
 
-def p2p_plan_fields(byte: int) -> dict[str, int | bool | None]:
+# bit 7: the lossy plans: a control message type the fabric drops (bits 0-1 pick which, no delay then) and the death
+# of bits 3-4 is the consumer's instead of the producer's
+P2P_DROPS = (("transfer_done",), ("fetch",), ("lookup_resp",), ("abort_fetch", "connect_ack"))
+P2P_PLANS = 256
+
+
+def p2p_plan_fields(byte: int) -> dict[str, Any]:
     """A P2P plan's fault fields from one byte: bits 0-1 the fabric's delay in polls, bit 2 failed transfers,
-    bits 3-4 when the producer dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P. Zero (what
-    hypothesis shrinks towards) is the plain PD exchange. explore plays them in `p2p_plan_bytes`' order."""
-    return {"delay_polls": byte & 3, "fail_transfers": bool(byte >> 2 & 1),
-            "kill_producer_at": P2P_KILL_AT[byte >> 3 & 3], "abort_consumer_at": 4 if byte >> 5 & 1 else None,
-            "symmetric": bool(byte >> 6 & 1)}
+    bits 3-4 when a side dies, bit 5 the consumer's abort at step 4, bit 6 symmetric P2P; bit 7 a lossy plan
+    (bits 0-1 a dropped message type instead of a delay, and the death is the consumer's). Zero (what hypothesis
+    shrinks towards) is the plain PD exchange. explore plays them in `p2p_plan_bytes`' order."""
+    lossy = bool(byte >> 7 & 1)
+    death = P2P_KILL_AT[byte >> 3 & 3]
+    return {"delay_polls": 0 if lossy else byte & 3, "drop": P2P_DROPS[byte & 3] if lossy else (),
+            "fail_transfers": bool(byte >> 2 & 1),
+            "kill_producer_at": None if lossy else death, "kill_consumer_at": death if lossy else None,
+            "abort_consumer_at": 4 if byte >> 5 & 1 else None, "symmetric": bool(byte >> 6 & 1)}
 
 
 # -- vLLM's object-store tier (compat/objstore_tier.py), where OBJSTORE_DRAW is a feature (probed:
@@ -83,8 +93,9 @@ def example_tier_kind(byte: int, features: frozenset[str], kind: str) -> str:
 
 
 def p2p_plan_bytes(seed: int, worker: int) -> list[int]:
-    """The plan bytes a worker plays, in the order its seed draws (all 128: 0, the plain exchange, among them)."""
-    order = list(range(128))
+    """The plan bytes a worker plays, in the order its seed draws (all of them: 0, the plain exchange, among
+    them)."""
+    order = list(range(P2P_PLANS))
     random.Random(seed * 1_000_003 + worker).shuffle(order)
     return order
 
@@ -104,13 +115,15 @@ def p2p_steps(byte: int) -> list[tuple[str, dict[str, Any]]]:
     at.setdefault(6 if symmetric else 2, []).append(("p2p_add", {
         "side": "consumer", "request": "D", "prompt_tokens": 33, "shared_prefix_with": "P",
         "shared_prefix_tokens": 32, "max_tokens": 3, "role": role}))
-    if plan["kill_producer_at"] is not None:
-        at.setdefault(int(plan["kill_producer_at"]), []).append(("p2p_kill", {"side": "producer"}))
+    for side in ("producer", "consumer"):
+        if plan[f"kill_{side}_at"] is not None:
+            at.setdefault(int(plan[f"kill_{side}_at"]), []).append(("p2p_kill", {"side": side}))
     if plan["abort_consumer_at"] is not None:
         at.setdefault(int(plan["abort_consumer_at"]), []).append(("p2p_abort", {"side": "consumer", "request": "D"}))
     steps: list[tuple[str, dict[str, Any]]] = []
-    if plan["delay_polls"] or plan["fail_transfers"]:
-        steps.append(("p2p_fabric", {"delay_polls": plan["delay_polls"], "fail_transfers": plan["fail_transfers"]}))
+    if plan["delay_polls"] or plan["fail_transfers"] or plan["drop"]:
+        steps.append(("p2p_fabric", {"delay_polls": plan["delay_polls"], "fail_transfers": plan["fail_transfers"],
+                                     **({"drop": list(plan["drop"])} if plan["drop"] else {})}))
     steps.append(("p2p_add", {"side": "producer", "request": "P", "prompt_tokens": 32, "max_tokens": 1,
                               "role": "none" if symmetric else "pd"}))
     last = max(at)

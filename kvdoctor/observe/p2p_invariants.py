@@ -115,6 +115,7 @@ class PairState:
     requests_done: bool  # neither live side has an unfinished request
     rest_steps: int  # steps in a row after which the fabric was quiet, requests done and no load open
     sides: Callable[[], list[SideAtRest]]  # what each live side's tiering manager still holds
+    consumer_alive: bool = True  # False once the consumer's P2P endpoint died: its deferred releases die with it
 
     @property
     def settled(self) -> bool:
@@ -151,7 +152,7 @@ def _nothing_pinned(ctx: Any) -> list[str]:
 
 def _deferred_released(ctx: Any) -> list[str]:
     state = _state(ctx)
-    return deferred_released(state.consumer) if state is not None and state.settled else []
+    return deferred_released(state.consumer) if state is not None and state.settled and state.consumer_alive else []
 
 
 def _strip(check: Callable[[Any], list[str]], name: str) -> Callable[[Any], list[str]]:

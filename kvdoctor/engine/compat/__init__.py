@@ -576,6 +576,11 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         """The request ids the tiering manager still holds state for (finalized ones are gone)."""
         return set(names.get(manager, names.TIER_REQUEST_STATE, None) or ())
 
+    def p2p_parked_stores(self, tier: Any) -> int:
+        """Store batches a P2P producer tier parks for a fetch that has not come yet: vLLM keeps them pinned until
+        a fetch binds them or its unbound-store timeout reaps them (a bounded wait, not a leak)."""
+        return sum(len(batches) for batches in (names.get(tier, names.P2P_UNBOUND_STORES, None) or {}).values())
+
     def tier_jobs_of(self, manager: Any, tier: Any) -> int:
         """Transfer jobs the tiering manager tracks for `tier` (each pins its primary chunks)."""
         index = list(manager.secondary_tiers).index(tier)

@@ -137,6 +137,11 @@ OBJ_STORE_JOBS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager",
 OBJ_LOAD_JOB_KEYS = VllmName(OBJ_MANAGER_MODULE, "ObjectStoreSecondaryTierManager", ("_load_job_keys",),
                              absent=_OBJ_ABSENT)
 
+# -- the P2P tier's producer: store batches parked for a fetch still to come (reaped after its unbound timeout) ----
+P2P_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.p2p.manager"
+P2P_UNBOUND_STORES = VllmName(P2P_MANAGER_MODULE, "P2PSecondaryTierManager", ("_unbound_stores",),
+                              absent="p2p_parked_stores: 0 (no parked store delays the pair's rest)")
+
 TABLE: tuple[VllmName, ...] = (
     REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, RESET_CACHE, SUB_CONNECTORS,
     SPEC_REGISTRY, SECONDARY_TIER_REGISTRY, TIER_TRANSFER_JOBS, TIER_LOOKUP_MANAGER, LOOKUP_STATE, LOOKUP_BATCH,
@@ -144,6 +149,7 @@ TABLE: tuple[VllmName, ...] = (
     KV_CONNECTOR_AGENT, GET_KV_CONNECTOR_OUTPUT, PROCESS_INPUT_QUEUE, IS_DEFAULT_V2_RUNNER_MODEL,
     V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE, CPU_CACHE_POLICY,
     OBJ_AGENT, OBJ_FILE_MAPPER, OBJ_TRANSFERS, OBJ_PENDING_RESULTS, OBJ_STORE_JOBS, OBJ_LOAD_JOB_KEYS,
+    P2P_UNBOUND_STORES,
 )
 
 _MISSING = object()
