@@ -269,6 +269,9 @@ class Harness:
         # sampled (token, logprob), in order (EOS a recipe forces is not the model's and not listed).
         self.context_keys = ContextKeys()
         self.answers: dict[str, list[tuple[int, float]]] = {}
+        # (step, request) where vLLM's worker's toy model gave no answer: its token is right KV's, not read from
+        # the KV bytes, so a client comparison over it proves nothing (kvdoctor's failure, `levels.core`)
+        self.unanswered: list[tuple[int, str]] = []
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
@@ -468,8 +471,11 @@ class Harness:
         answered = self._answer(sampled)
         # vLLM's worker: the toy model reads each answer from the KV bytes its forward attends to
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
-        read = getattr(getattr(self.worker, "model", None), "logprobs", {})
+        model = getattr(self.worker, "model", None)
+        read = getattr(model, "logprobs", {})
         for req_id in answered:
+            if model is not None and req_id not in read:  # kept the right KV's token: the toy model read nothing
+                self.unanswered.append((self.step_index, req_id))
             self.answers.setdefault(req_id, []).append((sampled[req_id][-1], read.pop(req_id, answered[req_id])))
         if self.companion is not None:
             other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
