@@ -13,6 +13,8 @@ worker) says it did not compare.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -105,6 +107,43 @@ def test_k11_loses_prefix_hits_and_no_client_answer(api) -> None:
     assert answers is not None and not answers["reproduced"] and answers["not_compared"] is None, answers
     assert {r["request"] for r in answers["requests"]} == {"A", "B"}
     assert all(r["got_tokens"] == r["expected_tokens"] > 0 for r in answers["requests"]), answers
+
+
+def _step(new: list[Any] = (), cached: tuple[list[str], set[str], list[Any]] = ([], set(), []),
+          scheduled: dict[str, int] | None = None, preempted: tuple[str, ...] = ()) -> Any:
+    """A scheduler output as the toy model reads it (the fields of vLLM's SchedulerOutput it uses)."""
+    ids, resumed, blocks = cached
+    return SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(preempted), scheduled_new_reqs=list(new),
+                           num_scheduled_tokens=scheduled or {},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=ids, resumed_req_ids=resumed,
+                                                                 all_token_ids={}, new_block_ids=blocks,
+                                                                 num_computed_tokens=[0] * len(ids)))
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_toy_model_answers_a_request_resumed_after_its_preemption(runner: str) -> None:
+    """V1 sends a resumed request among the cached ones and ignores `preempted_req_ids` (only V2 reads it):
+    the toy model keeps the request's state there, so its tokens after the re-admission are answered
+    (K11 at serve on 0.26.0 / 0.30.0, V1 runner: B's tokens went unanswered from engine step 150)."""
+    pytest.importorskip("torch")
+    from kvdoctor.engine.workers.toy_model import ToyModel
+
+    api = SimpleNamespace(preempted_req_ids=lambda o: o.preempted_req_ids, resumed_req_ids=lambda c: c.resumed_req_ids,
+                          all_token_ids=lambda c: c.all_token_ids, scheduled_new_tokens=lambda n: n.prompt_token_ids,
+                          block_ids_to_zero=lambda o: (), block_copies=lambda o: ())
+    model = ToyModel(api, [], runner)
+    new_b = SimpleNamespace(req_id="B", prompt_token_ids=[5, 6, 7], block_ids=[[1]], num_computed_tokens=0)
+    for output in (_step(new=[new_b], scheduled={"B": 3}), _step(preempted=("B",))):
+        model.update_states(output)
+        model.forward(output, {"B": [0]} if output.num_scheduled_tokens else {})
+    model.logprobs.clear()
+    resumed = (_step(cached=(["B"], {"B"}, [([2],)]), scheduled={"B": 4}) if runner == "v1" else
+               _step(new=[SimpleNamespace(req_id="B", prompt_token_ids=[5, 6, 7, 9], block_ids=[[2]],
+                                          num_computed_tokens=0)], scheduled={"B": 4}))
+    model.update_states(resumed)
+    sampled = {"B": [0]}
+    model.forward(resumed, sampled)
+    assert "B" in model.logprobs and sampled["B"][0] >= FIRST_ANSWER_TOKEN
 
 
 @pytest.mark.vllm
