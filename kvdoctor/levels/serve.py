@@ -41,6 +41,7 @@ from kvdoctor.engine.core.names import (
     ADMISSION_ENV,
     EOS_AFTER_ARG,
     EXECUTOR_QUALNAME,
+    PACE_STEPS_ENV,
     PLAN_ENV,
     STEP_SECONDS_ENV,
     UNANSWERED_LOG_PREFIX,
@@ -183,7 +184,21 @@ def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
             *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
-def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None) -> dict[str, str]:
+# Engine steps paced past the client's last event: its arrival needs up to two (the client's own wait before an
+# event), and two more keep a loaded machine's late arrival inside the paced steps.
+PACE_MARGIN_STEPS = 4
+
+
+def paced_steps(events: list[Event]) -> int:
+    """How many engine steps the executor paces (`STEP_SECONDS` each): up to the client's last event's step and
+    `PACE_MARGIN_STEPS` more. Later steps have nothing to land between them (the recipe's trailing `schedule`
+    steps only let the engine run, and the executor's plan is keyed by engine step, not by the clock): the
+    engine runs them at full speed (K11: 8 paced steps of ~150)."""
+    last = max((i for i, e in enumerate(events) if e.kind != "step"), default=-1)
+    return sum(e.kind == "step" for e in events[:last + 1]) + 1 + PACE_MARGIN_STEPS
+
+
+def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None, pace_steps: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -193,6 +208,8 @@ def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None) -> dict[st
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
                 PLAN_ENV: json.dumps(plan or [])})  # the executor's own steps (`executor_plan`)
+    if pace_steps is not None:
+        env[PACE_STEPS_ENV] = str(pace_steps)
     return env
 
 
@@ -326,13 +343,14 @@ def serve_all(runs: list[Run]) -> list[Served]:
     with _terminate_as_interrupt():
         try:
             ports: set[int] = set()
-            for setup, _events, plan in runs:
+            for setup, events, plan in runs:
                 workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
                 port = free_port()
                 while port in ports:
                     port = free_port()
                 ports.add(port)
-                server = Server(serve_command(setup, model, port), serve_env(setup, plan), str(workdir / "server.log"))
+                server = Server(serve_command(setup, model, port), serve_env(setup, plan, paced_steps(events)),
+                                str(workdir / "server.log"))
                 started.append((server, port, workdir))
                 print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                       f"group when the run ends)", file=sys.stderr, flush=True)
