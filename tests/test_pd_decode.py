@@ -1,0 +1,76 @@
+"""A P/D decode node (issue 35, vllm#52170): vLLM's real MultiConnector with kvdoctor's stand-in for NIXL first and
+vLLM's real OffloadingConnector second ([setup] pd_decode = true). Remote-prefill loads end or fail on the recipe's
+schedule; what vLLM's scheduler and the OffloadingConnector do then is measured on the installed release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvdoctor import app as application
+from kvdoctor.engine.overrides import Overrides
+from kvdoctor.errors import RecipeError
+from kvdoctor.observe.verdict import Outcome
+
+RECIPE = Path(__file__).parent / "data" / "pd-decode-remote-prefill.toml"
+REMOTE = {"do_remote_prefill": True}
+
+
+def _play(api, fail_b: bool) -> tuple[list[dict[str, int]], list[dict[int, str]], object]:
+    from kvdoctor.engine.harness import Harness
+    from kvdoctor.engine.setup import Setup
+
+    harness = Harness(api, Setup(block_size=4, gpu_blocks=64, max_model_len=128, worker="simulated", pd_decode=True,
+                                 kv_transfer_fields={"kv_load_failure_policy": "recompute"}))
+    try:
+        harness.add("A", list(range(10, 34)), 4, dict(REMOTE))
+        harness.add("B", list(range(40, 60)), 4, dict(REMOTE))
+        if fail_b:
+            harness.pd_fail("B", None)
+        events = [harness.step() for _ in range(7)]
+        assert harness.pd_loads is not None
+        return [e.scheduled_tokens for e in events], [e.new_store_jobs for e in events], harness.pd_loads
+    finally:
+        harness.shutdown()
+
+
+def test_a_failed_remote_load_is_recomputed_and_both_requests_are_stored(api):
+    """Measured on 0.26.0 (the failure as invalid_block_ids) and 0.34.0 (as failed_recving): both requests wait
+    for their loads (nothing scheduled); then A, whose load ended, computes only its last token, and B, whose load
+    failed, recomputes its 20 prompt tokens; the OffloadingConnector stores each once, as the tokens it computed."""
+    scheduled, stores, loads = _play(api, fail_b=True)
+    assert scheduled[0] == {} and scheduled[1] == {}, scheduled
+    assert scheduled[2] == {"A": 1, "B": 20}, scheduled
+    assert sorted(req for step in stores for req in step.values()) == ["A", "B"], stores
+    assert loads.finished == ["A"] and loads.failed == ["B"] and loads.issued == 2
+
+
+def test_without_the_failure_b_is_loaded_not_recomputed(api):
+    """The mutation of the schedule: with B's load left to end, B computes only its last token, as A does (the
+    failure above is what made vLLM recompute B)."""
+    scheduled, _, loads = _play(api, fail_b=False)
+    assert scheduled[2] == {"A": 1, "B": 1}, scheduled
+    assert loads.failed == [] and loads.finished == ["A", "B"]
+
+
+def test_the_recipe_crashes_only_without_the_allocated_chunk_cap():
+    """C, a remote prefill aborted while its load is in flight, has offload keys and no blocks in the
+    OffloadingConnector (K1's mechanism, through a remote prefill). Measured: with PR #49146's cap (kvdoctor's
+    fixed logic; the installed logic of 0.34.0) nothing fires; with the cap removed (unpatched) `_build_store_jobs`'s
+    assert fires on 0.26.0 and 0.34.0 alike. The installed logic of 0.26.0 crashes there too."""
+    results = {r.logic: r for r in application.repro(str(RECIPE), Overrides(), "all").results}
+    assert results["fixed"].outcome is Outcome.NOT_REPRODUCED and results["fixed"].failure is None
+    unpatched = results["unpatched"]
+    assert unpatched.outcome is Outcome.REPRODUCED and unpatched.failure is not None
+    assert unpatched.failure.function == "_build_store_jobs", unpatched.failure
+
+
+def test_pd_fail_without_the_stand_in_is_one_line(tmp_path):
+    text = RECIPE.read_text().replace("pd_decode = true\n", "")
+    path = tmp_path / "bare.toml"
+    path.write_text(text)
+    from kvdoctor.recipes.loader import load_recipe_file
+
+    with pytest.raises(RecipeError, match=r"bare.toml:\d+: `pd_fail` .* needs \[setup\] pd_decode = true"):
+        load_recipe_file(path)
