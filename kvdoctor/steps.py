@@ -628,8 +628,8 @@ def _p2p_clock(target: StepTarget, step: ConcreteStep) -> None:
            fields={"request": f(str, required=True), "blocks": f(int, minimum=1)},
            script=Unsupported("the exported script drives vLLM's OffloadingConnector alone; the P/D stand-in is "
                               "kvdoctor's: attach `kvdoctor repro --report`"),
-           explore=Unsupported("explore draws remote prefills from its forced pd-decode branch "
-                               "(`--force pd-decode`), with failures as an add's field, not as single events"))
+           explore=Unsupported("not a drawn event: explore's forced pd-decode branch (`--force pd-decode`) adds it "
+                               "after every fourth request"))
 def _pd_fail(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.pd_fail(step.args["request"], step.args.get("blocks"))
 

@@ -4,6 +4,7 @@ schedule; what vLLM's scheduler and the OffloadingConnector do then is measured 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,33 @@ def test_pd_fail_without_the_stand_in_is_one_line(tmp_path):
 
     with pytest.raises(RecipeError, match=r"bare.toml:\d+: `pd_fail` .* needs \[setup\] pd_decode = true"):
         load_recipe_file(path)
+
+
+def test_force_pd_decode_draws_remote_prefills_and_failures_and_leaves_unforced_draws_alone():
+    """`--force pd-decode` (no byte of its own): the same raw example, forced, is a P/D decode node whose first,
+    third, ... requests are remote prefills and whose third's load fails; unforced it is as before."""
+    from kvdoctor.explore.generate import PD_DRAW, Example, event_steps
+
+    geometry = (0,) * 11
+    events = [(1, 5, 2, 0)] * 4  # four adds of 6-token prompts
+    plain = Example.from_fields(geometry, events)
+    forced = Example.from_fields(geometry, events, features=frozenset({PD_DRAW}))
+    assert not plain.geometry.pd_decode and "pd_decode" not in plain.geometry.setup_dict()
+    assert forced.geometry.setup_dict()["pd_decode"] is True
+    assert dataclasses.replace(forced.geometry, pd_decode=False, kv_load_failure_policy=None) == dataclasses.replace(
+        plain.geometry, kv_load_failure_policy=None)
+    steps = event_steps(forced)
+    adds = [s for s in steps if s.action == "add"]
+    remote = [s.args["request"] for s in adds if s.args.get("kv_transfer_params", {}).get("do_remote_prefill")]
+    assert remote == [a.args["request"] for a in adds][::2]
+    assert [s.args["request"] for s in steps if s.action == "pd_fail"] == [adds[2].args["request"]]
+    assert not any(s.action == "pd_fail" or "kv_transfer_params" in s.args for s in event_steps(plain))
+
+
+def test_force_sleep_wake_is_refused_in_one_line():
+    from kvdoctor.errors import UsageError
+    from kvdoctor.explore.aim import parse_aim
+
+    with pytest.raises(UsageError, match=r"--force sleep-wake: not forceable: .*--engine core"):
+        parse_aim(None, ["sleep-wake"], None)
+    assert parse_aim(None, ["pd-decode"], None)["force"] == frozenset({"pd-decode"})
