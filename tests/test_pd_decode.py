@@ -105,3 +105,28 @@ def test_force_sleep_wake_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"--force sleep-wake: not forceable: .*--engine core"):
         parse_aim(None, ["sleep-wake"], None)
     assert parse_aim(None, ["pd-decode"], None)["force"] == frozenset({"pd-decode"})
+
+
+def test_a_mamba_model_under_a_speculative_config_sizes_the_fill_with_its_speculative_blocks(api):
+    """Issue 35 (item 3): `--model` Qwen3-Next (linear attention, align) with ngram speculation (3 tokens): vLLM
+    gives each Mamba spec num_speculative_blocks = 3, and MambaManager allocates them with the running state, so a
+    request filling the pool holds 2 + 3 blocks in each Mamba group; the pool is sized by it (before: 2, and the
+    fill left blocks over). The run then plays to a verdict."""
+    from kvdoctor.engine.kv_layout import MAMBA_ALIGN_BLOCKS_PER_REQUEST
+    from kvdoctor.levels.runners import runner
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
+
+    config = Path(__file__).parent / "data" / "configs" / "qwen3-next-80b-a3b"
+    if not config.is_dir():
+        pytest.skip("tests/data/configs/qwen3-next-80b-a3b is not shipped")
+    recipe = resolve("queued-abort")
+    setup = resolve_setup(recipe, Overrides(model=str(config), worker="simulated", speculative_method="ngram",
+                                            num_speculative_tokens=3))
+    assert setup.untested is None and setup.mamba_fill_requests, (setup.untested, setup.mamba_fill_requests)
+    result = runner("scheduler").judged_run(api, recipe, setup, "installed")
+    assert result.outcome.value in ("reproduced", "not_reproduced"), (result.outcome, result.detail)
+    held = 3 * (MAMBA_ALIGN_BLOCKS_PER_REQUEST + 3) * setup.mamba_fill_requests
+    notes = result.kv_plan.notes if result.kv_plan is not None else []
+    assert any(f"the {held} blocks its 3 Mamba group(s) hold" in note and "3 speculative block(s) each" in note
+               for note in notes), notes
