@@ -66,7 +66,7 @@ def export(recipe_ref: str, overrides: Overrides, path: Path, default_worker: st
 
 def audit(command: str = "", overrides: Overrides | None = None,
           default_worker: str | None = None,
-          on_progress: Callable[[int, int, str], None] | None = None) -> AuditReport:
+          on_progress: Callable[[int, int, str], None] | None = None, only: tuple[str, ...] = ()) -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process.
     `on_progress(done, total, what runs now)` is called before each piece of work.
 
@@ -74,17 +74,23 @@ def audit(command: str = "", overrides: Overrides | None = None,
     through vLLM's EngineCore, at `--engine serve` through a `vllm serve` child (installed logic only; a
     recipe with a step the serve client cannot play is not_applicable there, naming it, without starting a
     server). The measured bugs (kvdoctor/data/measured_bugs.toml: K10) count scheduler steps and are taken
-    by kvdoctor's harness at every level."""
+    by kvdoctor's harness at every level. `only`: the built-in recipes to run (`audit --recipe`; the
+    measured bugs are then left out); empty: every one."""
     overrides = overrides or Overrides()
     engine = overrides.engine or "scheduler"
     level = runner(engine)
     level.check_ready()
     recipes = builtin_recipes.all_builtins()
+    if only:
+        unknown = sorted(set(only) - {recipe.name for recipe in recipes})
+        if unknown:
+            raise UsageError(f"--recipe {unknown[0]}: not a built-in recipe (see kvdoctor repro --list)")
+        recipes = [recipe for recipe in recipes if recipe.name in only]
     setups = [_audit_setup(recipe, overrides, default_worker) for recipe in recipes]
     refused = [setup for setup in setups if isinstance(setup, UsageError)]
     if len(refused) == len(setups):
         raise refused[0]  # the flags themselves are wrong, for every recipe
-    measured = measured_bugs()
+    measured = measured_bugs() if not only else []
     total = len(recipes) + len(measured)
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")  # no count yet: the recipes have not started
