@@ -121,9 +121,8 @@ def audit(command: str = "", overrides: Overrides | None = None,
 
 def _audit_setup(recipe: Recipe, overrides: Overrides, default_worker: str | None) -> Setup | UsageError:
     """A recipe's setup at the user's flags, or why it cannot run there (audit makes that row untested).
-    A recipe with its own KV layout keeps it: --model is for the others."""
-    if recipe.setup.get("layout"):
-        overrides = overrides.replaced(model=None)
+    A --model over a recipe's own KV layout is resolved as `repro` resolves it: the run measures whether the
+    model's groups hold the trigger (`kv_layout.TriggerGroupsMissing`)."""
     try:
         return resolve_setup(recipe, overrides, worker_fallback=True, default_worker=default_worker)
     except UsageError as exc:
