@@ -13,10 +13,11 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
-from kvdoctor.errors import UsageError
+from kvdoctor.errors import UntestedError, UsageError
 from kvdoctor.export.script import export_script, export_serve_script
 from kvdoctor.levels.in_process import check_spec_name
 from kvdoctor.levels.runners import runner
+from kvdoctor.levels.serve import groups_untested
 from kvdoctor.logic.variants import expand_logic
 from kvdoctor.matrix.known import FixedIn, fixed_in
 from kvdoctor.observe.metrics import MeasurementIncomplete, measured_bugs, take_measurement
@@ -57,6 +58,9 @@ def export(recipe_ref: str, overrides: Overrides, path: Path, default_worker: st
     if exporter is None:
         raise UsageError(f"--export-script writes a scheduler-level script, or with --engine serve a `vllm serve` "
                          f"one; --engine {setup.engine} has no exported form")
+    untested = groups_untested(setup)  # a --model over the recipe's own layout: measured by vLLM's planner
+    if untested is not None:
+        raise UntestedError(f"untested, no script written: {untested.detail}")
     text = exporter(recipe, setup)
     try:
         path.write_text(text)
