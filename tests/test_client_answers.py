@@ -86,8 +86,8 @@ def test_k4_a_clients_next_turn_gets_another_answer_where_the_release_has_the_bu
     assert answers is not None and answers["not_compared"] is None, answers
     assert impact_of("invariant", "store-covers-computed-slots", "").kind == WRONG_KV
     by_request = {r["request"]: r for r in answers["requests"]}
-    assert set(by_request) == {"A", "C"}  # A ends by the recipe's EOS: no token of the model's
-    assert by_request["A"]["position"] is None
+    assert set(by_request) == {"A", "C"}  # A ends at max_tokens = 1: its one token is computed from right KV
+    assert by_request["A"]["position"] is None and by_request["A"]["got_tokens"] == 1, by_request["A"]
     if measured == "reproduced":  # C's prefix hit A's stored chunk and read its never-written slot
         assert answers["reproduced"] and by_request["C"]["position"] == 0, answers
         assert by_request["C"]["got_logprob"] <= 0 and by_request["C"]["expected_logprob"] <= 0, answers
@@ -159,10 +159,8 @@ def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
 
 # -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------
 
-def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() -> None:
+def test_k4s_traffic_caps_a_at_one_token_and_c_continues_as_as_client_has_it() -> None:
     from kvdoctor import app
-    from kvdoctor.engine.core.names import EOS_AFTER_ARG
-    from kvdoctor.engine.step_loop import EOS_TOKEN
     from kvdoctor.levels import serve
     from kvdoctor.recipes.builtins import resolve
 
@@ -171,9 +169,8 @@ def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() 
     assert serve.unplayable(recipe, setup, "the client") == []
     events = serve.plan_traffic(recipe, setup)
     adds = {e.request: e for e in events if e.kind == "add"}
-    assert adds["A"].extra["vllm_xargs"] == {EOS_AFTER_ARG: 0} and "vllm_xargs" not in adds["C"].extra
-    assert adds["A"].extra["stop_token_ids"] == [EOS_TOKEN] and adds["C"].continues == "A"
-    assert [e.kind for e in events].count("finish") == 0  # folded into A's request, never a silent skip
+    assert adds["A"].max_tokens == 1 and adds["C"].continues == "A"  # A ends at max_tokens, as the recipe says
+    assert not any("vllm_xargs" in e.extra for e in adds.values()) and not serve.executor_plan(recipe, setup)
 
 
 def test_a_late_finish_is_the_executors_plan_for_a_silent_recipe_and_not_applicable_for_a_crash() -> None:

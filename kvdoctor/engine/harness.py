@@ -143,19 +143,6 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     return vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size
 
 
-def trigger_groups_missing(api: VllmApi, setup: Setup) -> str | None:
-    """Why a `--model` that replaced the recipe's own layout (`Setup.layout_replaced`) cannot hold its trigger:
-    the model's KV cache groups, as vLLM plans them at this setup's config, lack a kind the recipe's layout
-    gets (`kv_layout.missing_trigger_groups`); None where they hold every kind, or no layout was replaced."""
-    if setup.layout_replaced is None:
-        return None
-    try:
-        _build_pieces(api, setup)
-    except kv_layout.TriggerGroupsMissing as exc:
-        return str(exc)
-    return None
-
-
 def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
     """Groups of different block sizes (the planner grew one group's block to unify page sizes): the
     connector refuses a chunk given in tokens (`block_size`), so it gets the chunk in GPU blocks

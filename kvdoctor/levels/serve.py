@@ -588,6 +588,24 @@ def serve_setup(setup: Setup, recipe: Recipe | None = None) -> Setup:
                                                 "server's executor"))
 
 
+def groups_untested(setup: Setup, api: VllmApi | None = None) -> RunResult | None:
+    """A `--model` over the recipe's own layout (`Setup.layout_replaced`) where no in-process harness is built
+    (a `vllm serve` child, an exported script): vLLM's planner groups both layouts here, once, as the harness
+    build does for the in-process levels; the untested result naming both groupings, or None where the model's
+    groups hold every kind the trigger needs."""
+    if setup.layout_replaced is None:
+        return None
+    from kvdoctor.engine import compat
+    from kvdoctor.engine.harness import _build_pieces
+    from kvdoctor.engine.kv_layout import TriggerGroupsMissing
+
+    try:
+        _build_pieces(api or compat.load(), setup)
+    except TriggerGroupsMissing as exc:
+        return RunResult("installed", Outcome.UNTESTED, detail=str(exc))
+    return None
+
+
 UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fixed logic is not played at serve"
 
 
@@ -609,7 +627,8 @@ class ServeLevel:
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
         setup = serve_setup(setup, recipe)
-        result, log_text = run_serve(recipe, setup)
+        untested = groups_untested(setup)
+        result, log_text = (untested, "") if untested is not None else run_serve(recipe, setup)
         return ReproReport(recipe=recipe, setup=setup, vllm_version=vllm_version() or "?", command=command,
                            fixed_in=fixed_in, results=[result], server_log=log_text)
 
@@ -622,10 +641,13 @@ class ServeLevel:
         """Every recipe's servers at once (`run_many`): the audit costs about one server's start-up and the
         longest traffic, not their sum; the fixed logic cannot be played there."""
         setups = [serve_setup(setup, recipe) for recipe, setup, _ in jobs]
+        untested = [groups_untested(setup, api) for setup in setups]
         progress(0, len(jobs), f"{len(jobs)} recipes through `vllm serve` children started at once")
-        played = run_many([(recipe, setup) for (recipe, _, _), setup in zip(jobs, setups, strict=True)])
+        played = iter(run_many([(recipe, setup) for (recipe, _, _), setup, why in zip(jobs, setups, untested,
+                                                                                      strict=True) if why is None]))
         rows = []
-        for (recipe, _, fixed_in), setup, (installed, log_text) in zip(jobs, setups, played, strict=True):
+        for (recipe, _, fixed_in), setup, why in zip(jobs, setups, untested, strict=True):
+            installed, log_text = (why, "") if why is not None else next(played)
             fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
             rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text))
         return rows
