@@ -35,25 +35,25 @@ Measured 2026-12-05 (each /work/main env; offset -2 passes every column on every
     0.33.0   all pass          all pass                     all pass
     0.34.0   all pass          all pass                     all pass
     (0.31.0: 74 s, 0.32.0: 277 s, 0.33.0: 312 s at load 2-10, `timeout 900` each, exit 0.) The releases where it
-    fails are the ones release_outcomes.toml records K4 reproduced (sync: final-token-slot-stored; async:
-    tests/data/final-token-length-capped-async.toml): 0.26.0-0.29.0; from 0.30.0 every case passes and K4 is
+    fails are the ones release_outcomes.toml records K4 reproduced (final-token-slot-stored, sync and async):
+    0.26.0-0.29.0; from 0.30.0 every case passes and K4 is
     not reproduced, sync and async: no row contradicts the oracle.
 
 The built-in recipe ending at max_tokens instead of an EOS (max_tokens = 1, no finish step, the sync requirement
 dropped), played by `kvdoctor.app.repro(PATH, logic="all", default_worker="vllm")` on each of the ten envs
 (2026-12-05): reproduced under every logic, sync and async, on 0.26.0-0.29.0; not_reproduced, sync and async, on
 0.30.0-0.34.0 - the sync verdicts of the EOS recipe on every release, and async reproduces exactly where sync
-does (the EOS recipe under async: untested on 0.26.0-0.29.0, not_reproduced from 0.30.0). Coverage and failure
-sites were not compared, and the recipe is unchanged: its release rows are re-measured only by a whole
-`matrix --audit --write-data` over the ten envs.
+does (the EOS recipe under async: untested on 0.26.0-0.29.0, not_reproduced from 0.30.0). It is now the built-in
+final-token-slot-stored (the EOS form is deleted); its rows re-measured with
+`matrix --audit final-token-slot-stored --write-data`.
 
 Upstream's loop never schedules after the request finished (it leaves scheduler.requests at once), so its final
 store is never built there; it is built at the next schedule() (0.26.0 async: only in the engine's order, as
 upstream's loop applied the in-flight step's output first, which completed the prefill store and released the
 request's connector state). Under async scheduling the stored block 1 ends at an EOS whose slot the step in
 flight did compute: the oracle fails by upstream's rule (never store a block ending at the final sampled token),
-kvdoctor's K4 recipe (an EOS too) measures not_reproduced there; a request ending at max_tokens gets no step in
-flight and reproduces K4 under async (tests/data/final-token-length-capped-async.toml).
+kvdoctor's former K4 recipe (an EOS too) measured not_reproduced there; a request ending at max_tokens gets no
+step in flight and reproduces K4 under async (the built-in recipe now).
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ from kvdoctor.engine import compat
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.overrides import Overrides
 from kvdoctor.engine.setup import Setup
-from kvdoctor.errors import UsageError
+from kvdoctor.errors import UntestedError, UsageError
 from kvdoctor.export.script import export_script, export_serve_script
 from kvdoctor.levels.in_process import check_spec_name
 from kvdoctor.levels.runners import runner
+from kvdoctor.levels.serve import groups_untested
 from kvdoctor.logic.variants import expand_logic
 from kvdoctor.matrix.known import FixedIn, fixed_in
 from kvdoctor.observe.metrics import MeasurementIncomplete, measured_bugs, take_measurement
@@ -57,6 +58,9 @@ def export(recipe_ref: str, overrides: Overrides, path: Path, default_worker: st
     if exporter is None:
         raise UsageError(f"--export-script writes a scheduler-level script, or with --engine serve a `vllm serve` "
                          f"one; --engine {setup.engine} has no exported form")
+    untested = groups_untested(setup)  # a --model over the recipe's own layout: measured by vLLM's planner
+    if untested is not None:
+        raise UntestedError(f"untested, no script written: {untested.detail}")
     text = exporter(recipe, setup)
     try:
         path.write_text(text)
@@ -66,7 +70,7 @@ def export(recipe_ref: str, overrides: Overrides, path: Path, default_worker: st
 
 def audit(command: str = "", overrides: Overrides | None = None,
           default_worker: str | None = None,
-          on_progress: Callable[[int, int, str], None] | None = None) -> AuditReport:
+          on_progress: Callable[[int, int, str], None] | None = None, only: tuple[str, ...] = ()) -> AuditReport:
     """Every built-in recipe against the installed vLLM: one vLLM import, one process.
     `on_progress(done, total, what runs now)` is called before each piece of work.
 
@@ -74,17 +78,23 @@ def audit(command: str = "", overrides: Overrides | None = None,
     through vLLM's EngineCore, at `--engine serve` through a `vllm serve` child (installed logic only; a
     recipe with a step the serve client cannot play is not_applicable there, naming it, without starting a
     server). The measured bugs (kvdoctor/data/measured_bugs.toml: K10) count scheduler steps and are taken
-    by kvdoctor's harness at every level."""
+    by kvdoctor's harness at every level. `only`: the built-in recipes to run (`audit --recipe`; the
+    measured bugs are then left out); empty: every one."""
     overrides = overrides or Overrides()
     engine = overrides.engine or "scheduler"
     level = runner(engine)
     level.check_ready()
     recipes = builtin_recipes.all_builtins()
+    if only:
+        unknown = sorted(set(only) - {recipe.name for recipe in recipes})
+        if unknown:
+            raise UsageError(f"--recipe {unknown[0]}: not a built-in recipe (see kvdoctor repro --list)")
+        recipes = [recipe for recipe in recipes if recipe.name in only]
     setups = [_audit_setup(recipe, overrides, default_worker) for recipe in recipes]
     refused = [setup for setup in setups if isinstance(setup, UsageError)]
     if len(refused) == len(setups):
         raise refused[0]  # the flags themselves are wrong, for every recipe
-    measured = measured_bugs()
+    measured = measured_bugs() if not only else []
     total = len(recipes) + len(measured)
     progress = on_progress or (lambda done, total, what: None)
     progress(0, 0, "importing vLLM")  # no count yet: the recipes have not started
@@ -115,9 +125,8 @@ def audit(command: str = "", overrides: Overrides | None = None,
 
 def _audit_setup(recipe: Recipe, overrides: Overrides, default_worker: str | None) -> Setup | UsageError:
     """A recipe's setup at the user's flags, or why it cannot run there (audit makes that row untested).
-    A recipe with its own KV layout keeps it: --model is for the others."""
-    if recipe.setup.get("layout"):
-        overrides = overrides.replaced(model=None)
+    A --model over a recipe's own KV layout is resolved as `repro` resolves it: the run measures whether the
+    model's groups hold the trigger (`kv_layout.TriggerGroupsMissing`)."""
     try:
         return resolve_setup(recipe, overrides, worker_fallback=True, default_worker=default_worker)
     except UsageError as exc:

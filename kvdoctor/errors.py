@@ -95,6 +95,14 @@ class IncompatibleVllmError(VllmUnavailableError):
     kind = "incompatible_vllm"
 
 
+class UntestedError(KvdoctorError):
+    """What was asked cannot test the bug, as vLLM measured it (a `--model` whose KV groups lack the kind the
+    recipe's trigger needs, for an exported script): inconclusive, exit 6, nothing written."""
+
+    exit_code = ExitStatus.INCONCLUSIVE
+    kind = "untested"
+
+
 class InternalError(KvdoctorError):
     """kvdoctor's own code failed; never reported as a vLLM finding."""
 

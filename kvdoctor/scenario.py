@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.harness import Harness, StepEvents, trigger_groups_missing
+from kvdoctor.engine.harness import Harness, StepEvents
+from kvdoctor.engine.kv_layout import TriggerGroupsMissing
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError, KvdoctorError
 from kvdoctor.logic.patch import CallLog, StorableCall, storable_chunks_variant
@@ -120,9 +121,7 @@ class ScenarioRun:
     def run(self) -> RunResult:
         # The trigger impossible at this geometry: untested (never exit 0); this vLLM without the feature
         # the bug needs (a probe): not applicable.
-        # a --model over the recipe's own layout: its planned groups lack a kind the trigger needs (measured first)
-        lacking_groups = trigger_groups_missing(self.api, self.setup)
-        untested = [lacking_groups] if lacking_groups else [self.setup.untested] if self.setup.untested else []
+        untested = [self.setup.untested] if self.setup.untested else []
         try:
             untested = untested or check_geometry(self.recipe, self.setup)
             if not untested:
@@ -139,6 +138,10 @@ class ScenarioRun:
             return self.result
         try:
             harness = self.harness_class(self.api, self.setup, self.build_cache)
+        except TriggerGroupsMissing as exc:  # a --model over the recipe's own layout: vLLM's planner measured it
+            self.result.outcome = Outcome.UNTESTED
+            self.result.detail = str(exc)
+            return self.result
         except KvdoctorError:
             raise
         except Exception as exc:  # vLLM failed while building the scheduler/connector

@@ -53,6 +53,7 @@ class Need(str, Enum):
     SCHEDULER_STATE = "scheduler_state"
     ENGINE_PAUSE = "engine_pause"
     P2P_PAIR = "p2p_pair"
+    PD_DECODE = "pd_decode"
 
     @property
     def meaning(self) -> str:
@@ -75,6 +76,8 @@ _MEANINGS = {
                        "EngineCore.sleep / wake_up, pauses it the same way and puts the executor to sleep)",
     Need.P2P_PAIR: "a second engine beside the recipe's, both on vLLM's P2P tier over kvdoctor's in-memory "
                    "fabric ([setup] p2p = true): drive the producer, the fabric, a peer's death",
+    Need.PD_DECODE: "a P/D decode node ([setup] pd_decode = true): vLLM's MultiConnector with kvdoctor's stand-in "
+                    "for NIXL's remote-prefill loads first, whose loads the recipe can fail",
 }
 
 
@@ -116,6 +119,8 @@ class Harness(Protocol):
 
     def wake_up(self, tags: list[str] | None) -> None: ...  # ENGINE_PAUSE
     def p2p(self, action: str, args: dict[str, Any]) -> None: ...  # P2P_PAIR
+
+    def pd_fail(self, req_id: str, blocks: int | None) -> None: ...  # PD_DECODE
 
 
 class StateReader(Protocol):
@@ -614,6 +619,21 @@ def _p2p_fabric(target: StepTarget, step: ConcreteStep) -> None:
            explore=_P2P_EXPLORE)
 def _p2p_clock(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.p2p("clock", step.args)
+
+
+# -- a P/D decode node (issue 35, vllm#52170): [setup] pd_decode = true puts kvdoctor's stand-in for NIXL first in
+# vLLM's MultiConnector (engine/compat/pd_connector.py); an `add` whose kv_transfer_params say do_remote_prefill
+# is loaded by it (every prompt token external, asynchronously). `pd_fail` fails that request's load when it ends
+# (the step after it is issued): its blocks are reported as vLLM's NIXL reports a failed load.
+@step_kind("pd_fail", Need.PD_DECODE, summary="the remote-prefill load of a request fails (all or its first "
+                                               "`blocks` blocks), as NIXL reports a failed load",
+           fields={"request": f(str, required=True), "blocks": f(int, minimum=1)},
+           script=Unsupported("the exported script drives vLLM's OffloadingConnector alone; the P/D stand-in is "
+                              "kvdoctor's: attach `kvdoctor repro --report`"),
+           explore=Unsupported("not a drawn event: explore's forced pd-decode branch (`--force pd-decode`) adds it "
+                               "after every fourth request"))
+def _pd_fail(target: StepTarget, step: ConcreteStep) -> None:
+    target.harness.pd_fail(step.args["request"], step.args.get("blocks"))
 
 
 def markdown_table() -> str:

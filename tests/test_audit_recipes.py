@@ -24,7 +24,6 @@ from kvdoctor.recipes.builtins import load_builtin
 from .recipe_runs import (
     LOGICS,
     assert_outcome,
-    bug_present,
     index_of,
     load_described_builtins,
     reproduced_runs,
@@ -45,9 +44,8 @@ N = Outcome.NOT_REPRODUCED
 # What the data file holds for these recipes (measured 2026-12-02..04): K8, the preempt flush meets the
 # reload's load job (async: after draining the engine), fixed by PR #57810 (0.33.0); K2, request_finished
 # finalizes the request in the tiering manager before its final store, fixed by PR #49671 (0.27.0); K4,
-# sync: the final store counts the never-computed last token, fixed by PR #54288 (0.30.0). Async: K4's
-# decode step was scheduled before its EOS was seen, so its slot was computed: the recipe requires sync
-# scheduling and is untested there (test_k4_async_stores_a_computed_slot measures why).
+# sync and async: the final store counts the never-computed last token of a request ending at max_tokens,
+# fixed by PR #54288 (0.30.0).
 
 
 SHM_PATTERN = "/dev/shm/vllm_offload_*.mmap"
@@ -143,23 +141,17 @@ def test_k8_fixed_release_reloads_in_the_preempting_step(reports, release):
     assert not step.events.jobs_to_flush  # the new load is not flushed (PR #57810)
 
 
-def test_k4_async_names_the_flag_and_is_untested_only_where_measured(api, reports):
-    """K4's recipe says its trigger needs synchronous scheduling. Under --async-scheduling the run is played
-    and says so, naming the flag; it is `untested` only where kvdoctor's measurement on this release supports
-    the claim (the bug reproduced at the recipe's flags, not under async) and the run did not reproduce, or
-    where the run itself showed the trigger did not come about (setup_error); else the run decides (issue 34:
-    a reason is a measurement, never a sentence). Never not_applicable, exit 0."""
-    from kvdoctor.matrix.reasons import measured_row, supports
-
-    row = measured_row(K4, api.version_text)
+def test_k4_async_is_played_as_is_and_reproduces_where_sync_does(reports):
+    """K4's request ends at max_tokens: no step is scheduled past it under either scheduling mode, so its last
+    slot is never computed and async reproduces exactly where sync does (measured on 0.26.0-0.34.0, agreeing with
+    vLLM's own K4 test, benchmarks/oracle_k4_final_token.py). No reason is waived: the recipe claims no mode."""
     for logic in LOGICS:
-        run = result(reports, K4, True, logic)
-        assert "async-scheduling" in (run.detail or ""), (logic, run.detail)
-        played = run.played_outcome
-        assert played is not None, (logic, "under --async-scheduling the sync_scheduling reason is waived")
-        untested = (played is not Outcome.REPRODUCED and supports(row, "sync_scheduling")) \
-            or played is Outcome.SETUP_ERROR
-        assert run.outcome is (Outcome.UNTESTED if untested else played), (logic, run.outcome, run.detail)
+        sync, run = result(reports, K4, False, logic), result(reports, K4, True, logic)
+        assert run.played_outcome is None, (logic, run.detail)
+        assert run.outcome is sync.outcome, (logic, run.outcome, sync.outcome, run.detail)
+        if run.outcome is R:
+            a = next(r for r in run.requests if r.request == "A")
+            assert a.status == "FINISHED_LENGTH_CAPPED" and a.computed_tokens == 15, a
 
 
 def test_k8_async_needs_the_drain(reports):
@@ -215,51 +207,8 @@ def test_k4_violation_names_the_uncomputed_slot(reports, mode):
         last = run.timeline[-1]
         assert last.failed and last.action == "schedule"
         assert last.events.new_store_jobs and set(last.events.new_store_jobs.values()) == {"A"}
-        assert index_of(run, "schedule", last_expect(run)) == len(run.timeline) - 1
-
-
-# Store jobs the async K4 run builds: where K4's bug is (0.26 ... 0.29, measured: the sync run reproduces)
-# the computed final chunk is stored, once; PR #54288's clamp, K4's fix, builds no store past the commit
-# point (0.30 on: none). Measured 2026-12-03 on 0.26.0 (1), 0.30.0 and 0.33.0 (0).
-K4_ASYNC_STORES = {True: 1, False: 0}  # bug present -> stores
-
-
-def test_k4_async_stores_a_computed_slot(api):
-    """Async scheduling computes the EOS token's slot before the EOS is seen: why K4 requires sync.
-
-    Run with the recipe's sync requirement lifted, to measure what async does."""
-    import dataclasses
-
-    from kvdoctor.levels.scheduler import run_scenario
-
-    recipe = dataclasses.replace(load_builtin(K4), requires=())
-    run = run_scenario(api, recipe, app.resolve_setup(recipe, Overrides(async_scheduling=True)), "installed",
-                       record_timeline=True)
-    assert run.outcome is N
-    a = snap(run.timeline[-1], "A")
-    assert a.status == "FINISHED_STOPPED" and a.computed_tokens == a.num_tokens == 16
-    # A's own stores: the recipe's follow-up request C (a client's next turn, issue 38) stores its own chunks
-    stores = sum(1 for e in run.timeline if e.events is not None for rid in e.events.new_store_jobs.values()
-                 if rid == "A")
-    assert stores == K4_ASYNC_STORES[bug_present(api, K4)]
-
-
-def test_k4_under_async_at_max_tokens_reproduces_where_the_sync_recipe_does(api):
-    """vLLM's own K4 test (benchmarks/oracle_k4_final_token.py) stores the final token's chunk under async
-    scheduling too (0.26.0, 0.27.0: in EngineCore's step order). An EOS is unforeseen, so async computes its slot
-    in the step already in flight (above); a request ending at max_tokens gets no such step (the scheduler does
-    not schedule past max_tokens), so its last slot is never computed and K4 shows under async scheduling
-    exactly where the sync recipe reproduces (before PR #54288's clamp). Measured 2026-12-05: 0.26.0
-    reproduced (simulated and vLLM's worker); 0.29.0, 0.30.0, 0.34.0: see the commit."""
-    from .conftest import ROOT
-
-    recipe = ROOT / "tests" / "data" / "final-token-length-capped-async.toml"
-    run = app.repro(str(recipe), Overrides(), "installed").results[0]
-    assert run.outcome is (R if bug_present(api, K4) else N), (run.outcome, run.detail)
-    if run.outcome is R:
-        assert [v.invariant for v in run.violations][:1] == ["store-covers-computed-slots"], run.violations
-        a = next(r for r in run.requests if r.request == "A")
-        assert a.status == "FINISHED_LENGTH_CAPPED" and a.computed_tokens == 15, a
+        # sync: the first schedule after the precondition; async (A's output applied a step later): the second
+        assert index_of(run, "schedule", last_expect(run)) + (1 if mode else 0) == len(run.timeline) - 1
 
 
 def test_k4_fixed_release_builds_no_store(reports, release):

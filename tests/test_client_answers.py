@@ -13,6 +13,8 @@ worker) says it did not compare.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -84,8 +86,8 @@ def test_k4_a_clients_next_turn_gets_another_answer_where_the_release_has_the_bu
     assert answers is not None and answers["not_compared"] is None, answers
     assert impact_of("invariant", "store-covers-computed-slots", "").kind == WRONG_KV
     by_request = {r["request"]: r for r in answers["requests"]}
-    assert set(by_request) == {"A", "C"}  # A ends by the recipe's EOS: no token of the model's
-    assert by_request["A"]["position"] is None
+    assert set(by_request) == {"A", "C"}  # A ends at max_tokens = 1: its one token is computed from right KV
+    assert by_request["A"]["position"] is None and by_request["A"]["got_tokens"] == 1, by_request["A"]
     if measured == "reproduced":  # C's prefix hit A's stored chunk and read its never-written slot
         assert answers["reproduced"] and by_request["C"]["position"] == 0, answers
         assert by_request["C"]["got_logprob"] <= 0 and by_request["C"]["expected_logprob"] <= 0, answers
@@ -107,6 +109,43 @@ def test_k11_loses_prefix_hits_and_no_client_answer(api) -> None:
     assert all(r["got_tokens"] == r["expected_tokens"] > 0 for r in answers["requests"]), answers
 
 
+def _step(new: list[Any] = (), cached: tuple[list[str], set[str], list[Any]] = ([], set(), []),
+          scheduled: dict[str, int] | None = None, preempted: tuple[str, ...] = ()) -> Any:
+    """A scheduler output as the toy model reads it (the fields of vLLM's SchedulerOutput it uses)."""
+    ids, resumed, blocks = cached
+    return SimpleNamespace(finished_req_ids=set(), preempted_req_ids=set(preempted), scheduled_new_reqs=list(new),
+                           num_scheduled_tokens=scheduled or {},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=ids, resumed_req_ids=resumed,
+                                                                 all_token_ids={}, new_block_ids=blocks,
+                                                                 num_computed_tokens=[0] * len(ids)))
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_toy_model_answers_a_request_resumed_after_its_preemption(runner: str) -> None:
+    """V1 sends a resumed request among the cached ones and ignores `preempted_req_ids` (only V2 reads it):
+    the toy model keeps the request's state there, so its tokens after the re-admission are answered
+    (K11 at serve on 0.26.0 / 0.30.0, V1 runner: B's tokens went unanswered from engine step 150)."""
+    pytest.importorskip("torch")
+    from kvdoctor.engine.workers.toy_model import ToyModel
+
+    api = SimpleNamespace(preempted_req_ids=lambda o: o.preempted_req_ids, resumed_req_ids=lambda c: c.resumed_req_ids,
+                          all_token_ids=lambda c: c.all_token_ids, scheduled_new_tokens=lambda n: n.prompt_token_ids,
+                          block_ids_to_zero=lambda o: (), block_copies=lambda o: ())
+    model = ToyModel(api, [], runner)
+    new_b = SimpleNamespace(req_id="B", prompt_token_ids=[5, 6, 7], block_ids=[[1]], num_computed_tokens=0)
+    for output in (_step(new=[new_b], scheduled={"B": 3}), _step(preempted=("B",))):
+        model.update_states(output)
+        model.forward(output, {"B": [0]} if output.num_scheduled_tokens else {})
+    model.logprobs.clear()
+    resumed = (_step(cached=(["B"], {"B"}, [([2],)]), scheduled={"B": 4}) if runner == "v1" else
+               _step(new=[SimpleNamespace(req_id="B", prompt_token_ids=[5, 6, 7, 9], block_ids=[[2]],
+                                          num_computed_tokens=0)], scheduled={"B": 4}))
+    model.update_states(resumed)
+    sampled = {"B": [0]}
+    model.forward(resumed, sampled)
+    assert "B" in model.logprobs and sampled["B"][0] >= FIRST_ANSWER_TOKEN
+
+
 @pytest.mark.vllm
 def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
     doc = _core("reused-block-unfenced-multiconnector")
@@ -120,10 +159,8 @@ def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
 
 # -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------
 
-def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() -> None:
+def test_k4s_traffic_caps_a_at_one_token_and_c_continues_as_as_client_has_it() -> None:
     from kvdoctor import app
-    from kvdoctor.engine.core.names import EOS_AFTER_ARG
-    from kvdoctor.engine.step_loop import EOS_TOKEN
     from kvdoctor.levels import serve
     from kvdoctor.recipes.builtins import resolve
 
@@ -132,9 +169,8 @@ def test_k4s_traffic_sends_the_eos_with_a_and_c_continues_as_as_client_has_it() 
     assert serve.unplayable(recipe, setup, "the client") == []
     events = serve.plan_traffic(recipe, setup)
     adds = {e.request: e for e in events if e.kind == "add"}
-    assert adds["A"].extra["vllm_xargs"] == {EOS_AFTER_ARG: 0} and "vllm_xargs" not in adds["C"].extra
-    assert adds["A"].extra["stop_token_ids"] == [EOS_TOKEN] and adds["C"].continues == "A"
-    assert [e.kind for e in events].count("finish") == 0  # folded into A's request, never a silent skip
+    assert adds["A"].max_tokens == 1 and adds["C"].continues == "A"  # A ends at max_tokens, as the recipe says
+    assert not any("vllm_xargs" in e.extra for e in adds.values()) and not serve.executor_plan(recipe, setup)
 
 
 def test_a_late_finish_is_the_executors_plan_for_a_silent_recipe_and_not_applicable_for_a_crash() -> None:

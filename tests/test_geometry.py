@@ -135,15 +135,14 @@ def test_kv_transfer_config_sets_the_cpu_tier():
 
 # Measured with the issue's deployment flags (block size 16, 512 blocks, 2048-token budget, 64 seqs,
 # chunked prefill, async scheduling, a 1 GB CPU tier).
-# K4 needs synchronous scheduling and K2 a one-chunk CPU tier: the user's --async-scheduling and 1 GiB tier
-# make them untested (exit 6), naming those flags; never not_applicable (exit 0).
+# K2 needs a one-chunk CPU tier: the user's 1 GiB tier makes it untested (exit 6) where measured, naming that
+# flag; never not_applicable (exit 0). K4 claims no scheduling mode: it ends as measured under async.
 # Every other recipe ends as kvdoctor measured it at its own geometry under --async-scheduling
 # (kvdoctor/data/release_outcomes.toml): measured at the issue's flags on 0.26.0, 0.30.0, 0.33.0, 0.34.0
 # (2026-12-03/04).
 ISSUE_RECIPES = ("queued-abort", "prefetch", "preempt-reload-same-step", "final-token-slot-stored",
                  "finished-after-finalize", "preemption")
-UNTESTED_BY = {"final-token-slot-stored": "the given --async-scheduling prevents it",
-               "finished-after-finalize": "the given kv_connector_extra_config.cpu_bytes_to_use 1073741824 prevents"}
+UNTESTED_BY = {"finished-after-finalize": "the given kv_connector_extra_config.cpu_bytes_to_use 1073741824 prevents"}
 
 
 @pytest.mark.vllm

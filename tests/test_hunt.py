@@ -55,8 +55,9 @@ def test_the_aim_forces_what_the_log_names_and_says_what_it_cannot_express(tmp_p
     log.write_text("# vLLM 0.26.0, version: 0.26.0\n# serving with MTP speculative decoding, a CPU tier and an "
                    "fs tier (TieringOffloadingSpec, secondary_tiers fs), MultiConnector\n" + UNKNOWN)
     aim = _aim(log)
-    assert aim.version == "0.26.0" and aim.force == frozenset({"speculative", "fs-tier"})
-    assert {feature for feature, _ in aim.unexpressed} >= {"MTP", "MultiConnector"}
+    assert aim.version == "0.26.0" and aim.force == frozenset({"speculative", "fs-tier", "pd-decode"})
+    assert "MTP" in {feature for feature, _ in aim.unexpressed}
+    assert any(line.startswith("MultiConnector: MultiConnector forced as a P/D decode node") for line in aim.expressed)
     assert _aim(log, target="KeyError:prepare_store").target == "KeyError:prepare_store"
 
 

@@ -145,7 +145,7 @@ def test_cli_bad_release_is_exit_2_before_any_environment(tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     ((), "give one or more RECIPEs"),
-    (("queued-abort", "--audit"), "not both"),
+    (("no-such-recipe", "--audit"), "--audit runs built-in recipes; not one: no-such-recipe"),
     (("no-such-recipe",), "unknown recipe"),
     (("queued-abort", "--write-data", "x.toml"), "--write-data"),
     (("--audit", "--report", "/no/such/dir/r.md"), "no such directory"),
@@ -173,6 +173,15 @@ def test_data_file_round_trips_and_merges(tmp_path):
     assert data.load(path) == old
     merged = data.merge(data.load(path), _rows(("0.27.0", "a", "not_reproduced")))
     assert sorted((r.release, r.outcome) for r in merged) == [("0.26.0", "reproduced"), ("0.27.0", "not_reproduced")]
+
+
+
+def test_an_audit_limited_to_named_recipes_replaces_only_their_rows():
+    """`matrix --audit RECIPE... --write-data`: the release's other rows stay as they were."""
+    old = _rows(("0.27.0", "a", "reproduced"), ("0.27.0", "b", "reproduced"), ("0.28.0", "a", "reproduced"))
+    merged = data.merge(old, _rows(("0.27.0", "a", "not_reproduced")), recipes=["a"])
+    assert sorted((r.release, r.recipe, r.outcome) for r in merged) == [
+        ("0.27.0", "a", "not_reproduced"), ("0.27.0", "b", "reproduced"), ("0.28.0", "a", "reproduced")]
 
 
 def test_optional_dimensions_round_trip_and_absent_means_not_measured(tmp_path):

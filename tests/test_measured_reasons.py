@@ -22,9 +22,11 @@ from kvdoctor.recipes.geometry import MEASURED_REASONS, measured_reasons
 from kvdoctor.resolution import resolve_setup
 from kvdoctor.results import RunResult
 
+K11 = "readmitted-stale-store-cursor"  # a built-in whose trigger needs synchronous scheduling
+
 
 def _row(outcome: str, reasons: dict[str, str] | None, release: str = "0.26.0") -> data.OutcomeRow:
-    return data.OutcomeRow(release=release, recipe="final-token-slot-stored", bug="K4", outcome=outcome,
+    return data.OutcomeRow(release=release, recipe=K11, bug="K11", outcome=outcome,
                            failure_site=None, measured_on="2026-12-05", kvdoctor_version="0.1.0",
                            reason_outcomes=reasons)
 
@@ -36,7 +38,7 @@ def _table(tmp_path, *rows: data.OutcomeRow):
 
 
 def _async_setup():
-    return resolve_setup(resolve("final-token-slot-stored"), Overrides(async_scheduling=True, worker="simulated"))
+    return resolve_setup(resolve(K11), Overrides(async_scheduling=True, worker="simulated"))
 
 
 def test_a_broken_measured_reason_is_played_not_declared_untested():
@@ -56,7 +58,7 @@ def test_a_planning_limit_stays_untested():
 def test_the_reason_explains_only_where_measured(tmp_path):
     setup = _async_setup()
     supported = _table(tmp_path, _row("reproduced", {"sync_scheduling": "not_reproduced"}))
-    result = judge_waived(RunResult("installed", Outcome.NOT_REPRODUCED), setup, "final-token-slot-stored",
+    result = judge_waived(RunResult("installed", Outcome.NOT_REPRODUCED), setup, K11,
                           "0.26.0", supported)
     assert result.outcome is Outcome.UNTESTED and result.played_outcome is Outcome.NOT_REPRODUCED
     assert "needs synchronous scheduling" in result.detail and "measured on vLLM 0.26.0" in result.detail
@@ -69,14 +71,14 @@ def test_without_a_supporting_measurement_the_run_decides(tmp_path, reasons, out
     recipe's flags: the played outcome stands (here: reached and held, not_reproduced)."""
     path = _table(tmp_path, _row(outcome, reasons))
     result = judge_waived(RunResult("installed", Outcome.NOT_REPRODUCED), _async_setup(),
-                          "final-token-slot-stored", "0.26.0", path)
+                          K11, "0.26.0", path)
     assert result.outcome is Outcome.NOT_REPRODUCED
     assert "the run at the given flags decides" in result.detail
 
 
 def test_a_reproduction_at_the_users_flags_is_never_relabelled(tmp_path):
     path = _table(tmp_path, _row("reproduced", {"sync_scheduling": "not_reproduced"}))
-    result = judge_waived(RunResult("installed", Outcome.REPRODUCED), _async_setup(), "final-token-slot-stored",
+    result = judge_waived(RunResult("installed", Outcome.REPRODUCED), _async_setup(), K11,
                           "0.26.0", path)
     assert result.outcome is Outcome.REPRODUCED
 
@@ -84,7 +86,7 @@ def test_a_reproduction_at_the_users_flags_is_never_relabelled(tmp_path):
 def test_another_release_is_not_evidence(tmp_path):
     path = _table(tmp_path, _row("reproduced", {"sync_scheduling": "not_reproduced"}, release="0.27.0"))
     result = judge_waived(RunResult("installed", Outcome.NOT_REPRODUCED), _async_setup(),
-                          "final-token-slot-stored", "0.26.0", path)
+                          K11, "0.26.0", path)
     assert result.outcome is Outcome.NOT_REPRODUCED
 
 

@@ -89,6 +89,40 @@ def test_every_recipe_plans_and_runs_at_a_real_model(api, config):
 
 
 @pytest.mark.vllm
+def test_audit_at_a_model_measures_the_groups_as_repro_does(api):
+    """`audit --model` resolves each recipe as `repro --model` does: a recipe with its own [setup] layout runs at
+    the model's, and where the model's groups (vLLM's planner, one harness build) lack a kind its trigger needs the
+    row is untested (exit 6) naming both groupings; before, audit kept the recipe's own layout. `repro --engine
+    serve` and `--export-script` say the same. Measured on 0.34.0 and 0.26.0 (llama-3.1-8b: every layout recipe
+    untested)."""
+    from kvdoctor import app
+    from kvdoctor.engine.overrides import Overrides
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.report.json_doc import audit_document
+
+    names = tuple(name for name in builtin_names() if resolve(name).setup.get("layout"))
+    assert {"swa-unaligned-pending-bound", "swa-unaligned-hit-missing-chunk"} <= set(names), names
+    model = str(ROOT / "tests" / "data" / "configs" / "llama-3.1-8b")
+    doc = audit_document(app.audit(overrides=Overrides(model=model, worker="simulated"), only=names))
+    rows = {row["recipe"]: row for row in doc["rows"]}
+    assert set(rows) == set(names) and doc["exit_code"] == 6, (sorted(rows), doc["exit_code"])
+    for name, row in rows.items():
+        assert row["outcome"] == "untested" and row["setup"]["layout_replaced"], (name, row["outcome"])
+        assert row["hint"].startswith("the trigger needs") and row["hint"].endswith(GROUPS_PLANNED["llama-3.1-8b"]), \
+            (name, row["hint"])
+    # the same answer at serve (no server started) and for --export-script (exit 6, no script written)
+    from kvdoctor.errors import UntestedError
+
+    serve = app.repro(names[0], Overrides(model=model, engine="serve"), "installed").results[0]
+    assert serve.outcome.value == "untested" and serve.detail == rows[names[0]]["hint"], serve.detail
+    path = ROOT / "tests" / "data" / "never-written.py"
+    for engine in ("scheduler", "serve"):
+        with pytest.raises(UntestedError, match=r"llama-3\.1-8b plans 1 group"):
+            app.export(names[0], Overrides(model=model, engine=engine), path)
+    assert not path.exists()
+
+
+@pytest.mark.vllm
 def test_a_mamba_hybrid_pool_fill_queues_the_next_request(api):
     """queued-abort at Qwen3-Next (three Mamba groups in `align` mode beside one attention group): the pool
     holds the fill's attention blocks and two blocks a filler in each Mamba group, so B queues with no blocks

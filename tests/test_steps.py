@@ -76,7 +76,7 @@ class _Recorder:
         "delay_block_hashes": Need.SCHEDULER_CONTROL, "release_block_hashes": Need.SCHEDULER_CONTROL,
         "reset_prefix_cache": Need.ENGINE_UTILITY, "pause": Need.ENGINE_PAUSE, "resume": Need.ENGINE_PAUSE,
         "sleep": Need.ENGINE_PAUSE, "wake_up": Need.ENGINE_PAUSE,
-        "snapshot": Need.SCHEDULER_STATE, "p2p": Need.P2P_PAIR,
+        "snapshot": Need.SCHEDULER_STATE, "p2p": Need.P2P_PAIR, "pd_fail": Need.PD_DECODE,
     }
 
     def __init__(self, used: list[Need]) -> None:

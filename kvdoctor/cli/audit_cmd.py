@@ -7,6 +7,10 @@ cheap (Typer only); the work is in `kvdoctor.app.audit`.
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 from kvdoctor.cli import options as opt
 from kvdoctor.cli import output
 from kvdoctor.cli.common import command_line, run
@@ -21,6 +25,9 @@ def audit(
     output_format: opt.Format = None,
     report: opt.ReportFile = None,
     svg: opt.SvgFile = None,
+    only: Annotated[list[str] | None, typer.Option(
+        "--recipe", help="Audit only this built-in recipe (repeatable); default: every one.",
+        metavar="NAME", show_default=False)] = None,
 ) -> None:
     """Run every built-in recipe against the installed vLLM: one row per known bug.
 
@@ -40,7 +47,7 @@ def audit(
         from kvdoctor.cli.progress import Progress
 
         with Progress("audit") as progress:
-            result = application.audit(command=command_line(), overrides=setup_overrides,
+            result = application.audit(command=command_line(), overrides=setup_overrides, only=tuple(only or ()),
                                        default_worker=opt.DEFAULT_WORKER, on_progress=progress.callback)
         from kvdoctor.report.json_doc import audit_document
         from kvdoctor.report.tables import audit_renderables

@@ -27,8 +27,9 @@ def matrix(
         "--vllm", help=f"Releases: a list (0.26.0,0.30.0) or an inclusive range (0.26.0..0.34.0) of "
                        f"{', '.join(KNOWN_RELEASES)}. Default: all of them.",
         rich_help_panel=RELEASES, show_default=False)] = None,
-    audit: Annotated[bool, typer.Option("--audit", help="Every built-in recipe (kvdoctor audit) on each release.",
-                                        rich_help_panel=RELEASES)] = False,
+    audit: Annotated[bool, typer.Option(
+        "--audit", help="Every built-in recipe (kvdoctor audit) on each release; with RECIPE names, only those "
+                        "(audit --recipe).", rich_help_panel=RELEASES)] = False,
     bisect: Annotated[bool, typer.Option(
         "--bisect", help="Find the first release where each recipe stops reproducing (and the last where it "
                          "still does), testing as few releases as a binary search needs.",
@@ -46,7 +47,8 @@ def matrix(
     report: opt.ReportFile = None,
     write_data: Annotated[Path | None, typer.Option(
         "--write-data", help="With --audit: write the measured outcomes into the release-outcomes data file "
-                             "FILE (rows of the releases measured are replaced; each release is audited "
+                             "FILE (rows of the releases measured are replaced, of the RECIPEs named only; "
+                             "each release is audited "
                              "twice, as is and under --async-scheduling; for kvdoctor's maintainers).",
         rich_help_panel=opt.OUTPUT)] = None,
 ) -> None:
@@ -91,7 +93,8 @@ def matrix(
 
             for release, why in matrix_app.unmeasured_releases(result).items():
                 typer.echo(f"kvdoctor matrix: vLLM {release} not written to {write_data} ({why})", err=True)
-            rows = data.merge(data.load(write_data), matrix_app.data_rows(result))
+            limited = result.recipes if recipes else None  # --audit RECIPE...: only their rows are replaced
+            rows = data.merge(data.load(write_data), matrix_app.data_rows(result), limited)
             unwritten += output.write_output(write_data, data.render(rows), "--write-data", "release outcomes",
                                              whole=True)
         raise_unwritten(unwritten)

@@ -17,6 +17,7 @@ from typing import Any
 from kvdoctor.clean_exit import raise_if_terminated
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.pd_decode import PdLoads
 from kvdoctor.engine.secondary_tier import empty_tier_directory
 from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.step_loop import DECODE_TOKEN, EOS_TOKEN, StepLoop, sample
@@ -109,7 +110,7 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
         **({"policy": setup.scheduling_policy} if setup.scheduling_policy else {}),
     )
     kv_transfer_config = (api.kv_transfer_config(setup.kv_connector_extra_config(), setup.kv_transfer_fields,
-                                                 setup.second_connector_extra_config())
+                                                 setup.second_connector_extra_config(), setup.pd_decode)
                           if setup.offloading else None)
     cache_kwargs: dict[str, Any] = dict(block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching)
     if setup.mamba_cache_mode is not None:
@@ -140,19 +141,6 @@ def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, An
     kv_plan, kv_cache_config, block_size, hash_block_size = kv_layout.plan(api, vllm_config, setup)
     _chunk_in_blocks_for_mixed_groups(vllm_config, kv_plan, setup)
     return vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size
-
-
-def trigger_groups_missing(api: VllmApi, setup: Setup) -> str | None:
-    """Why a `--model` that replaced the recipe's own layout (`Setup.layout_replaced`) cannot hold its trigger:
-    the model's KV cache groups, as vLLM plans them at this setup's config, lack a kind the recipe's layout
-    gets (`kv_layout.missing_trigger_groups`); None where they hold every kind, or no layout was replaced."""
-    if setup.layout_replaced is None:
-        return None
-    try:
-        _build_pieces(api, setup)
-    except kv_layout.TriggerGroupsMissing as exc:
-        return str(exc)
-    return None
 
 
 def _chunk_in_blocks_for_mixed_groups(vllm_config: Any, kv_plan: kv_layout.KvPlan, setup: Setup) -> None:
@@ -239,7 +227,8 @@ class Harness:
         and the per-run bookkeeping."""
         api, setup = self.api, self.setup
         # None when the setup runs no connector (`offloading = false`): nothing to observe there.
-        self.connector_scheduler = api.connector_scheduler(self.scheduler) if setup.offloading else None
+        self.connector_scheduler = (api.connector_scheduler(self.scheduler, setup.watched_connector)
+                                    if setup.offloading else None)
         # Setup.secondary_tier / object_store: the tiering manager whose tiers settle in each step's forward window
         self._tiering = (api.tiering_manager_of(self.connector_scheduler)
                          if (setup.secondary_tier or setup.object_store is not None)
@@ -253,6 +242,8 @@ class Harness:
         self.companion = None
         if setup.multi_connector:
             self.companion = SimulatedTransfers(api)
+        # pd_decode: the remote-prefill loads kvdoctor's NIXL stand-in issues, finished or failed on schedule
+        self.pd_loads = PdLoads(api) if setup.pd_decode else None
         self.requests: dict[str, Any] = {}
         self.step_index = 0
         self._finish_next: set[str] = set()
@@ -269,6 +260,9 @@ class Harness:
         # sampled (token, logprob), in order (EOS a recipe forces is not the model's and not listed).
         self.context_keys = ContextKeys()
         self.answers: dict[str, list[tuple[int, float]]] = {}
+        # (step, request) where vLLM's worker's toy model gave no answer: its token is right KV's, not read from
+        # the KV bytes, so a client comparison over it proves nothing (kvdoctor's failure, `levels.core`)
+        self.unanswered: list[tuple[int, str]] = []
 
     def _choose_model_runner(self) -> str:
         """The model runner the scheduler shapes its output for. Asked for: that one. Otherwise the
@@ -373,6 +367,13 @@ class Harness:
     def wake_up(self, tags: list[str] | None) -> None:
         raise UsageError("wake_up: kvdoctor's scheduler harness has no engine to wake (EngineCore.wake_up does); "
                          "play it with --engine core")
+
+    def pd_fail(self, req_id: str, blocks: int | None) -> None:
+        """`pd_fail`: the remote-prefill load of `req_id` fails when it ends (Setup.pd_decode)."""
+        if self.pd_loads is None:  # the loader refuses the step without it
+            raise InternalError("pd_fail played without [setup] pd_decode = true (the loader refuses it)")
+        self.pd_loads.fail(req_id, blocks)
+
     def p2p(self, action: str, args: dict[str, Any]) -> None:
         """A `p2p_*` step: only the P2P pair's harness (engine/p2p.py, [setup] p2p = true) plays it; the levels
         refuse such a step without the pair before anything is played, so reaching here is kvdoctor's bug."""
@@ -435,9 +436,10 @@ class Harness:
             events.spec_tokens = {rid: len(ids) for rid, ids in self.api.scheduled_spec_tokens(output).items() if ids}
         events.preempted = sorted(self.api.preempted_req_ids(output))
         events.finished = sorted(output.finished_req_ids or ())
-        store_jobs, load_jobs = self.api.store_and_load_jobs(output)
+        watched = self.setup.watched_connector
+        store_jobs, load_jobs = self.api.store_and_load_jobs(output, watched)
         metas = self.api.connector_metadatas(output)
-        flush = self.api.jobs_to_flush(metas[0]) if metas else set()
+        flush = self.api.jobs_to_flush(metas[watched]) if len(metas) > watched else set()
         events.jobs_to_flush = sorted(flush)
         # Groups share one block pool: a block any group was handed again is reused.
         allocated = set().union(*self.api.allocated_block_ids(
@@ -468,13 +470,19 @@ class Harness:
         answered = self._answer(sampled)
         # vLLM's worker: the toy model reads each answer from the KV bytes its forward attends to
         done = self.worker.run_step(output, new_jobs, flush, self.step_index, sampled)
-        read = getattr(getattr(self.worker, "model", None), "logprobs", {})
+        model = getattr(self.worker, "model", None)
+        read = getattr(model, "logprobs", {})
         for req_id in answered:
+            if model is not None and req_id not in read:  # kept the right KV's token: the toy model read nothing
+                self.unanswered.append((self.step_index, req_id))
             self.answers.setdefault(req_id, []).append((sampled[req_id][-1], read.pop(req_id, answered[req_id])))
         if self.companion is not None:
             other = self.companion.run_step(output, companion_jobs, companion_flush, self.step_index, sampled)
             done.kv_connector_output = self.api.multi_connector_output([done.kv_connector_output,
                                                                         other.kv_connector_output])
+        if self.pd_loads is not None:  # the stand-in is the MultiConnector's first sub-connector
+            remote = self.pd_loads.run_step(metas[0] if metas else None, set(events.finished))
+            done.kv_connector_output = self.api.multi_connector_output([remote, done.kv_connector_output])
         events.completed_jobs = done.completed_jobs
         events.failed_jobs = done.failed_jobs
         events.content_findings = done.content_findings

@@ -443,7 +443,7 @@ def plan(api: Any, vllm_config: Any, setup: Any) -> tuple[KvPlan, Any, int, int]
                          f"plans the model's groups with every kind the trigger needs")
         if setup.model and "gpu_blocks" not in setup.fixed:
             pool, note = _pool_for_groups(api, vllm_config, specs, setup.gpu_blocks, drafts,
-                                          getattr(setup, "mamba_fill_requests", None))
+                                          getattr(setup, "mamba_fill_requests", None), speculative_blocks(setup))
             if note:
                 notes.append(note)
         _, scheduler_config, block_size, hash_block_size, planner, checked_len = api.plan_kv_cache(
@@ -533,7 +533,8 @@ MAMBA_ALIGN_BLOCKS_PER_REQUEST = 2
 
 
 def _pool_for_groups(api: Any, vllm_config: Any, specs: dict[str, Any], blocks: int,
-                     drafts: set[str], mamba_requests: int | None = None) -> tuple[int, str | None]:
+                     drafts: set[str], mamba_requests: int | None = None,
+                     spec_blocks: int = 0) -> tuple[int, str | None]:
     """The pool of a `--model` whose layers vLLM splits into several KV cache groups, sized as the recipe
     planned it: every group takes a block of the one shared pool for each block of a request's tokens, so a
     recipe planned for `blocks` (block 0: the null block) gets `(blocks - 1) x groups + 1`. The groups are
@@ -543,7 +544,9 @@ def _pool_for_groups(api: Any, vllm_config: Any, specs: dict[str, Any], blocks: 
     group does not take a block for each block of tokens: in `align` mode a request holds at most two of its
     blocks, in `none` mode one (its block is max_model_len). Those groups get that many blocks for each of
     those requests, so the fill leaves no block over (measured on 0.26.0: a block a token block in every group
-    left Qwen3-Next's queued request admitted)."""
+    left Qwen3-Next's queued request admitted). Under a speculative config each such request also holds the
+    `spec_blocks` speculative blocks vLLM gives a Mamba spec (`speculative_blocks`; MambaManager allocates them
+    with the running state in either mode)."""
     _, grouped, _, _, _, _ = api.plan_kv_cache(vllm_config, specs, max(blocks, 2) * 64, drafts)
     groups = [api.describe_group(i, g) for i, g in enumerate(grouped.kv_cache_groups)]
     if len(groups) <= 1:
@@ -552,14 +555,15 @@ def _pool_for_groups(api: Any, vllm_config: Any, specs: dict[str, Any], blocks: 
         pool = (blocks - 1) * len(groups) + 1
         return pool, (f"the pool holds the recipe's {blocks - 1} usable blocks for each of vLLM's {len(groups)} KV "
                       f"cache groups: {pool} blocks (with --num-gpu-blocks-override, the pool is as given)")
-    per_request = {"align": MAMBA_ALIGN_BLOCKS_PER_REQUEST, "none": 1}
+    per_request = {"align": MAMBA_ALIGN_BLOCKS_PER_REQUEST + spec_blocks, "none": 1 + spec_blocks}
     state = [g for g in groups if g["kind"] == "mamba" and g["mamba_cache_mode"] in per_request]
     held = sum(per_request[g["mamba_cache_mode"]] for g in state) * mamba_requests
     token_groups = len(groups) - len(state)
     pool = (blocks - 1) * token_groups + held + 1
     return pool, (f"the pool holds the recipe's {blocks - 1} usable blocks for each of vLLM's {token_groups} KV cache "
                   f"group(s) that take a block a block of tokens, and the {held} blocks its {len(state)} Mamba "
-                  f"group(s) hold for the {mamba_requests} request(s) that fill it: {pool} blocks (with "
+                  f"group(s) hold for the {mamba_requests} request(s) that fill it"
+                  f"{f' ({spec_blocks} speculative block(s) each)' if spec_blocks else ''}: {pool} blocks (with "
                   f"--num-gpu-blocks-override, the pool is as given)")
 
 

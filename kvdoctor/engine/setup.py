@@ -177,6 +177,16 @@ class Setup:
     # of a producer (prefill) engine beside it, both on TieringOffloadingSpec with vLLM's P2P tier as their only
     # secondary tier, over kvdoctor's in-memory transports; `p2p_*` steps drive the pair, `schedule` steps both.
     p2p: bool = False
+    # A P/D decode node (issue 35, vllm#52170): vLLM's MultiConnector with kvdoctor's stand-in for NIXL first
+    # (engine/compat/pd_connector.py: it reports a `do_remote_prefill` request's prompt as external tokens and
+    # loads them asynchronously, failing loads on the recipe's `pd_fail` schedule) and vLLM's OffloadingConnector
+    # second, the one kvdoctor watches. kvdoctor stands in for the remote prefill transport only.
+    pd_decode: bool = False
+
+    @property
+    def watched_connector(self) -> int:
+        """Which sub-connector is the OffloadingConnector kvdoctor watches (0 unless under a stand-in)."""
+        return 1 if self.pd_decode else 0
 
     @property
     def offloaded_block_size(self) -> int:
@@ -218,6 +228,9 @@ class Setup:
         if self.num_workers > 1:
             return ("num_workers > 1: kvdoctor runs one vLLM worker-role connector (one rank's KV); several "
                     "workers are stood in for by the simulated worker only")
+        if self.pd_decode:
+            return ("pd_decode: kvdoctor's NIXL stand-in has no worker-role side (the simulated worker plays its "
+                    "remote-prefill loads)")
         if self.multi_connector:
             return ("vLLM's worker does not drive MultiConnector here: kvdoctor's second sub-connector is a "
                     "companion whose jobs complete as they are issued, with no worker-role connector of its own")
@@ -312,6 +325,10 @@ class Setup:
         if self.p2p and (self.secondary_tier is not None or self.multi_connector or not self.offloading):
             raise UsageError("p2p = true: the pair's tier is vLLM's P2P tier alone (TieringOffloadingSpec); it takes "
                              "no secondary_tier, multi_connector or offloading = false")
+        if self.pd_decode and (self.p2p or self.multi_connector or not self.offloading or self.num_workers > 1):
+            raise UsageError("pd_decode = true: the MultiConnector is kvdoctor's NIXL stand-in + vLLM's "
+                             "OffloadingConnector; it takes no p2p, multi_connector, num_workers > 1 or "
+                             "offloading = false")
         refusal = self.vllm_worker_unsupported() if self.worker == "vllm" else None
         if refusal:
             raise UsageError(f"--worker vllm: {refusal}; run it with --worker simulated "

@@ -141,6 +141,7 @@ class Geometry:
     tier_script: str | None = None
     backpressure_pattern: str | None = None
     object_store: str | None = None  # vLLM's object-store tier's fault script (tier_draw.objstore_fields)
+    pd_decode: bool = False  # forced only (`--force pd-decode`, PD_DRAW): kvdoctor's NIXL stand-in first
 
     @property
     def groups(self) -> int:
@@ -197,6 +198,7 @@ class Geometry:
             **({"late_worker_steps": self.late_worker_steps} if self.late_worker_steps else {}),
             **({"secondary_tier": self.secondary_tier} if self.secondary_tier else {}),
             **({"kv_events": True} if self.kv_events else {}),
+            **({"pd_decode": True} if self.pd_decode else {}),
             **({"self_describing_kv_events": True} if self.self_describing_kv_events else {}),
             **({"tier_script": self.tier_script} if self.tier_script else {}),
             **({"backpressure_pattern": self.backpressure_pattern} if self.backpressure_pattern else {}),
@@ -303,6 +305,22 @@ DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
 # hashes), so a crash whose statement compares offload keys with tokens is drawn towards; no byte of its own (the
 # draws of a release, and its seeds, stay as they were where it is not forced).
 WITHHELD_DRAW = "withheld_hashes"
+
+
+# A P/D decode node (`--force pd-decode`; a hunt forces it where its log names P/D, NIXL or a MultiConnector):
+# vLLM's MultiConnector with kvdoctor's NIXL stand-in first ([setup] pd_decode), every other request a remote
+# prefill (do_remote_prefill; the first is), every fourth's load failing (`pd_fail`), vLLM recomputing where the
+# drawn failure policy is unset. No byte of its own: a release's draws, and its seeds, stay as they were unforced.
+PD_DRAW = "pd_decode"
+
+
+def pd_decode_geometry(geometry: Geometry, worker: str) -> Geometry:
+    """The geometry on a P/D decode node: the stand-in replaces the MultiConnector's drawn second connector and
+    several workers (it reports once); vLLM's worker has no stand-in side, so it is left as drawn."""
+    if worker != "simulated":
+        return geometry
+    return dataclasses.replace(geometry, pd_decode=True, multi_connector=False, num_workers=1, late_worker_steps=0,
+                               fail_worker=None, kv_load_failure_policy=geometry.kv_load_failure_policy or "recompute")
 
 
 def withhold_every_request(events: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], ...]:
@@ -649,6 +667,8 @@ class Example:
             decoded_geometry = decode_kv_events(decoded_geometry, events_byte, features)
         if workers:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
+        if PD_DRAW in features:
+            decoded_geometry = pd_decode_geometry(decoded_geometry, worker)
         decoded = tuple(event for fields in events for event in decode_event(*fields))
         if WITHHELD_DRAW in features:
             decoded = withhold_every_request(decoded)
@@ -736,9 +756,13 @@ def event_steps(example: Example) -> list[Step]:
                     args["kv_transfer_params"] = params
                 if priority and g.scheduling_policy == "priority":  # vLLM ignores it under fcfs
                     args["priority"] = priority
+            if g.pd_decode and len(names) % 2 == 0:  # a remote prefill: the stand-in loads its prompt
+                args["kv_transfer_params"] = {**args.get("kv_transfer_params", {}), "do_remote_prefill": True}
             names.append(rid)
             lengths[rid] = length
             steps.append(Step(EVENT_KINDS[action], args, 0))
+            if g.pd_decode and len(names) % 4 == 3:  # every fourth request's remote load fails
+                steps.append(Step("pd_fail", {"request": rid}, 0))
         elif action in ("abort", "finish"):
             if names:
                 steps.append(Step(EVENT_KINDS[action], {"request": pick(event[1])}, 0))

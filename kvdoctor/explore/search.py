@@ -51,6 +51,7 @@ from kvdoctor.explore.generate import (
     GEOMETRY_RANGES,
     LOAD_CAPS,
     NO_LOOKAHEAD_HASHES,
+    PD_DRAW,
     PREFIX_MATCH_UNIT,
     PRIORITY,
     RECOMPUTE,
@@ -122,7 +123,7 @@ class ExploreConfig:
 
 # `--force NAME` -> the draw it turns on (generate's feature names); explore.aim.FORCE_NAMES lists the same names.
 FORCEABLE = {"speculative": SPECULATIVE_DRAW, "fs-tier": TIER_DRAW, "workers": WORKERS_DRAW,
-             "withheld-hashes": WITHHELD_DRAW}
+             "withheld-hashes": WITHHELD_DRAW, "pd-decode": PD_DRAW}
 
 
 def wanted(config: ExploreConfig, obs: Observation) -> bool:

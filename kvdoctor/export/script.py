@@ -117,8 +117,9 @@ def export_script(recipe: Recipe, setup: Setup) -> str:
         if isinstance(script, Unsupported):
             raise UsageError(f"--export-script cannot reproduce step {number} (line {step.line}) `{step.action}`: "
                              f"{script.why}")
-    if setup.multi_connector or setup.speculative_method:
+    if setup.multi_connector or setup.speculative_method or setup.pd_decode:
         what = ("a MultiConnector (multi_connector)" if setup.multi_connector
+                else "a P/D decode node (pd_decode: kvdoctor's NIXL stand-in)" if setup.pd_decode
                 else "speculative decoding (kvdoctor's stand-in drafter)")
         raise UsageError(f"--export-script cannot reproduce {what} yet: attach `kvdoctor repro --report` instead")
     if setup.num_workers > 1:  # the script's one bookkeeping worker would report each job once

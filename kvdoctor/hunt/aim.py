@@ -22,16 +22,17 @@ FEATURE_DRAWS: dict[str, tuple[str | None, str]] = {
     "speculative decoding": ("speculative", "speculative decoding forced (eagle or ngram drafts, kvdoctor's "
                                             "stand-in drafter)"),
     "KV tiers (TieringOffloadingSpec)": ("fs-tier", "TieringOffloadingSpec with an fs secondary tier forced"),
+    "P/D disaggregation": ("pd-decode", "a P/D decode node forced: vLLM's MultiConnector with kvdoctor's NIXL "
+                                        "stand-in first, every other request a remote prefill, every fourth's load "
+                                        "failing"),
+    "MultiConnector": ("pd-decode", "MultiConnector forced as a P/D decode node's (kvdoctor's NIXL stand-in + "
+                                    "vLLM's OffloadingConnector)"),
 }
 # The tiers feature forces the fs tier only where the log names a secondary tier, not the tiering spec alone
 # (explore draws TieringOffloadingSpec itself where the release has it).
 _SECONDARY = ("fs", "secondary", "disk", "file")
 # Features explore cannot force (drawn at random, or not in its vocabulary): said with the hunt's result.
 UNEXPRESSED = {
-    "MultiConnector": "not forceable: explore draws MultiConnector only where the release's offloading config "
-                      "reads sync_load_budget_bytes (the extension byte)",
-    "P/D disaggregation": "no P/D decode stand-in (remote-prefill loads and their failures); withheld block "
-                          "hashes are the nearest explore has",
     "hybrid KV layout": "no layout named or implied that kvdoctor ships (drawn at random: swa-full, mamba-hybrid, "
                         "eagle-pair)",
     "sleep mode": "explore plays kvdoctor's scheduler harness, where sleep/wake (the engine's: EngineCore.sleep / "

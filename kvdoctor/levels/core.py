@@ -48,6 +48,7 @@ class ClientRun(CoreScenarioRun):
         self.completions: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[float]] = {}  # the stand-in's logprob of each token it chose, in order
         self.played_through = False  # every step played (no vLLM exception ended the run)
+        self.unanswered: list[tuple[int, str]] = []  # (step, request) the toy model gave no answer (harness)
 
     def _run_on(self, harness: CoreHarness) -> RunResult:  # type: ignore[override]  # each level runs its own harness
         assert self.compiled is not None
@@ -71,6 +72,7 @@ class ClientRun(CoreScenarioRun):
         self.completions = {rid: [int(t) for t in request.output_token_ids if t != EOS_TOKEN]
                             for rid, request in harness.requests.items()}
         self.logprobs = {rid: [lp for token, lp in harness.answers.get(rid, [])] for rid in harness.requests}
+        self.unanswered = list(harness.unanswered)
         return self.result
 
 
@@ -91,6 +93,11 @@ def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> Cl
     played.run()
     if not played.played_through:
         return ClientAnswers(REFERENCE, not_compared=f"offloading on, the clients' run stopped: {played.result.detail}")
+    if played.unanswered:  # kvdoctor's failure: those tokens are right KV's, never read from the KV bytes
+        step, request = played.unanswered[0]
+        return ClientAnswers(REFERENCE, not_compared=f"kvdoctor's stand-in model gave no answer for request {request}"
+                                                     f"'s token at step {step} ({len(played.unanswered)} tokens in "
+                                                     f"all; kvdoctor's bug, the comparison is void)")
     key = (recipe.name, repr((recipe.steps, setup)))
     if key not in _REFERENCES:
         plain = dataclasses.replace(setup, offloading=False, multi_connector=False, worker="simulated",

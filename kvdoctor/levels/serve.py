@@ -41,6 +41,7 @@ from kvdoctor.engine.core.names import (
     ADMISSION_ENV,
     EOS_AFTER_ARG,
     EXECUTOR_QUALNAME,
+    PACE_STEPS_ENV,
     PLAN_ENV,
     STEP_SECONDS_ENV,
     UNANSWERED_LOG_PREFIX,
@@ -183,7 +184,21 @@ def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
             *kv_flags, "--distributed-executor-backend", EXECUTOR_QUALNAME]
 
 
-def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None) -> dict[str, str]:
+# Engine steps paced past the client's last event: its arrival needs up to two (the client's own wait before an
+# event), and two more keep a loaded machine's late arrival inside the paced steps.
+PACE_MARGIN_STEPS = 4
+
+
+def paced_steps(events: list[Event]) -> int:
+    """How many engine steps the executor paces (`STEP_SECONDS` each): up to the client's last event's step and
+    `PACE_MARGIN_STEPS` more. Later steps have nothing to land between them (the recipe's trailing `schedule`
+    steps only let the engine run, and the executor's plan is keyed by engine step, not by the clock): the
+    engine runs them at full speed (K11: 8 paced steps of ~150)."""
+    last = max((i for i, e in enumerate(events) if e.kind != "step"), default=-1)
+    return sum(e.kind == "step" for e in events[:last + 1]) + 1 + PACE_MARGIN_STEPS
+
+
+def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None, pace_steps: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # kvdoctor's own code first, in both server processes
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -193,6 +208,8 @@ def serve_env(setup: Setup, plan: list[dict[str, Any]] | None = None) -> dict[st
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
                 PLAN_ENV: json.dumps(plan or [])})  # the executor's own steps (`executor_plan`)
+    if pace_steps is not None:
+        env[PACE_STEPS_ENV] = str(pace_steps)
     return env
 
 
@@ -326,13 +343,14 @@ def serve_all(runs: list[Run]) -> list[Served]:
     with _terminate_as_interrupt():
         try:
             ports: set[int] = set()
-            for setup, _events, plan in runs:
+            for setup, events, plan in runs:
                 workdir = Path(tempfile.mkdtemp(prefix="kvdoctor-serve-"))
                 port = free_port()
                 while port in ports:
                     port = free_port()
                 ports.add(port)
-                server = Server(serve_command(setup, model, port), serve_env(setup, plan), str(workdir / "server.log"))
+                server = Server(serve_command(setup, model, port), serve_env(setup, plan, paced_steps(events)),
+                                str(workdir / "server.log"))
                 started.append((server, port, workdir))
                 print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                       f"group when the run ends)", file=sys.stderr, flush=True)
@@ -340,6 +358,8 @@ def serve_all(runs: list[Run]) -> list[Served]:
                                for i, (server, port, _) in enumerate(started)]))
             time.sleep(1.0)
         finally:
+            for server, _port, _workdir in started:  # all at once: each shutdown takes seconds on a loaded machine
+                server.terminate()
             for server, _port, workdir in started:
                 server.stop()
                 texts.append((workdir / "server.log").read_text(errors="replace"))
@@ -568,6 +588,24 @@ def serve_setup(setup: Setup, recipe: Recipe | None = None) -> Setup:
                                                 "server's executor"))
 
 
+def groups_untested(setup: Setup, api: VllmApi | None = None) -> RunResult | None:
+    """A `--model` over the recipe's own layout (`Setup.layout_replaced`) where no in-process harness is built
+    (a `vllm serve` child, an exported script): vLLM's planner groups both layouts here, once, as the harness
+    build does for the in-process levels; the untested result naming both groupings, or None where the model's
+    groups hold every kind the trigger needs."""
+    if setup.layout_replaced is None:
+        return None
+    from kvdoctor.engine import compat
+    from kvdoctor.engine.harness import _build_pieces
+    from kvdoctor.engine.kv_layout import TriggerGroupsMissing
+
+    try:
+        _build_pieces(api or compat.load(), setup)
+    except TriggerGroupsMissing as exc:
+        return RunResult("installed", Outcome.UNTESTED, detail=str(exc))
+    return None
+
+
 UNPATCHED = "the served engine runs the installed vLLM unpatched: kvdoctor's fixed logic is not played at serve"
 
 
@@ -589,7 +627,8 @@ class ServeLevel:
               fixed_in: FixedIn | None, record_timeline: bool, progress: Progress) -> ReproReport:
         """`kvdoctor repro RECIPE --engine serve`: one installed-logic run (the server runs vLLM unpatched)."""
         setup = serve_setup(setup, recipe)
-        result, log_text = run_serve(recipe, setup)
+        untested = groups_untested(setup)
+        result, log_text = (untested, "") if untested is not None else run_serve(recipe, setup)
         return ReproReport(recipe=recipe, setup=setup, vllm_version=vllm_version() or "?", command=command,
                            fixed_in=fixed_in, results=[result], server_log=log_text)
 
@@ -602,10 +641,13 @@ class ServeLevel:
         """Every recipe's servers at once (`run_many`): the audit costs about one server's start-up and the
         longest traffic, not their sum; the fixed logic cannot be played there."""
         setups = [serve_setup(setup, recipe) for recipe, setup, _ in jobs]
+        untested = [groups_untested(setup, api) for setup in setups]
         progress(0, len(jobs), f"{len(jobs)} recipes through `vllm serve` children started at once")
-        played = run_many([(recipe, setup) for (recipe, _, _), setup in zip(jobs, setups, strict=True)])
+        played = iter(run_many([(recipe, setup) for (recipe, _, _), setup, why in zip(jobs, setups, untested,
+                                                                                      strict=True) if why is None]))
         rows = []
-        for (recipe, _, fixed_in), setup, (installed, log_text) in zip(jobs, setups, played, strict=True):
+        for (recipe, _, fixed_in), setup, why in zip(jobs, setups, untested, strict=True):
+            installed, log_text = (why, "") if why is not None else next(played)
             fixed = RunResult("fixed", Outcome.NOT_APPLICABLE, detail=UNPATCHED)
             rows.append(AuditRow(recipe.bug or "-", recipe, setup, installed, fixed, fixed_in, server_log=log_text))
         return rows

@@ -7,6 +7,7 @@ imports no kvdoctor). Hence no kvdoctor import, no vLLM import and no `from __fu
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -40,6 +41,11 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def terminate(self) -> None:
+        """SIGTERM to the group without waiting: several servers then shut down side by side (`stop` waits)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGTERM)
 
     def stop(self) -> None:
         """SIGTERM to the group (API server and engine core), SIGKILL after STOP_LIMIT_S; the group is
@@ -223,13 +229,14 @@ async def play(port: int, model: str, events: Iterable[dict[str, Any]], step_sec
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             note(f"{name} disconnected (the API server aborts it)")
-    await asyncio.sleep(max(pending_steps, 2) * step_seconds)
-    # The recipe ends here. Requests still open get a few more steps to finish; then their clients
-    # disconnect (a filler may never finish on a real server: the scheduler level stops driving it, the
-    # engine keeps it preempted in a pool it cannot fit), and the server must then be healthy and serve a
-    # fresh request.
+    # The last arrivals reach the engine's queue (two paced steps); the recipe's trailing steps only let the engine
+    # run (the executor paces no step past the client's last event, `paced_steps`): the requests still open get
+    # them and `settle_steps` more to finish, ending as soon as they all have; then their clients disconnect (a
+    # filler may never finish on a real server: the scheduler level stops driving it, the engine keeps it
+    # preempted in a pool it cannot fit), and the server must then be healthy and serve a fresh request.
+    await asyncio.sleep(2 * step_seconds)
     if tasks:
-        await asyncio.wait(list(tasks.values()), timeout=settle_steps * step_seconds)
+        await asyncio.wait(list(tasks.values()), timeout=(max(pending_steps - 2, 0) + settle_steps) * step_seconds)
     for name, task in tasks.items():
         if task.done():
             take(name, task)

@@ -68,6 +68,8 @@ LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
               Need.TRANSFER_CONTROL: _NO_TRANSFER_CONTROL,
               Need.P2P_PAIR: "a served engine's P2P tier needs NIXL and a second server; kvdoctor's in-memory "
                              "fabric lives in one process",
+              Need.PD_DECODE: "kvdoctor's NIXL stand-in is told a recipe's load failures in-process; a served "
+                              "engine's connector is out of reach",
               Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE,
               Need.ENGINE_PAUSE: "not played by kvdoctor's serve client (vllm serve pauses only in its "
                                  "development mode)",
@@ -98,6 +100,8 @@ HOW: dict[Need, str] = {
     Need.ENGINE_PAUSE: "core: EngineCore.pause_scheduler (mode, clear_cache) / resume_scheduler; EngineCore.sleep "
                        "(level, mode, reset_connector where the release takes it) / wake_up (tags), kvdoctor's "
                        "executor standing in for the workers' sleep",
+    Need.PD_DECODE: "scheduler and core: vLLM's MultiConnector loads kvdoctor's NIXL stand-in by module path; "
+                    "kvdoctor's worker side ends its loads (engine/pd_decode.py)",
     Need.P2P_PAIR: "scheduler: a producer harness beside the recipe's (the consumer), both on vLLM's P2P tier over "
                    "kvdoctor's in-memory transports (engine/p2p.py)",
 }

@@ -31,7 +31,7 @@ AUDIT = "(audit)"
 @dataclass
 class MatrixReport:
     releases: list[str]  # asked for, oldest first
-    recipes: list[str]  # recipe names, in the order given (every built-in for --audit)
+    recipes: list[str]  # recipe names, in the order given (every built-in for --audit, or those named)
     audit: bool
     bisect: bool
     cells: dict[tuple[str, str], Cell] = field(default_factory=dict)  # (release, recipe) -> cell
@@ -72,12 +72,14 @@ def resolve_recipes(refs: list[str], audit: bool) -> list[tuple[str, str]]:
     """(name, reference for the child) per recipe; files become absolute paths."""
     from kvdoctor.recipes.builtins import all_builtins, resolve
 
-    if audit and refs:
-        raise UsageError("give RECIPE names or --audit, not both")
     if not audit and not refs:
         raise UsageError("give one or more RECIPEs (built-in names or .toml files), or --audit")
     if audit:
-        return [(r.name, r.name) for r in all_builtins()]
+        names = [r.name for r in all_builtins()]
+        unknown = [ref for ref in refs if ref not in names]
+        if unknown:
+            raise UsageError(f"--audit runs built-in recipes; not one: {unknown[0]} (see kvdoctor repro --list)")
+        return [(name, name) for name in names if not refs or name in refs]
     out: list[tuple[str, str]] = []
     for ref in refs:
         recipe = resolve(ref)
@@ -92,6 +94,7 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
            audit_async: bool = False, engine: str = "scheduler", ray: str | None = None) -> MatrixReport:
     """`audit_async` (with `audit`): audit each release a second time under --async-scheduling and
     record each cell's outcomes there too (what `--write-data` keeps; it doubles the audit's time).
+    With `audit`, `recipe_refs` (built-in names) limit each release's audit to those recipes.
     `ray`: run each release's kvdoctor as a Ray task (`matrix.ray_runner`; an address, or "local"),
     all releases at once without `bisect`."""
     progress = progress or Progress()
@@ -103,6 +106,7 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
     report = MatrixReport(releases=releases, recipes=[name for name, _ in recipes], audit=audit, bisect=bisect,
                           command=command, engine=engine)
     envs: dict[str, ReleaseEnv] = {}
+    only = tuple(name for name, _ in recipes) if audit and recipe_refs else ()  # audit --recipe, per name
     to_build = store.missing(releases) if not bisect else []  # bisect builds only what it tests
 
     def env_for(release: str) -> ReleaseEnv:
@@ -126,9 +130,9 @@ def matrix(recipe_refs: list[str], audit: bool, vllm_spec: str | None, bisect: b
     if ray is not None:
         from kvdoctor.matrix.ray_runner import RayRunner
 
-        runner_context: Runner | RayRunner = RayRunner(ray, engine=engine)
+        runner_context: Runner | RayRunner = RayRunner(ray, engine=engine, only=only)
     else:
-        runner_context = Runner(engine=engine)
+        runner_context = Runner(engine=engine, only=only)
     with runner_context as runner:
         def run(release: str, name: str, ref: str) -> Cell:
             if (release, name) not in report.cells:
@@ -199,7 +203,7 @@ def _add_reasons(report: MatrixReport, release: str, run: Callable[[str, tuple[s
     from kvdoctor.recipes.builtins import all_builtins
 
     for recipe in all_builtins():
-        cell = report.cells.get((release, recipe.name))
+        cell = report.cells.get((release, recipe.name)) if recipe.name in report.recipes else None
         if cell is None:
             continue
         measured: dict[str, str] = {}

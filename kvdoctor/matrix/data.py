@@ -138,8 +138,12 @@ def render(rows: Iterable[OutcomeRow]) -> str:
     return "\n".join(lines)
 
 
-def merge(old: Iterable[OutcomeRow], new: Iterable[OutcomeRow]) -> list[OutcomeRow]:
-    """The new measurements replace every old row of the releases they cover."""
+def merge(old: Iterable[OutcomeRow], new: Iterable[OutcomeRow],
+          recipes: Iterable[str] | None = None) -> list[OutcomeRow]:
+    """The new measurements replace every old row of the releases they cover (of those releases' `recipes`
+    only, where given: an audit limited to named recipes leaves the other rows as they were)."""
     new = list(new)
     remeasured = {row.release for row in new}
-    return [row for row in old if row.release not in remeasured] + new
+    limit = None if recipes is None else set(recipes)
+    return [row for row in old
+            if row.release not in remeasured or (limit is not None and row.recipe not in limit)] + new

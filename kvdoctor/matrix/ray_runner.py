@@ -20,10 +20,10 @@ from kvdoctor.matrix.runner import KVDOCTOR_FAILURE, Cell, Runner
 Call = tuple[str, ReleaseEnv, Any]
 
 
-def _run_call(engine: str, timeout_s: float, call: Call) -> list[Cell]:
+def _run_call(engine: str, timeout_s: float, only: tuple[str, ...], call: Call) -> list[Cell]:
     """One Ray task: the local runner, on the node the task landed on."""
     kind, env, argument = call
-    with Runner(timeout_s=timeout_s, engine=engine) as runner:
+    with Runner(timeout_s=timeout_s, engine=engine, only=only) as runner:
         if kind == "recipe":
             ref, flags = argument
             return [runner.recipe(env, ref, flags)]
@@ -34,8 +34,10 @@ class RayRunner:
     """The local `Runner`'s interface, each call a Ray task (a CPU and 2 GiB reserved: a child
     kvdoctor process with vLLM imported)."""
 
-    def __init__(self, address: str, engine: str = "scheduler", timeout_s: float = 1800.0) -> None:
+    def __init__(self, address: str, engine: str = "scheduler", timeout_s: float = 1800.0,
+                 only: tuple[str, ...] = ()) -> None:
         self.engine = engine
+        self.only = only
         self.timeout_s = timeout_s
         self._pool = RayPool(address)  # joining, the local instance and its clean-up are explore's
         self._task: Any = None
@@ -56,7 +58,7 @@ class RayRunner:
         for call in calls:
             key = _key(call)
             if key not in self._pending:
-                self._pending[key] = self._task.remote(self.engine, self.timeout_s, call)
+                self._pending[key] = self._task.remote(self.engine, self.timeout_s, self.only, call)
 
     def recipe(self, env: ReleaseEnv, recipe_ref: str, flags: tuple[str, ...] = ()) -> Cell:
         return self._collect(("recipe", env, (recipe_ref, tuple(flags))))[0]

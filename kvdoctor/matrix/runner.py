@@ -75,6 +75,7 @@ class Runner:
 
     timeout_s: float = 1800.0
     engine: str = "scheduler"  # --engine of every child command (the default level is not passed)
+    only: tuple[str, ...] = ()  # built-in recipes an audit is limited to (`audit --recipe`); empty: every one
     _pythonpath: tempfile.TemporaryDirectory | None = field(default=None, init=False)
 
     def __enter__(self) -> Runner:
@@ -109,9 +110,10 @@ class Runner:
 
     def audit(self, env: ReleaseEnv, async_scheduling: bool = False) -> list[Cell]:
         """`kvdoctor audit --json` on the release (with `--async-scheduling` when asked): one cell per
-        built-in recipe."""
+        built-in recipe (per recipe of `only`, where given)."""
         started = time.monotonic()
-        code, doc, err = self._kvdoctor(env, ["audit", "--json", *self._engine_args(),
+        limit = [arg for name in self.only for arg in ("--recipe", name)]
+        code, doc, err = self._kvdoctor(env, ["audit", "--json", *self._engine_args(), *limit,
                                               *(["--async-scheduling"] if async_scheduling else [])])
         if doc is None or "rows" not in doc:
             return [self._failed(env, "(audit)", code, doc, err, started)]

@@ -28,7 +28,7 @@ from kvdoctor.observe.coverage import parse_when
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.recipes.model import Recipe, Signature, Step
 from kvdoctor.recipes.requirements import REQUIREMENT_FORMS, is_known_requirement
-from kvdoctor.steps import EXPECT_FIELDS, REGISTRY, Field
+from kvdoctor.steps import EXPECT_FIELDS, REGISTRY, Field, Need
 from kvdoctor.steps import shown as _show
 
 _TOP_TABLES = {"recipe", "setup", "signature", "step", "check"}
@@ -352,6 +352,11 @@ def _build(r: _Reader, data: dict[str, Any], builtin: bool) -> Recipe:
         raise r.fail(0, "a recipe needs at least one [[step]]")
     checks = _steps(r, data, "check", {"expect": EXPECT_FIELDS}, implicit_action="expect")
     _check_request_ids(r, steps, checks)
+    if not setup.get("pd_decode"):  # a PD_DECODE kind without the stand-in has nothing to play on
+        bare = next((s for s in steps if Need.PD_DECODE in REGISTRY[s.action].needs), None)
+        if bare is not None:
+            raise r.fail(bare.line, f"`{bare.action}` fails a remote-prefill load of kvdoctor's NIXL stand-in: "
+                                    f"it needs [setup] pd_decode = true")
     if signature.request is not None:
         added = {step.args["request"] for step in steps if REGISTRY[step.action].admits}
         if signature.request not in added:

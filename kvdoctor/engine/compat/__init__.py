@@ -277,7 +277,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         return "FINISHED_ABORTED" in code.co_names
 
     def kv_transfer_config(self, extra_config: dict[str, Any], fields: dict[str, Any],
-                           second_extra_config: dict[str, Any] | None = None) -> Any:
+                           second_extra_config: dict[str, Any] | None = None, pd_decode: bool = False) -> Any:
         """vLLM's `KVTransferConfig` for the OffloadingConnector, with the user's other fields.
 
         A field this release's KVTransferConfig does not have is refused (exit 2)
@@ -298,6 +298,14 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
                 {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra_config},
                 {"kv_connector": "OffloadingConnector", "kv_role": role,
                  "kv_connector_extra_config": second_extra_config}]}
+            connector = "MultiConnector"
+        elif pd_decode:  # a P/D decode node: kvdoctor's NIXL stand-in first, then vLLM's OffloadingConnector
+            from kvdoctor.engine.compat.pd_connector import STANDIN_MODULE, STANDIN_NAME
+
+            role = values["kv_role"]
+            extra_config = {"connectors": [
+                {"kv_connector": STANDIN_NAME, "kv_connector_module_path": STANDIN_MODULE, "kv_role": role},
+                {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra_config}]}
             connector = "MultiConnector"
         try:
             return cls(kv_connector=connector, kv_connector_extra_config=extra_config, **values)
@@ -338,6 +346,18 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
             return ()
         inner = getattr(meta, "metadata", None)
         return tuple(inner) if isinstance(inner, tuple) else (meta,)
+
+    def pd_standin_output(self, finished_recving: set[str], failed: set[str], invalid_block_ids: set[int]) -> Any:
+        """The `KVConnectorOutput` of kvdoctor's NIXL stand-in (Setup.pd_decode) for one step, its failed loads
+        as this release's NIXL reports them: by request (`failed_recving`, where the output has that field)
+        or by block (`invalid_block_ids`)."""
+        cls = self.cls("outputs", "KVConnectorOutput")
+        kwargs: dict[str, Any] = {"finished_recving": set(finished_recving) or None}
+        if "failed_recving" in getattr(cls, "__dataclass_fields__", {}):
+            kwargs["failed_recving"] = set(failed)
+        else:
+            kwargs["invalid_block_ids"] = set(invalid_block_ids)
+        return cls(**kwargs)
 
     def multi_connector_output(self, outputs: list[Any]) -> Any:
         """One KVConnectorOutput from each sub-connector's, as a MultiConnector worker reports it."""

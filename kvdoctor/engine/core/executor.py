@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvdoctor.engine.core.names import ADMISSION_ENV, PLAN_ENV, STEP_SECONDS_ENV
+from kvdoctor.engine.core.names import ADMISSION_ENV, PACE_STEPS_ENV, PLAN_ENV, STEP_SECONDS_ENV
 from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
 from kvdoctor.engine.core.served_side import ServedSide
 from kvdoctor.engine.core.standin_executor import StandInExecutor
@@ -51,6 +51,7 @@ HANDOFFS: dict[int, Handoff] = {}
 
 class KvdoctorExecutor(StandInExecutor):
     STEP_SECONDS_ENV = STEP_SECONDS_ENV
+    PACE_STEPS_ENV = PACE_STEPS_ENV
     ADMISSION_ENV = ADMISSION_ENV
     NO_MEMORY_REASON = "kvdoctor's executor measures no device memory"
 

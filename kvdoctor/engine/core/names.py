@@ -2,6 +2,7 @@
 
 EXECUTOR_QUALNAME = "kvdoctor.engine.core.executor.KvdoctorExecutor"  # vLLM resolves it by this name
 STEP_SECONDS_ENV = "KVDOCTOR_ENGINE_STEP_SECONDS"  # serve: pace the steps so client events land between them
+PACE_STEPS_ENV = "KVDOCTOR_ENGINE_PACE_STEPS"  # serve: engine steps paced (past the client's last event: full speed)
 ADMISSION_ENV = "KVDOCTOR_ENGINE_ADMISSION_LEN"  # serve: the max_model_len of the start-up admission check
 WORKER_ENV = "KVDOCTOR_ENGINE_WORKER"  # serve: "vllm" runs vLLM's worker-role connector on fingerprint KV
 EOS_AFTER_ARG = "kvdoctor_eos_after"  # serve: a request's vllm_xargs: its (N+1)-th sampled token is EOS

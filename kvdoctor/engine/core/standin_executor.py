@@ -20,7 +20,8 @@ between the blocks and the CPU tier's chunks their jobs name, and each sampled t
 model's answer read from the request's slots (`answer_key.answer_of`): a never-written, stale or
 foreign slot gives another token, as it does at `--engine core`. Everything on the
 scheduler side (the Scheduler, the connector's scheduler side, the CPU manager) is vLLM's own. Each
-step sleeps `STEP_SECONDS_ENV` seconds, so that client traffic lands between engine steps, and logs
+step up to `PACE_STEPS_ENV` (the engine step after the client's last event; unset: every step) sleeps
+`STEP_SECONDS_ENV` seconds, so that client traffic lands between engine steps, and every step logs
 one line (`kvdoctor-engine step N: {...}`) saying what was scheduled and finished: the client reads
 it to tell whether an aborted request was still queued.
 As vLLM's GPU model runner, `execute_model` returns None when tokens were scheduled and the output
@@ -74,6 +75,8 @@ class StandInExecutor(Executor):
     uses_ray = False
     supports_pp = False
     STEP_SECONDS_ENV = "KVREPRO_STEP_SECONDS"  # pace the steps so client events land between them
+    # how many engine steps are paced (unset: all): past the client's last event nothing lands between steps
+    PACE_STEPS_ENV = "KVREPRO_PACE_STEPS"
     ADMISSION_ENV = "KVREPRO_ADMISSION_LEN"  # the max_model_len of the start-up admission check
     KV_ANSWERS_ENV = "KVREPRO_KV_ANSWERS"  # "1": keep KV keys and answer from them (`StandInKv`)
     NO_MEMORY_REASON = "the stand-in executor measures no device memory"
@@ -84,6 +87,8 @@ class StandInExecutor(Executor):
 
     def _init_executor(self) -> None:
         self.step_seconds = float(os.environ.get(self.STEP_SECONDS_ENV, "0") or 0)
+        paced = os.environ.get(self.PACE_STEPS_ENV)
+        self.pace_steps = int(paced) if paced else None
         admission = os.environ.get(self.ADMISSION_ENV)
         self.admission_len = int(admission) if admission else None
         self.original_len: int | None = None
@@ -200,7 +205,7 @@ class StandInExecutor(Executor):
 
     def run_step(self, so: Any) -> Any:
         self.steps += 1
-        if self.step_seconds:
+        if self.step_seconds and (self.pace_steps is None or self.steps <= self.pace_steps):
             time.sleep(self.step_seconds)
         return self.step_output(so)
 

@@ -80,10 +80,14 @@ class _StoreExpectation:
 
 
 class ToyModel:
-    def __init__(self, api: Any, layers: list[_Layer]) -> None:
+    def __init__(self, api: Any, layers: list[_Layer], model_runner: str = "v2") -> None:
         import torch
 
         self.api = api  # vLLM's fields that some releases lack are read through the adapter
+        # V2 forgets a preempted request (`preempted_req_ids`) and gets it back among the new ones; V1's
+        # GPUModelRunner ignores that field and keeps the request's state until it resumes as a cached request
+        # (`resumed_req_ids`): forgetting it there would leave the resumed request without KV state or answer.
+        self.forgets_preempted = model_runner == "v2"
         self.torch = torch
         self.layers = layers
         self.reqs: dict[str, RequestKv] = {}
@@ -104,7 +108,7 @@ class ToyModel:
         self._copied.clear()
 
     @classmethod
-    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any]) -> ToyModel:
+    def over(cls, api: Any, kv_cache_config: Any, kv_caches: dict[str, Any], model_runner: str = "v2") -> ToyModel:
         layers = []
         n = kv_cache_config.num_blocks
         check_attention_only(api, kv_cache_config)
@@ -117,7 +121,7 @@ class ToyModel:
             pages = api.kv_pages(kv_caches[name], n, page)
             slots = pages.view(cls_int64()).view(n, bs, page // bs // 8)
             layers.append(_Layer(name, idx + 1, group, bs, slots, api.attention_window(spec)))
-        return cls(api, layers)
+        return cls(api, layers, model_runner)
 
     # -- request state, from the scheduler's output (as GPUModelRunner._update_states) ----------
     def update_states(self, output: Any) -> None:
@@ -125,7 +129,7 @@ class ToyModel:
         for rid in output.finished_req_ids or ():
             if rid in self.reqs:
                 self.retired[rid] = self.reqs.pop(rid)
-        for rid in api.preempted_req_ids(output):
+        for rid in api.preempted_req_ids(output) if self.forgets_preempted else ():
             self.reqs.pop(rid, None)
         for new in output.scheduled_new_reqs:
             old = self.reqs.get(new.req_id) or self.retired.get(new.req_id)

@@ -67,7 +67,7 @@ class VllmWorker:
                 self._v2 = api.v2_connector(self.vllm_config, self.kv_caches)
             else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
                 self.connector.register_kv_caches(self.kv_caches)
-        self.model = ToyModel.over(api, self.worker_kv_cache_config, self.kv_caches)
+        self.model = ToyModel.over(api, self.worker_kv_cache_config, self.kv_caches, model_runner)
         self.control.on_store_copy = lambda job, blocks: self.model.store_copied(job, blocks)
         self.control.on_load_mismatch = self._load_mismatch
         self.engine = self.control.engine  # None with vLLM's own (CUDA) worker
