@@ -202,7 +202,8 @@ def _idle_gauges_zero(ctx: StepContext) -> list[str]:
 
 # -- KV content (the vLLM worker's toy model judges bytes; the simulated worker moves none) ------
 
-CONTENT_INVARIANTS = ("store-copies-computed-kv", "reads-see-their-tokens", "load-returns-stored-bytes")
+CONTENT_INVARIANTS = ("store-copies-computed-kv", "reads-see-their-tokens", "load-returns-stored-bytes",
+                      "canonical-page-is-tp1-page")
 
 
 def _content(name: str) -> Check:
@@ -222,6 +223,11 @@ invariant("reads-see-their-tokens",
 invariant("load-returns-stored-bytes",
           "a load writes into GPU blocks exactly the bytes stored into the CPU slot it reads")(
     _content("load-returns-stored-bytes"))
+invariant("canonical-page-is-tp1-page",
+          "vLLM's canonical page mapping (0.34+), asked for every rank of TP 2, 4 and 8 over the run's attention spec "
+          "in each of its four layouts, assembles the TP=1 worker's page byte for byte (a chunk stored under one TP "
+          "size is loadable under another; engine/compat/canonical_mapping.py)")(
+    _content("canonical-page-is-tp1-page"))
 
 # A content invariant is the data-level form of a bookkeeping one: a recipe whose signature names
 # the bookkeeping invariant reproduces when its content form is violated.

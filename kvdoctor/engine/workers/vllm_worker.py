@@ -17,6 +17,7 @@ import itertools
 from typing import Any
 
 from kvdoctor.engine.answer_key import POISON_BYTE
+from kvdoctor.engine.compat.canonical_mapping import check_run as check_canonical_pages
 from kvdoctor.engine.worker import Job, Rule
 from kvdoctor.engine.workers.base import WorkerStep
 from kvdoctor.engine.workers.copy_engine import TransferControl
@@ -68,6 +69,11 @@ class VllmWorker:
             else:  # V1 GPUModelRunner.initialize_kv_cache -> register_kv_caches
                 self.connector.register_kv_caches(self.kv_caches)
         self.model = ToyModel.over(api, self.worker_kv_cache_config, self.kv_caches, model_runner)
+        # vLLM derived this worker's canonical page mapping above at the run's TP size; its promise holds at every
+        # TP size (a chunk stored under one is loadable under another): judged once, reported at the first step.
+        self.model.findings += [ContentFinding("canonical-page-is-tp1-page", "(no request)", "(canonical page)", 0, 0,
+                                               problem)
+                                for problem in check_canonical_pages(self.vllm_config, self.kv_cache_config)]
         self.control.on_store_copy = lambda job, blocks: self.model.store_copied(job, blocks)
         self.control.on_load_mismatch = self._load_mismatch
         self.engine = self.control.engine  # None with vLLM's own (CUDA) worker
