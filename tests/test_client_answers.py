@@ -7,7 +7,7 @@ kvdoctor's own measurements: a silent bug that stores wrong KV (K4, whose schedu
 this release is in kvdoctor/data/release_outcomes.toml) changes a client's completion exactly where
 the release has the bug; one that only loses prefix hits (K11: `explore.impact` says lost hits) leaves
 every completion equal; a run whose worker moves no KV bytes (K9's MultiConnector runs on the simulated
-worker) says it did not compare.
+worker) says it did not compare, and `--engine serve` (no server started) names that comparison.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_the_toy_model_answers_a_request_resumed_after_its_preemption(runner: st
 
 
 @pytest.mark.vllm
-def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
+def test_k9_on_the_simulated_worker_says_it_did_not_compare_at_core_and_serve(api) -> None:
     doc = _core("reused-block-unfenced-multiconnector")
     result = doc["results"][0]
     if result["outcome"] not in ("reproduced", "not_reproduced"):
@@ -155,6 +155,14 @@ def test_k9_on_the_simulated_worker_says_it_did_not_compare(api) -> None:
     answers = result["answers"]
     assert answers is not None and not answers["reproduced"]
     assert "moves no KV bytes (simulated worker: vLLM's worker does not drive MultiConnector" in answers["not_compared"]
+    # --engine serve starts no server for it, and its not_applicable names what core compared (nothing)
+    proc = invoke("repro", "reused-block-unfenced-multiconnector", "--engine", "serve", "--json")
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    served = json.loads(proc.stdout)["results"][0]
+    assert served["outcome"] == "not_applicable" and served["answers"] is None, served
+    assert "vLLM's worker does not drive MultiConnector here" in served["detail"], served
+    assert ("--engine core plays it on kvdoctor's simulated worker for the same reason and compares no client's "
+            "completion there") in served["detail"], served
 
 
 # -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------

@@ -18,6 +18,8 @@ import pytest
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 
+from .tier_promotion import play_promotion
+
 TIERING = "TieringOffloadingSpec"
 GEOMETRY = dict(block_size=4, gpu_blocks=16, max_model_len=64, spec_name=TIERING, cpu_bytes_to_use=8192)
 
@@ -61,33 +63,16 @@ Mutant = Callable[[type, Any], None]  # (the tiering manager's class, a MonkeyPa
 def _drive(api, mutant: Mutant | None = None, **setup: Any) -> dict:
     """The scenario, every tier invariant checked after each step."""
     from kvdoctor.engine.harness import Harness
-    from kvdoctor.observe.invariants import StepContext, check_all
     from kvdoctor.observe.tier_invariants import TIER_INVARIANTS
 
     harness = Harness(api, Setup(**{**GEOMETRY, "secondary_tier": "scripted", **setup}).validate())
     manager = api.tiering_manager_of(harness.connector_scheduler)
-    violations: list[tuple[str, str]] = []
-    rows = []
     with pytest.MonkeyPatch.context() as patch:
         if mutant is not None:
             mutant(type(manager), patch)
 
-        def step() -> None:
-            harness.step()
-            found = check_all(list(TIER_INVARIANTS), StepContext(harness, None, []))
-            violations.extend((v.invariant, v.message) for v in found)
-
         try:
-            for name, base in (("A", 100), ("C", 200)):
-                harness.add(name, list(range(base, base + 8)), 1)
-                for _ in range(6):
-                    step()
-            assert harness.reset_prefix_cache(False, False)
-            harness.add("B", list(range(100, 109)), 1)
-            for _ in range(10):
-                step()
-                request = harness.requests["B"]
-                rows.append((request.status.name, request.num_computed_tokens))
+            violations, rows = play_promotion(harness, TIER_INVARIANTS)
         finally:
             (tier,) = api.scripted_tiers(manager)
             harness.shutdown()

@@ -293,7 +293,10 @@ def answers_unexpressible(recipe: Recipe, setup: Setup) -> list[str]:
     why = setup.vllm_worker_unsupported()
     if why:
         return [f"a silent bug is judged at serve by its clients' answers, which need vLLM's worker moving KV "
-                f"bytes in the server's executor: {why} (play it with --engine core)"]
+                f"bytes in the server's executor: {why}; --engine core plays it on kvdoctor's simulated worker "
+                f"for the same reason and compares no client's completion there (no KV bytes move, so every "
+                f"client gets right KV's answer): no answer differs at core, so none could at serve (play it "
+                f"with --engine core: its invariant is the verdict)"]
     return core_setup_unexpressible(setup)
 
 

@@ -11,32 +11,16 @@ answered. Its promises, held after every step (a run without the tier checks not
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-# name -> (summary, check(StepContext) -> messages); observe/invariants.py registers them with the others
-EXAMPLE_TIER_CHECKS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {}
+from kvdoctor.observe.tier_check_table import TierCheckTable, recording_tiers, registrar, short_key
 
-
-def _invariant(name: str, summary: str) -> Callable[[Callable[[Any], list[str]]], Callable[[Any], list[str]]]:
-    def register(check: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
-        EXAMPLE_TIER_CHECKS[name] = (summary, check)
-        return check
-    return register
+EXAMPLE_TIER_CHECKS: TierCheckTable = {}  # observe/invariants.py registers them with the others
+_invariant = registrar(EXAMPLE_TIER_CHECKS)
 
 
 def _tiers(ctx: Any) -> list[Any]:
-    """kvdoctor's recording example tiers among the tiering manager's secondary tiers (none without)."""
-    harness = ctx.harness
-    if getattr(harness, "connector_scheduler", None) is None:
-        return []
-    manager = harness.api.tiering_manager_of(harness.connector_scheduler)
-    tiers = getattr(manager, "secondary_tiers", None) or []
-    return [tier for tier in tiers if getattr(tier, "kvdoctor_example", False)]
-
-
-def _short(key: Any) -> str:
-    return key.hex()[:12] if isinstance(key, (bytes, bytearray)) else repr(key)
+    return recording_tiers(ctx, 'kvdoctor_example')
 
 
 @_invariant("example-tier-load-returns-stored",
@@ -47,7 +31,7 @@ def _load_returns_stored(ctx: Any) -> list[str]:
         for job, ok, missing in tier.journal.wrong_loads:
             if ok:
                 messages.append(f"example-tier load job {job} reported success for key(s) never stored: "
-                                f"{', '.join(_short(k) for k in missing)}")
+                                f"{', '.join(short_key(k) for k in missing)}")
             else:
                 messages.append(f"example-tier load job {job} failed, though every key it named was stored")
         tier.journal.wrong_loads.clear()  # reported once
@@ -60,7 +44,7 @@ def _no_phantom_hit(ctx: Any) -> list[str]:
     messages = []
     for tier in _tiers(ctx):
         for key in tier.journal.phantom_hits:
-            messages.append(f"the example tier answered HIT for key {_short(key)}, which no store job carried")
+            messages.append(f"the example tier answered HIT for key {short_key(key)}, which no store job carried")
         tier.journal.phantom_hits.clear()
     return messages
 

@@ -14,32 +14,16 @@ against the bucket and the manager's own state after every step. A run without t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-# name -> (summary, check(StepContext) -> messages); observe/invariants.py registers them with the others
-OBJSTORE_CHECKS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {}
+from kvdoctor.observe.tier_check_table import TierCheckTable, recording_tiers, registrar, short_key
 
-
-def _invariant(name: str, summary: str) -> Callable[[Callable[[Any], list[str]]], Callable[[Any], list[str]]]:
-    def register(check: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
-        OBJSTORE_CHECKS[name] = (summary, check)
-        return check
-    return register
+OBJSTORE_CHECKS: TierCheckTable = {}  # observe/invariants.py registers them with the others
+_invariant = registrar(OBJSTORE_CHECKS)
 
 
 def _tiers(ctx: Any) -> list[Any]:
-    """kvdoctor's recording object-store tiers among the tiering manager's secondary tiers (none without)."""
-    harness = ctx.harness
-    if getattr(harness, "connector_scheduler", None) is None:
-        return []
-    manager = harness.api.tiering_manager_of(harness.connector_scheduler)
-    tiers = getattr(manager, "secondary_tiers", None) or []
-    return [tier for tier in tiers if getattr(tier, "kvdoctor_objstore", False)]
-
-
-def _short(key: Any) -> str:
-    return key.hex()[:12] if isinstance(key, (bytes, bytearray)) else repr(key)
+    return recording_tiers(ctx, 'kvdoctor_objstore')
 
 
 @_invariant("objstore-load-returns-stored-bytes",
@@ -50,7 +34,7 @@ def _load_returns_stored(ctx: Any) -> list[str]:
     for tier in _tiers(ctx):
         for job, key, chunk in tier.journal.byte_mismatches:
             messages.append(f"object-store load job {job} reported success, but CPU chunk {chunk} does not hold the "
-                            f"bytes stored for key {_short(key)}")
+                            f"bytes stored for key {short_key(key)}")
         tier.journal.byte_mismatches.clear()  # reported once
     return messages
 
@@ -62,7 +46,7 @@ def _no_phantom_hit(ctx: Any) -> list[str]:
     messages = []
     for tier in _tiers(ctx):
         for key, name in tier.journal.phantom_hits:
-            messages.append(f"the object-store tier answered HIT for key {_short(key)}, whose object {name!r} the "
+            messages.append(f"the object-store tier answered HIT for key {short_key(key)}, whose object {name!r} the "
                             f"store does not hold")
         tier.journal.phantom_hits.clear()
     return messages

@@ -20,19 +20,12 @@ state after every step. A run without a scripted tier has nothing to check (ever
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-# name -> (summary, check(StepContext) -> messages); observe/invariants.py registers them with the others
-TIER_CHECKS: dict[str, tuple[str, Callable[[Any], list[str]]]] = {}
+from kvdoctor.observe.tier_check_table import TierCheckTable, registrar
 
-
-def invariant(name: str, summary: str) -> Callable[[Callable[[Any], list[str]]], Callable[[Any], list[str]]]:
-    def register(check: Callable[[Any], list[str]]) -> Callable[[Any], list[str]]:
-        TIER_CHECKS[name] = (summary, check)
-        return check
-    return register
-
+TIER_CHECKS: TierCheckTable = {}  # observe/invariants.py registers them with the others
+invariant = registrar(TIER_CHECKS)
 
 
 def _scripted(ctx: Any) -> tuple[Any, list[Any]]:
