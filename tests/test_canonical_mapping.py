@@ -1,4 +1,4 @@
-"""vLLM's canonical page mapping (0.34's `offloading/canonical_mapping.py`, issue 36): a property check of
+"""vLLM's canonical page mapping (`offloading/canonical_mapping.py`, 0.27.0 on; issue 36): a property check of
 `derive_canonical_mappings` across TP sizes, by bytes (kvdoctor/engine/compat/canonical_mapping.py says how). The
 check is kvdoctor's invariant `canonical-page-is-tp1-page`, judged by the vLLM worker (`worker = "vllm"`) over the
 run's attention spec; here it holds on the real function at every TP size and layout, and fires on a mapping with
@@ -19,7 +19,7 @@ GEOMETRY = dict(block_size=4, blocks_per_chunk=2, gpu_blocks=8, max_model_len=16
 def canonical():
     module = cm.canonical_module()
     if module is None:
-        pytest.skip("this vLLM has no canonical page mapping (offloading/canonical_mapping.py: 0.34.0 here)")
+        pytest.skip("this vLLM has no canonical page mapping (offloading/canonical_mapping.py: 0.27.0 onward)")
     return module
 
 

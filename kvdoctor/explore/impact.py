@@ -49,6 +49,9 @@ _INVARIANTS: dict[str, tuple[str, str]] = {
                                          "for the running request"),
     "load-returns-stored-bytes": (WRONG_KV, "no error; a load wrote bytes other than those stored: wrong output "
                                             "for the request that hit them"),
+    "canonical-page-is-tp1-page": (WRONG_KV, "no error; a chunk stored under one TP size (a shared CPU or fs "
+                                             "tier, a restarted deployment) is loaded under another as other "
+                                             "heads' or other tokens' KV: wrong output for the request that hits it"),
     "final-store-covers-computed-chunks": (LOST_HITS, "no error and no wrong output; a computed chunk never "
                                                       "reaches the CPU tier, so later prefix hits stop short of it "
                                                       "(more recomputation, higher latency)"),

@@ -224,7 +224,7 @@ invariant("load-returns-stored-bytes",
           "a load writes into GPU blocks exactly the bytes stored into the CPU slot it reads")(
     _content("load-returns-stored-bytes"))
 invariant("canonical-page-is-tp1-page",
-          "vLLM's canonical page mapping (0.34+), asked for every rank of TP 2, 4 and 8 over the run's attention spec "
+          "vLLM's canonical page mapping (0.27+), asked for every rank of TP 2, 4 and 8 over the run's attention spec "
           "in each of its four layouts, assembles the TP=1 worker's page byte for byte (a chunk stored under one TP "
           "size is loadable under another; engine/compat/canonical_mapping.py)")(
     _content("canonical-page-is-tp1-page"))
