@@ -40,7 +40,9 @@ def _cpu_seconds(cmd):
 
 
 def test_cli_import_does_not_import_vllm():
-    code = "import sys, kvdoctor.cli.app; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    # kvdoctor.app too: a command resolves its input (exit 2) and checks vLLM is installed (exit 3) before any
+    # vLLM import (a stand-in connector imported at module level once broke that: test_compat's exit-3 line)
+    code = "import sys, kvdoctor.cli.app, kvdoctor.app; print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

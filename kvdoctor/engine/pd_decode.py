@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdoctor.engine.compat.pd_connector import loads_of
-
 
 @dataclass
 class PdLoads:
@@ -49,6 +47,8 @@ class PdLoads:
             else:
                 self.finished.append(req_id)
         self.in_flight = {}
+        from kvdoctor.engine.compat.pd_connector import loads_of  # imports vLLM: only once a step runs
+
         for req_id, block_ids in loads_of(metadata).items():
             self.in_flight[req_id] = list(block_ids)
             self.issued += 1
