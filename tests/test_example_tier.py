@@ -16,7 +16,7 @@ import pytest
 
 from kvdoctor.engine.setup import Setup
 
-from .tier_promotion import play_promotion
+from .tier_promotion import drive_recorded_tier, violated
 
 TIERING = "TieringOffloadingSpec"
 GEOMETRY = dict(block_size=4, gpu_blocks=16, max_model_len=64, spec_name=TIERING, cpu_bytes_to_use=8192)
@@ -62,26 +62,11 @@ def _drive(api, mutant: Mutant | None = None, secondary_tier: str = "example") -
     """The scenario, every example-tier invariant checked after each step."""
     from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
 
-    from kvdoctor.engine.harness import Harness
     from kvdoctor.observe.example_tier_invariants import EXAMPLE_TIER_INVARIANTS
 
-    with pytest.MonkeyPatch.context() as patch:
-        if mutant is not None:
-            mutant(ExampleSecondaryTierManager, patch)
-        harness = Harness(api, Setup(**{**GEOMETRY, "secondary_tier": secondary_tier}).validate())
-        manager = api.tiering_manager_of(harness.connector_scheduler)
-
-        try:
-            violations, rows = play_promotion(harness, EXAMPLE_TIER_INVARIANTS)
-        finally:
-            tier = next(t for t in manager.secondary_tiers if getattr(t, "kvdoctor_example", False))
-            harness.shutdown()
-    return {"violations": violations, "rows": rows, "tier": tier,
-            "tiers": [type(t).__name__ for t in manager.secondary_tiers]}
-
-
-def _names(run: dict) -> set[str]:
-    return {name for name, _ in run["violations"]}
+    return drive_recorded_tier(api, Setup(**{**GEOMETRY, "secondary_tier": secondary_tier}).validate(),
+                               EXAMPLE_TIER_INVARIANTS, "kvdoctor_example",
+                               None if mutant is None else lambda patch: mutant(ExampleSecondaryTierManager, patch))
 
 
 @pytest.mark.parametrize("secondary_tier", ["example", "fs+example"])
@@ -104,7 +89,7 @@ def test_a_lookup_that_hits_unstored_keys_breaks_no_hit_without_store(example):
 
         patch.setattr(cls, "lookup", lambda self, key, req_context: LookupResult.HIT)
     run = _drive(example, mutant)
-    assert "example-tier-no-hit-without-store" in _names(run), run["violations"]
+    assert "example-tier-no-hit-without-store" in violated(run), run["violations"]
 
 
 def test_a_load_that_fails_stored_keys_breaks_load_returns_stored(example):
@@ -115,7 +100,7 @@ def test_a_load_that_fails_stored_keys_breaks_load_returns_stored(example):
             self.completed_jobs.append(JobResult(job_id=job.job_id, success=False))
         patch.setattr(cls, "submit_load", submit_load)
     run = _drive(example, mutant)
-    assert "example-tier-load-returns-stored" in _names(run), run["violations"]
+    assert "example-tier-load-returns-stored" in violated(run), run["violations"]
 
 
 def test_the_recipe_replays_with_kvdoctor_repro(example, capsys):

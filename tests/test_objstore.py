@@ -18,7 +18,7 @@ import pytest
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 
-from .tier_promotion import play_promotion
+from .tier_promotion import drive_recorded_tier, violated
 
 TIERING = "TieringOffloadingSpec"
 GEOMETRY = dict(block_size=4, gpu_blocks=16, max_model_len=64, spec_name=TIERING, cpu_bytes_to_use=8192)
@@ -72,26 +72,11 @@ def _drive(api, mutant: Mutant | None = None, **setup: Any) -> dict:
     """The scenario, every object-store invariant checked after each step."""
     from vllm.v1.kv_offload.tiering.obj import manager as obj_manager
 
-    from kvdoctor.engine.harness import Harness
     from kvdoctor.observe.objstore_invariants import OBJSTORE_INVARIANTS
 
-    with pytest.MonkeyPatch.context() as patch:
-        if mutant is not None:
-            mutant(obj_manager, patch)
-        harness = Harness(api, Setup(**{**GEOMETRY, "object_store": "", **setup}).validate())
-        manager = api.tiering_manager_of(harness.connector_scheduler)
-
-        try:
-            violations, rows = play_promotion(harness, OBJSTORE_INVARIANTS)
-        finally:
-            tier = next(t for t in manager.secondary_tiers if getattr(t, "kvdoctor_objstore", False))
-            harness.shutdown()
-    return {"violations": violations, "rows": rows, "tier": tier,
-            "tiers": [type(t).__name__ for t in manager.secondary_tiers]}
-
-
-def _names(run: dict) -> set[str]:
-    return {name for name, _ in run["violations"]}
+    return drive_recorded_tier(api, Setup(**{**GEOMETRY, "object_store": "", **setup}).validate(),
+                               OBJSTORE_INVARIANTS, "kvdoctor_objstore",
+                               None if mutant is None else lambda patch: mutant(obj_manager, patch))
 
 
 def test_vllm_loads_its_object_store_tier_and_promotes_from_it(objstore):
@@ -133,7 +118,7 @@ def test_a_manager_that_misaligns_keys_and_chunks_loads_the_wrong_bytes(objstore
             return original(self, job)
         patch.setattr(module.ObjectStoreSecondaryTierManager, "submit_load", submit_load)
     run = _drive(objstore, mutant)
-    assert "objstore-load-returns-stored-bytes" in _names(run), run["violations"]
+    assert "objstore-load-returns-stored-bytes" in violated(run), run["violations"]
 
 
 def test_a_lookup_that_reads_a_missing_object_as_present_hits_after_a_failed_put(objstore):
@@ -144,7 +129,7 @@ def test_a_lookup_that_reads_a_missing_object_as_present_hits_after_a_failed_put
             return (True for _ in keys)  # `r is not None` dropped
         patch.setattr(module.ObjAsyncLookupManager, "batch_lookup", batch_lookup)
     run = _drive(objstore, mutant, object_store="fail/")
-    assert "objstore-no-hit-without-object" in _names(run), run["violations"]
+    assert "objstore-no-hit-without-object" in violated(run), run["violations"]
 
 
 def test_a_manager_that_drops_a_failed_submission_leaves_its_job_pending(objstore):
@@ -157,7 +142,7 @@ def test_a_manager_that_drops_a_failed_submission_leaves_its_job_pending(objstor
             del self._pending_results[before:]  # the submission failure is never reported
         patch.setattr(module.ObjectStoreSecondaryTierManager, "_submit_transfer", submit)
     run = _drive(objstore, mutant, object_store="err/")
-    assert "objstore-jobs-reported" in _names(run), run["violations"]
+    assert "objstore-jobs-reported" in violated(run), run["violations"]
 
 
 def test_the_recipe_replays_with_kvdoctor_repro(objstore, capsys):

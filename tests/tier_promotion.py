@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -30,3 +30,30 @@ def play_promotion(harness: Any, invariants: Iterable[str]) -> tuple[list[tuple[
         request = harness.requests["B"]
         rows.append((request.status.name, request.num_computed_tokens))
     return violations, rows
+
+
+def drive_recorded_tier(api: Any, setup: Any, invariants: Iterable[str], marker: str,
+                        mutate: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """`play_promotion` on a harness whose secondary tier is one of kvdoctor's recording tiers (`marker`: its
+    class flag), vLLM's code patched by `mutate(monkeypatch)` for the run; the tier is kept for the asserts."""
+    import pytest
+
+    from kvdoctor.engine.harness import Harness
+
+    with pytest.MonkeyPatch.context() as patch:
+        if mutate is not None:
+            mutate(patch)
+        harness = Harness(api, setup)
+        manager = api.tiering_manager_of(harness.connector_scheduler)
+        try:
+            violations, rows = play_promotion(harness, invariants)
+        finally:
+            tier = next(t for t in manager.secondary_tiers if getattr(t, marker, False))
+            harness.shutdown()
+    return {"violations": violations, "rows": rows, "tier": tier,
+            "tiers": [type(t).__name__ for t in manager.secondary_tiers]}
+
+
+def violated(run: dict[str, Any]) -> set[str]:
+    """The names of the invariants a `drive_recorded_tier` run violated."""
+    return {name for name, _ in run["violations"]}
