@@ -16,6 +16,7 @@ import pytest
 
 from kvdoctor.engine.setup import Setup
 
+from .cli_runner import invoke
 from .tier_promotion import drive_recorded_tier, violated
 
 TIERING = "TieringOffloadingSpec"
@@ -103,14 +104,9 @@ def test_a_load_that_fails_stored_keys_breaks_load_returns_stored(example):
     assert "example-tier-load-returns-stored" in violated(run), run["violations"]
 
 
-def test_the_recipe_replays_with_kvdoctor_repro(example, capsys):
+def test_the_recipe_replays_with_kvdoctor_repro(example):
     """The scenario from a recipe file through the CLI, both example-tier invariants checked: nothing reproduced."""
-    from kvdoctor.cli.app import app as cli
-
-    try:
-        code = cli(args=["repro", str(RECIPE)], prog_name="kvdoctor", standalone_mode=False)
-    except SystemExit as exited:
-        code = exited.code
-    out = capsys.readouterr().out
-    assert code in (0, None), out
+    done = invoke("repro", str(RECIPE))
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
     assert "not_reproduced" in out, out

@@ -18,6 +18,7 @@ import pytest
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 
+from .cli_runner import invoke
 from .tier_promotion import drive_recorded_tier, violated
 
 TIERING = "TieringOffloadingSpec"
@@ -145,16 +146,11 @@ def test_a_manager_that_drops_a_failed_submission_leaves_its_job_pending(objstor
     assert "objstore-jobs-reported" in violated(run), run["violations"]
 
 
-def test_the_recipe_replays_with_kvdoctor_repro(objstore, capsys):
+def test_the_recipe_replays_with_kvdoctor_repro(objstore):
     """The scenario from a recipe file through the CLI (in this process: the import is paid once), every
     object-store invariant checked (the recipe's `invariants`): it runs through, nothing reproduced."""
-    from kvdoctor.cli.app import app as cli
-
-    try:
-        code = cli(args=["repro", str(RECIPE)], prog_name="kvdoctor", standalone_mode=False)
-    except SystemExit as exited:
-        code = exited.code
-    out = capsys.readouterr().out
-    assert code in (0, None), out
+    done = invoke("repro", str(RECIPE))
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
     assert "checks held: B ran to its max_tokens" in out and "yes  B ran to its max_tokens" in out, out
     assert "reproduced " not in out.replace("not_reproduced", ""), out
