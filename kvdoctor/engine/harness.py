@@ -65,12 +65,12 @@ class BuildCache:
 
     def pieces(self, api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
         if setup.worker != "simulated":
-            return _build_pieces(api, setup)
+            return build_pieces(api, setup)
         key = repr(setup)
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            entry = _build_pieces(api, setup)
+            entry = build_pieces(api, setup)
             if len(self._entries) >= self.size:
                 del self._entries[next(iter(self._entries))]
             self._entries[key] = entry
@@ -85,7 +85,7 @@ def build_scheduler(api: VllmApi, setup: Setup, cache: BuildCache | None = None)
     of real capacity. The ModelConfig is kvdoctor's tiny Llama: the scheduler reads no weights or
     architecture; the model's layer layout comes from its config.json (`kv_layout`)."""
     vllm_config, kv_plan, kv_cache_config, block_size, hash_block_size = (
-        cache.pieces(api, setup) if cache is not None else _build_pieces(api, setup))
+        cache.pieces(api, setup) if cache is not None else build_pieces(api, setup))
     scheduler_cls = (api.cls("async_scheduler", "AsyncScheduler") if setup.async_scheduling
                      else api.cls("scheduler", "Scheduler"))
     structured = api.cls("structured_output", "StructuredOutputManager")(vllm_config)
@@ -97,7 +97,7 @@ def build_scheduler(api: VllmApi, setup: Setup, cache: BuildCache | None = None)
     return scheduler, kv_plan
 
 
-def _build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
+def build_pieces(api: VllmApi, setup: Setup) -> tuple[Any, kv_layout.KvPlan, Any, int, int]:
     """(VllmConfig, plan, scheduler KVCacheConfig, block size, hash block size) for a setup."""
     model_config = _model_config(api, setup.max_model_len)
     scheduler_kwargs: dict[str, Any] = dict(

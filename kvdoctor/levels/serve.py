@@ -599,11 +599,11 @@ def groups_untested(setup: Setup, api: VllmApi | None = None) -> RunResult | Non
     if setup.layout_replaced is None:
         return None
     from kvdoctor.engine import compat
-    from kvdoctor.engine.harness import _build_pieces
+    from kvdoctor.engine.harness import build_pieces
     from kvdoctor.engine.kv_layout import TriggerGroupsMissing
 
     try:
-        _build_pieces(api or compat.load(), setup)
+        build_pieces(api or compat.load(), setup)
     except TriggerGroupsMissing as exc:
         return RunResult("installed", Outcome.UNTESTED, detail=str(exc))
     return None

@@ -23,7 +23,7 @@ from typing import Any
 from kvdoctor.clean_exit import raise_if_terminated
 from kvdoctor.engine import kv_layout
 from kvdoctor.engine.compat import VllmApi
-from kvdoctor.engine.harness import Harness, StepEvents, _build_pieces, sampling_params
+from kvdoctor.engine.harness import Harness, StepEvents, build_pieces, sampling_params
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
 
@@ -51,7 +51,7 @@ class CoreHarness(Harness):
 
         self.api = api
         self.setup = setup
-        vllm_config, self.kv_plan, _, _, _ = _build_pieces(api, setup)
+        vllm_config, self.kv_plan, _, _, _ = build_pieces(api, setup)
         layout = kv_layout.resolve_layout(setup.model, setup.layout, setup.sliding_window)
         specs = kv_layout.layer_specs(api, layout, setup.block_size, setup.max_model_len, setup.mamba_cache_mode,
                                       kv_layout.speculative_blocks(setup))
