@@ -533,24 +533,24 @@ def _validate_wake_up(args: dict[str, Any], fail: Fail) -> None:
         raise fail("tags", f"tags must be a non-empty array of {', '.join(SLEEP_TAGS)}, got {shown(tags)}")
 
 
-_NOT_DRAWN_SLEEP = Unsupported("explore plays the scheduler level, where sleep mode is refused (the engine's)")
-
-
 # vLLM's sleep mode (EngineCore.sleep): the scheduler is paused as `pause` pauses it ("abort" by default, as vLLM's);
 # level >= 1 also resets the prefix cache and the connector's (reset_connector = false keeps the connector's where
 # the release's sleep takes it: a probe) and puts the executor to sleep (kvdoctor's executor stands in for the
 # model's memory: it records the sleep and answers the next step as a woken one); wake_up resumes the scheduler once
-# the executor is fully awake (a partial wake, `tags`, keeps it paused)
+# the executor is fully awake (a partial wake, `tags`, keeps it paused). Explore draws both only under `--force
+# sleep-wake` (explore/generate.py SLEEP_DRAW) and plays those examples at --engine core.
 @step_kind("sleep", Need.ENGINE_PAUSE,
            summary="put the engine to sleep (level 0: pause; 1-2: also reset the caches, the executor sleeps)",
            fields={"level": f(int, minimum=0, maximum=2), "mode": f(str, choices=PAUSE_MODES),
-                   "reset_connector": f(bool)}, script=_ENGINE_PAUSE, explore=_NOT_DRAWN_SLEEP)
+                   "reset_connector": f(bool)}, script=_ENGINE_PAUSE,
+           explore="sleep")
 def _sleep(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.sleep(step.args.get("level", 1), step.args.get("mode", "abort"), step.args.get("reset_connector"))
 
 
 @step_kind("wake_up", Need.ENGINE_PAUSE, summary="wake the engine (EngineCore.wake_up; all of it unless `tags`)",
-           fields={"tags": f(list)}, validate=_validate_wake_up, script=_ENGINE_PAUSE, explore=_NOT_DRAWN_SLEEP)
+           fields={"tags": f(list)}, validate=_validate_wake_up, script=_ENGINE_PAUSE,
+           explore="wake_up")
 def _wake_up(target: StepTarget, step: ConcreteStep) -> None:
     target.harness.wake_up(step.args.get("tags"))
 # -- the P2P pair (issue 36): [setup] p2p = true plays the recipe's engine as the consumer (decode) of a

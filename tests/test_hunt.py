@@ -170,14 +170,14 @@ def test_a_site_no_example_reaches_is_inconclusive(api, tmp_path):
     assert "hunt inconclusive" in proc.stderr
 
 
-def test_a_sleep_mode_log_says_where_sleep_is_played(tmp_path):
-    """A log of a server in sleep mode (#45268's `--enable-sleep-mode`): explore cannot play the engine's sleep (it
-    plays the scheduler level); the hunt says so and names the recipe steps that play it at --engine core."""
+def test_a_sleep_mode_log_forces_sleep_wake(tmp_path):
+    """A log of a server in sleep mode (#45268's `--enable-sleep-mode`): the hunt forces explore's sleep/wake draw
+    (played at --engine core) and no longer lists sleep mode as inexpressible."""
     log = tmp_path / "sleep.log"
     log.write_text("# vllm serve nvidia/Nemotron-H --enable-sleep-mode\n" + UNKNOWN)
     aim = _aim(log)
-    why = dict(aim.unexpressed).get("sleep mode", "")
-    assert "--engine core" in why and "`sleep` / `wake_up`" in why, aim.unexpressed
+    assert "sleep-wake" in aim.force and "sleep mode" not in dict(aim.unexpressed), (aim.force, aim.unexpressed)
+    assert any(line.startswith("sleep mode") and "--engine core" in line for line in aim.expressed), aim.expressed
 
 
 def test_the_hybrid_mtp_and_aligned_layouts_are_forced_only_and_planned_as_vllm_plans_them(api):

@@ -98,12 +98,9 @@ def test_force_pd_decode_draws_remote_prefills_and_failures_and_leaves_unforced_
     assert not any(s.action == "pd_fail" or "kv_transfer_params" in s.args for s in event_steps(plain))
 
 
-def test_force_sleep_wake_is_refused_in_one_line():
-    from kvdoctor.errors import UsageError
+def test_force_names_parse():
     from kvdoctor.explore.aim import parse_aim
 
-    with pytest.raises(UsageError, match=r"--force sleep-wake: not forceable: .*--engine core"):
-        parse_aim(None, ["sleep-wake"], None)
     assert parse_aim(None, ["pd-decode"], None)["force"] == frozenset({"pd-decode"})
 
 

@@ -16,12 +16,11 @@ from typing import Any
 from kvdoctor.errors import UsageError
 
 # kept in step with explore.search.FORCEABLE (which names the draws; importing it here would import hypothesis)
-FORCE_NAMES = ("speculative", "fs-tier", "workers", "withheld-hashes", "pd-decode")
-# Features explore cannot force, and why (one line, exit 2)
-UNFORCEABLE = {
-    "sleep-wake": "explore plays kvdoctor's scheduler harness, where sleep mode (vLLM's EngineCore.sleep / wake_up) "
-                  "cannot be played; play a recipe with `sleep` / `wake_up` steps at --engine core "
-                  "(tests/data/sleep-wake-mamba-offload.toml)",
+FORCE_NAMES = ("speculative", "fs-tier", "workers", "withheld-hashes", "pd-decode", "sleep-wake")
+# Forced features that cannot be drawn together, and why (one line, exit 2)
+EXCLUSIVE = {
+    ("sleep-wake", "withheld-hashes"): "sleep/wake examples play at --engine core, where vLLM's engine computes "
+                                       "block hashes itself (none can be withheld)",
 }
 LAYOUT_PREFIX = "layout="  # `--force layout=NAME`: kept in the force set as "layout=NAME"
 DEFAULT_LAYOUT_NAME = "default"  # one full-attention group (no shipped layout)
@@ -50,9 +49,6 @@ def parse_aim(target: str | None, force: list[str], exclude: str | None) -> dict
                              f"{target[:80]!r}")
         aim["target"] = (exception.rsplit(".", 1)[-1], function)
     names = [n.strip() for item in force for n in item.split(",") if n.strip()]
-    refused = [n for n in names if n in UNFORCEABLE]
-    if refused:
-        raise UsageError(f"--force {refused[0]}: not forceable: {UNFORCEABLE[refused[0]]}")
     unknown = [n for n in names if n not in FORCE_NAMES and not n.startswith(LAYOUT_PREFIX)]
     if unknown:
         raise UsageError(f"--force: unknown feature {unknown[0][:40]!r}; one of {', '.join(FORCE_NAMES)}, "
@@ -62,6 +58,9 @@ def parse_aim(target: str | None, force: list[str], exclude: str | None) -> dict
     if bad:
         raise UsageError(f"--force: unknown layout {bad[0].removeprefix(LAYOUT_PREFIX)[:40]!r}; one of "
                          f"{', '.join(layouts)}")
+    for (first, second), why in EXCLUSIVE.items():
+        if first in names and second in names:
+            raise UsageError(f"--force {first} and {second} cannot be forced together: {why}")
     if names:
         aim["force"] = frozenset(names)
     if exclude is not None:

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvdoctor.errors import KvdoctorError, UsageError
 from kvdoctor.explore.impact import impact_of, impact_of_finding
-from kvdoctor.explore.runner import RELEASE_CHECK, Observation, expanded_actions, setup_of
+from kvdoctor.explore.runner import RELEASE_CHECK, Observation, engine_of, expanded_actions, setup_of
 from kvdoctor.explore.triage import STARTUP
 from kvdoctor.recipes.compile import compile_recipe
 from kvdoctor.recipes.model import Recipe, Signature, Step, bug_order
@@ -317,7 +317,9 @@ def header_text(finding: Finding) -> str:
             f"hypothesis seed {finding.example_seed}), logic {finding.logic}, vLLM {finding.vllm_version}.\n"
             f"Signature: {finding.label}\n"
             f"Replay: kvdoctor repro <this file>" + (f" --logic {finding.logic}" if finding.logic != "installed"
-                                                     else ""))
+                                                     else "")
+            + (" --engine core (its sleep / wake_up steps are the engine's)"
+               if engine_of(finding.recipe) == "core" else ""))
 
 
 def write_findings(findings: list[Finding], out_dir: Path) -> None:

@@ -85,7 +85,7 @@ from hypothesis import strategies as st
 from kvdoctor.engine.kv_layout import resolve_layout
 from kvdoctor.errors import InternalError
 from kvdoctor.recipes.model import Recipe, Signature, Step
-from kvdoctor.steps import REGISTRY
+from kvdoctor.steps import PAUSE_MODES, REGISTRY
 
 # Never matches a failure: the explorer classifies failures itself (see runner.py).
 PLACEHOLDER_SIGNATURE = Signature(exception="(explore: any failure)", function="(explore)")
@@ -142,6 +142,10 @@ class Geometry:
     backpressure_pattern: str | None = None
     object_store: str | None = None  # vLLM's object-store tier's fault script (tier_draw.objstore_fields)
     pd_decode: bool = False  # forced only (`--force pd-decode`, PD_DRAW): kvdoctor's NIXL stand-in first
+    # forced only (`--force sleep-wake`, SLEEP_DRAW): the example draws sleep / wake_up and plays at --engine core;
+    # not a [setup] field (the recipe's steps say it: `sleep` needs the engine's pause)
+    sleep_wake: bool = False
+    sleep_keeps_connector: bool = False  # the release's EngineCore.sleep takes reset_connector (a probe)
 
     @property
     def groups(self) -> int:
@@ -222,9 +226,11 @@ EVENT_TABLE = ("schedule", "add", "abort", "schedule", "add", "abort", "schedule
 # The step kind each event plays: the kinds' `explore` names (`kvdoctor.steps`). A kind declared drawn that
 # the table never draws, or an event no kind declares, is kvdoctor's bug, at import.
 EVENT_KINDS = {kind.explore: name for name, kind in REGISTRY.items() if isinstance(kind.explore, str)}
-if set(EVENT_KINDS) != set(EVENT_TABLE):
+# Events drawn only where forced (`--force sleep-wake`: the reset and drain rows draw them, SLEEP_DRAW), not rows
+FORCED_EVENTS = ("sleep", "wake_up")
+if set(EVENT_KINDS) != set(EVENT_TABLE) | set(FORCED_EVENTS):
     raise InternalError(f"explore's EVENT_TABLE and the step kinds' declared events differ: "
-                        f"{sorted(set(EVENT_KINDS) ^ set(EVENT_TABLE))}")
+                        f"{sorted(set(EVENT_KINDS) ^ (set(EVENT_TABLE) | set(FORCED_EVENTS)))}")
 BLOCK_SIZES = (4, 2, 8, 16, 1)
 MAX_NUM_SEQS = (16, 4, 2)
 BATCHED_TOKENS = (256, 8, 16, 32, 64)
@@ -305,6 +311,32 @@ DRAFT_ACCEPTANCE = (None, "0", "1,0", "0,2,1", "1", "2,0,0", "0,0,3", "3,1")
 # hashes), so a crash whose statement compares offload keys with tokens is drawn towards; no byte of its own (the
 # draws of a release, and its seeds, stay as they were where it is not forced).
 WITHHELD_DRAW = "withheld_hashes"
+
+
+# vLLM's sleep mode (`--force sleep-wake`; a hunt forces it where its log names sleep mode): EngineCore.sleep /
+# wake_up, so the example plays at --engine core (kvdoctor's scheduler harness cannot pause the engine). No byte of
+# its own: under the force the `reset` row (3 in 4 of its draws), the `drain` row (every one: at core, a drain
+# under async scheduling is not playable) and the fourth `schedule` row (`SLEEP_ROWS`) draw a sleep instead, from
+# that row's bytes (measured: 143 of 300 drawn examples hold a sleep): the level (1 or 2), the mode (keep /
+# abort), the connector's cache kept (reset_connector = false, where the release's sleep takes it: a probe; its held
+# transfers are completed first, as the sleep's drain waits for them), the steps slept through and the events
+# before the wake_up (0-7: requests arrive, abort, transfers finish while asleep). Block hashes cannot be
+# withheld at core, so delay / release events are dropped. Unforced, a release's draws and seeds stay as they were.
+SLEEP_DRAW = "sleep_wake"
+SLEEP_ROWS = (12, 15)  # EVENT_TABLE's fourth `schedule` and its `drain`: every draw a sleep where forced
+if [EVENT_TABLE[row] for row in SLEEP_ROWS] != ["schedule", "drain"]:
+    raise InternalError("explore's SLEEP_ROWS must name EVENT_TABLE's fourth schedule row and its drain row")
+SLEEP_KEEPS_CONNECTOR = "sleep_reset_connector"  # the release's EngineCore.sleep takes reset_connector (probed)
+
+
+def sleep_geometry(geometry: Geometry, features: frozenset[str]) -> Geometry:
+    """The geometry of a sleep/wake example: marked (it plays at --engine core); a layout with EAGLE drafter layers
+    is drawn as one full-attention group (the engine flags a drafter's group only under a draft model's config:
+    `levels.core.setup_unexpressible`)."""
+    changes: dict[str, Any] = {"sleep_wake": True, "sleep_keeps_connector": SLEEP_KEEPS_CONNECTOR in features}
+    if geometry.layout in DRAFTER_LAYOUTS:
+        changes["layout"] = None
+    return dataclasses.replace(geometry, **changes)
 
 
 # A P/D decode node (`--force pd-decode`; a hunt forces it where its log names P/D, NIXL or a MultiConnector):
@@ -538,7 +570,7 @@ def decode_geometry(fields: tuple[int, ...], specs: frozenset[str] | None = None
     return geometry
 
 
-def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[Any, ...], ...]:
+def decode_event(row: int, a: int, b: int, c: int, d: int = 0, *, sleep: bool = False) -> tuple[tuple[Any, ...], ...]:
     """One abstract event (as `event_steps` reads it), then the engine steps that run before
     the next event, from a row of EVENT_TABLE and three bytes:
 
@@ -555,6 +587,9 @@ def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[An
       request a % 6 - 1); b = the kind (any, store, load); c = the gap
     - reset_prefix_cache: a & 1 reset_running_requests, b & 1 reset_connector; c = the gap
     - drain (apply the async output in flight, as an engine going idle does): a = the gap
+    - sleep (`sleep`: `--force sleep-wake` only; SLEEP_ROWS, and the reset row where a >> 1 & 3): a >> 3 & 1 =
+      level 2 (else 1), b >> 1 & 1 mode abort (else keep), b >> 2 & 1 the connector's cache kept, c = the gap,
+      c >> 3 & 7 the events (and gaps) played asleep before the wake_up
     - delay / release block hashes (a request's block hashes, so its offload keys, arrive
       later than its blocks, as in P/D, hybrid models, lookahead hashes): a = the request
       (a % 16); b = the gap
@@ -563,8 +598,11 @@ def decode_event(row: int, a: int, b: int, c: int, d: int = 0) -> tuple[tuple[An
     """
     action = EVENT_TABLE[row]
     gap = 0
-    if action == "schedule":
-        event: tuple[Any, ...] = ("schedule", 1 + a % MAX_SCHEDULE_COUNT)
+    if sleep and (row in SLEEP_ROWS or (action == "reset" and a >> 1 & 3)):
+        event: tuple[Any, ...] = ("sleep", 1 + (a >> 3 & 1), PAUSE_MODES[b >> 1 & 1], bool(b >> 2 & 1), c >> 3 & 7)
+        gap = GAPS[c % 8]
+    elif action == "schedule":
+        event = ("schedule", 1 + a % MAX_SCHEDULE_COUNT)
     elif action == "add":
         kind = SIZE_KINDS[a // 64] if a < 224 else "fill"  # fill_pool: one add in eight
         size = ("fill",) if kind == "fill" else (kind, 1 + (a % 64 if kind == "tokens" else a % 8))
@@ -669,7 +707,10 @@ class Example:
             decoded_geometry = decode_workers(decoded_geometry, workers, worker)
         if PD_DRAW in features:
             decoded_geometry = pd_decode_geometry(decoded_geometry, worker)
-        decoded = tuple(event for fields in events for event in decode_event(*fields))
+        sleep = SLEEP_DRAW in features
+        if sleep:
+            decoded_geometry = sleep_geometry(decoded_geometry, features)
+        decoded = tuple(event for fields in events for event in decode_event(*fields, sleep=sleep))
         if WITHHELD_DRAW in features:
             decoded = withhold_every_request(decoded)
         if any(event[0] == "delay" for event in decoded):
@@ -706,6 +747,7 @@ def event_steps(example: Example) -> list[Step]:
     lengths: dict[str, int] = {}
     steps: list[Step] = []
     withheld: set[str] = set()  # requests whose block hashes are delayed now
+    asleep_for: int | None = None  # a sleep's events left before its wake_up (None: awake)
 
     def pick(k: int) -> str:
         """Counted back from the latest request (0: the latest), so that deleting an earlier
@@ -720,7 +762,21 @@ def event_steps(example: Example) -> list[Step]:
 
     for event in example.events:
         action = event[0]
-        if action == "schedule":
+        if asleep_for is not None:
+            if asleep_for == 0:
+                steps.append(Step(EVENT_KINDS["wake_up"], {}, 0))
+                asleep_for = None
+            else:
+                asleep_for -= 1
+        if action == "sleep":
+            if asleep_for is None:  # a sleep drawn while asleep is dropped
+                _, level, mode, keep, asleep_for = event
+                sleep_args: dict[str, Any] = {"level": level, "mode": mode}
+                if keep and g.sleep_keeps_connector:  # the sleep's drain waits for the connector's transfers
+                    steps.append(Step(EVENT_KINDS["complete"], {}, 0))
+                    sleep_args["reset_connector"] = False
+                steps.append(Step(EVENT_KINDS["sleep"], sleep_args, 0))
+        elif action == "schedule":
             schedule(event[1])
         elif action == "add":
             _, size, max_tokens, prefix, *caps = event
@@ -767,7 +823,7 @@ def event_steps(example: Example) -> list[Step]:
             if names:
                 steps.append(Step(EVENT_KINDS[action], {"request": pick(event[1])}, 0))
         elif action in ("delay", "release"):
-            if names:
+            if names and not g.sleep_wake:  # at --engine core vLLM's engine hashes blocks itself
                 rid = pick(event[1])
                 if (rid in withheld) == (action == "release"):  # only a change: delay once, release once
                     (withheld.add if action == "delay" else withheld.discard)(rid)
@@ -796,6 +852,8 @@ def event_steps(example: Example) -> list[Step]:
             steps.append(Step(EVENT_KINDS[action], {}, 0))
         else:  # pragma: no cover - the strategy draws only the events above
             raise ValueError(f"unknown event {event!r}")
+    if asleep_for is not None:  # the engine wakes before the settle tail
+        steps.append(Step(EVENT_KINDS["wake_up"], {}, 0))
     # Late hashes arrive in the end: the settle tail then judges a request whose keys all exist.
     steps.extend(Step(EVENT_KINDS["release"], {"request": rid}, 0) for rid in names if rid in withheld)
     return steps

@@ -2,7 +2,9 @@
 
 A run is `kvdoctor.levels.scheduler.run_scenario` with every named invariant of
 `kvdoctor.observe.invariants` checked after every step, plus the end-of-run
-check below. Its failure signature is:
+check below; a recipe with sleep / wake_up steps (`explore --force sleep-wake`) is
+`kvdoctor.levels.core.run_core_scenario`'s instead (vLLM's EngineCore, the same
+observation and invariants). Its failure signature is:
 
 - `<Exception> in <innermost vLLM function>` for an exception raised in vLLM;
 - `kvdoctor <Exception> in <function>` for one raised in kvdoctor itself (a
@@ -15,17 +17,22 @@ check below. Its failure signature is:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import UsageError
+from kvdoctor.levels.core import NAME as CORE
+from kvdoctor.levels.core import run_core_scenario
 from kvdoctor.levels.scheduler import run_scenario
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.verdict import Outcome
 from kvdoctor.recipes.compile import expand_counts
 from kvdoctor.recipes.model import Recipe, Step
 from kvdoctor.resolution import resolve_setup
+from kvdoctor.results import RunResult
+from kvdoctor.steps import Need, kinds_needing
 
 RELEASE_CHECK = "finished-requests-released"
 
@@ -45,6 +52,7 @@ class Observation:
     failure_index: int | None = None  # the run's step counter where it fired (schedule repeats counted)
     scheduler_steps: int = 0  # engine steps (schedule() + update_from_output()) the run executed
     leaked: list[str] = field(default_factory=list)  # requests whose connector state was not released
+    engine: str = "scheduler"  # the level the run played at (`engine_of`: core for sleep/wake examples)
 
 
 def expanded_actions(steps: tuple[Step, ...] | list[Step]) -> list[tuple[int, str]]:
@@ -66,24 +74,47 @@ def _scheduler_steps(actions: list[tuple[int, str]], upto: int | None) -> int:
     return sum(1 for _, action in chosen if action == "schedule")
 
 
+def engine_of(recipe: Recipe) -> str:
+    """The level a recipe plays at: `core` where a step needs the engine's own pause (explore's sleep/wake
+    examples: `sleep` / `wake_up`), else kvdoctor's scheduler harness."""
+    pause = kinds_needing(Need.ENGINE_PAUSE)
+    return CORE if any(step.action in pause for step in recipe.steps) else "scheduler"
+
+
+def play(api: Any, recipe: Recipe, setup: Setup, logic: str, **options: Any) -> RunResult:
+    """One run at the recipe's level (`engine_of`): kvdoctor's scheduler harness, or vLLM's EngineCore (the core
+    level's own run: the same observation, invariants and verdict; the engine's setup says so)."""
+    if engine_of(recipe) == CORE:
+        options.pop("build_cache", None)  # each EngineCore builds its own pieces
+        return run_core_scenario(api, recipe, core_setup(setup), logic, **options)
+    return run_scenario(api, recipe, setup, logic, **options)
+
+
+def core_setup(setup: Setup) -> Setup:
+    return setup if setup.engine == CORE else dataclasses.replace(setup, engine=CORE)
+
+
 def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | None = None,
             setup: Setup | None = None, build_cache: Any = None) -> Observation:
     """Run `recipe` (which must end with the settle tail) and classify the outcome. `build_cache`: a
     `harness.BuildCache` the caller keeps across its runs (a search: its examples, their other
     scheduling mode and hypothesis' shrinking repeat setups, and a setup's VllmConfig and KV cache
-    plan are most of a build: 0.15 of 0.19 s over 154 explored setups on 0.26.0)."""
+    plan are most of a build: 0.15 of 0.19 s over 154 explored setups on 0.26.0). A recipe with sleep/wake steps
+    plays at --engine core (`play`); one that level cannot play is not an example (`InvalidExample`)."""
     names = tuple(INVARIANTS) if invariants is None else invariants
     setup = setup or setup_of(recipe)
     actions = expanded_actions(recipe.steps)
     settle = _settle_counter(recipe)
     try:  # one snapshot (the settle tail's start) instead of one per step
-        result = run_scenario(api, recipe, setup, logic, extra_invariants=names,
-                              timeline_at=frozenset(() if settle is None else (settle,)), build_cache=build_cache)
+        result = play(api, recipe, setup, logic, extra_invariants=names,
+                      timeline_at=frozenset(() if settle is None else (settle,)), build_cache=build_cache)
     except UsageError as exc:  # vLLM refused the geometry: the generator's fault, never a finding
         raise InvalidExample(str(exc)) from exc
+    if result.outcome is Outcome.NOT_APPLICABLE:  # a step or setup the level cannot play: the generator's fault
+        raise InvalidExample(result.detail)
     # Anything else propagates: an incompatible adapter (exit 3) or kvdoctor's own failure (exit 5)
     # is never "nothing found".
-    obs = Observation()
+    obs = Observation(engine=engine_of(recipe))
     if result.failure is not None:
         failure = result.failure
         obs.failure_index = result.failure_step

@@ -58,6 +58,8 @@ from kvdoctor.explore.generate import (
     RETENTION,
     SECOND_GATE,
     SELF_DESCRIBING_DRAW,
+    SLEEP_DRAW,
+    SLEEP_KEEPS_CONNECTOR,
     SPECS,
     SPECULATIVE_DRAW,
     SYNC_LOADS,
@@ -69,7 +71,7 @@ from kvdoctor.explore.generate import (
     mode_variants,
     to_recipe,
 )
-from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
+from kvdoctor.explore.runner import InvalidExample, Observation, engine_of, observe, setup_of
 from kvdoctor.explore.tier_draw import (
     EXAMPLE_TIER_DRAW,
     OBJSTORE_DRAW,
@@ -123,7 +125,16 @@ class ExploreConfig:
 
 # `--force NAME` -> the draw it turns on (generate's feature names); explore.aim.FORCE_NAMES lists the same names.
 FORCEABLE = {"speculative": SPECULATIVE_DRAW, "fs-tier": TIER_DRAW, "workers": WORKERS_DRAW,
-             "withheld-hashes": WITHHELD_DRAW, "pd-decode": PD_DRAW}
+             "withheld-hashes": WITHHELD_DRAW, "pd-decode": PD_DRAW, "sleep-wake": SLEEP_DRAW}
+
+
+def sleep_refusal(api: Any) -> str | None:
+    """Why `--force sleep-wake` cannot be played here (None: it can): the installed EngineCore has no sleep mode
+    (a probe: sleep / wake_up / is_sleeping)."""
+    if api.engine_sleep_mode() is not None:
+        return None
+    return ("--force sleep-wake: this vLLM's EngineCore has no sleep mode (sleep / wake_up / is_sleeping), so "
+            "explore cannot play sleep/wake")
 
 
 def wanted(config: ExploreConfig, obs: Observation) -> bool:
@@ -149,6 +160,7 @@ class Stats:
     elapsed: float = 0.0
     failures: int = 0
     excluded: int = 0  # failing runs through an excluded bug's trigger (`--exclude-trigger`), run past
+    core_runs: int = 0  # runs played at --engine core (`--force sleep-wake`: examples with sleep / wake_up steps)
     connector_lines: int = 0  # --coverage: connector lines this worker's examples reached (new to it)
     phase: str = "starting"
     done: bool = False
@@ -234,6 +246,9 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
     if config.speculative is not None:
         features = features | {SPECULATIVE_DRAW} if config.speculative else features - {SPECULATIVE_DRAW}
     features = features | {FORCEABLE[name] for name in config.force if name in FORCEABLE}
+    sleep_draw = SLEEP_DRAW in features
+    if sleep_draw and (why := sleep_refusal(api)):
+        raise UsageError(why)
     layouts = drawn_layouts(api, config.force)
     strategy = examples(config.max_events, extended=EXTENSION_GATE in features, second=SECOND_GATE in features,
                         speculative=SPECULATIVE_DRAW in features, workers=WORKERS_DRAW in features,
@@ -262,7 +277,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
 
     limit = config.max_examples if config.max_examples is not None else 10**9
     # its own branch: where the feature is absent (or a hunt aims elsewhere) nothing of it runs or draws
-    pair = P2PBranch(api, config, worker, start) if P2P_TIER_DRAW in features and config.target is None else None
+    pair = (P2PBranch(api, config, worker, start)
+            if P2P_TIER_DRAW in features and config.target is None and SLEEP_DRAW not in features else None)
     # the target phase only where something is targeted: without --coverage the phases, so the draws, are as before
     phases = (Phase.generate, Phase.target, Phase.shrink) if steering else (Phase.generate, Phase.shrink)
     round_ = 0
@@ -301,6 +317,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                     stats.run_seconds += time.perf_counter() - t0
                 runs.append((recipe, obs))
                 stats.runs += 1
+                if sleep_draw and engine_of(recipe) == "core":
+                    stats.core_runs += 1
                 stats.scheduler_steps += obs.scheduler_steps
                 if shrinking:
                     stats.shrink_steps += obs.scheduler_steps
@@ -514,6 +532,8 @@ def available_features(api: Any) -> frozenset[str]:
     probes[EXAMPLE_TIER_DRAW] = probes[OBJSTORE_DRAW] and api.has_example_tier()
     # The CPU tier's ARC eviction policy (drawn in the second extension byte, with the per-request caps)
     probes[ARC] = ARC in api.eviction_policies()
+    # EngineCore.sleep's reset_connector (a forced sleep keeps the connector's cache where the release takes it)
+    probes[SLEEP_KEEPS_CONNECTOR] = api.engine_sleep_takes_reset_connector()
     # The P2P pair (its own branch, `p2p_branch`) where kvdoctor can stand in for the P2P tier's transports
     from kvdoctor.engine.compat.p2p_transport import p2p_probe
 
@@ -692,6 +712,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
             total.runs += s.runs
             total.invalid += s.invalid
             total.excluded += s.excluded
+            total.core_runs += s.core_runs
             total.scheduler_steps += s.scheduler_steps
             total.shrink_steps += s.shrink_steps
             total.run_seconds += s.run_seconds

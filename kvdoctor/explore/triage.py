@@ -42,6 +42,9 @@ Three questions, each answered by running or by reading vLLM, never assumed:
     the scheduler-level run did something the engine does not (a finding about
     kvdoctor's harness until shown otherwise).
 
+A finding with sleep / wake_up steps (`explore --force sleep-wake`) was found at --engine core: each of the
+three runs plays it there (`runner.play`), so (a) is EngineCore without a connector and (c) the found run again.
+
 A finding that survives all three (not also without the connector, nothing the
 harness did that an engine cannot, not refuted by EngineCore) and is not a
 known bug is a *candidate upstream report*: the caller's `write_attachment`
@@ -59,9 +62,8 @@ from typing import Any
 
 from kvdoctor.engine import compat
 from kvdoctor.errors import KvdoctorError, UsageError
-from kvdoctor.explore.runner import setup_of
+from kvdoctor.explore.runner import play, setup_of
 from kvdoctor.levels.core import CORE as CORE_LEVEL
-from kvdoctor.levels.scheduler import run_scenario
 from kvdoctor.levels.table import why_not
 from kvdoctor.observe.verdict import Outcome
 
@@ -144,7 +146,7 @@ def without_connector(api: Any, finding: Any) -> tuple[str, str]:
         # No connector, nothing for vLLM's worker connector to drive: the scheduler runs with the
         # simulated worker (the question is the scheduler's, with no KV transfer at all).
         setup = _setup(finding.recipe, offloading=False, worker="simulated")
-        result = run_scenario(api, finding.recipe, setup, finding.logic)
+        result = play(api, finding.recipe, setup, finding.logic)
     except UsageError as exc:
         return "not run", f"vLLM refused the setup without a connector: {exc}"
     if result.outcome is Outcome.REPRODUCED:
@@ -209,7 +211,7 @@ def harness_check(api: Any, finding: Any, facts: Any) -> tuple[list[str], list[s
         reasons.append("the exception was raised in kvdoctor, not in vLLM")
         return reasons, reachable, caveats
     setup = _setup(recipe)
-    result = run_scenario(api, recipe, setup, finding.logic, record_timeline=True)
+    result = play(api, recipe, setup, finding.logic, record_timeline=True)
     if result.failure is not None and result.failure_step == 0:
         reasons.append(f"{_STARTUP_REASON} and its connector: a server with this "
                        "configuration does not start (a start-up refusal, not a step sequence)")
@@ -316,7 +318,7 @@ def diagnose_reset_failure(api: Any, finding: Any) -> list[str]:
     setup = _setup(finding.recipe)
     nothing = dataclasses.replace(sig, exception="(none)", function="(none)", contains=None)
     before = dataclasses.replace(finding.recipe, steps=steps[:-1], checks=(), signature=nothing)
-    result = run_scenario(api, before, setup, finding.logic)
+    result = play(api, before, setup, finding.logic)
     waiting_remote = [s.request for s in result.requests if s.status == "WAITING_FOR_REMOTE_KVS"]
     running = [s.request for s in result.requests if s.status == "RUNNING"]
     _, in_flight = _in_flight_resets(steps, setup.async_scheduling)

@@ -27,7 +27,11 @@ FEATURE_DRAWS: dict[str, tuple[str | None, str]] = {
                                         "failing"),
     "MultiConnector": ("pd-decode", "MultiConnector forced as a P/D decode node's (kvdoctor's NIXL stand-in + "
                                     "vLLM's OffloadingConnector)"),
+    "sleep mode": ("sleep-wake", "sleep/wake forced: vLLM's EngineCore.sleep (level 1 or 2, keep or abort, the "
+                                 "connector's cache kept where the release takes it) and wake_up drawn, those "
+                                 "examples played at --engine core"),
 }
+SLEEP = "sleep-wake"
 # The tiers feature forces the fs tier only where the log names a secondary tier, not the tiering spec alone
 # (explore draws TieringOffloadingSpec itself where the release has it).
 _SECONDARY = ("fs", "secondary", "disk", "file")
@@ -35,9 +39,6 @@ _SECONDARY = ("fs", "secondary", "disk", "file")
 UNEXPRESSED = {
     "hybrid KV layout": "no layout named or implied that kvdoctor ships (drawn at random: swa-full, mamba-hybrid, "
                         "eagle-pair)",
-    "sleep mode": "explore plays kvdoctor's scheduler harness, where sleep/wake (the engine's: EngineCore.sleep / "
-                  "wake_up) is refused; a recipe plays it at --engine core (`sleep` / `wake_up` steps, "
-                  "tests/data/sleep-wake-*.toml)",
 }
 MTP_NOTE = "MTP: no MTP drafter of its own; speculative decoding is drawn as eagle or ngram"
 MTP_LAYOUT = "mamba-mtp-hybrid"  # Mamba + attention + an MTP drafter group (its Mamba spec's speculative blocks)
@@ -205,7 +206,10 @@ def aim_from_log(summary: LogSummary, match: MatchResult, target: str | None = N
         aim.exclude = frozenset(r.bug for r in all_builtins() if r.bug and r.signature.exception == aim.exception
                                 and aim.function in r.signature.functions())
     if keys_lag_tokens(aim.statement):
-        if any(bug in aim.exclude for bug in WITHHELD_BUGS):
+        if SLEEP in forced:
+            aim.unexpressed.append(("offload keys lagging tokens", "withheld block hashes not forced: sleep/wake "
+                                    "examples play at --engine core, where vLLM's engine hashes blocks itself"))
+        elif any(bug in aim.exclude for bug in WITHHELD_BUGS):
             aim.unexpressed.append(("offload keys lagging tokens", "withheld block hashes not forced: their route "
                                     "is a known bug's trigger here (excluded; --include-known counts it)"))
         else:

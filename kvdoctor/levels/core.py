@@ -117,12 +117,14 @@ def answers_apply(recipe: Recipe, result: RunResult) -> bool:
     return bool(recipe.signature.invariant) and result.outcome in (Outcome.REPRODUCED, Outcome.NOT_REPRODUCED)
 
 
-def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
-                      record_timeline: bool = False) -> RunResult:
+def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str, record_timeline: bool = False,
+                      extra_invariants: tuple[str, ...] = (), timeline_at: frozenset[int] = frozenset()) -> RunResult:
     """As the scheduler level runs it (`ScenarioRun`): the steps and setup this level cannot play are its
-    `unplayable` reasons, judged there beside the release's probes (a probe's reason first)."""
+    `unplayable` reasons, judged there beside the release's probes (a probe's reason first). `extra_invariants`
+    and `timeline_at` as `levels.scheduler.run_scenario` takes them (explore's sleep/wake examples play here)."""
     reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + setup_unexpressible(setup)
-    result = CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons)).run()
+    result = CoreScenarioRun(api, recipe, setup, logic, record_timeline, extra_invariants, timeline_at,
+                             unplayable=tuple(reasons)).run()
     if answers_apply(recipe, result):  # a played verdict only: an unplayable run has no answers to compare
         result.answers = client_answers(api, recipe, setup, logic)
     return result
