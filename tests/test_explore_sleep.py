@@ -70,6 +70,18 @@ def test_forced_examples_draw_sleep_and_wake_up_and_nothing_core_cannot_play():
     assert [a for a, _ in _steps(frozenset())][:4] == ["add", "drain", "add", "delay_block_hashes"]
 
 
+def test_an_example_with_a_sleep_drops_what_core_refuses_and_one_without_keeps_it():
+    """Several workers and speculative decoding run at the scheduler level only (`Setup.validate` refuses them at
+    core): an example that drew a sleep has neither; a forced example that drew none keeps them."""
+    geometry = [0] * len(GEOMETRY_RANGES)
+    features = SLEEPING | {"num_workers", "speculative"}
+    slept = Example.from_fields(tuple(geometry), [(15, 0, 0, 0)], features=features, workers=1, speculative=1)
+    awake = Example.from_fields(tuple(geometry), [(1, 0, 0, 0)], features=features, workers=1, speculative=1)
+    assert (slept.geometry.num_workers, slept.geometry.speculative_method, slept.geometry.sleep_wake) == (1, None, True)
+    assert (awake.geometry.num_workers, awake.geometry.speculative_method, awake.geometry.sleep_wake) == (2, "eagle",
+                                                                                                          False)
+
+
 def test_force_sleep_wake_parses_and_refuses_withheld_hashes_beside_it():
     assert parse_aim(None, ["sleep-wake"], None)["force"] == frozenset({"sleep-wake"})
     with pytest.raises(UsageError, match=r"^--force sleep-wake and withheld-hashes cannot be forced together: [^\n]*$"):
@@ -86,7 +98,8 @@ def test_forced_examples_play_their_sleep_at_engine_core(api):
                            force=frozenset({"sleep-wake"}))
     _, stats = worker_search(api, config, trace=trace)
     slept = [(recipe, obs) for recipe, obs, _ in trace if any(s.action == "sleep" for s in recipe.steps)]
-    assert slept and stats.core_runs == len(slept), (len(slept), stats)
+    # no target reached, so nothing shrunk: each drawn example ran twice (sync and async scheduling)
+    assert slept and stats.sleep_examples * 2 == len(slept) and stats.invalid == 0, (len(slept), stats)
     assert all(obs.engine == "core" and obs.scheduler_steps > 0 for _, obs in slept)
     assert all(obs.engine == "scheduler" for recipe, obs, _ in trace if (recipe, obs) not in slept)
     assert not any(obs.kind == "harness" for _, obs, _ in trace), [obs.detail for _, obs, _ in trace]

@@ -65,7 +65,8 @@ def explore(
                          "AssertionError:_build_store_jobs); others are run past.", rich_help_panel=SEARCH)] = None,
     force: Annotated[list[str] | None, typer.Option(
         "--force", help="Draw a feature whatever this vLLM's probes say: speculative | fs-tier | workers | "
-                        "withheld-hashes | pd-decode | layout=NAME (a shipped layout, the only one drawn) "
+                        "withheld-hashes | pd-decode | sleep-wake (played at --engine core) | layout=NAME (a shipped "
+                        "layout, the only one drawn) "
                         "(repeatable).",
         rich_help_panel=SEARCH)] = None,
     exclude_trigger: Annotated[str | None, typer.Option(

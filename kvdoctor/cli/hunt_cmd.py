@@ -25,7 +25,8 @@ Target = Annotated[str | None, typer.Option(
                      "exception and function).", rich_help_panel=AIM)]
 Force = Annotated[list[str] | None, typer.Option(
     "--force", help="A feature to force besides those the log names: speculative | fs-tier | workers | "
-                    "withheld-hashes | pd-decode | layout=NAME (a shipped KV layout or default; repeatable).",
+                    "withheld-hashes | pd-decode | sleep-wake | layout=NAME (a shipped KV layout or default; "
+                    "repeatable).",
     rich_help_panel=AIM)]
 IncludeKnown = Annotated[bool, typer.Option(
     "--include-known", help="Count routes through known bugs' triggers too (by default a route through K1's or "

@@ -223,6 +223,10 @@ def explore(config: Any, out_dir: Path, command: str = "",
         if skipped:
             notes.append(f"{skipped} finding(s) not triaged: the time budget was spent "
                          f"(triage one with a longer --time-budget, or replay it with kvdoctor repro FILE)")
+    if "sleep-wake" in config.force:
+        stats = result.stats
+        notes.append(f"sleep/wake: {stats.sleep_examples} of {stats.examples} examples drew a sleep and played at "
+                     f"--engine core (vLLM's EngineCore.sleep / wake_up); the others at the scheduler level")
     covered = None
     if config.coverage and result.coverage is not None:
         from kvdoctor.observe.line_coverage import report as coverage_report

@@ -321,7 +321,8 @@ WITHHELD_DRAW = "withheld_hashes"
 # abort), the connector's cache kept (reset_connector = false, where the release's sleep takes it: a probe; its held
 # transfers are completed first, as the sleep's drain waits for them), the steps slept through and the events
 # before the wake_up (0-7: requests arrive, abort, transfers finish while asleep). Block hashes cannot be
-# withheld at core, so delay / release events are dropped. Unforced, a release's draws and seeds stay as they were.
+# withheld at core, so an example with a sleep drops its delay / release events (and `sleep_geometry` its workers,
+# drafts and drafter layout). Unforced, a release's draws and seeds stay as they were.
 SLEEP_DRAW = "sleep_wake"
 SLEEP_ROWS = (12, 15)  # EVENT_TABLE's fourth `schedule` and its `drain`: every draw a sleep where forced
 if [EVENT_TABLE[row] for row in SLEEP_ROWS] != ["schedule", "drain"]:
@@ -330,10 +331,15 @@ SLEEP_KEEPS_CONNECTOR = "sleep_reset_connector"  # the release's EngineCore.slee
 
 
 def sleep_geometry(geometry: Geometry, features: frozenset[str]) -> Geometry:
-    """The geometry of a sleep/wake example: marked (it plays at --engine core); a layout with EAGLE drafter layers
-    is drawn as one full-attention group (the engine flags a drafter's group only under a draft model's config:
-    `levels.core.setup_unexpressible`)."""
-    changes: dict[str, Any] = {"sleep_wake": True, "sleep_keeps_connector": SLEEP_KEEPS_CONNECTOR in features}
+    """The geometry of an example that drew a sleep: marked (it plays at --engine core), less what that level cannot
+    run: a layout with EAGLE drafter layers is drawn as one full-attention group (the engine flags a drafter's group
+    only under a draft model's config: `levels.core.setup_unexpressible`), one worker (vLLM's engine would start an
+    executor per worker) and no speculative decoding (kvdoctor stands in for the drafter at the scheduler level only;
+    `Setup.validate` refuses both at core). Examples without a sleep keep them, at the scheduler level."""
+    changes: dict[str, Any] = {"sleep_wake": True, "sleep_keeps_connector": SLEEP_KEEPS_CONNECTOR in features,
+                               "num_workers": 1, "late_worker_steps": 0, "fail_worker": None,
+                               "speculative_method": None, "num_speculative_tokens": 2, "draft_acceptance": None,
+                               "disable_lookahead_block_hashes": False}
     if geometry.layout in DRAFTER_LAYOUTS:
         changes["layout"] = None
     return dataclasses.replace(geometry, **changes)
@@ -708,12 +714,12 @@ class Example:
         if PD_DRAW in features:
             decoded_geometry = pd_decode_geometry(decoded_geometry, worker)
         sleep = SLEEP_DRAW in features
-        if sleep:
-            decoded_geometry = sleep_geometry(decoded_geometry, features)
         decoded = tuple(event for fields in events for event in decode_event(*fields, sleep=sleep))
+        if sleep and any(event[0] == "sleep" for event in decoded):
+            decoded_geometry = sleep_geometry(decoded_geometry, features)
         if WITHHELD_DRAW in features:
             decoded = withhold_every_request(decoded)
-        if any(event[0] == "delay" for event in decoded):
+        if not decoded_geometry.sleep_wake and any(event[0] == "delay" for event in decoded):  # a sleep drops them
             decoded_geometry = dataclasses.replace(decoded_geometry, enable_prefix_caching=False)
         return cls(decoded_geometry, decoded)
 

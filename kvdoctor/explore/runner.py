@@ -91,7 +91,9 @@ def play(api: Any, recipe: Recipe, setup: Setup, logic: str, **options: Any) -> 
 
 
 def core_setup(setup: Setup) -> Setup:
-    return setup if setup.engine == CORE else dataclasses.replace(setup, engine=CORE)
+    """The setup as `repro --engine core` takes it (validated there: a field that level refuses is a usage error,
+    so never played as a finding `repro` could not replay)."""
+    return setup if setup.engine == CORE else dataclasses.replace(setup, engine=CORE).validate()
 
 
 def observe(api: Any, recipe: Recipe, logic: str, invariants: tuple[str, ...] | None = None,

@@ -71,7 +71,7 @@ from kvdoctor.explore.generate import (
     mode_variants,
     to_recipe,
 )
-from kvdoctor.explore.runner import InvalidExample, Observation, engine_of, observe, setup_of
+from kvdoctor.explore.runner import InvalidExample, Observation, observe, setup_of
 from kvdoctor.explore.tier_draw import (
     EXAMPLE_TIER_DRAW,
     OBJSTORE_DRAW,
@@ -160,7 +160,7 @@ class Stats:
     elapsed: float = 0.0
     failures: int = 0
     excluded: int = 0  # failing runs through an excluded bug's trigger (`--exclude-trigger`), run past
-    core_runs: int = 0  # runs played at --engine core (`--force sleep-wake`: examples with sleep / wake_up steps)
+    sleep_examples: int = 0  # `--force sleep-wake`: generated examples with sleep / wake_up steps (played at core)
     connector_lines: int = 0  # --coverage: connector lines this worker's examples reached (new to it)
     phase: str = "starting"
     done: bool = False
@@ -317,8 +317,6 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                     stats.run_seconds += time.perf_counter() - t0
                 runs.append((recipe, obs))
                 stats.runs += 1
-                if sleep_draw and engine_of(recipe) == "core":
-                    stats.core_runs += 1
                 stats.scheduler_steps += obs.scheduler_steps
                 if shrinking:
                     stats.shrink_steps += obs.scheduler_steps
@@ -333,6 +331,8 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                 stats.shrink_examples += 1
             else:
                 stats.examples += 1
+                if sleep_draw and any(obs.engine == "core" for _, obs in runs):
+                    stats.sleep_examples += 1
                 if pair is not None and stats.examples % P2P_EVERY == 0:
                     p2p_finding = pair.play_next(stats)
                     if p2p_finding is not None and p2p_finding.key not in found:
@@ -712,7 +712,7 @@ def _explore_in_pool(config: ExploreConfig, pool: WorkerPool, on_progress: Calla
             total.runs += s.runs
             total.invalid += s.invalid
             total.excluded += s.excluded
-            total.core_runs += s.core_runs
+            total.sleep_examples += s.sleep_examples
             total.scheduler_steps += s.scheduler_steps
             total.shrink_steps += s.shrink_steps
             total.run_seconds += s.run_seconds
