@@ -90,7 +90,8 @@ def test_force_sleep_wake_parses_and_refuses_withheld_hashes_beside_it():
 
 def test_forced_examples_play_their_sleep_at_engine_core(api):
     """Every drawn run with a sleep played at core (EngineCore.sleep / wake_up), the others at the scheduler level;
-    none failed in kvdoctor (measured on 0.26.0 and 0.34.0: 4 of 6 examples hold a sleep at seed 1)."""
+    none failed in kvdoctor (passes on 0.26.0 and 0.34.0; the first harness build, vLLM's model inspection, is most
+    of this test's time alone: ~30 s, paid once per process by whichever test builds first)."""
     from kvdoctor.explore.search import ExploreConfig, worker_search
 
     trace: list = []

@@ -226,7 +226,8 @@ def explore(config: Any, out_dir: Path, command: str = "",
     if "sleep-wake" in config.force:
         stats = result.stats
         notes.append(f"sleep/wake: {stats.sleep_examples} of {stats.examples} examples drew a sleep and played at "
-                     f"--engine core (vLLM's EngineCore.sleep / wake_up); the others at the scheduler level")
+                     f"--engine core (vLLM's EngineCore.sleep / wake_up); the others at the scheduler level "
+                     f"({stats.scheduler_steps:,} engine steps in all)")
     covered = None
     if config.coverage and result.coverage is not None:
         from kvdoctor.observe.line_coverage import report as coverage_report
