@@ -207,11 +207,13 @@ def test_the_pair_at_core_judges_the_same_invariants(api, monkeypatch, mutate, p
 
 @pytest.mark.skipif(_missing is None, reason="this vLLM's probe finds the P2P tier: the recipes play (above)")
 @pytest.mark.parametrize("level", ["scheduler", "core"])
-def test_without_the_probe_the_recipe_is_unplayable_with_its_reason(level):
+def test_without_the_probe_the_recipe_is_untested_with_its_reason(level):
     """On a release whose probe finds no P2P tier kvdoctor can stand in for: exit 6 (not tested), the probe's
-    reason in one line, at the scheduler level and at `--engine core` alike (nothing is built)."""
+    reason in one line, at the scheduler level and at `--engine core` alike (nothing is built), and no advice to
+    run it at another level (none plays the pair here)."""
     result = invoke("repro", str(EXCHANGE), "--logic", "installed", "--engine", level)
     assert result.returncode == 6, result.stdout + result.stderr
+    assert "run it at --engine" not in result.stderr, result.stderr
     assert f"[setup] p2p: {_missing}" in result.stdout.replace("\n", " ") or str(_missing)[:40] in result.stdout
 
 

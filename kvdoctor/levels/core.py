@@ -15,7 +15,7 @@ from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.levels.in_process import InProcessLevel
-from kvdoctor.levels.scheduler import p2p_unplayable
+from kvdoctor.levels.scheduler import p2p_checked
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.logic.patch import storable_chunks_variant
 from kvdoctor.observe.snapshot import Observer
@@ -127,8 +127,8 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
     """As the scheduler level runs it (`ScenarioRun`): the steps and setup this level cannot play are its
     `unplayable` reasons, judged there beside the release's probes (a probe's reason first)."""
-    reasons = (unexpressible(recipe.steps, NAME, setup.async_scheduling) + list(p2p_unplayable(recipe, setup))
-               + setup_unexpressible(setup))
+    setup = p2p_checked(recipe, setup)
+    reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + setup_unexpressible(setup)
     run = CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons))
     if setup.p2p:  # two EngineCores on one in-memory fabric: the scheduler level's pair code (engine/p2p.py)
         from kvdoctor.engine.p2p import CoreP2PHarness
