@@ -82,6 +82,13 @@ def test_an_example_with_a_sleep_drops_what_core_refuses_and_one_without_keeps_i
                                                                                                           False)
 
 
+def test_a_finding_at_core_is_kept_apart_from_the_scheduler_levels():
+    from kvdoctor.explore.findings import finding_key
+
+    assert finding_key("RuntimeError in reset_prefix_cache", "", "core") == "RuntimeError in reset_prefix_cache at core"
+    assert finding_key("AssertionError in f", "K1") == "AssertionError in f via K1"
+
+
 def test_force_sleep_wake_parses_and_refuses_withheld_hashes_beside_it():
     assert parse_aim(None, ["sleep-wake"], None)["force"] == frozenset({"sleep-wake"})
     with pytest.raises(UsageError, match=r"^--force sleep-wake and withheld-hashes cannot be forced together: [^\n]*$"):

@@ -65,10 +65,11 @@ class Finding:
     # the known bug whose trigger the run went through ("K1"), "" for another path: findings of one signature
     # are kept apart by it (a route through K1's trigger is K1, and must not hide another route to that assert)
     path: str = ""
+    engine: str = "scheduler"  # the level it was found at (core: a sleep/wake example, `runner.engine_of`)
 
     @property
     def key(self) -> str:
-        return finding_key(self.signature, self.path)
+        return finding_key(self.signature, self.path, self.engine)
 
 
     @property
@@ -192,10 +193,12 @@ def known_bug(signature: Signature, haystack: str = "", actions: frozenset[str] 
     return bug, tuple(r.name for r in matches if r.bug == bug)
 
 
-def finding_key(signature: str, path: str) -> str:
-    """One finding per signature and path: `AssertionError in _build_store_jobs` (another path) and
-    `AssertionError in _build_store_jobs via K1` are two."""
-    return f"{signature} via {path}" if path else signature
+def finding_key(signature: str, path: str, engine: str = "scheduler") -> str:
+    """One finding per signature, path and level: `AssertionError in _build_store_jobs` (another path) and
+    `AssertionError in _build_store_jobs via K1` are two; a run at --engine core (a sleep/wake example) is kept
+    apart from the scheduler level's (`... at core`): a sleep's route to a site never hides another's."""
+    key = f"{signature} via {path}" if path else signature
+    return f"{key} at core" if engine == "core" else key
 
 
 def observed_signature(obs: Observation) -> Signature:

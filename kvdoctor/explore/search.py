@@ -349,7 +349,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                 if path and path in config.exclude_triggers:
                     stats.excluded += 1
                     continue
-                key = finding_key(obs.signature, path)
+                key = finding_key(obs.signature, path, obs.engine)
                 if key in found or (locked and key != locked):
                     continue
                 if locked is None:
@@ -391,7 +391,7 @@ def worker_search(api: Any, config: ExploreConfig, worker: int = 0,
                               recipe=finding_recipe(recipe, obs, summary), seed=config.seed,
                               example_seed=seed_here, worker=worker, round=round_, logic=config.logic,
                               vllm_version=api.version_text, examples_before=stats.examples,
-                              elapsed_s=time.monotonic() - start, flaky=flaky, path=path)
+                              elapsed_s=time.monotonic() - start, flaky=flaky, path=path, engine=obs.engine)
             found[finding.key] = finding
             stats.failures = len(found)
             if on_finding is not None:
