@@ -577,6 +577,20 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         return (create is not None and "backpressure_cls" in inspect.getsource(create)
                 and hasattr(_import(names.TIER_BACKPRESSURE_MODULE), "DropAccountingPolicy"))
 
+    def has_vllm_backpressure(self, failure_threshold: bool = False) -> bool:
+        """Whether a tier's `backpressure` dict can build vLLM's own EMABackpressureDetector with its
+        ThrottledDropPolicy / DropStorePolicy (0.31+), on a scripted tier (Setup.backpressure_pattern = "vllm");
+        with `failure_threshold`, also whether the detector takes failed stores as pressure (0.33+)."""
+        import inspect
+
+        if not self.has_tier_backpressure():
+            return False
+        module = _import(names.TIER_BACKPRESSURE_MODULE)
+        detector = getattr(module, "EMABackpressureDetector", None)
+        if detector is None or not all(hasattr(module, n) for n in ("ThrottledDropPolicy", "DropStorePolicy")):
+            return False
+        return not failure_threshold or "failure_threshold" in inspect.signature(detector.__init__).parameters
+
     def scripted_tiers(self, manager: Any) -> list[Any]:
         """kvdoctor's scripted tiers among the tiering manager's secondary tiers (none without a manager)."""
         tiers = getattr(manager, "secondary_tiers", None) or []
