@@ -149,3 +149,19 @@ def test_a_policy_that_does_not_reset_its_counters_reports_drops_twice(vllm_bp):
 
     run = _drive(vllm_bp, mutant=mutant)
     assert "tier-backpressure-counters-reported" in _names(run), run["violations"]
+
+
+def test_the_recipe_replays_with_kvdoctor_repro(api):
+    """The scenario from a recipe file (tests/data/backpressure-vllm-detector.toml): not_reproduced with its checks
+    held where the probe says yes (measured on 0.34.0), not_applicable where the release has no scripted tier."""
+    from pathlib import Path
+
+    from .cli_runner import invoke
+
+    result = invoke("repro", str(Path(__file__).resolve().parent / "data" / "backpressure-vllm-detector.toml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    if not (api.has_offloading_spec(TIERING) and api.has_scripted_tier() and api.has_vllm_backpressure()):
+        assert "not_applicable" in result.stdout, result.stdout
+        return
+    assert "checks held: the last request ran to its max_tokens" in result.stdout, result.stdout
+    assert "reproduced " not in result.stdout.replace("not_reproduced", ""), result.stdout
