@@ -1,7 +1,8 @@
 """vLLM's P2P tier between two in-process engines (issue 36): the PD exchange over kvdoctor's in-memory
 transports, its faults, and the four P2P invariants, as plans (engine/p2p.py `P2PPlan`) and as recipe files
-(tests/data/p2p-*.toml, `[setup] p2p = true`). Each invariant is shown to fire on a mutated vLLM method
-(patched with monkeypatch: restored after the test, even when it fails) and to hold on the real one. Where the
+(tests/data/p2p-*.toml, `[setup] p2p = true`), at the scheduler level and at `--engine core` (two EngineCores).
+Each invariant is shown to fire on a mutated vLLM method (patched with monkeypatch: restored after the test, even
+when it fails) and to hold on the real one. Where the
 installed vLLM has no P2P tier kvdoctor can stand in for (0.26.0 to 0.33.0), the runs skip with the probe's
 reason, and the recipe files are shown unplayable there (exit 6, the probe's reason)."""
 
@@ -109,14 +110,17 @@ def test_a_dead_session_sets_the_deferred_release(api):
 
 
 # -- the pair from a recipe file ---------------------------------------------------------------------------
-def _recipe_run(api, path: Path):
+def _recipe_run(api, path: Path, level: str = "scheduler"):
+    """The recipe at `level`: two scheduler harnesses, or two of vLLM's EngineCores (`--engine core`)."""
     from kvdoctor.app import resolve_setup
     from kvdoctor.engine.overrides import Overrides
+    from kvdoctor.levels.core import run_core_scenario
     from kvdoctor.levels.scheduler import run_scenario
     from kvdoctor.recipes.loader import load_recipe_file
 
     recipe = load_recipe_file(path)
-    return run_scenario(api, recipe, resolve_setup(recipe, Overrides()), "installed")
+    play = run_core_scenario if level == "core" else run_scenario
+    return play(api, recipe, resolve_setup(recipe, Overrides()), "installed")
 
 
 def _fired_in(result) -> list[str]:
@@ -124,12 +128,19 @@ def _fired_in(result) -> list[str]:
 
 
 @needs_p2p
+@pytest.mark.parametrize("level", ["scheduler", "core"])
 @pytest.mark.parametrize("path", [EXCHANGE, ABORT_THEN_DEATH], ids=lambda p: p.stem)
-def test_the_recipes_hold_on_the_real_vllm(api, path):
-    """Both recipes play to the end on the real tier: no P2P invariant fires, the checks hold."""
-    result = _recipe_run(api, path)
+def test_the_recipes_hold_on_the_real_vllm(api, path, level):
+    """Both recipes play to the end on the real tier, on two scheduler harnesses and on two of vLLM's EngineCores:
+    no P2P invariant fires, the checks hold. At core the clients' answers are not compared (the pair runs the
+    simulated worker, which moves no KV bytes: vLLM's P2P tier writes into a /dev/shm region kvdoctor's CPU copy
+    engine does not read); the consumer's bytes are compared on the fabric instead."""
+    result = _recipe_run(api, path, level)
     assert result.outcome.value == "not_reproduced", (result.outcome, result.detail)
-    assert all(check.passed for check in result.checks)
+    assert result.violations == [] and all(check.passed for check in result.checks)
+    if level == "core":
+        assert "EngineCore" in result.worker
+        assert result.answers is not None and "moves no KV bytes" in (result.answers.not_compared or "")
 
 
 def _drop_loads(monkeypatch):
@@ -181,18 +192,43 @@ def test_each_invariant_fires_from_a_recipe_on_a_mutated_vllm(api, monkeypatch, 
     assert _fired_in(result)[:1] == [name], (result.outcome, result.detail)
 
 
-def test_without_the_probe_the_recipe_is_unplayable_with_its_reason():
+@needs_p2p
+@pytest.mark.parametrize(("mutate", "path", "name"), [
+    (_drop_stores, EXCHANGE, inv.NOTHING_PINNED),
+    (_close_without_release, ABORT_THEN_DEATH, inv.DEFERRED_SET),
+], ids=["nothing-pinned", "deferred-release-set"])
+def test_the_pair_at_core_judges_the_same_invariants(api, monkeypatch, mutate, path, name):
+    """`--engine core`: the same pair code on two EngineCores; a mutated vLLM method fires the same invariant as at
+    the scheduler level (the pair's invariants are live there, not only quiet)."""
+    mutate(monkeypatch)
+    result = _recipe_run(api, path, "core")
+    assert result.outcome.value == "reproduced" and _fired_in(result)[:1] == [name], (result.outcome, result.detail)
+
+
+@pytest.mark.skipif(_missing is None, reason="this vLLM's probe finds the P2P tier: the recipes play (above)")
+@pytest.mark.parametrize("level", ["scheduler", "core"])
+def test_without_the_probe_the_recipe_is_untested_with_its_reason(level):
     """On a release whose probe finds no P2P tier kvdoctor can stand in for: exit 6 (not tested), the probe's
-    reason in one line. Where it finds one, `--engine core` refuses the pair by name (exit 6): two EngineCores
-    on one fabric are not built."""
-    if _missing is not None:
-        result = invoke("repro", str(EXCHANGE), "--logic", "installed")
-        assert result.returncode == 6, result.stdout + result.stderr
-        assert f"[setup] p2p: {_missing}" in result.stdout.replace("\n", " ") or _missing[:40] in result.stdout
-        return
-    result = invoke("repro", str(EXCHANGE), "--logic", "installed", "--engine", "core")
+    reason in one line, at the scheduler level and at `--engine core` alike (nothing is built), and no advice to
+    run it at another level (none plays the pair here)."""
+    result = invoke("repro", str(EXCHANGE), "--logic", "installed", "--engine", level)
     assert result.returncode == 6, result.stdout + result.stderr
-    assert "two EngineCores" in " ".join(result.stdout.split()), result.stdout
+    assert "run it at --engine" not in result.stderr, result.stderr
+    assert f"[setup] p2p: {_missing}" in result.stdout.replace("\n", " ") or str(_missing)[:40] in result.stdout
+
+
+def test_the_core_level_plays_the_pair():
+    """`--engine core` no longer refuses the pair: every `p2p_*` step kind is playable there, only the serve level
+    refuses it, and docs/engine-levels.md shows that (its table is `markdown_table()`, test_engine_core)."""
+    from kvdoctor.levels.table import markdown_table, why_not
+    from kvdoctor.steps import Need, kinds_needing
+
+    kinds = kinds_needing(Need.P2P_PAIR)
+    assert kinds and all(why_not(kind, "core") is None and why_not(kind, "scheduler") is None for kind in kinds)
+    assert all(why_not(kind, "serve") for kind in kinds)
+    row = next(line for line in markdown_table().splitlines() if line.startswith(f"| `{Need.P2P_PAIR.value}` |"))
+    assert row.split(" | ")[1:3] == ["yes", "yes"], row
+    assert row in (Path(__file__).resolve().parents[1] / "docs" / "engine-levels.md").read_text()
 
 
 def test_a_p2p_step_without_the_pair_is_a_usage_error(tmp_path):

@@ -4,7 +4,10 @@ Each side is a whole kvdoctor harness (vLLM's real Scheduler, OffloadingConnecto
 its P2P tier, compat/p2p_tier.py) with an identity of its own (`host:port`, its own VllmConfig and engine id).
 `P2PHarness` is the consumer's harness holding the producer beside it: a recipe with `[setup] p2p = true` plays
 on it (its `schedule` steps both engines, its `p2p_*` steps drive the pair, kvdoctor/steps.py), and
-`P2PPair` plays a `P2PPlan` (the tests' and explore's shape of one exchange) on the same harness.
+`P2PPair` plays a `P2PPlan` (the tests' and explore's shape of one exchange) on the same harness. The pair's code
+is written once over its sides' harness class (`side_class`): `P2PHarness` pairs two scheduler harnesses
+(`--engine scheduler`), `CoreP2PHarness` two of vLLM's EngineCores (`CoreHarness`, `--engine core`), each with its
+own VllmConfig, engine id and port on the same fabric and clock, stepped in turn.
 The PD roles travel as a client's would, in `kv_transfer_params`: the producer's request names its decoder
 (`remote_decoder.kv_request_id`), the consumer's its prefiller (`remote_prefiller`: the id, host and port).
 kvdoctor stands in only for the two transports (compat/p2p_transport.py) and, as everywhere, for the model and
@@ -24,6 +27,7 @@ from typing import Any
 from kvdoctor.engine.compat import VllmApi
 from kvdoctor.engine.compat.p2p_clock import P2PClock, p2p_clock
 from kvdoctor.engine.compat.p2p_transport import FABRICS, Fabric, Faults
+from kvdoctor.engine.core.harness import CoreHarness
 from kvdoctor.engine.harness import BuildCache, Harness
 from kvdoctor.engine.setup import Setup
 from kvdoctor.errors import InternalError
@@ -64,7 +68,11 @@ def transfer_params(side: str, role: str, kv_request_id: str) -> dict[str, Any] 
 
 class P2PHarness(Harness):
     """The consumer's harness, with the producer's beside it on one fabric and one P2P clock (see the module's
-    docstring). What the recipe's own steps do (add, abort, checks, observation) is the consumer's."""
+    docstring). What the recipe's own steps do (add, abort, checks, observation) is the consumer's. The producer
+    is a `side_class` and the consumer's own engine is the next class in the MRO (`super()`): a subclass that
+    also derives from another harness (`CoreP2PHarness`) pairs that harness's engines with this same code."""
+
+    side_class: type[Harness] = Harness
 
     def __init__(self, api: VllmApi, setup: Setup, build_cache: BuildCache | None = None,
                  faults: Faults | None = None) -> None:
@@ -75,7 +83,7 @@ class P2PHarness(Harness):
         self.producer: Harness | None = None
         try:  # the sides' setups name their fabric: explore's build cache (per setup) is not used
             self._scope.enter_context(p2p_clock(self.clock))
-            self.producer = Harness(api, p2p_setup(setup, self.fabric_name, PRODUCER_PORT))
+            self.producer = self.side_class(api, p2p_setup(setup, self.fabric_name, PRODUCER_PORT))
             super().__init__(api, p2p_setup(setup, self.fabric_name, CONSUMER_PORT))
         except BaseException:
             self._release()
@@ -185,6 +193,13 @@ class P2PHarness(Harness):
             self._release()
 
 
+class CoreP2PHarness(P2PHarness, CoreHarness):
+    """The pair at `--engine core`: two of vLLM's EngineCores in-process (each `CoreHarness`'s), the producer's
+    and the consumer's, stepped in turn by `P2PHarness`' own code (each `step` is that engine's step_fn)."""
+
+    side_class = CoreHarness
+
+
 @dataclass(frozen=True)
 class P2PPlan:
     """One PD exchange: the producer prefills `prompt_tokens`; the consumer's request (the prompt plus one
@@ -229,13 +244,15 @@ DEFAULT_BASE = Setup(block_size=4, gpu_blocks=32, max_model_len=128)
 
 
 class P2PPair:
-    """A `P2PPlan` played on a `P2PHarness`; `run()` checks the invariants every step and once settled."""
+    """A `P2PPlan` played on a `P2PHarness` (`CoreP2PHarness`: on two EngineCores); `run()` checks the invariants
+    every step and once settled."""
 
-    def __init__(self, api: VllmApi, plan: P2PPlan, base: Setup | None = None) -> None:
+    def __init__(self, api: VllmApi, plan: P2PPlan, base: Setup | None = None,
+                 harness_class: type[P2PHarness] = P2PHarness) -> None:
         self.api = api
         self.plan = plan
-        self.harness = P2PHarness(api, base or DEFAULT_BASE,
-                                  faults=Faults(frozenset(plan.drop), plan.delay_polls, plan.fail_transfers))
+        self.harness = harness_class(api, base or DEFAULT_BASE,
+                                     faults=Faults(frozenset(plan.drop), plan.delay_polls, plan.fail_transfers))
         self.fabric = self.harness.fabric
         self.producer_id, self.consumer_id = self.harness.producer_id, self.harness.consumer_id
         self.consumer_request_at = plan.consumer_at + (SYMMETRIC_LAG if plan.symmetric else 0)
@@ -305,9 +322,10 @@ class P2PPair:
         self.harness.shutdown()
 
 
-def run_pair(api: VllmApi, plan: P2PPlan, base: Setup | None = None) -> P2PRun:
+def run_pair(api: VllmApi, plan: P2PPlan, base: Setup | None = None,
+             harness_class: type[P2PHarness] = P2PHarness) -> P2PRun:
     """Build a pair, play `plan`, shut both engines down."""
-    pair = P2PPair(api, plan, base)
+    pair = P2PPair(api, plan, base, harness_class)
     try:
         return pair.run()
     finally:

@@ -15,6 +15,7 @@ from kvdoctor.engine.setup import Setup
 from kvdoctor.engine.step_loop import EOS_TOKEN
 from kvdoctor.errors import KvdoctorError
 from kvdoctor.levels.in_process import InProcessLevel
+from kvdoctor.levels.scheduler import p2p_checked
 from kvdoctor.levels.table import unexpressible
 from kvdoctor.logic.patch import storable_chunks_variant
 from kvdoctor.observe.snapshot import Observer
@@ -89,6 +90,11 @@ def client_answers(api: VllmApi, recipe: Recipe, setup: Setup, logic: str) -> Cl
         return ClientAnswers(REFERENCE, not_compared=f"this run's worker moves no KV bytes ({setup.worker} worker"
                                                      f"{': ' + setup.worker_fallback if setup.worker_fallback else ''}"
                                                      f"), so its clients always get the answers of right KV")
+    if setup.p2p:  # a byte-moving worker on the pair (CUDA only): no engine without offloading plays `p2p_*` steps
+        return ClientAnswers(REFERENCE, not_compared="the P2P pair's reference would be its two engines with "
+                                                     "offloading off, which have no P2P tier to play the recipe's "
+                                                     "p2p_* steps; the consumer's bytes are compared with the "
+                                                     "producer's on the fabric instead (p2p-consumer-bytes-equal)")
     played = ClientRun(api, recipe, setup, logic)
     played.run()
     if not played.played_through:
@@ -121,8 +127,14 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
                       record_timeline: bool = False) -> RunResult:
     """As the scheduler level runs it (`ScenarioRun`): the steps and setup this level cannot play are its
     `unplayable` reasons, judged there beside the release's probes (a probe's reason first)."""
+    setup = p2p_checked(recipe, setup)
     reasons = unexpressible(recipe.steps, NAME, setup.async_scheduling) + setup_unexpressible(setup)
-    result = CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons)).run()
+    run = CoreScenarioRun(api, recipe, setup, logic, record_timeline, unplayable=tuple(reasons))
+    if setup.p2p:  # two EngineCores on one in-memory fabric: the scheduler level's pair code (engine/p2p.py)
+        from kvdoctor.engine.p2p import CoreP2PHarness
+
+        run.harness_class = CoreP2PHarness
+    result = run.run()
     if answers_apply(recipe, result):  # a played verdict only: an unplayable run has no answers to compare
         result.answers = client_answers(api, recipe, setup, logic)
     return result
@@ -130,9 +142,6 @@ def run_core_scenario(api: VllmApi, recipe: Recipe, setup: Setup, logic: str,
 
 def setup_unexpressible(setup: Setup) -> list[str]:
     """Geometry the engine cannot build as the scheduler level does."""
-    if setup.p2p:
-        return ["[setup] p2p: kvdoctor builds the P2P pair from two of its scheduler harnesses (engine/p2p.py); two "
-                "EngineCores on one in-memory fabric are not built yet: play it at --engine scheduler"]
     layout = resolve_layout(setup.model, setup.layout, setup.sliding_window)
     if any(layer.draft for layer in layout.layers):
         return [f"{layout.source} has EAGLE drafter layers: vLLM's EngineCore flags a drafter's KV cache "

@@ -280,6 +280,9 @@ def setup_unexpressible(setup: Setup) -> list[str]:
     if setup.model is not None or setup.layout is not None:
         return [f"the served engine runs kvdoctor's tiny full-attention model; {setup.model or setup.layout}'s KV "
                 f"layout is not built at --engine serve (play it with --engine core)"]
+    if setup.p2p:
+        return ["[setup] p2p: the served engine is one `vllm serve`; the P2P pair is two engines on kvdoctor's "
+                "in-memory fabric (play it with --engine core)"]
     if setup.kv_events:
         return ["kv_events: the served engine's KV events go to a ZMQ publisher kvdoctor's serve client does not "
                 "subscribe to, and no client's answer shows a lost event (play it with --engine core)"]

@@ -47,16 +47,14 @@ _SCHEDULER_SIDE = ("an intervention inside the scheduler: vLLM's engine computes
 _NO_TRANSFER_CONTROL = ("a crash recipe's served executor (kvdoctor's simulated worker) completes every transfer "
                         "when issued (a silent recipe's runs vLLM's worker on kvdoctor's copy engine and plays its "
                         "transfer steps on the recipe's schedule)")
-_NO_P2P_PAIR = ("kvdoctor builds the P2P pair from two of its scheduler harnesses (engine/p2p.py); two EngineCores "
-                "on one fabric are not built yet: play it at --engine scheduler")
 
 LEVEL_TABLE: dict[str, Level] = {level.name: level for level in (
     Level("scheduler", "kvdoctor's scheduler harness", meets=frozenset(Need) - {Need.ENGINE_PAUSE},
           cannot={Need.ENGINE_PAUSE: "pausing and sleep mode are the engine's (EngineCore.pause_scheduler / "
                                      "sleep gate its own step loop and clear its caches); play it with --engine core"}),
     Level("core", "vLLM's EngineCore",
-          meets=frozenset(Need) - {Need.SCHEDULER_CONTROL, Need.P2P_PAIR},
-          cannot={Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE, Need.P2P_PAIR: _NO_P2P_PAIR},
+          meets=frozenset(Need) - {Need.SCHEDULER_CONTROL},
+          cannot={Need.SCHEDULER_CONTROL: _SCHEDULER_SIDE},
           sync_only={Need.IN_FLIGHT_OUTPUT: "under async scheduling the engine keeps a batch in flight "
                                             "(step_with_batch_queue); only its own steps apply it, a client "
                                             "cannot ask for that between steps"}),
@@ -102,8 +100,9 @@ HOW: dict[Need, str] = {
                        "executor standing in for the workers' sleep",
     Need.PD_DECODE: "scheduler and core: vLLM's MultiConnector loads kvdoctor's NIXL stand-in by module path; "
                     "kvdoctor's worker side ends its loads (engine/pd_decode.py)",
-    Need.P2P_PAIR: "scheduler: a producer harness beside the recipe's (the consumer), both on vLLM's P2P tier over "
-                   "kvdoctor's in-memory transports (engine/p2p.py)",
+    Need.P2P_PAIR: "scheduler: a producer harness beside the recipe's (the consumer); core: a producer EngineCore "
+                   "beside the recipe's; both on vLLM's P2P tier over kvdoctor's in-memory transports, one pair code "
+                   "(engine/p2p.py)",
 }
 
 
