@@ -54,6 +54,17 @@ def vllm_bp(api):
     return api
 
 
+def test_a_vllm_that_cannot_build_the_detector_refuses_in_one_line(api):
+    """Exit 2 (UsageError, before any build) where the probe says this vLLM cannot build its detector on the scripted
+    tier (0.26.0-0.33.0: no scripted tier; measured); the same setup's config is accepted where it can (0.34.0)."""
+    extra = Setup(**{**GEOMETRY, "backpressure_pattern": "vllm"}).validate().kv_connector_extra_config()
+    if api.has_vllm_backpressure():
+        assert api.kv_transfer_config(extra, {}) is not None
+        return
+    with pytest.raises(UsageError, match="cannot build its EMABackpressureDetector"):
+        api.kv_transfer_config(extra, {})
+
+
 Mutant = Callable[[Any, Any], None]  # (vLLM's backpressure module, a MonkeyPatch) -> patches it
 
 
