@@ -44,6 +44,17 @@ def test_setup_names_vllms_detector_with_its_parameters_and_the_step_clock():
             Setup(**{**GEOMETRY, "backpressure_pattern": bad}).validate()
 
 
+def test_explore_draws_vllms_detector_only_where_the_feature_is():
+    from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW, VLLM_BACKPRESSURE_DRAW, scripted_tier_fields
+
+    old, new = frozenset({SCRIPTED_TIER_DRAW}), frozenset({SCRIPTED_TIER_DRAW, VLLM_BACKPRESSURE_DRAW})
+    for script_bits, expected in ((0, "1,0,1"), (1, "vllm"), (2, "1,0,1"), (3, "vllm:policy=drop,failures=2")):
+        byte = 1 << 7 | script_bits << 5 | 1 << 3  # the scripted tier alone, a script, the backpressure bit
+        assert scripted_tier_fields(byte, old)[2] == "1,0,1"  # releases without the feature: as before
+        assert scripted_tier_fields(byte, new)[2] == expected
+        assert scripted_tier_fields(byte & 0x7F, new)[2] is None  # no backpressure bit: none, as before
+
+
 # -- on the installed vLLM ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
