@@ -146,6 +146,29 @@ def test_the_step_clock_replays_and_is_put_back(vllm_bp):
     assert importlib.import_module(BACKPRESSURE_MODULE).time is time  # restored though the scenario raised
 
 
+def test_a_clock_whose_tier_never_shut_down_is_detached_when_the_run_ends(vllm_bp):
+    """A tier attached its clock and its shutdown never came (a build that failed after it, a scheduler whose
+    shutdown raised first): the scenario's scope (`released_on_exit`, around every ScenarioRun) puts the real
+    `time` back anyway, raising or not, and leaves a clock attached outside it alone."""
+    from kvdoctor.engine.compat import step_clock
+
+    module = importlib.import_module(BACKPRESSURE_MODULE)
+    outer = step_clock.StepClock(1.0)
+    with pytest.raises(RuntimeError, match="build failed"), step_clock.released_on_exit():
+        step_clock.attach(step_clock.StepClock(1.0))
+        assert module.time is not time
+        raise RuntimeError("build failed")
+    assert module.time is time
+    step_clock.attach(outer)
+    try:
+        with step_clock.released_on_exit():
+            step_clock.attach(step_clock.StepClock(2.0))
+        assert module.time is not time and module.time.monotonic() == outer.now()  # the outer clock answers
+    finally:
+        step_clock.detach(outer)
+    assert module.time is time
+
+
 def test_throttled_policy_holds_every_invariant(vllm_bp):
     run = _drive(vllm_bp, "vllm:half_life=8")  # vLLM's default policy, ThrottledDropPolicy; a slower decay
     assert type(run["tier"].bp_detector.policy).__mro__[2].__name__ == "ThrottledDropPolicy"

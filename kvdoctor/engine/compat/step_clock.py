@@ -79,3 +79,16 @@ def step_clock(clock: StepClock) -> Iterator[None]:
         yield
     finally:
         detach(clock)
+
+
+@contextlib.contextmanager
+def released_on_exit() -> Iterator[None]:
+    """Every clock attached inside the scope is detached when it ends, even when it raises: a tier whose build
+    failed midway, or whose scheduler's shutdown raised before reaching it, never leaves vLLM's backpressure
+    module on a step clock for the process' next run (kvdoctor's scenario runs inside this scope)."""
+    before = [id(c) for c in _attached]
+    try:
+        yield
+    finally:
+        for clock in [c for c in list(_attached) if id(c) not in before]:
+            detach(clock)
