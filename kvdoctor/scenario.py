@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.compat.step_clock import released_on_exit
 from kvdoctor.engine.harness import Harness, StepEvents
 from kvdoctor.engine.kv_layout import TriggerGroupsMissing
 from kvdoctor.engine.setup import Setup
@@ -119,6 +120,10 @@ class ScenarioRun:
         self.result = RunResult(logic=logic, outcome=Outcome.NOT_REPRODUCED)
 
     def run(self) -> RunResult:
+        with released_on_exit():  # a tier's step clock never outlives the run (compat/step_clock.py)
+            return self._run()
+
+    def _run(self) -> RunResult:
         # The trigger impossible at this geometry: untested (never exit 0); this vLLM without the feature
         # the bug needs (a probe): not applicable.
         untested = [self.setup.untested] if self.setup.untested else []

@@ -269,7 +269,10 @@ def test_the_tier_bytes_upper_bits_draw_the_scripted_tier_only_where_probed():
 
 def test_explore_probes_the_scripted_tier_by_feature(api):
     from kvdoctor.explore.search import available_features
-    from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW
+    from kvdoctor.explore.tier_draw import SCRIPTED_TIER_DRAW, VLLM_BACKPRESSURE_DRAW
 
     expected = api.has_scripted_tier() and api.has_tier_backpressure() and api.has_secondary_tier("fs")
-    assert (SCRIPTED_TIER_DRAW in available_features(api)) == expected
+    features = available_features(api)
+    assert (SCRIPTED_TIER_DRAW in features) == expected
+    # vLLM's own detector in the backpressure bit (tests/test_vllm_backpressure.py): with it, where it can be built
+    assert (VLLM_BACKPRESSURE_DRAW in features) == (expected and api.has_vllm_backpressure(failure_threshold=True))

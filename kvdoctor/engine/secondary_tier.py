@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from kvdoctor.engine.tier_script import POLICIES, parse_vllm_backpressure
+
 # Setup.secondary_tier values: vLLM's fs tier, kvdoctor's scripted tier (compat/scripted_tier.py, loaded by vLLM
 # through the tier spec's `module_path`), or both at once (fs first, then scripted: vLLM cascades to every tier
 # and promotes from the first that hits); vLLM's own in-memory example tier (`tiering/example/manager.py`, loaded
@@ -27,6 +29,7 @@ from typing import Any
 # in-process on a CPU (no network).
 SECONDARY_TIERS = ("fs", "scripted", "fs+scripted", "example", "fs+example")
 SCRIPTED_MODULE = "kvdoctor.engine.compat.scripted_tier"
+VLLM_BACKPRESSURE_MODULE = "kvdoctor.engine.compat.vllm_backpressure"
 EXAMPLE_TIER = {"type": "RecordedExampleTier", "module_path": "kvdoctor.engine.compat.example_tier"}
 SCRIPTED_CLASS = "ScriptedSecondaryTier"  # vLLM's factory reads the class named by `type` from `module_path`
 
@@ -52,7 +55,8 @@ def tier_configs(secondary_tier: str, tier_script: str | None = None,
                  backpressure_pattern: str | None = None) -> list[dict[str, Any]]:
     """The `secondary_tiers` list for a `Setup.secondary_tier` value. The scripted tier gets its job
     script and, with a backpressure pattern, vLLM's `backpressure` dict naming kvdoctor's scripted
-    detector and policy (vLLM's factory imports them by their dotted names)."""
+    detector and policy, or (pattern "vllm[:...]") vLLM's own EMA detector and policy with their parameters and
+    the tier's step clock (`step_s`) (vLLM's factory imports them by their dotted names)."""
     configs: list[dict[str, Any]] = []
     for kind in secondary_tier.split("+"):
         if kind == "example":
@@ -63,7 +67,13 @@ def tier_configs(secondary_tier: str, tier_script: str | None = None,
             continue
         scripted: dict[str, Any] = {"type": SCRIPTED_CLASS, "module_path": SCRIPTED_MODULE,
                                     "script": tier_script or ""}
-        if backpressure_pattern:
+        vllm = parse_vllm_backpressure(backpressure_pattern) if backpressure_pattern else None
+        if vllm is not None:  # vLLM's own detector and policy, recorded, on the tier's step clock
+            scripted["step_s"] = vllm.step_s
+            scripted["backpressure"] = {"backpressure_cls": f"{VLLM_BACKPRESSURE_MODULE}.RecordedEMADetector",
+                                        "policy_cls": f"{VLLM_BACKPRESSURE_MODULE}.{POLICIES[vllm.policy]}",
+                                        **vllm.detector_kwargs()}
+        elif backpressure_pattern:
             scripted["backpressure"] = {"backpressure_cls": f"{SCRIPTED_MODULE}.ScriptedDetector",
                                         "policy_cls": f"{SCRIPTED_MODULE}.ScriptedPolicy",
                                         "pattern": backpressure_pattern}

@@ -145,7 +145,8 @@ class Setup:
     self_describing_kv_events: bool = False
     tier_script: str | None = None
     # The scripted tier's backpressure (vLLM's `backpressure_cls`): its store decisions, "1,1,0" cycled
-    # (0: drop the cascade). None: no backpressure.
+    # (0: drop the cascade), or "vllm[:...]": vLLM's own EMA detector and policy on kvdoctor's step clock
+    # (engine/tier_script.py parse_vllm_backpressure, compat/step_clock.py). None: no backpressure.
     backpressure_pattern: str | None = None
     # vLLM's object-store secondary tier (`type = "obj"`, loaded as kvdoctor's RecordedObjTier through
     # `module_path`: vLLM's ObjectStoreSecondaryTierManager on a fake NIXL agent with an in-memory bucket,

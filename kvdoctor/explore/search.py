@@ -79,6 +79,7 @@ from kvdoctor.explore.tier_draw import (
     P2P_SETUP,
     P2P_TIER_DRAW,
     SCRIPTED_TIER_DRAW,
+    VLLM_BACKPRESSURE_DRAW,
 )
 from kvdoctor.observe.invariants import INVARIANTS
 from kvdoctor.observe.line_coverage import Executed, LineCoverage, merge_executed
@@ -526,6 +527,8 @@ def available_features(api: Any) -> frozenset[str]:
     probes[SELF_DESCRIBING_DRAW] = SELF_DESCRIBING_DRAW in events
     # and kvdoctor's scripted tier beside it, where vLLM loads it by module_path with backpressure_cls
     probes[SCRIPTED_TIER_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.has_tier_backpressure()
+    # and vLLM's own backpressure detector on the step clock in its backpressure bit (tier_draw.VLLM_BACKPRESSURE)
+    probes[VLLM_BACKPRESSURE_DRAW] = probes[SCRIPTED_TIER_DRAW] and api.has_vllm_backpressure(failure_threshold=True)
     # and vLLM's object-store tier on kvdoctor's fake NIXL agent, where vLLM builds its agent by the names stood in for
     probes[OBJSTORE_DRAW] = probes[TIER_DRAW] and api.has_scripted_tier() and api.objstore_unavailable() is None
     # and vLLM's own in-memory example tier, loaded through module_path (bits the object store leaves spare)

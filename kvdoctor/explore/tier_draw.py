@@ -17,6 +17,12 @@ TIER_SCRIPTS = (None, "late,ok/defer,ok", "ok,fail/partial,late", "fail,late/lat
 # bit 7: a backpressure pattern (vLLM's backpressure_cls: kvdoctor's scripted detector), dropping one
 # cascade in three
 BACKPRESSURE_PATTERNS = (None, "1,0,1")
+# where VLLM_BACKPRESSURE_DRAW is a feature too (probed: VllmApi.has_vllm_backpressure with a failure threshold),
+# bit 7 under the store scripts whose stores are late or fail (bits 5-6 = 1, 3) names vLLM's own EMA detector on the
+# step clock instead (engine/compat/vllm_backpressure.py): late completions raise its EMA, failed ones trip it, idle
+# steps decay it. Elsewhere (and where the feature is absent) the pattern is as before.
+VLLM_BACKPRESSURE_DRAW = "vllm_backpressure"
+VLLM_BACKPRESSURE = {1: "vllm", 3: "vllm:policy=drop,failures=2"}
 
 
 def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str | None, str | None]:
@@ -25,7 +31,11 @@ def scripted_tier_fields(byte: int, features: frozenset[str]) -> tuple[str, str 
     kind = TIER_KINDS[byte >> 3 & 3] if SCRIPTED_TIER_DRAW in features else "fs"
     if "scripted" not in kind:
         return kind, None, None
-    return kind, TIER_SCRIPTS[byte >> 5 & 3], BACKPRESSURE_PATTERNS[byte >> 7 & 1]
+    script_bits = byte >> 5 & 3
+    pattern = BACKPRESSURE_PATTERNS[byte >> 7 & 1]
+    if pattern is not None and VLLM_BACKPRESSURE_DRAW in features and script_bits in VLLM_BACKPRESSURE:
+        pattern = VLLM_BACKPRESSURE[script_bits]
+    return kind, TIER_SCRIPTS[script_bits], pattern
 
 
 # -- the P2P pair (engine/p2p.py), where P2P_TIER_DRAW is a feature (probed: compat.p2p_transport.p2p_probe) ------

@@ -16,6 +16,16 @@ state after every step. A run without a scripted tier has nothing to check (ever
 - backpressure accounted: a dropped cascade submits and pins nothing, an allowed one submits one store of
   its blocks (so stores resume when the pattern allows), and the policy's drop counters (what vLLM's
   `pop_stores_dropped` reports) equal the skipped cascades.
+
+With vLLM's own detector (Setup.backpressure_pattern = "vllm[:...]": its EMABackpressureDetector and policy on
+kvdoctor's step clock, engine/compat/vllm_backpressure.py), besides:
+- backpressure resumes: a store decision taken with no pressure left (none held, or vLLM's EMA decayed below the
+  low water mark by the step clock's idle time, `_apply_idle_decay`) and outside the cooldown after pressure
+  cleared is allowed, and a decayed EMA clears the pressure (backpressure.py: "the EMA decays toward zero so the
+  detector can eventually recover", "stores are throttled ... for this many seconds" after it clears);
+- drop counters reported once: what vLLM popped from the policy (`pop_stores_dropped`, "return and reset", each
+  step's metrics) plus what it holds unpopped equals every skip it was told of; the EMA (the latency gauge) is a
+  finite number >= 0.
 """
 
 from __future__ import annotations
@@ -147,6 +157,65 @@ def _backpressure_accounted(ctx: Any) -> list[str]:
             detector.decisions.clear()
             journal.store_sizes.clear()
             detector.policy.skipped_total = (0, 0)
+    return messages
+
+
+def _recorded(ctx: Any) -> list[tuple[Any, Any]]:
+    """(tier, vLLM's recorded EMA detector) for each scripted tier that runs vLLM's own detector."""
+    _, tiers = _scripted(ctx)
+    return [(tier, tier.bp_detector) for tier in tiers
+            if getattr(tier.bp_detector, "kvdoctor_recorded", False)]
+
+
+def _should_resume(record: Any) -> tuple[bool, bool]:
+    """(pressure clears at this decision, the store must be allowed): vLLM's EMA decayed by the step-clock time
+    since its last update, `ema * 0.5 ** (dt / half_life)`, against the low water mark; then its cooldown."""
+    clears = False
+    if record.under_pressure and record.armed:
+        dt = record.now - record.last_update
+        ema = record.ema * 0.5 ** (dt / record.half_life_s) if dt > 0 and record.half_life_s > 0 else record.ema
+        clears = ema < record.low
+    pressured = record.under_pressure and not clears
+    cleared_at = record.now if clears else record.cleared_at
+    cooling = cleared_at > 0 and record.now - cleared_at < record.cooldown_s
+    return clears, not pressured and not cooling
+
+
+@invariant("tier-backpressure-resumes",
+           "with vLLM's detector: a store decided with no pressure left (none, or its EMA decayed below the low "
+           "water mark) outside the cooldown is allowed, and a decayed EMA clears the pressure")
+def _backpressure_resumes(ctx: Any) -> list[str]:
+    messages = []
+    for tier, detector in _recorded(ctx):
+        for record in detector.records:
+            clears, must_allow = _should_resume(record)
+            if clears and record.pressured_after:
+                messages.append(f"the {tier.tier_type} tier's detector stays under pressure at t={record.now:g} s "
+                                f"though its EMA {record.ema:.4g} decayed below the low water mark {record.low:g} "
+                                f"since t={record.last_update:g} s")
+            elif must_allow and not record.allowed:
+                messages.append(f"a cascade of {record.blocks} block(s) to the {tier.tier_type} tier was dropped at "
+                                f"t={record.now:g} s with no pressure left and no cooldown (stores did not resume)")
+        detector.records.clear()
+    return messages
+
+
+@invariant("tier-backpressure-counters-reported",
+           "with vLLM's detector: the drop counters vLLM popped plus those it holds equal every skip its policy "
+           "was told of, and the latency EMA is finite and >= 0")
+def _backpressure_counters(ctx: Any) -> list[str]:
+    messages = []
+    for tier, detector in _recorded(ctx):
+        policy = detector.policy
+        popped, held, skipped = policy.popped_total, policy.unpopped(), policy.skipped_total
+        counted = (popped[0] + held[0], popped[1] + held[1])
+        if counted != skipped:
+            messages.append(f"the {tier.tier_type} tier's drop counters: popped {popped} + held {held} (stores, "
+                            f"blocks) != the {skipped} skipped")
+            policy.popped_total = (skipped[0] - held[0], skipped[1] - held[1])  # reported once
+        ema = detector.ema
+        if not ema >= 0 or ema == float("inf"):
+            messages.append(f"the {tier.tier_type} tier's store latency EMA (its gauge) is {ema!r}")
     return messages
 
 

@@ -281,8 +281,9 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         """vLLM's `KVTransferConfig` for the OffloadingConnector, with the user's other fields.
 
         A field this release's KVTransferConfig does not have is refused (exit 2)
-        rather than dropped.
+        rather than dropped, as is vLLM's own backpressure detector where this vLLM cannot build it.
         """
+        self._refuse_vllm_backpressure(extra_config)
         cls = self.cls("config", "KVTransferConfig")
         known = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
             getattr(cls, "model_fields", {}) or {})
@@ -576,6 +577,34 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         create = getattr(factory, "create_secondary_tier", None)
         return (create is not None and "backpressure_cls" in inspect.getsource(create)
                 and hasattr(_import(names.TIER_BACKPRESSURE_MODULE), "DropAccountingPolicy"))
+
+    def _refuse_vllm_backpressure(self, extra_config: dict[str, Any]) -> None:
+        """Exit 2 in one line where a secondary tier names vLLM's own detector (Setup.backpressure_pattern = "vllm")
+        and this vLLM cannot build it on the scripted tier (`has_vllm_backpressure`)."""
+        for tier in extra_config.get("secondary_tiers") or ():
+            backpressure = tier.get("backpressure") if isinstance(tier, dict) else None
+            named = str(backpressure.get("backpressure_cls")) if isinstance(backpressure, dict) else ""
+            if not isinstance(backpressure, dict) or "vllm_backpressure." not in named:
+                continue
+            if not self.has_vllm_backpressure(failure_threshold="failure_threshold" in backpressure):
+                raise UsageError(
+                    "backpressure_pattern = \"vllm\": this vLLM cannot build its EMABackpressureDetector on kvdoctor's "
+                    "scripted tier (tiering/backpressure.py's classes, a tier's `backpressure` dict, `module_path` "
+                    "tiers" + (", `failure_threshold`" if "failure_threshold" in backpressure else "") + ")")
+
+    def has_vllm_backpressure(self, failure_threshold: bool = False) -> bool:
+        """Whether a tier's `backpressure` dict can build vLLM's own EMABackpressureDetector with its
+        ThrottledDropPolicy / DropStorePolicy (0.31+), on a scripted tier (Setup.backpressure_pattern = "vllm");
+        with `failure_threshold`, also whether the detector takes failed stores as pressure (0.33+)."""
+        import inspect
+
+        if not self.has_tier_backpressure():
+            return False
+        module = _import(names.TIER_BACKPRESSURE_MODULE)
+        detector = getattr(module, "EMABackpressureDetector", None)
+        if detector is None or not all(hasattr(module, n) for n in ("ThrottledDropPolicy", "DropStorePolicy")):
+            return False
+        return not failure_threshold or "failure_threshold" in inspect.signature(detector.__init__).parameters
 
     def scripted_tiers(self, manager: Any) -> list[Any]:
         """kvdoctor's scripted tiers among the tiering manager's secondary tiers (none without a manager)."""

@@ -11,11 +11,10 @@ those modules a `time` whose `monotonic()` is the real one plus `clock.offset` (
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
-import types
 from collections.abc import Iterator
-from typing import Any
+
+from kvdoctor.engine.compat.module_clock import module_clock
 
 P2P_PACKAGE = "vllm.v1.kv_offload.tiering.p2p"
 TIMED_MODULES = ("manager", "session.client", "session.session", "session.server")
@@ -35,31 +34,8 @@ class P2PClock:
         return time.monotonic() + self.offset
 
 
-class _AdvancedTime(types.ModuleType):
-    """The `time` module with `monotonic()` moved ahead by its clock's offset."""
-
-    def __init__(self, clock: P2PClock) -> None:
-        super().__init__("time")
-        self._clock = clock
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    def monotonic(self) -> float:
-        return self._clock.now()
-
-
 @contextlib.contextmanager
 def p2p_clock(clock: P2PClock) -> Iterator[None]:
-    """vLLM's P2P modules read `clock` for the scope (see the module's docstring)."""
-    modules = [importlib.import_module(f"{P2P_PACKAGE}.{name}") for name in TIMED_MODULES]
-    saved = [(module, module.time) for module in modules if isinstance(getattr(module, "time", None),
-                                                                          types.ModuleType)]
-    shim = _AdvancedTime(clock)
-    for module, _real in saved:
-        module.time = shim  # type: ignore[attr-defined]
-    try:
+    """vLLM's P2P modules read `clock` for the scope (see the module's docstring; compat/module_clock.py)."""
+    with module_clock([f"{P2P_PACKAGE}.{name}" for name in TIMED_MODULES], clock.now):
         yield
-    finally:
-        for module, real in saved:
-            module.time = real  # type: ignore[attr-defined]

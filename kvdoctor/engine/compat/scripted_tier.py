@@ -17,6 +17,7 @@ anything vLLM ships. This module imports vLLM: only vLLM's loader and kvdoctor's
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropAccountingPolicy
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvdoctor.engine.compat import step_clock
 from kvdoctor.engine.tier_script import parse_pattern, parse_script
+from kvdoctor.errors import UsageError
 
 # A "late" job reports done this many step ends after it was submitted: a whole step with it in flight,
 # wherever in a step vLLM submitted it (promotions at the step's end, cascades in update_from_output).
@@ -77,14 +80,16 @@ class ScriptedSecondaryTier(SecondaryTierManager):
       (`successful_keys`), "defer" fails every key with a `deferred_release` event set `DEFER_STEPS`
       steps later (the tier "may still write" those primary chunks until then).
     `request_level`: answer every new request with OffloadPolicy.REQUEST_LEVEL (vLLM then cascades a
-    request's chunks when it finishes)."""
+    request's chunks when it finishes).
+    `step_s` (the setup names vLLM's own detector): the tier's step clock (compat/step_clock.py), which vLLM's
+    backpressure module reads from the tier's construction to its shutdown; each store job is stamped with it."""
 
     medium: ClassVar[Medium | None] = Medium.CPU
     kvdoctor_scripted: ClassVar[bool] = True  # compat.settle_secondary_tiers leaves its timing to the script
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  script: str | None = None, request_level: bool = False,
-                 backpressure_detector: BackpressureDetector | None = None) -> None:
+                 backpressure_detector: BackpressureDetector | None = None, step_s: float | None = None) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         self.store_script, self.load_script = parse_script(script)
@@ -99,6 +104,14 @@ class ScriptedSecondaryTier(SecondaryTierManager):
         self.store_jobs = 0
         self.load_jobs = 0
         self.journal = TierJournal()
+        self.clock: step_clock.StepClock | None = None
+        if step_s is not None:
+            if backpressure_detector is None:  # the release's factory ignored the tier's `backpressure` dict
+                raise UsageError("backpressure_pattern = \"vllm\": this vLLM's tier factory builds no detector "
+                                 "from a tier's `backpressure` dict")
+            self.clock = step_clock.StepClock(step_s)
+            step_clock.attach(self.clock)
+            weakref.finalize(self, step_clock.detach, self.clock)  # a build that failed after this: detached at gc
 
     # -- lookups and requests ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -126,6 +139,8 @@ class ScriptedSecondaryTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = tuple(job_metadata.keys)
+        if self.clock is not None:  # submitted now on the step clock the detector's `update` reads
+            job_metadata.submit_time = self.clock.now()
         outcome = self.store_script[self.store_jobs % len(self.store_script)]
         self.store_jobs += 1
         self._into_deferred(job_metadata.job_id, job_metadata.chunk_ids)
@@ -203,6 +218,8 @@ class ScriptedSecondaryTier(SecondaryTierManager):
     def on_schedule_end(self, context: Any) -> None:
         """One scheduler step ends: late jobs come nearer, deferred releases count down."""
         self.steps += 1
+        if self.clock is not None:
+            self.clock.tick()
         still = []
         for event, chunks, steps in self.deferred:
             if steps <= 1:
@@ -214,6 +231,12 @@ class ScriptedSecondaryTier(SecondaryTierManager):
     def _release(self, event: threading.Event, chunks: tuple[int, ...]) -> None:
         self.journal.deferred_chunks.difference_update(chunks)
         event.set()
+
+    def shutdown(self) -> None:
+        """vLLM's manager shuts its tiers down with the scheduler: the step clock is detached here."""
+        if self.clock is not None:
+            step_clock.detach(self.clock)
+        super().shutdown()
 
     def has_pending_work(self) -> bool:
         return bool(self.pending or self.deferred)
