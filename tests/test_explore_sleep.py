@@ -120,3 +120,22 @@ def test_force_sleep_wake_is_refused_where_the_engine_core_has_no_sleep_mode(api
     config = ExploreConfig(seed=1, max_examples=1, time_budget=30, triage=False, force=frozenset({"sleep-wake"}))
     with pytest.raises(UsageError, match=r"^--force sleep-wake: this vLLM's EngineCore has no sleep mode[^\n]*$"):
         worker_search(api, config)
+
+
+def test_a_finding_at_core_gets_its_attachment_and_replay_line_at_core(tmp_path):
+    """explore's report attachment for a sleep/wake finding replays it at --engine core (at the scheduler level
+    the `sleep` step is not playable and the attachment said not_applicable: the first finding's did)."""
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from kvdoctor.cli.explore_cmd import write_attachment
+    from kvdoctor.explore.triage import Triage
+
+    recipe = tmp_path / "finding.toml"
+    shutil.copy(Path(__file__).parent / "data" / "sleep-keep-async-reset-at-core.toml", recipe)
+    finding = SimpleNamespace(file=str(recipe), logic="installed", engine="core")
+    written = write_attachment(finding, Triage(without_connector="does not reproduce"))
+    text = Path(written or "").read_text()
+    assert f"kvdoctor repro {recipe} --engine core" in text
+    assert "not_applicable" not in text and "| installed | **reproduced**" in text, text[:3000]

@@ -230,8 +230,11 @@ def write_attachment(finding: Any, result: Any) -> str | None:
 
     path = Path(finding.file)
     target = path.with_suffix(".report.md")
-    replay = f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
-    report = application.repro(str(path), Overrides(), finding.logic, record_timeline=True, command=replay)
+    engine = finding.engine  # a sleep/wake finding replays at its level: --engine core
+    replay = (f"kvdoctor repro {path}" + (f" --logic {finding.logic}" if finding.logic != "installed" else "")
+              + (f" --engine {engine}" if engine != "scheduler" else ""))
+    overrides = Overrides(engine=engine) if engine != "scheduler" else Overrides()
+    report = application.repro(str(path), overrides, finding.logic, record_timeline=True, command=replay)
     try:
         target.write_text(render_markdown("repro", report).rstrip("\n") + "\n\n" + triage_markdown(result),
                           encoding="utf-8")

@@ -100,6 +100,7 @@ class Finding:
             "logic": self.logic, "detail": self.detail, "examples_before": self.examples_before,
             "found_after_s": round(self.elapsed_s, 3), "flaky": self.flaky,
             "path": self.path or None,  # the known bug whose trigger the run went through
+            "engine": self.engine,  # the level it was found at and replays at (`repro --engine`)
             "known_bug": self.known[0] if self.known else None,
             "known_recipes": list(self.known[1]) if self.known else [],
             "impact": self.impact.as_dict(),

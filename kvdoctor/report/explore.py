@@ -109,7 +109,9 @@ def _search_summary(report: ExploreReport) -> list[Any]:
     for note in report.notes:
         out.append(Hanging(f"note: {note}", extra=6, style="yellow"))
     out.append(Text("replay one with: kvdoctor repro <recipe file>"
-                    + (f" --logic {config.logic}" if config.logic != "installed" else "")))
+                    + (f" --logic {config.logic}" if config.logic != "installed" else "")
+                    + (" (a finding at core: add --engine core)"
+                       if any(f.engine == "core" for f in report.findings) else "")))
     return out
 
 

@@ -62,7 +62,10 @@ def _finding_lines(finding: Any) -> list[str]:
         if finding.triage.report:
             out.append(f"    report attachment: {finding.triage.report}")
     if finding.file:
-        out.append(f"    replay: kvdoctor repro {finding.file}   (through EngineCore: add --engine core)")
+        at_core = finding.engine == "core"
+        out.append(f"    replay: kvdoctor repro {finding.file}"
+                   + (" --engine core   (its sleep / wake_up steps are the engine's)" if at_core
+                      else "   (through EngineCore: add --engine core)"))
     return out
 
 
