@@ -41,6 +41,19 @@ class FakeMovedConnector:
 
 
 FakeMovedConnector.__module__ = "vllm.fake_for_test"
+
+
+class FakeResettingScheduler:
+    """A message written as adjacent literals, as 0.34.0's Scheduler.reset_prefix_cache writes its RuntimeError."""
+
+    def reset_prefix_cache(self, ok: bool) -> bool:
+        if not ok:
+            raise RuntimeError("Failed to reset KV cache even when all the running requests are "
+                               "preempted and moved to the waiting queue.")
+        return True
+
+
+FakeResettingScheduler.__module__ = "vllm.fake_for_test"
 STATEMENT = "computed <= blocks * per_block"
 
 
@@ -305,3 +318,12 @@ def test_audit_summary_gives_no_verdict_only_to_a_bug_no_recipe_decided():
     text = audit_summary(report)
     assert text.startswith("1 of 2 known bugs reproduce on vLLM 0.27.0")
     assert text.endswith("; no verdict: K12 not_reached") and "K7 not_reached" not in text  # once a bug
+
+
+def test_a_message_split_over_adjacent_literals_is_found_by_its_value():
+    """The exception prints one message; the source spells it as two literals: the site is that raise, not
+    "gone" (`kvdoctor repro` with offloading off said the code changed on 0.34.0)."""
+    engine = FakeResettingScheduler()
+    found = find_site("reset_prefix_cache", "running requests are preempted and moved to the waiting queue",
+                      (engine, None))
+    assert found.gone is None and found.source.startswith("raise RuntimeError("), (found.gone, found.source)

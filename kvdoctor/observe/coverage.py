@@ -283,14 +283,35 @@ def _is_the_statement(found: tuple[int, int, str, ast.stmt], wanted: str, whole:
             return ast.dump(n.test) if isinstance(n, ast.Assert) else ast.dump(n)
 
         return type(node) is type(whole) and key(node) == key(whole)
-    return wanted in found[2]
+    return _holds(found, wanted)
+
+
+def _holds(found: tuple[int, int, str, ast.stmt], wanted: str) -> bool:
+    """The statement's text holds the fragment, or one of its string constants does: a message written as
+    adjacent literals (`"... requests are " "preempted ..."`, one constant to Python) is matched by its value,
+    as the exception printed it (0.34's reset_prefix_cache RuntimeError was called absent otherwise)."""
+    return wanted in found[2] or any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                                     and wanted in _normalize(n.value) for n in _own_nodes(found[3]))
+
+
+def _own_nodes(node: ast.stmt) -> list[ast.AST]:
+    """A statement's own expressions: a compound statement's header, not the statements in its blocks."""
+    nested = ("body", "orelse", "finalbody", "handlers", "cases")
+    own: list[ast.AST] = []
+    for name, value in ast.iter_fields(node):
+        if name in nested:
+            continue
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, ast.AST):
+                own.extend(ast.walk(child))
+    return own
 
 
 def _like(found: tuple[int, int, str, ast.stmt], wanted: str, whole: ast.stmt | None) -> bool:
     """Another statement a reader could take for the crash statement: it holds the fragment, or is of the
     whole statement's kind and names one of its names."""
     if whole is None:
-        return wanted in found[2]
+        return _holds(found, wanted)
     names = {n.id for n in ast.walk(whole) if isinstance(n, ast.Name)} | {
         n.attr for n in ast.walk(whole) if isinstance(n, ast.Attribute)}
     return isinstance(found[3], type(whole)) and any(re.search(rf"\b{re.escape(n)}\b", found[2]) for n in names)
