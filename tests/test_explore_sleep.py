@@ -31,6 +31,15 @@ SLEEPING = frozenset({SLEEP_DRAW, SLEEP_KEEPS_CONNECTOR})
 NO_TARGET = ("NoSuchError", "no_such_function")  # nothing counts as found: no shrinking, only the drawn examples
 
 
+def test_a_failing_sleep_is_a_failed_call_not_a_dead_engine():
+    """EngineCore.sleep is a utility call: its exception goes back to its caller (LLM.sleep, /sleep)."""
+    from kvdoctor.explore.impact import CALL_FAILS, ENGINE_DIES, impact_of
+
+    assert impact_of("exception", None, "sleep").kind == CALL_FAILS
+    assert impact_of("exception", None, "wake_up").kind == CALL_FAILS
+    assert impact_of("exception", None, "schedule").kind == ENGINE_DIES
+
+
 def test_unforced_draws_are_unchanged():
     digest = hashlib.sha256()
     rng = random.Random(35)

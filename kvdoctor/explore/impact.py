@@ -6,7 +6,7 @@ Read from where vLLM's EngineCore meets the failure, not guessed from its name:
   the recipe's schedule, finish, drain and transfer steps) or while the engine
   core adds or aborts a request escapes `EngineCoreProc`'s busy loop: the
   engine core dies, every request in flight fails and the server stops serving;
-- an exception in a utility call (`reset_prefix_cache`) is caught by
+- an exception in a utility call (`reset_prefix_cache`, `sleep`, `wake_up`) is caught by
   `EngineCore._invoke_utility_method` and returned to its caller: that call
   fails, the engine survives;
 - an exception while the scheduler is built is a server that does not start;
@@ -34,7 +34,11 @@ HARNESS = "kvdoctor's own bug"
 
 # Utility calls EngineCore runs for a client through _invoke_utility_method (failures returned).
 UTILITY_ACTIONS = {"reset_prefix_cache": "reset_prefix_cache (LLM.reset_prefix_cache, the dev server's "
-                                         "/reset_prefix_cache)"}
+                                         "/reset_prefix_cache)",
+                   # EngineCoreProc's sleep runs its pause's cache reset in an idle callback that sets the
+                   # exception on the utility's future; in-process, LLM.sleep raises it (0.34.0's core.py)
+                   "sleep": "sleep (LLM.sleep, the dev server's /sleep; the scheduler may be left paused)",
+                   "wake_up": "wake_up (LLM.wake_up, the dev server's /wake_up)"}
 
 # Invariant -> (impact kind, what a client sees).
 _INVARIANTS: dict[str, tuple[str, str]] = {
