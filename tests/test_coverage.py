@@ -321,9 +321,13 @@ def test_audit_summary_gives_no_verdict_only_to_a_bug_no_recipe_decided():
 
 
 def test_a_message_split_over_adjacent_literals_is_found_by_its_value():
-    """The exception prints one message; the source spells it as two literals: the site is that raise, not
-    "gone" (`kvdoctor repro` with offloading off said the code changed on 0.34.0)."""
+    """The exception prints one message; the source spells it as two literals: the site is that raise and its
+    `if`, not "gone" (`kvdoctor repro` with offloading off said the code changed on 0.34.0); a run through the
+    `if` that does not raise reached the site and it held."""
     engine = FakeResettingScheduler()
     found = find_site("reset_prefix_cache", "running requests are preempted and moved to the waiting queue",
                       (engine, None))
-    assert found.gone is None and found.source.startswith("raise RuntimeError("), (found.gone, found.source)
+    assert found.gone is None and found.source == "if not ok:", (found.gone, found.source)  # the raise's guard
+    with SiteTracer(found) as coverage:
+        engine.reset_prefix_cache(True)
+    assert coverage.line().startswith("reached 1x: held"), coverage.line()

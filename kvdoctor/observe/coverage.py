@@ -295,9 +295,14 @@ def _holds(found: tuple[int, int, str, ast.stmt], wanted: str) -> bool:
 
 
 def _own_nodes(node: ast.stmt) -> list[ast.AST]:
-    """A statement's own expressions: a compound statement's header, not the statements in its blocks."""
+    """A statement's own expressions: a compound statement's header, not the statements in its blocks; an `if`
+    also owns the `raise` statements directly in its body, its guard (`if not reset(): raise RuntimeError(...)`:
+    the `if` reached without raising is the site held, as an assert's test is)."""
     nested = ("body", "orelse", "finalbody", "handlers", "cases")
     own: list[ast.AST] = []
+    if isinstance(node, ast.If):
+        for raised in (child for child in node.body if isinstance(child, ast.Raise)):
+            own.extend(ast.walk(raised))
     for name, value in ast.iter_fields(node):
         if name in nested:
             continue
