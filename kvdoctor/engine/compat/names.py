@@ -142,6 +142,28 @@ P2P_MANAGER_MODULE = "vllm.v1.kv_offload.tiering.p2p.manager"
 P2P_UNBOUND_STORES = VllmName(P2P_MANAGER_MODULE, "P2PSecondaryTierManager", ("_unbound_stores",),
                               absent="p2p_parked_stores: 0 (no parked store delays the pair's rest)")
 
+# -- vLLM's own backpressure detector and drop policy (compat/vllm_backpressure.py records their decisions) ------
+_BP_ABSENT = "has_vllm_backpressure: no EMA detector on the scripted tier, the setup is refused (exit 2)"
+BP_UNDER_PRESSURE = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_under_pressure",),
+                             absent=_BP_ABSENT)
+BP_COMPLETIONS = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_completions",), absent=_BP_ABSENT)
+BP_FAILURE_TRIPPED = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_failure_tripped",),
+                              absent="has_vllm_backpressure: a detector without a failure threshold never trips")
+BP_WARMUP_COMPLETIONS = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_warmup_completions",),
+                                 absent=_BP_ABSENT)
+BP_EMA = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_ema",), absent=_BP_ABSENT)
+BP_LAST_UPDATE = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_last_update",), absent=_BP_ABSENT)
+BP_PRESSURE_CLEARED_AT = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_pressure_cleared_at",),
+                                  absent=_BP_ABSENT)
+BP_LOW = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_low",), absent=_BP_ABSENT)
+BP_HALF_LIFE = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_decay_half_life_s",),
+                        absent=_BP_ABSENT)
+BP_COOLDOWN = VllmName(TIER_BACKPRESSURE_MODULE, "EMABackpressureDetector", ("_cooldown_s",), absent=_BP_ABSENT)
+BP_STORES_DROPPED = VllmName(TIER_BACKPRESSURE_MODULE, "DropAccountingPolicy", ("_stores_dropped",),
+                             absent=_BP_ABSENT)
+BP_BLOCKS_DROPPED = VllmName(TIER_BACKPRESSURE_MODULE, "DropAccountingPolicy", ("_blocks_dropped",),
+                             absent=_BP_ABSENT)
+
 TABLE: tuple[VllmName, ...] = (
     REQ_STATUS, JOBS, BUILD_STORE_JOBS, CALC_OFFLOADABLE_TOKENS, LOOKUP_COMPLETE_CHUNKS, RESET_CACHE, SUB_CONNECTORS,
     SPEC_REGISTRY, SECONDARY_TIER_REGISTRY, TIER_TRANSFER_JOBS, TIER_LOOKUP_MANAGER, LOOKUP_STATE, LOOKUP_BATCH,
@@ -150,6 +172,8 @@ TABLE: tuple[VllmName, ...] = (
     V2_RUNNER_UNSUPPORTED, DEFAULT_LAYOUT_PREFERENCE, CPU_CACHE_POLICY,
     OBJ_AGENT, OBJ_FILE_MAPPER, OBJ_TRANSFERS, OBJ_PENDING_RESULTS, OBJ_STORE_JOBS, OBJ_LOAD_JOB_KEYS,
     P2P_UNBOUND_STORES,
+    BP_UNDER_PRESSURE, BP_COMPLETIONS, BP_FAILURE_TRIPPED, BP_WARMUP_COMPLETIONS, BP_EMA, BP_LAST_UPDATE,
+    BP_PRESSURE_CLEARED_AT, BP_LOW, BP_HALF_LIFE, BP_COOLDOWN, BP_STORES_DROPPED, BP_BLOCKS_DROPPED,
 )
 
 _MISSING = object()

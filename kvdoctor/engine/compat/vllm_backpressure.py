@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvdoctor.engine.compat import names
 from kvdoctor.errors import UsageError
 
 try:
@@ -67,20 +68,23 @@ class RecordedEMADetector(EMABackpressureDetector):
         self.records: list[StoreDecision] = []
 
     def should_store(self, num_blocks: int) -> bool:
-        before = (self._under_pressure,
-                  self._completions >= self._warmup_completions or bool(getattr(self, "_failure_tripped", False)),
-                  self._ema, self._last_update, self._pressure_cleared_at)
+        before = (names.get(self, names.BP_UNDER_PRESSURE),
+                  names.get(self, names.BP_COMPLETIONS) >= names.get(self, names.BP_WARMUP_COMPLETIONS)
+                  or bool(names.get(self, names.BP_FAILURE_TRIPPED, False)),
+                  names.get(self, names.BP_EMA), names.get(self, names.BP_LAST_UPDATE),
+                  names.get(self, names.BP_PRESSURE_CLEARED_AT))
         now = _clock()
         allowed = super().should_store(num_blocks)
         self.decisions.append((allowed, num_blocks))
-        self.records.append(StoreDecision(allowed, num_blocks, now, before[0], self._under_pressure, before[1],
-                                          before[2], before[3], before[4], self._low, self._decay_half_life_s,
-                                          self._cooldown_s))
+        after = names.get(self, names.BP_UNDER_PRESSURE)
+        self.records.append(StoreDecision(allowed, num_blocks, now, before[0], after, before[1], before[2], before[3],
+                                          before[4], names.get(self, names.BP_LOW), names.get(self, names.BP_HALF_LIFE),
+                                          names.get(self, names.BP_COOLDOWN)))
         return allowed
 
     @property
     def ema(self) -> float:
-        return float(self._ema)
+        return float(names.get(self, names.BP_EMA))
 
 
 class _Recording:
@@ -102,7 +106,8 @@ class _Recording:
 
     def unpopped(self) -> tuple[int, int]:
         """The counters vLLM has not popped yet (its next `pop_stores_dropped` answer)."""
-        return int(getattr(self, "_stores_dropped", 0)), int(getattr(self, "_blocks_dropped", 0))
+        stores, blocks = names.get(self, names.BP_STORES_DROPPED, 0), names.get(self, names.BP_BLOCKS_DROPPED, 0)
+        return int(stores), int(blocks)
 
 
 class RecordedThrottledPolicy(_Recording, ThrottledDropPolicy):
