@@ -5,9 +5,8 @@ offloading off.
 The recipes run in this process (tests/cli_runner.invoke, one vLLM import). Expectations come from
 kvdoctor's own measurements: a silent bug that stores wrong KV (K4, whose scheduler-level outcome on
 this release is in kvdoctor/data/release_outcomes.toml) changes a client's completion exactly where
-the release has the bug; one that only loses prefix hits (K11: `explore.impact` says lost hits) leaves
-every completion equal; a run whose worker moves no KV bytes (K9's MultiConnector runs on the simulated
-worker) says it did not compare, and `--engine serve` (no server started) names that comparison.
+the release has the bug (K4; K9 under vLLM's MultiConnector, whose reader D loads A's chunk from the watched
+tier); one that only loses prefix hits (K11: `explore.impact` says lost hits) leaves every completion equal.
 """
 
 from __future__ import annotations
@@ -147,22 +146,28 @@ def test_the_toy_model_answers_a_request_resumed_after_its_preemption(runner: st
 
 
 @pytest.mark.vllm
-def test_k9_on_the_simulated_worker_says_it_did_not_compare_at_core_and_serve(api) -> None:
+def test_k9_a_reader_of_as_chunk_gets_another_answer_where_the_release_has_the_bug(api) -> None:
+    """vLLM's worker drives the MultiConnector: the second connector's load writes P's bytes into A's reused
+    block, A's unflushed store copies them (late, as kvdoctor's copy engine does) into the watched tier as A's
+    chunk, and D, whose prompt starts with A's chunk, loads them from there (measured: 0.26.0 D differs at token
+    0, 599 where the reference has 332; 0.34.0, which flushes A's store in C's step, every completion equal)."""
     doc = _core("reused-block-unfenced-multiconnector")
     result = doc["results"][0]
-    if result["outcome"] not in ("reproduced", "not_reproduced"):
-        pytest.skip(f"no verdict on vLLM {doc['vllm_version']}: {result['outcome']}")
+    measured = _measured(doc["vllm_version"], "reused-block-unfenced-multiconnector")
+    assert result["outcome"] == measured
+    assert result["worker"].startswith("vLLM worker-role MultiConnector"), result["worker"]
     answers = result["answers"]
-    assert answers is not None and not answers["reproduced"]
-    assert "moves no KV bytes (simulated worker: vLLM's worker does not drive MultiConnector" in answers["not_compared"]
-    # --engine serve starts no server for it, and its not_applicable names what core compared (nothing)
-    proc = invoke("repro", "reused-block-unfenced-multiconnector", "--engine", "serve", "--json")
-    assert proc.returncode == 6, proc.stderr[-3000:]
-    served = json.loads(proc.stdout)["results"][0]
-    assert served["outcome"] == "not_applicable" and served["answers"] is None, served
-    assert "vLLM's worker does not drive MultiConnector here" in served["detail"], served
-    assert ("--engine core plays it on kvdoctor's simulated worker for the same reason and compares no client's "
-            "completion there") in served["detail"], served
+    assert answers is not None and answers["not_compared"] is None, answers
+    by_request = {r["request"]: r for r in answers["requests"]}
+    assert set(by_request) == {"A", "P", "C", "D"}, answers
+    for name in ("A", "P", "C"):  # their KV is their own (C's loaded by the second connector, right bytes)
+        assert by_request[name]["position"] is None, answers
+    if measured == "reproduced":
+        assert answers["reproduced"] and by_request["D"]["position"] == 0, answers
+        assert answers["line"].startswith("request D's completion differs from the reference (offloading off) "
+                                          "at token 0: ")
+    else:
+        assert not answers["reproduced"] and by_request["D"]["got_tokens"] == by_request["D"]["expected_tokens"] == 2
 
 
 # -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------

@@ -48,31 +48,32 @@ def test_extra_connector_keys_pass_through():
 
 
 K9 = "reused-block-unfenced-multiconnector"
+K7 = "mamba-align-midblock-hit-load"  # a Mamba layout: the toy model writes attention KV only
+K7_WHY = "layout mamba-hybrid has a Mamba layer"
 
 
-def test_vllm_worker_on_a_multiconnector_recipe_is_one_usage_error():
-    """repro/inspect --worker vllm of the MultiConnector recipe: exit 2, one line that says why and what to run."""
+def test_vllm_worker_on_a_mamba_recipe_is_one_usage_error():
+    """repro/inspect --worker vllm of a recipe vLLM's worker cannot drive: exit 2, one line that says why and
+    what to run."""
     with pytest.raises(UsageError) as info:
-        resolve_setup(load_builtin(K9), Overrides(worker="vllm", device="cpu"))
+        resolve_setup(load_builtin(K7), Overrides(worker="vllm", device="cpu"))
     message = str(info.value)
-    assert "\n" not in message and "does not drive MultiConnector" in message and "--worker simulated" in message
+    assert "\n" not in message and K7_WHY in message and "--worker simulated" in message
 
 
 def test_audit_falls_back_to_the_simulated_worker_per_recipe_and_says_why():
-    setup = resolve_setup(load_builtin(K9), Overrides(worker="vllm", device="cpu"), worker_fallback=True)
+    setup = resolve_setup(load_builtin(K7), Overrides(worker="vllm", device="cpu"), worker_fallback=True)
     assert (setup.worker, setup.device) == ("simulated", None)
-    assert "does not drive MultiConnector" in setup.worker_fallback
+    assert K7_WHY in setup.worker_fallback
     assert setup.as_dict()["worker_fallback"] == setup.worker_fallback
-    assert setup.worker_described().startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
-    # a recipe vLLM's worker can run keeps it; without the flag nothing falls back
-    other = resolve_setup(load_builtin("queued-abort"), Overrides(worker="vllm", device="cpu"), worker_fallback=True)
-    assert (other.worker, other.worker_fallback) == ("vllm", None)
-    plain = resolve_setup(load_builtin(K9), worker_fallback=True)
+    assert setup.worker_described().startswith(f"simulated ({K7_WHY}")
+    # a recipe vLLM's worker can run keeps it (the MultiConnector one too: vLLM's worker drives both
+    # sub-connectors); without the flag nothing falls back
+    for name in ("queued-abort", K9):
+        other = resolve_setup(load_builtin(name), Overrides(worker="vllm", device="cpu"), worker_fallback=True)
+        assert (other.worker, other.worker_fallback) == ("vllm", None), name
+    plain = resolve_setup(load_builtin(K7), worker_fallback=True)
     assert (plain.worker, plain.worker_fallback) == ("simulated", None)
-    # a Mamba layout (K7's): the toy model writes attention KV only
-    mamba = resolve_setup(load_builtin("mamba-align-midblock-hit-load"), Overrides(worker="vllm", device="cpu"),
-                          worker_fallback=True)
-    assert mamba.worker == "simulated" and "Mamba layer" in mamba.worker_fallback
 
 
 @pytest.mark.parametrize("key", ["worker_fallback", "device_fallback"])
@@ -95,12 +96,12 @@ def test_audit_row_says_which_worker_ran_a_fallback_recipe():
     from kvdoctor.observe.verdict import Outcome
     from kvdoctor.report.tables import row_next_steps
 
-    recipe = load_builtin(K9)
+    recipe = load_builtin(K7)
     setup = resolve_setup(recipe, Overrides(worker="vllm", device="cpu"), worker_fallback=True)
     result = SimpleNamespace(outcome=Outcome.REPRODUCED, detail="")
     row = SimpleNamespace(recipe=recipe, setup=setup, installed=result, fixed=result, fixed_in=None, hint="")
     label, text = row_next_steps(row)[-1]
-    assert label == "worker" and text.startswith("simulated (vLLM's worker does not drive MultiConnector here: ")
+    assert label == "worker" and text.startswith(f"simulated ({K7_WHY}")
     row.setup = resolve_setup(recipe)
     assert all(label != "worker" for label, _ in row_next_steps(row))
 
@@ -114,8 +115,8 @@ def test_the_command_lines_default_worker_is_vllms_and_falls_back_visibly():
     assert default.given() == {}  # a typed value: no sentinel rides in the overrides
     plain = resolve_setup(load_builtin("queued-abort"), default, default_worker=DEFAULT_WORKER)
     assert (plain.worker, plain.worker_fallback) == ("vllm", None)
-    k9 = resolve_setup(load_builtin(K9), default, default_worker=DEFAULT_WORKER)
-    assert k9.worker == "simulated" and "does not drive MultiConnector" in k9.worker_fallback
+    k7 = resolve_setup(load_builtin(K7), default, default_worker=DEFAULT_WORKER)
+    assert k7.worker == "simulated" and K7_WHY in k7.worker_fallback
     chosen = resolve_setup(load_builtin("queued-abort"), worker_overrides("simulated", None, None),
                            default_worker=DEFAULT_WORKER)
     assert (chosen.worker, chosen.worker_fallback) == ("simulated", None)

@@ -237,10 +237,11 @@ class Harness:
         # Setup.kv_events: what vLLM's Scheduler publishes, recorded where its publisher stands
         self.kv_event_recorder = api.record_kv_events(self.scheduler) if setup.kv_events else None
         self.worker = self._make_worker()
-        # multi_connector: the second OffloadingConnector's jobs, completed as soon as they are issued
-        # (it stands for another asynchronous connector; holds and failures apply to the watched one).
+        # multi_connector on the simulated worker: the second OffloadingConnector's jobs, completed as soon as they
+        # are issued (it stands for another asynchronous connector; holds and failures apply to the watched one).
+        # vLLM's worker drives both sub-connectors itself (its MultiConnector worker, `VllmWorker`).
         self.companion = None
-        if setup.multi_connector:
+        if setup.multi_connector and setup.worker != "vllm":
             self.companion = SimulatedTransfers(api)
         # pd_decode: the remote-prefill loads kvdoctor's NIXL stand-in issues, finished or failed on schedule
         self.pd_loads = PdLoads(api) if setup.pd_decode else None
@@ -447,7 +448,7 @@ class Harness:
         # A request that waits for an asynchronous load is not in the scheduler output: the blocks
         # allocated for it are the loads' destinations (of every connector: under a MultiConnector
         # another one may be loading them).
-        companion_jobs, companion_flush = self._companion_jobs(output, metas)
+        companion_jobs, companion_flush = self._second_connector_jobs(output, metas)
         for job in list(load_jobs.values()) + [j for j in companion_jobs if j.kind == "load"]:
             dst = job.dst_block_ids if isinstance(job, Job) else self.api.block_ids_of(getattr(job, "dst_spec", None))
             allocated.update(b for b in dst if b != 0)
@@ -489,9 +490,10 @@ class Harness:
         kv_output = done.kv_connector_output if self.connector_scheduler is not None else None
         return self._model_runner_output(output, sampled, kv_output)
 
-    def _companion_jobs(self, output: Any, metas: tuple[Any, ...]) -> tuple[list[Job], set[int]]:
-        """The second sub-connector's new jobs and flushes (multi_connector), as the companion worker takes them."""
-        if self.companion is None:
+    def _second_connector_jobs(self, output: Any, metas: tuple[Any, ...]) -> tuple[list[Job], set[int]]:
+        """The second sub-connector's new jobs and flushes (multi_connector): its loads' destinations are blocks
+        allocated in this step whichever worker runs them; the companion worker takes them all."""
+        if not self.setup.multi_connector:
             return [], set()
         stores, loads = self.api.store_and_load_jobs(output, 1)
         jobs = [Job(jid, job.req_id, "store", self.step_index,

@@ -232,9 +232,6 @@ class Setup:
         if self.pd_decode:
             return ("pd_decode: kvdoctor's NIXL stand-in has no worker-role side (the simulated worker plays its "
                     "remote-prefill loads)")
-        if self.multi_connector:
-            return ("vLLM's worker does not drive MultiConnector here: kvdoctor's second sub-connector is a "
-                    "companion whose jobs complete as they are issued, with no worker-role connector of its own")
         if not self.offloading:
             return "offloading = false runs no KV connector: vLLM's worker has nothing to drive"
         if self.p2p and self.device != "cuda":

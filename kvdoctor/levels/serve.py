@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdoctor.engine.compat import VllmApi
+from kvdoctor.engine.connector_config import MULTI_CONNECTOR, multi_offloading_extra_config
 from kvdoctor.engine.core.names import (
     ADMISSION_ENV,
     EOS_AFTER_ARG,
@@ -173,8 +174,14 @@ def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
     copy-engine spec named in the connector's config, as `--engine core` runs it)."""
     kv_flags: list[str] = []
     if setup.offloading:
-        extra = dataclasses.replace(setup, device=None).kv_connector_extra_config()
-        kv_transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        served = dataclasses.replace(setup, device=None)
+        extra = served.kv_connector_extra_config()
+        connector = "OffloadingConnector"
+        second = served.second_connector_extra_config()
+        if second is not None:  # multi_connector: the same two sub-connectors `--engine core` runs
+            role = str(setup.kv_transfer_fields.get("kv_role", "kv_both"))
+            extra, connector = multi_offloading_extra_config(extra, second, role), MULTI_CONNECTOR
+        kv_transfer = {"kv_connector": connector, "kv_role": "kv_both",
                        "kv_connector_extra_config": extra, **setup.kv_transfer_fields}
         kv_flags = ["--kv-transfer-config", json.dumps(kv_transfer)]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model_dir, "--host", "127.0.0.1",

@@ -294,12 +294,10 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
         values = {"kv_role": "kv_both", **fields}
         connector = "OffloadingConnector"
         if second_extra_config is not None:  # MultiConnector: the watched connector first, then the other
-            role = values["kv_role"]
-            extra_config = {"connectors": [
-                {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra_config},
-                {"kv_connector": "OffloadingConnector", "kv_role": role,
-                 "kv_connector_extra_config": second_extra_config}]}
-            connector = "MultiConnector"
+            from kvdoctor.engine.connector_config import MULTI_CONNECTOR, multi_offloading_extra_config
+
+            extra_config = multi_offloading_extra_config(extra_config, second_extra_config, values["kv_role"])
+            connector = MULTI_CONNECTOR
         elif pd_decode:  # a P/D decode node: kvdoctor's NIXL stand-in first, then vLLM's OffloadingConnector
             from kvdoctor.engine.compat.pd_connector import STANDIN_MODULE, STANDIN_NAME
 

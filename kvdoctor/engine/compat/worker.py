@@ -7,6 +7,7 @@ simulated path costs nothing more.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -204,17 +205,44 @@ class WorkerGlue(AdapterBase):
         """Model Runner V2's `ActiveKVConnector` (registers the KV caches itself)."""
         return self.worker_mods()["v2_kv_connector"].get_kv_connector(vllm_config, kv_caches)
 
-    def completed_job_ids(self, kv_connector_output: Any) -> list[int]:
-        """Jobs a worker reported as done and successful: 0.34's `mark_completed(success=False)` puts a
-        failed job in `completed_jobs` and `failed_jobs` both."""
+    @staticmethod
+    def _worker_meta(kv_connector_output: Any, index: int) -> Any:
+        """The worker metadata of (sub-)connector `index`: a MultiConnector worker reports one per sub-connector
+        (`MultiKVConnectorWorkerMetadata.metadata`, in the connectors' order; its job ids overlap)."""
         meta = getattr(kv_connector_output, "kv_connector_worker_meta", None) if kv_connector_output else None
-        failed = set(self.failed_job_ids(kv_connector_output))
+        subs = getattr(meta, "metadata", None)
+        if isinstance(subs, tuple):
+            return subs[index] if index < len(subs) else None
+        return meta
+
+    def completed_job_ids(self, kv_connector_output: Any, index: int = 0) -> list[int]:
+        """Jobs a worker reported as done and successful (of sub-connector `index` under a MultiConnector):
+        0.34's `mark_completed(success=False)` puts a failed job in `completed_jobs` and `failed_jobs` both."""
+        meta = self._worker_meta(kv_connector_output, index)
+        failed = set(self.failed_job_ids(kv_connector_output, index))
         return sorted(int(j) for j in (getattr(meta, "completed_jobs", None) or ()) if int(j) not in failed)
 
-    def failed_job_ids(self, kv_connector_output: Any) -> list[int]:
+    def failed_job_ids(self, kv_connector_output: Any, index: int = 0) -> list[int]:
         """Jobs a worker reported as failed (0.34: `failed_jobs`; absent before)."""
-        meta = getattr(kv_connector_output, "kv_connector_worker_meta", None) if kv_connector_output else None
+        meta = self._worker_meta(kv_connector_output, index)
         return sorted(int(j) for j in (getattr(meta, "failed_jobs", None) or ()))
+
+    def sub_connector_configs(self, vllm_config: Any) -> list[Any] | None:
+        """Under a MultiConnector, each sub-connector's own config as `MultiConnector` builds it (a shallow copy of
+        `vllm_config` with the sub-connector's KVTransferConfig; their extra configs are the very dicts of the
+        `connectors` list, so a key written into one reaches that sub-connector); None for any other connector."""
+        ktc = vllm_config.kv_transfer_config
+        subs = (ktc.kv_connector_extra_config or {}).get("connectors") if ktc is not None else None
+        if ktc is None or ktc.kv_connector != "MultiConnector" or not subs:
+            return None
+        cls = self.cls("config", "KVTransferConfig")
+        configs = []
+        for sub in subs:
+            config = copy.copy(vllm_config)
+            config.kv_transfer_config = cls(**{**sub, "engine_id": sub.get("engine_id", ktc.engine_id)})
+            config.kv_transfer_config.kv_connector_extra_config = sub.setdefault("kv_connector_extra_config", {})
+            configs.append(config)
+        return configs
 
     def kv_layer_specs(self, kv_cache_config: Any) -> dict[str, tuple[int, Any]]:
         """layer name -> (group index, its KV spec), across every KV cache group."""

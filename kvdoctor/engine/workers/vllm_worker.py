@@ -41,22 +41,33 @@ class VllmWorker:
         self.kv_cache_config = api.kv_cache_config_of(scheduler)
         self.in_flight: dict[int, Job] = {}
         self._holds: list[Rule] = []
-        self.control = TransferControl()
-        self.control_id = f"kvdoctor-{next(_IDS)}"
-        CONTROLS[self.control_id] = self.control
-        # The worker's spec reads its extra config when the worker connector is created.
-        extra = self.vllm_config.kv_transfer_config.kv_connector_extra_config
-        extra[CONTROL_KEY] = self.control_id
+        # Under vLLM's MultiConnector (Setup.multi_connector) its worker builds every sub-connector's worker from
+        # the `connectors` list: each OffloadingConnector gets a copy engine of its own, found by its own control
+        # id in its own extra config. The first (index 0) is the one kvdoctor watches: recipe holds, completions,
+        # failures and the toy model's store checks are its; the others' jobs complete as soon as vLLM's worker
+        # asks (they stand for other asynchronous connectors) and move their bytes all the same.
+        subs = api.sub_connector_configs(self.vllm_config)
+        configs = subs if subs is not None else [self.vllm_config]
+        self.controls = [TransferControl() for _ in configs]
+        self.control = self.controls[0]
+        self.control_ids = [f"kvdoctor-{next(_IDS)}" for _ in configs]
+        for control_id, control, config in zip(self.control_ids, self.controls, configs, strict=True):
+            CONTROLS[control_id] = control
+            # The worker's spec reads its extra config when the worker connector is created.
+            config.kv_transfer_config.kv_connector_extra_config[CONTROL_KEY] = control_id
         check_attention_only(api, self.kv_cache_config)  # before vLLM's connector sees the caches
         # The worker's KV tensors hold fingerprints (16 bytes a token slot, one layer a group) where a GPU holds
         # the model's pages; the scheduler plans with the real config and the CPU tier keeps its slot count
-        # (fingerprint.py). With --device cuda, vLLM's own CUDA worker runs over the real pages (GPU memory).
-        self.fingerprint = None if device == "cuda" else fingerprint_plan(api, self.vllm_config, self.kv_cache_config)
+        # (fingerprint.py), each connector its own. With --device cuda, vLLM's own CUDA worker runs over the real
+        # pages (GPU memory).
+        self.fingerprint = None if device == "cuda" else fingerprint_plan(api, configs[0], self.kv_cache_config)
         self.worker_kv_cache_config = self.kv_cache_config
         if self.fingerprint is not None:
             self.fingerprint.refuse_beyond_memory()  # one line, exit 2, before anything is allocated
             self.worker_kv_cache_config = self.fingerprint.config
             self.control.cpu_slots = self.fingerprint.cpu_slots
+            for control, config in zip(self.controls[1:], configs[1:], strict=True):
+                control.cpu_slots = api.offloading_cpu_blocks(config, self.kv_cache_config)
         self.kv_caches = api.allocate_kv_caches(self.worker_kv_cache_config, device, POISON_BYTE,
                                                 api.required_kv_cache_layout(scheduler))
         self.connector = api.create_worker_connector(self.vllm_config, self.worker_kv_cache_config)
@@ -116,6 +127,7 @@ class VllmWorker:
     def run_step(self, output: Any, new_jobs: list[Job], jobs_to_flush: set[int], step: int,
                  sampled: dict[str, list[int]]) -> WorkerStep:
         store_jobs, _ = self.api.store_and_load_jobs(output)  # copy: handle_preemptions pops flushed jobs
+        # (the watched connector's: the first sub-connector's under a MultiConnector)
         for job in new_jobs:
             self.in_flight[job.job_id] = job
             if any(rule.matches(job) for rule in self._holds):
@@ -127,8 +139,8 @@ class VllmWorker:
             spec = getattr(job, "src_spec", None)
             sizes, _ = self.api.gpu_spec_groups(spec, num_groups)
             self.model.expect_store(int(jid), job.req_id, self.api.block_ids_of(spec), sizes)
-        completed = self.api.completed_job_ids(kv_output)
-        failed = self.api.failed_job_ids(kv_output)
+        completed = self.api.completed_job_ids(kv_output, 0)  # the watched connector's (job ids overlap)
+        failed = self.api.failed_job_ids(kv_output, 0)
         for jid in completed + failed:
             self.in_flight.pop(jid, None)
         findings, self.model.findings = self.model.findings, []
@@ -167,18 +179,21 @@ class VllmWorker:
         copies = ("kvdoctor's CPU copy engine (vLLM's copy plan, memmove)" if self.engine is not None
                   else "vLLM's CPUOffloadingWorker (CUDA copies)")
         glue = "ActiveKVConnector" if self._v2 is not None else "KVConnectorModelRunnerMixin"
-        return (f"vLLM worker-role OffloadingConnector via model runner {self.model_runner} ({glue}), "
+        role = ("vLLM worker-role MultiConnector (two OffloadingConnectors, the first watched)"
+                if len(self.controls) > 1 else "vLLM worker-role OffloadingConnector")
+        return (f"{role} via model runner {self.model_runner} ({glue}), "
                 f"KV tensors on {self.device}, transfers by {copies}"
                 + (f"; {self.fingerprint.describe()}" if self.fingerprint is not None else ""))
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # a crashed run may not shut down cleanly
             self.connector.shutdown()
-        CONTROLS.pop(self.control_id, None)
-        # This run's KV tensors (a fingerprint page per block, and the copy engine's CPU tier) go with it: the
-        # next variant allocates its own (kept, three variants of a pool tripled the peak).
-        if self.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
-            self.engine.gpu_tensors, self.engine.cpu_tensors, self.engine.stored = [], [], {}
-        self.control.engine = None
+        for control_id, control in zip(self.control_ids, self.controls, strict=True):
+            CONTROLS.pop(control_id, None)
+            # This run's KV tensors (a fingerprint page per block, and the copy engine's CPU tier) go with it: the
+            # next variant allocates its own (kept, three variants of a pool tripled the peak).
+            if control.engine is not None:  # vLLM's spec keeps its worker: drop the copy engine's tensors themselves
+                control.engine.gpu_tensors, control.engine.cpu_tensors, control.engine.stored = [], [], {}
+            control.engine = None
         self.model.release()
         self.engine = self.kv_caches = self.connector = self._v2 = None
