@@ -172,6 +172,28 @@ def test_k9_a_reader_of_as_chunk_gets_another_answer_where_the_release_has_the_b
 
 # -- at --engine serve (no vLLM: the traffic and the client's reading of an answer) ------------------------
 
+def test_k9s_server_runs_the_multiconnector_with_the_recipes_chunk_counts() -> None:
+    """The served tiny Llama keeps 256 bytes of KV a token (2 layers x K, V x 2 heads x 16 x fp16) where the
+    in-process levels keep 64: the recipe's 4 KiB watched tier is one chunk there and must be one here (measured
+    on 0.26.0: at 4 KiB the served watched connector stored nothing and no client's answer could differ)."""
+    from kvdoctor import app
+    from kvdoctor.engine.tiny_model import tiny_model_dir
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.builtins import resolve
+
+    recipe = resolve("reused-block-unfenced-multiconnector")
+    setup = serve.serve_setup(app.resolve_setup(recipe, worker_fallback=True), recipe)
+    assert setup.worker == "vllm" and serve.answers_unexpressible(recipe, setup) == []
+    model = tiny_model_dir()
+    command = serve.serve_command(serve.served_tiers(setup, model), model, 0)
+    ktc = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector"] == "MultiConnector"
+    watched, second = (c["kv_connector_extra_config"] for c in ktc["kv_connector_extra_config"]["connectors"])
+    served_chunk = 64 * 256
+    assert watched["cpu_bytes_to_use"] // served_chunk == setup.cpu_bytes_to_use // (64 * 64) == 1
+    assert second["cpu_bytes_to_use"] // served_chunk == setup.second_cpu_bytes_to_use // (64 * 64)
+
+
 def test_k4s_traffic_caps_a_at_one_token_and_c_continues_as_as_client_has_it() -> None:
     from kvdoctor import app
     from kvdoctor.levels import serve

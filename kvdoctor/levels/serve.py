@@ -63,6 +63,7 @@ from kvdoctor.matrix.known import FixedIn
 from kvdoctor.observe.failure import Failure, Frame
 from kvdoctor.observe.verdict import ClientAnswers, Outcome, compare_completions, failure_verdict
 from kvdoctor.recipes.compile import compile_recipe
+from kvdoctor.recipes.geometry import cpu_tier_chunks, tier_bytes
 from kvdoctor.recipes.model import Recipe
 from kvdoctor.results import AuditRow, ReproReport, RunResult
 from kvdoctor.steps import kind_of
@@ -167,6 +168,19 @@ def admission_len(setup: Setup) -> int:
     while length > 1 and length > (setup.gpu_blocks - 1) * setup.block_size:
         length //= 2
     return length
+
+
+def served_tiers(setup: Setup, model_dir: str) -> Setup:
+    """The CPU tiers in the served model's bytes: as many chunks as the in-process levels' tiers hold. Those
+    size a chunk by kvdoctor's tiny KV spec (64 bytes a token); the served tiny Llama keeps every layer's K and V
+    (256 bytes a token), so a recipe's one-chunk tier (K9's watched connector: 4 KiB) held no chunk at serve and
+    its connector stored nothing (measured on 0.26.0: no store job of the watched connector in any step)."""
+    if not setup.offloading or setup.model is not None:
+        return setup
+    served = dataclasses.replace(setup, model=model_dir)
+    second = dataclasses.replace(setup, cpu_bytes_to_use=setup.second_cpu_bytes_to_use)
+    return dataclasses.replace(setup, cpu_bytes_to_use=tier_bytes(served, cpu_tier_chunks(setup)),
+                               second_cpu_bytes_to_use=tier_bytes(served, cpu_tier_chunks(second)))
 
 
 def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
@@ -362,8 +376,8 @@ def serve_all(runs: list[Run]) -> list[Served]:
                 while port in ports:
                     port = free_port()
                 ports.add(port)
-                server = Server(serve_command(setup, model, port), serve_env(setup, plan, paced_steps(events)),
-                                str(workdir / "server.log"))
+                server = Server(serve_command(served_tiers(setup, model), model, port),
+                                serve_env(setup, plan, paced_steps(events)), str(workdir / "server.log"))
                 started.append((server, port, workdir))
                 print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
                       f"group when the run ends)", file=sys.stderr, flush=True)
