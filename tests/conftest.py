@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvdoctor.user_cache import keep_bytecode
+
 ROOT = Path(__file__).resolve().parent.parent
 KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 
@@ -22,6 +24,9 @@ KVDOCTOR = [sys.executable, "-m", "kvdoctor"]
 if not os.environ.get("KVDOCTOR_CACHE_DIR"):
     os.environ["KVDOCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvdoctor-test-cache-")
     atexit.register(shutil.rmtree, os.environ["KVDOCTOR_CACHE_DIR"], ignore_errors=True)
+# Compiled bytecode kept there too (`user_cache.keep_bytecode`) where the interpreter writes none: the session's
+# processes (xdist's workers, every `kvdoctor` and `vllm serve` child) compile torch and vLLM once, not each.
+keep_bytecode()
 
 # -- parallel runs (pytest-xdist) ----------------------------------------------------------------------------
 # Each worker imports vLLM (~1 GB) and builds its modules' harnesses; many tests start a `kvdoctor` child that

@@ -210,6 +210,36 @@ def test_cache_command_shows_where_and_how_big_and_clears_only_its_own(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not-kvdoctors.txt"]
 
 
+def _bytecode_kept(tmp_path: Path, **env: str) -> tuple[bool, list[str]]:
+    """A fresh interpreter told to write no bytecode calls `keep_bytecode`, then imports a module of its own:
+    (what keep_bytecode returned, the .pyc files written anywhere under tmp_path)."""
+    source = tmp_path / "src"
+    source.mkdir(exist_ok=True)
+    (source / "kvd_probe_mod.py").write_text("VALUE = 1\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", *UNSET)}
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kvdoctor.user_cache import keep_bytecode; "
+            "kept = keep_bytecode(); import kvd_probe_mod; print(kept)")
+    ran = subprocess.run([sys.executable, "-c", code, str(source)], capture_output=True, text=True, cwd=ROOT,
+                         env={**base, "PYTHONDONTWRITEBYTECODE": "1", "KVDOCTOR_CACHE_DIR": str(tmp_path / "c"),
+                              **env}, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout.strip() == "True", sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.pyc"))
+
+
+def test_bytecode_is_kept_in_kvdoctors_cache_never_beside_the_sources(tmp_path):
+    from kvdoctor.user_cache import vllm_compiled_beside
+
+    if vllm_compiled_beside():
+        pytest.skip("this vLLM's package holds its compiled bytecode: kvdoctor keeps none of its own")
+    kept, written = _bytecode_kept(tmp_path)
+    assert kept and written and all(p.startswith("c/pycache/") and p.endswith("kvd_probe_mod.cpython-"
+                                                                            f"{sys.version_info[0]}"
+                                                                            f"{sys.version_info[1]}.pyc")
+                                    for p in written), written
+    shutil.rmtree(tmp_path / "c")
+    assert _bytecode_kept(tmp_path, KVDOCTOR_BYTECODE_CACHE="0") == (False, [])  # the user's setting stands
+
+
 def test_a_socket_folder_too_long_for_a_socket_path_keeps_vllms_default(tmp_path):
     from kvdoctor.clean_exit import throwaway_paths
 

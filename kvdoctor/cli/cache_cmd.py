@@ -16,7 +16,7 @@ def cache(
                                                         "one more vLLM import).")] = False,
     json_out: opt.Json = False,
 ) -> None:
-    """Show where kvdoctor keeps vLLM's model-info cache between runs, and how big it is.
+    """Show where kvdoctor keeps vLLM's model-info cache (and compiled bytecode) between runs, and how big it is.
 
     The directory is $KVDOCTOR_CACHE_DIR, else $XDG_CACHE_HOME/kvdoctor, else ~/.cache/kvdoctor; never the
     user's ~/.cache/vllm. Nothing else kvdoctor writes outlives a run."""

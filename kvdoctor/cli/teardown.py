@@ -2,7 +2,8 @@
 output is out.
 
 - What is worth keeping is kept in kvdoctor's own cache directory (`kvdoctor.user_cache`: vLLM's
-  model-info cache, without which every run pays a second vLLM import); everything else a run
+  model-info cache, without which every run pays a second vLLM import, and compiled bytecode where
+  the interpreter writes none); everything else a run
   writes goes into one scratch folder removed at exit: torch's and Triton's caches (an empty
   `torchinductor_<user>` otherwise) and the ZMQ sockets of a `vllm serve` child
   (`VLLM_RPC_BASE_PATH`, three zero-byte sockets in $TMPDIR otherwise). These are variables read
@@ -29,7 +30,7 @@ import shutil
 import tempfile
 
 from kvdoctor.clean_exit import TERMINATED_EXIT, raise_on_sigterm, throwaway_paths
-from kvdoctor.user_cache import keep_vllm_cache
+from kvdoctor.user_cache import keep_bytecode, keep_vllm_cache
 
 SCRATCH_ENV = "KVDOCTOR_SCRATCH_DIR"  # set by the process that owns the folder; children reuse it
 
@@ -53,6 +54,7 @@ def redirect_caches() -> str:
         _owned = scratch
         atexit.register(remove_scratch)  # the last handler to run (they run last in, first out)
     keep_vllm_cache()  # first: the model-info cache is kept, in kvdoctor's cache directory
+    keep_bytecode()  # and torch's and vLLM's compiled bytecode, where the interpreter writes none
     throwaway_paths(scratch, os.environ, temp=False)  # kvdoctor's own temp folders are removed by their makers
     return scratch
 

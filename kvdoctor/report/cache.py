@@ -20,4 +20,5 @@ def cache_text(usage: CacheUsage) -> str:
         return f"kvdoctor's cache: {usage.path}: removed ({held})"
     return (f"kvdoctor's cache: {usage.path} ({held})\n"
             f"  vLLM's model-info cache, one folder per vLLM release: a run imports vLLM once\n"
+            f"  pycache/: compiled bytecode of torch and vLLM where Python writes none (PYTHONDONTWRITEBYTECODE)\n"
             f"  clear it: kvdoctor cache --clear; move it: {usage.as_dict()['env']}=DIR")
