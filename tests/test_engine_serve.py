@@ -149,13 +149,14 @@ def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wron
     not_applicable naming the step or setup a server cannot express. K4 (silent): A's client asks for EOS as
     its first token (vllm_xargs), C's client continues A's conversation, and C's completion is compared with
     the same traffic on a second server with offloading off: C differs at token 0 exactly where the
-    scheduler level measured K4, completions equal elsewhere. No server or port is left."""
+    scheduler level measured K4, completions equal elsewhere. K9 (silent): D's completion differs exactly where
+    the scheduler level measured K9. No server or port is left."""
     proc = subprocess.run([*KVDOCTOR, "audit", "--engine", "serve", "--json"], cwd=ROOT, env=serve_env,
                           capture_output=True, text=True, timeout=1500)
     if proc.returncode == 3:
         pytest.skip(f"no usable vLLM here: {proc.stderr.strip()[-300:]}")
     children = [(int(pid), int(port)) for pid, port in PID_LINE.findall(proc.stderr)]
-    assert len(children) >= 6, proc.stderr[-3000:]  # queued-abort, K8, K4 and K11 with offloading on and off
+    assert len(children) >= 8, proc.stderr[-3000:]  # queued-abort, K8, K4, K9 and K11 with offloading on and off
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(_gone(pid) and _port_free(port) for pid, port in children):
         time.sleep(0.5)
@@ -166,8 +167,8 @@ def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wron
         pytest.skip(f"no measured rows for vLLM {doc['vllm_version']}")
     rows = {row["recipe"]: row for row in doc["rows"]}
     played = {name for name, row in rows.items() if row["outcome"] != "not_applicable"}
-    assert {"queued-abort", "final-token-slot-stored", "preempt-reload-same-step",
-            "readmitted-stale-store-cursor"} <= played, sorted(played)
+    assert {"queued-abort", "final-token-slot-stored", "preempt-reload-same-step", "readmitted-stale-store-cursor",
+            "reused-block-unfenced-multiconnector"} <= played, sorted(played)
     for name, row in rows.items():
         if name in played and _loses_hits_only(name):  # K11: no client reads wrong KV, so none is reproduced
             # every request answered by the stand-in from the KV bytes (no unanswered token voids it) and equal
@@ -190,3 +191,11 @@ def test_audit_at_serve_agrees_with_the_scheduler_level_and_k4_is_a_clients_wron
                                           "second server) at token 0: "), answers
     else:
         assert by_request["C"]["got_tokens"] == by_request["C"]["expected_tokens"] == 3, answers
+    # K9 (silent): D reads A's chunk from the watched connector's tier, which holds what the second connector loaded
+    # into A's reused block (vLLM's worker drives the MultiConnector in the server's executor)
+    k9 = rows["reused-block-unfenced-multiconnector"]["answers"]
+    assert k9 is not None and k9["not_compared"] is None, rows["reused-block-unfenced-multiconnector"]
+    k9_by_request = {r["request"]: r for r in k9["requests"]}
+    assert set(k9_by_request) == {"A", "C", "D", "P"}, k9
+    differing = {name for name, r in k9_by_request.items() if r["position"] is not None}
+    assert differing == ({"D"} if measured["reused-block-unfenced-multiconnector"] == "reproduced" else set()), k9
