@@ -185,7 +185,7 @@ def test_k9s_server_runs_the_multiconnector_with_the_recipes_chunk_counts() -> N
     setup = serve.serve_setup(app.resolve_setup(recipe, worker_fallback=True), recipe)
     assert setup.worker == "vllm" and serve.answers_unexpressible(recipe, setup) == []
     model = tiny_model_dir()
-    command = serve.serve_command(serve.served_tiers(setup, model), model, 0)
+    command = serve.serve_command(setup, model, 0)  # its tiers in the served model's bytes (served_tiers)
     ktc = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert ktc["kv_connector"] == "MultiConnector"
     watched, second = (c["kv_connector_extra_config"] for c in ktc["kv_connector_extra_config"]["connectors"])

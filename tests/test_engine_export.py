@@ -85,6 +85,13 @@ def test_the_script_plays_kvdoctors_serve_level(script: str) -> None:
     assert data["aborted"] == ["B"]
     assert "--distributed-executor-backend" not in data["serve_args"] and "--port" not in data["serve_args"]
     assert data["serve_args"][data["serve_args"].index("--num-gpu-blocks-override") + 1] == str(setup.gpu_blocks)
+    # the connector's config as the serve level passes it, its CPU tier in the served model's bytes (served_tiers)
+    from kvdoctor.engine.tiny_model import tiny_model_dir
+
+    command = serve.serve_command(setup, tiny_model_dir(), 0)
+    flag = "--kv-transfer-config"
+    assert json.loads(data["serve_args"][data["serve_args"].index(flag) + 1]) == json.loads(
+        command[command.index(flag) + 1])
     assert data["signature"] == {"exception": "AssertionError", "function": "_build_store_jobs", "invariant": None}
     assert data["reference_args"] is None  # a crash: one server
 

@@ -165,8 +165,11 @@ def register():
 
 def _script_args(setup: Setup) -> list[str]:
     """The serve level's `vllm serve` flags for `setup`, less those the script gives itself."""
-    command = serve.serve_command(setup, "MODEL", 0)
-    args = command[command.index("MODEL") + 1:]
+    from kvdoctor.engine.tiny_model import tiny_model_dir  # the model the script writes: its tiers sized by it
+
+    model = tiny_model_dir()
+    command = serve.serve_command(setup, model, 0)
+    args = command[command.index(model) + 1:]
     for flag in ("--host", "--port", "--distributed-executor-backend"):  # the script gives its own
         at = args.index(flag)
         del args[at:at + 2]

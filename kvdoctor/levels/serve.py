@@ -185,7 +185,9 @@ def served_tiers(setup: Setup, model_dir: str) -> Setup:
 
 def serve_command(setup: Setup, model_dir: str, port: int) -> list[str]:
     """The `vllm serve` command of a setup (offloading off: no --kv-transfer-config; vLLM's worker: kvdoctor's
-    copy-engine spec named in the connector's config, as `--engine core` runs it)."""
+    copy-engine spec named in the connector's config, as `--engine core` runs it), its CPU tiers in the served
+    model's bytes (`served_tiers`). The exported serve script takes its flags from here too."""
+    setup = served_tiers(setup, model_dir)
     kv_flags: list[str] = []
     if setup.offloading:
         served = dataclasses.replace(setup, device=None)
@@ -376,7 +378,7 @@ def serve_all(runs: list[Run]) -> list[Served]:
                 while port in ports:
                     port = free_port()
                 ports.add(port)
-                server = Server(serve_command(served_tiers(setup, model), model, port),
+                server = Server(serve_command(setup, model, port),
                                 serve_env(setup, plan, paced_steps(events)), str(workdir / "server.log"))
                 started.append((server, port, workdir))
                 print(f"kvdoctor: `vllm serve` child PID {server.pid} on 127.0.0.1:{port} (stopped by its process "
