@@ -134,3 +134,27 @@ def test_a_silent_bugs_script_compares_its_clients_answers_with_an_offloading_of
     assert _imports(executor) <= ALLOWED
     defined = {node.name for node in executor.body if isinstance(node, ast.FunctionDef | ast.ClassDef)}
     assert {"StandInExecutor", "StandInKv", "answer_of", "next_key", "spec_block_ids"} <= defined
+
+
+def test_k9s_script_carries_the_executor_plan_and_a_multiconnector() -> None:
+    """K9's script (no server run here): its stand-in plays the serve level's executor plan (A's store held
+    from engine step 1, completed later) under the serve level's MultiConnector --kv-transfer-config. Measured
+    by running the script (docs/engine-levels.md): exit 1 on vLLM 0.26.0 (D differs at token 0: 599 where the
+    reference has 332), 0 on 0.34.0."""
+    from kvdoctor.export.script import serve_recipe_data
+    from kvdoctor.levels import serve
+    from kvdoctor.recipes.builtins import resolve
+    from kvdoctor.resolution import resolve_setup
+
+    recipe = resolve("reused-block-unfenced-multiconnector")
+    setup = resolve_setup(recipe, Overrides(engine="serve"))
+    data = serve_recipe_data(recipe, setup)
+    plan = serve.executor_plan(recipe, serve.serve_setup(setup))
+    assert data["plan"] == plan
+    assert [(e["action"], e["request"], e["kind"]) for e in plan] == [("hold", "A", "store"),
+                                                                      ("complete", None, None)]
+    flag = "--kv-transfer-config"
+    config = json.loads(data["serve_args"][data["serve_args"].index(flag) + 1])
+    assert config["kv_connector"] == "MultiConnector"
+    assert [c["kv_connector"] for c in config["kv_connector_extra_config"]["connectors"]] == ["OffloadingConnector"] * 2
+    assert flag not in data["reference_args"]  # the reference: offloading off, no connector at all

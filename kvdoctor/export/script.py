@@ -184,21 +184,25 @@ def serve_recipe_data(recipe: Recipe, setup: Setup) -> dict:
     reasons = serve.unplayable(recipe, setup, "the serve script")
     if reasons:
         raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: {reasons[0]}")
-    if setup.multi_connector or setup.model is not None or setup.layout is not None:
-        raise UsageError("--export-script --engine serve builds one OffloadingConnector on one full-attention KV "
-                         "cache group (drop --model / [setup] layout / multi_connector)")
+    if setup.model is not None or setup.layout is not None:
+        raise UsageError("--export-script --engine serve builds one full-attention KV cache group (drop --model / "
+                         "[setup] layout)")
     setup = serve.serve_setup(setup)
+    # the executor plan (holds, completions, late EOS) the script's stand-in plays itself (`StandInExecutor`)
     planned = serve.executor_plan(recipe, setup)
-    if planned:
-        raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: its {planned[0]['action']} "
-                         f"at engine step {planned[0]['step']} is played by kvdoctor's executor (its copy engine "
-                         f"holds and fails transfers), which the script's stand-in does not have: run `kvdoctor "
-                         f"repro {recipe.name} --engine serve`")
-    events = [dataclasses.asdict(event) for event in serve.plan_traffic(recipe, setup)]
+    failing = [entry for entry in planned if entry["action"] not in ("hold", "complete", "eos")]
+    if failing:
+        raise UsageError(f"--export-script --engine serve: cannot export {recipe.name}: its {failing[0]['action']} "
+                         f"at engine step {failing[0]['step']} fails a transfer, which the script's stand-in "
+                         f"executor cannot (it holds and completes transfers only): run `kvdoctor repro "
+                         f"{recipe.name} --engine serve`")
+    traffic = serve.plan_traffic(recipe, setup)
+    events = [dataclasses.asdict(event) for event in traffic]
     silent = bool(recipe.signature.invariant)
     return {"name": recipe.name, "serve_args": _script_args(setup), "events": events,
             "aborted": [e["request"] for e in events if e["kind"] == "abort"],
             "step_seconds": serve.STEP_SECONDS, "admission_len": serve.admission_len(setup),
+            "plan": planned, "pace_steps": serve.paced_steps(traffic),
             "signature": {"exception": recipe.signature.exception, "function": recipe.signature.function,
                           "invariant": recipe.signature.invariant},
             # a silent bug: its clients' answers against the same traffic's on a server with offloading off

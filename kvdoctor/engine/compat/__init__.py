@@ -341,10 +341,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
     def connector_metadatas(scheduler_output: Any) -> tuple[Any, ...]:
         """The connector metadata of a step, one per (sub-)connector (a MultiConnector's in order)."""
         meta = getattr(scheduler_output, "kv_connector_metadata", None)
-        if meta is None:
-            return ()
-        inner = getattr(meta, "metadata", None)
-        return tuple(inner) if isinstance(inner, tuple) else (meta,)
+        return () if meta is None else portable.sub_connector_metadatas(meta)
 
     def pd_standin_output(self, finished_recving: set[str], failed: set[str], invalid_block_ids: set[int]) -> Any:
         """The `KVConnectorOutput` of kvdoctor's NIXL stand-in (Setup.pd_decode) for one step, its failed loads
@@ -360,9 +357,8 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
 
     def multi_connector_output(self, outputs: list[Any]) -> Any:
         """One KVConnectorOutput from each sub-connector's, as a MultiConnector worker reports it."""
-        multi = self.cls("multi_connector", "MultiKVConnectorWorkerMetadata")
         first = outputs[0]
-        first.kv_connector_worker_meta = multi(metadata=tuple(o.kv_connector_worker_meta for o in outputs))
+        first.kv_connector_worker_meta = portable.multi_worker_metadata([o.kv_connector_worker_meta for o in outputs])
         for other in outputs[1:]:
             for name in ("finished_recving", "failed_recving", "invalid_block_ids"):
                 extra = getattr(other, name, None)

@@ -79,3 +79,18 @@ def spec_block_ids(spec: Any) -> list[int]:
     """Block ids of a Load/StoreSpec (GPU block ids, or the CPU tier's chunk ids; a numpy array in vLLM)."""
     ids = getattr(spec, "block_ids", None)
     return [int(b) for b in ids] if ids is not None else []
+
+
+def sub_connector_metadatas(connector_metadata: Any) -> tuple[Any, ...]:
+    """A step's connector metadata, one per (sub-)connector: a MultiConnector's `MultiKVConnectorMetadata`
+    holds its sub-connectors' in order (`metadata`, a tuple); any other connector's is its own."""
+    inner = getattr(connector_metadata, "metadata", None)
+    return tuple(inner) if isinstance(inner, tuple) else (connector_metadata,)
+
+
+def multi_worker_metadata(parts: list[Any]) -> Any:
+    """The worker metadata a MultiConnector worker reports: its sub-connectors' in order
+    (`MultiKVConnectorWorkerMetadata.metadata`, which the scheduler's MultiConnector hands back to each)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
+
+    return MultiKVConnectorWorkerMetadata(metadata=tuple(parts))

@@ -17,8 +17,6 @@ embeds too); each scheduler output goes to a *worker side*:
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +25,6 @@ from kvdoctor.engine.core.names import ADMISSION_ENV, PACE_STEPS_ENV, PLAN_ENV, 
 from kvdoctor.engine.core.names import EXECUTOR_QUALNAME as QUALNAME
 from kvdoctor.engine.core.served_side import ServedSide
 from kvdoctor.engine.core.standin_executor import StandInExecutor
-from kvdoctor.engine.step_loop import EOS_TOKEN
 
 __all__ = ["ADMISSION_ENV", "HANDOFFS", "QUALNAME", "STEP_SECONDS_ENV", "Handoff", "KvdoctorExecutor"]
 
@@ -53,6 +50,7 @@ class KvdoctorExecutor(StandInExecutor):
     STEP_SECONDS_ENV = STEP_SECONDS_ENV
     PACE_STEPS_ENV = PACE_STEPS_ENV
     ADMISSION_ENV = ADMISSION_ENV
+    PLAN_ENV = PLAN_ENV  # serve: the recipe's steps this executor plays itself (levels/serve.executor_plan)
     NO_MEMORY_REASON = "kvdoctor's executor measures no device memory"
 
     def _init_executor(self) -> None:
@@ -62,9 +60,8 @@ class KvdoctorExecutor(StandInExecutor):
             self.admission_len = self.handoff.admission_len
         self.kv_cache_config: Any = None
         self.served: ServedSide | None = None  # serve: the executor's own worker side
-        # serve: the recipe's steps this executor plays itself, by engine step (levels/serve.executor_plan)
-        self.plan: list[dict[str, Any]] = json.loads(os.environ.get(PLAN_ENV) or "[]") if self.handoff is None else []
-        self.eos_at = {entry["tag"]: int(entry["step"]) for entry in self.plan if entry["action"] == "eos"}
+        if self.handoff is not None:  # in-process: the harness plays the recipe's steps, not a plan
+            self.plan, self.eos_at = [], {}
 
     def attach(self, step: Callable[[Any], Any]) -> None:
         if self.handoff is None:
@@ -93,16 +90,6 @@ class KvdoctorExecutor(StandInExecutor):
             raise RuntimeError("kvdoctor's executor ran a step before a worker side was attached")
         self.served.admit(scheduler_output)
         return super().step_output(scheduler_output)
-
-    def choose_token(self, req_id: str) -> int:
-        """The stand-in's choice, or EOS where the plan finishes the request at this engine step or before
-        (a `finish` after the request ran: the client cannot send it with the request)."""
-        token = super().choose_token(req_id)
-        for tag, step in list(self.eos_at.items()):
-            if tag in req_id and self.steps >= step:
-                del self.eos_at[tag]
-                return EOS_TOKEN
-        return token
 
     def transfers(self, scheduler_output: Any, sampled: dict[str, list[int]]) -> Any:
         assert self.served is not None

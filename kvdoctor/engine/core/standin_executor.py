@@ -13,7 +13,10 @@ ways, so the two can never drift apart:
 
 Standing alone it runs no model: one decode token is sampled per request that finished its prefill
 (EOS only where the client's `vllm_xargs` asked for it, else requests end at max_tokens), and every
-KV transfer the OffloadingConnector issues completes on the step it is issued. With `KV_ANSWERS_ENV=1`
+KV transfer the OffloadingConnector issues completes on the step it is issued, except those the recipe's
+executor plan (`PLAN_ENV`, `levels/serve.executor_plan`) holds: the watched (first) connector's jobs stay in
+flight, uncopied, until the plan completes them or the scheduler flushes them (a MultiConnector's
+sub-connectors each report their own jobs, `transfers`). With `KV_ANSWERS_ENV=1`
 (an exported script's silent recipe) it keeps KV as the toy model does, one 64-bit key a slot
 (`StandInKv`): each step writes its scheduled tokens' keys, the connector's loads and stores copy slots
 between the blocks and the CPU tier's chunks their jobs name, and each sampled token is the stand-in
@@ -47,9 +50,11 @@ from kvdoctor.engine.answer_key import POISON_WORD, answer_of, next_key, words_b
 # The adapter's vLLM-only reads and feature probes; an export copies their one definition in here.
 from kvdoctor.engine.compat.portable import (
     default_kv_cache_layouts,
+    multi_worker_metadata,
     resumed_req_ids,
     runner_output_takes_req_id_to_index,
     spec_block_ids,
+    sub_connector_metadatas,
 )
 
 logger = init_logger("vllm.kvrepro.executor")  # under "vllm": the server's own log handler
@@ -79,6 +84,9 @@ class StandInExecutor(Executor):
     PACE_STEPS_ENV = "KVREPRO_PACE_STEPS"
     ADMISSION_ENV = "KVREPRO_ADMISSION_LEN"  # the max_model_len of the start-up admission check
     KV_ANSWERS_ENV = "KVREPRO_KV_ANSWERS"  # "1": keep KV keys and answer from them (`StandInKv`)
+    # the recipe's executor plan (JSON, `levels/serve.executor_plan`): holds and completions of the watched
+    # connector's transfers and late EOS, by engine step, each naming its request by the tag in its request id
+    PLAN_ENV = "KVREPRO_PLAN"
     NO_MEMORY_REASON = "the stand-in executor measures no device memory"
 
     @classmethod
@@ -98,12 +106,23 @@ class StandInExecutor(Executor):
         self.num_sampled: dict[str, int] = {}
         self.steps = 0
         self.asleep: set[str] = set()  # sleep mode: what a GPU worker would have released ("weights", "kv_cache")
+        self.plan: list[dict[str, Any]] = json.loads(os.environ.get(self.PLAN_ENV) or "[]")
+        self.eos_at = {entry["tag"]: int(entry["step"]) for entry in self.plan if entry["action"] == "eos"}
+        # the stand-in's own transfer steps (kvdoctor's executor plays them on its worker instead)
+        self.due = sorted((e for e in self.plan if e["action"] in ("hold", "complete")), key=lambda e: int(e["step"]))
+        self.holds: list[tuple[str | None, str | None]] = []  # (request tag, kind): None matches any
+        self.held: dict[int, tuple[str, Any]] = {}  # the watched connector's held jobs: id -> (kind, job)
+        self.released: list[int] = []  # held jobs completing in this step (a completion or a flush)
         self.kv: StandInKv | None = None
         transfer = self.vllm_config.kv_transfer_config
         if os.environ.get(self.KV_ANSWERS_ENV) == "1":
             block_size = int(self.vllm_config.cache_config.block_size)
             extra = dict(getattr(transfer, "kv_connector_extra_config", None) or {}) if transfer else {}
-            self.kv = StandInKv(block_size, max(1, int(extra.get("block_size", block_size)) // block_size))
+            configs = [dict(c.get("kv_connector_extra_config") or {}) for c in extra.get("connectors") or ()]
+            if getattr(transfer, "kv_connector", None) != "MultiConnector" or not configs:
+                configs = [extra]  # one connector (or none: the reference)
+            self.kv = StandInKv(block_size, [max(1, int(c.get("block_size", block_size)) // block_size)
+                                             for c in configs])
 
     # -- start-up ---------------------------------------------------------------------------
     def get_kv_cache_specs(self) -> list[dict[str, Any]]:
@@ -236,8 +255,6 @@ class StandInExecutor(Executor):
         for req_id in so.finished_req_ids or ():
             for table in (self.num_tokens, self.eos_after, self.num_sampled):
                 table.pop(req_id, None)
-        if self.kv is not None:
-            self.kv.step(so, sampled)
         kv_output = self.transfers(so, sampled)
         logger.info("%s %d: %s", STEP_LOG_PREFIX, self.steps, json.dumps({
             "scheduled": dict(so.num_scheduled_tokens), "finished": sorted(so.finished_req_ids or ())}))
@@ -249,54 +266,114 @@ class StandInExecutor(Executor):
 
     def choose_token(self, req_id: str) -> int:
         """The token a request samples once its prefill is done: EOS where its client asked for it
-        (`EOS_AFTER_ARG`), else DECODE_TOKEN (kvdoctor's executor replaces it by the stand-in model's answer
-        in `transfers`)."""
+        (`EOS_AFTER_ARG`) or where the plan finishes it at this engine step or before (a `finish` after the
+        request ran: the client cannot send it with the request), else DECODE_TOKEN (kvdoctor's executor
+        replaces it by the stand-in model's answer in `transfers`)."""
         count = self.num_sampled.get(req_id, 0)
         self.num_sampled[req_id] = count + 1
+        for tag, step in list(self.eos_at.items()):  # the plan's late finish: EOS from its engine step on
+            if tag in req_id and self.steps >= step:
+                del self.eos_at[tag]
+                return EOS_TOKEN
         return EOS_TOKEN if self.eos_after.get(req_id) == count else DECODE_TOKEN
 
     def transfers(self, so: Any, sampled: dict[str, list[int]]) -> Any:
-        """What the worker-role OffloadingConnector reports when every transfer finishes at once."""
+        """What the worker-role connector reports (a MultiConnector's: one report per sub-connector): every
+        transfer completes on the step it is issued, except the watched (first) connector's jobs the plan
+        holds, which complete, and are copied, only when the plan completes them or the scheduler flushes
+        them (`jobs_to_flush`). With `StandInKv` the step's copies and forward run here, in that order."""
         meta = getattr(so, "kv_connector_metadata", None)
         if meta is None:
+            if self.kv is not None:
+                self.kv.step(so, sampled, [], [])
             return None
-        store_jobs = dict(getattr(meta, "store_jobs", None) or {})
-        load_jobs = dict(getattr(meta, "load_jobs", None) or {})
-        worker_meta = OffloadingWorkerMetadata()
-        for job_id in list(store_jobs) + list(load_jobs):
-            worker_meta.mark_completed(job_id)
-        finished_recving = {job.req_id for job in load_jobs.values()}
+        self.play_plan()
+        subs = sub_connector_metadatas(meta)
+        completed: list[list[int]] = [[] for _ in subs]
+        before: list[tuple[int, str, Any]] = []  # copies before the forward: released jobs, then new loads
+        after: list[tuple[int, str, Any]] = []  # the step's new stores, after the forward
+        finished_recving: set[str] = set()
+        self.released.extend(jid for jid in getattr(subs[0], "jobs_to_flush", None) or () if jid in self.held)
+        for jid in dict.fromkeys(self.released):
+            kind, job = self.held.pop(jid)
+            completed[0].append(jid)
+            before.append((0, kind, job))
+            if kind == "load":
+                finished_recving.add(job.req_id)
+        self.released = []
+        for index, sub in enumerate(subs):
+            for kind in ("load", "store"):
+                for jid, job in dict(getattr(sub, f"{kind}_jobs", None) or {}).items():
+                    if index == 0 and self.is_held(kind, job.req_id):
+                        self.held[jid] = (kind, job)
+                        continue
+                    completed[index].append(jid)
+                    (before if kind == "load" else after).append((index, kind, job))
+                    if kind == "load":
+                        finished_recving.add(job.req_id)
+        if self.kv is not None:
+            self.kv.step(so, sampled, before, after)
+        parts = []
+        for jobs in completed:
+            part = OffloadingWorkerMetadata()
+            for jid in jobs:
+                part.mark_completed(jid)
+            parts.append(part)
+        worker_meta = parts[0] if len(subs) == 1 and subs[0] is meta else multi_worker_metadata(parts)
         return KVConnectorOutput(finished_recving=finished_recving or None, kv_connector_worker_meta=worker_meta)
+
+    def play_plan(self) -> None:
+        """The plan's transfer steps due by this engine step, in order, as kvdoctor's worker plays them
+        (`worker.SimulatedWorker`: a hold applies to jobs issued after it; a completion releases the matching
+        held jobs and ends the hold)."""
+        while self.due and int(self.due[0]["step"]) <= self.steps:
+            entry = self.due.pop(0)
+            rule = (entry.get("tag"), entry.get("kind"))
+            if entry["action"] == "hold":
+                self.holds.append(rule)
+                continue
+            self.holds = [h for h in self.holds if not self.covers(rule, *h)]
+            self.released.extend(jid for jid, (kind, job) in self.held.items() if self.covers(rule, job.req_id, kind))
+
+    @staticmethod
+    def covers(rule: tuple[str | None, str | None], req_id: str | None, kind: str | None) -> bool:
+        """Whether a (request tag, kind) rule names this request id and kind (None: any)."""
+        tag, wanted = rule
+        return (tag is None or (req_id is not None and tag in req_id)) and (wanted is None or wanted == kind)
+
+    def is_held(self, kind: str, req_id: str) -> bool:
+        return any(self.covers(rule, req_id, kind) for rule in self.holds)
 
 
 class StandInKv:
     """KV as the toy model keeps it, without tensors: one 64-bit key a slot (the key of its token prefix,
-    `answer_key.next_key`), in `block_size`-slot blocks and the CPU tier's chunks of `blocks_per_chunk`
-    blocks. A slot never written holds POISON_WORD. Loads copy chunks into the blocks their job names before
-    the step's forward, the forward writes its scheduled tokens' keys, a sampled token is the stand-in's
-    answer from the slots the request's last position reads, stores copy blocks into chunks after it."""
+    `answer_key.next_key`), in `block_size`-slot blocks and each connector's CPU tier (a MultiConnector's
+    sub-connectors each their own) of chunks of `blocks_per_chunk[tier]` blocks. A slot never written holds
+    POISON_WORD. The copies the executor gives `step` run before the step's forward (loads, and held jobs
+    released late: a held store reads its blocks when it completes), the forward writes its scheduled tokens'
+    keys, a sampled token is the stand-in's answer from the slots the request's last position reads, the
+    step's new stores copy blocks into chunks after it."""
 
-    def __init__(self, block_size: int, blocks_per_chunk: int) -> None:
+    def __init__(self, block_size: int, blocks_per_chunk: list[int]) -> None:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.blocks: dict[int, list[int]] = {}  # GPU block -> its slots' keys
-        self.chunks: dict[tuple[int, int], list[int]] = {}  # (CPU chunk, block in it) -> its slots' keys
+        self.chunks: dict[tuple[int, int, int], list[int]] = {}  # (tier, CPU chunk, block in it) -> slots' keys
         self.tokens: dict[str, list[int]] = {}
         self.keys: dict[str, list[int]] = {}  # each request's prefix keys, from its tokens (what right KV holds)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
 
-    def step(self, so: Any, sampled: dict[str, list[int]]) -> None:
+    def step(self, so: Any, sampled: dict[str, list[int]], before: list[tuple[int, str, Any]],
+             after: list[tuple[int, str, Any]]) -> None:
+        """One engine step: `before` copies, the forward, `after` copies (each (tier, "load" | "store", job))."""
         self.admit(so)
-        meta = getattr(so, "kv_connector_metadata", None)
-        for job in dict(getattr(meta, "load_jobs", None) or {}).values():
-            for block, chunk in self.pairs(spec_block_ids(job.dst_spec), spec_block_ids(job.src_spec)):
-                self.blocks[block] = list(self.chunks.get(chunk) or [POISON_WORD] * self.block_size)
+        for tier, kind, job in before:
+            self.copy(tier, kind, job)
         for req_id, count in so.num_scheduled_tokens.items():
             self.forward(req_id, int(count), sampled.get(req_id))
-        for job in dict(getattr(meta, "store_jobs", None) or {}).values():
-            for block, chunk in self.pairs(spec_block_ids(job.src_spec), spec_block_ids(job.dst_spec)):
-                self.chunks[chunk] = list(self.blocks.get(block) or [POISON_WORD] * self.block_size)
+        for tier, kind, job in after:
+            self.copy(tier, kind, job)
         for req_id in so.finished_req_ids or ():
             for table in (self.tokens, self.keys, self.tables, self.computed):
                 table.pop(req_id, None)
@@ -320,10 +397,21 @@ class StandInKv:
                 self.tables.setdefault(req_id, []).extend(new_ids[0])
             self.computed[req_id] = int(cached.num_computed_tokens[i])
 
-    def pairs(self, blocks: list[int], chunks: list[int]) -> list[tuple[int, tuple[int, int]]]:
-        """(GPU block, (CPU chunk, block in it)) of one job; a job of fewer blocks than its chunks hold
+    def copy(self, tier: int, kind: str, job: Any) -> None:
+        """One job's copy: a load from `tier`'s chunks into GPU blocks, a store from GPU blocks into them."""
+        empty = [POISON_WORD] * self.block_size
+        if kind == "load":
+            for block, chunk in self.pairs(tier, spec_block_ids(job.dst_spec), spec_block_ids(job.src_spec)):
+                self.blocks[block] = list(self.chunks.get(chunk) or empty)
+        else:
+            for block, chunk in self.pairs(tier, spec_block_ids(job.src_spec), spec_block_ids(job.dst_spec)):
+                self.chunks[chunk] = list(self.blocks.get(block) or empty)
+
+    def pairs(self, tier: int, blocks: list[int], chunks: list[int]) -> list[tuple[int, tuple[int, int, int]]]:
+        """(GPU block, (tier, CPU chunk, block in it)) of one job; a job of fewer blocks than its chunks hold
         covers the last ones (the first chunk's leading blocks are already on the GPU)."""
-        subs = [(chunk, j) for chunk in chunks for j in range(self.blocks_per_chunk)]
+        per_chunk = self.blocks_per_chunk[min(tier, len(self.blocks_per_chunk) - 1)]
+        subs = [(tier, chunk, j) for chunk in chunks for j in range(per_chunk)]
         return list(zip(blocks, subs[len(subs) - len(blocks):] if len(blocks) <= len(subs) else subs, strict=False))
 
     def forward(self, req_id: str, count: int, out: list[int] | None) -> None:
