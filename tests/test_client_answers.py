@@ -226,9 +226,8 @@ def test_a_late_finish_is_the_executors_plan_for_a_silent_recipe_and_not_applica
 
 def test_k11s_transfer_hold_and_late_finish_are_the_served_executors_plan_by_engine_step() -> None:
     """K11 at serve: B's stores held from its arrival (engine step 4, after three), A's EOS at engine step 148
-    (3 + 3 + 1 + 140 steps before it); the exported script (no copy engine) refuses it, naming the step."""
+    (3 + 3 + 1 + 140 steps before it); the exported script carries that plan (its stand-in executor plays it)."""
     from kvdoctor import app
-    from kvdoctor.errors import UsageError
     from kvdoctor.export.script import serve_recipe_data
     from kvdoctor.levels import serve
     from kvdoctor.recipes.builtins import resolve
@@ -236,11 +235,10 @@ def test_k11s_transfer_hold_and_late_finish_are_the_served_executors_plan_by_eng
     recipe = resolve("readmitted-stale-store-cursor")
     setup = serve.serve_setup(app.resolve_setup(recipe, worker_fallback=True), recipe)
     assert serve.unplayable(recipe, setup, "the client") == []
-    assert serve.executor_plan(recipe, setup) == [
-        {"step": 4, "action": "hold", "request": "B", "tag": "kvdoctor-B-r", "kind": "store"},
-        {"step": 148, "action": "eos", "request": "A", "tag": "kvdoctor-A-r", "kind": None}]
-    with pytest.raises(UsageError, match="its hold at engine step 4 is played by kvdoctor's executor"):
-        serve_recipe_data(recipe, setup)
+    plan = [{"step": 4, "action": "hold", "request": "B", "tag": "kvdoctor-B-r", "kind": "store"},
+            {"step": 148, "action": "eos", "request": "A", "tag": "kvdoctor-A-r", "kind": None}]
+    assert serve.executor_plan(recipe, setup) == plan
+    assert serve_recipe_data(recipe, app.resolve_setup(recipe, worker_fallback=True))["plan"] == plan
 
 
 def test_the_client_reads_its_prefix_hits_from_the_usage() -> None:
