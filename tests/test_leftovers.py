@@ -198,7 +198,7 @@ def test_cache_command_shows_where_and_how_big_and_clears_only_its_own(tmp_path)
     entry.mkdir(parents=True)
     (entry / "x.json").write_text("{}" * 50)
     (tmp_path / "not-kvdoctors.txt").write_text("keep me")
-    env = {"KVDOCTOR_CACHE_DIR": str(tmp_path)}
+    env = {"KVDOCTOR_CACHE_DIR": str(tmp_path), "KVDOCTOR_BYTECODE_CACHE": "0"}  # only the model-info entry
     shown = invoke("cache", env=env)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.splitlines()[0] == f"kvdoctor's cache: {tmp_path} (1 file, 100 bytes)"

@@ -137,7 +137,8 @@ def test_registry_errors_are_named():
 
 
 def test_cli_bad_release_is_exit_2_before_any_environment(tmp_path):
-    proc = run_cli("matrix", "queued-abort", "--vllm", "0.25.0", env={"KVDOCTOR_CACHE_DIR": str(tmp_path)})
+    proc = run_cli("matrix", "queued-abort", "--vllm", "0.25.0",
+                   env={"KVDOCTOR_CACHE_DIR": str(tmp_path), "KVDOCTOR_BYTECODE_CACHE": "0"})  # environments only
     assert proc.returncode == ExitStatus.USAGE
     assert proc.stderr.strip().count("\n") == 0 and "outside kvdoctor's supported range" in proc.stderr
     assert not any(tmp_path.iterdir())
@@ -151,7 +152,7 @@ def test_cli_bad_release_is_exit_2_before_any_environment(tmp_path):
     (("--audit", "--report", "/no/such/dir/r.md"), "no such directory"),
 ])
 def test_cli_usage_errors(tmp_path, args, words):
-    proc = run_cli("matrix", *args, env={"KVDOCTOR_CACHE_DIR": str(tmp_path)})
+    proc = run_cli("matrix", *args, env={"KVDOCTOR_CACHE_DIR": str(tmp_path), "KVDOCTOR_BYTECODE_CACHE": "0"})
     assert proc.returncode == ExitStatus.USAGE, proc.stderr
     assert words in proc.stderr and proc.stderr.strip().count("\n") == 0
 
