@@ -293,8 +293,9 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
                              f"{', '.join(absent)}")
         values = {"kv_role": "kv_both", **fields}
         connector = "OffloadingConnector"
+        from kvdoctor.engine.connector_config import MULTI_CONNECTOR, multi_offloading_extra_config
+
         if second_extra_config is not None:  # MultiConnector: the watched connector first, then the other
-            from kvdoctor.engine.connector_config import MULTI_CONNECTOR, multi_offloading_extra_config
 
             extra_config = multi_offloading_extra_config(extra_config, second_extra_config, values["kv_role"])
             connector = MULTI_CONNECTOR
@@ -305,7 +306,7 @@ class VllmApi(WorkerGlue, SpeculativeGlue, EngineGlue, KvEventsGlue):
             extra_config = {"connectors": [
                 {"kv_connector": STANDIN_NAME, "kv_connector_module_path": STANDIN_MODULE, "kv_role": role},
                 {"kv_connector": "OffloadingConnector", "kv_role": role, "kv_connector_extra_config": extra_config}]}
-            connector = "MultiConnector"
+            connector = MULTI_CONNECTOR
         try:
             return cls(kv_connector=connector, kv_connector_extra_config=extra_config, **values)
         except (ValueError, TypeError) as exc:

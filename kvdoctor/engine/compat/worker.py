@@ -231,9 +231,11 @@ class WorkerGlue(AdapterBase):
         """Under a MultiConnector, each sub-connector's own config as `MultiConnector` builds it (a shallow copy of
         `vllm_config` with the sub-connector's KVTransferConfig; their extra configs are the very dicts of the
         `connectors` list, so a key written into one reaches that sub-connector); None for any other connector."""
+        from kvdoctor.engine.connector_config import MULTI_CONNECTOR
+
         ktc = vllm_config.kv_transfer_config
         subs = (ktc.kv_connector_extra_config or {}).get("connectors") if ktc is not None else None
-        if ktc is None or ktc.kv_connector != "MultiConnector" or not subs:
+        if ktc is None or ktc.kv_connector != MULTI_CONNECTOR or not subs:
             return None
         cls = self.cls("config", "KVTransferConfig")
         configs = []
